@@ -1,0 +1,1 @@
+"""Prefix affinity: block hashing, the shared prefix map, placement."""

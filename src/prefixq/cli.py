@@ -1,0 +1,239 @@
+"""The ``prefixq`` command. Exit codes: 0 ok, 1 failure, 2 usage or configuration error.
+
+Every `Settings` field is a flag on every subcommand (``--redis-url``, ``--max-inflight`` ...) and
+an environment variable (``REDIS_URL``, ``PREFIXQ_MAX_INFLIGHT`` ...); flags win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from collections.abc import Iterator, Sequence
+from typing import get_type_hints
+
+from prefixq.errors import ConfigError, PrefixqError, SetupError, ValidationError
+from prefixq.records import Request
+from prefixq.settings import Settings
+
+log = logging.getLogger("prefixq")
+
+
+def _settings_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("settings (each also an env var: REDIS_URL, PREFIXQ_<NAME>)")
+    hints = get_type_hints(Settings)
+    for f in dataclasses.fields(Settings):
+        flag = "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        if kind is bool:
+            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            g.add_argument(flag, dest=f.name, type=kind, default=None, metavar=f.name.upper())
+    g.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default per command)")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _settings_parser()
+    p = argparse.ArgumentParser(prog="prefixq", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    d = sub.add_parser("demo", parents=[common], help="the main job on the embedded model")
+    d.add_argument("--model", default="", help="HF folder (default: embedded SmolLM2-135M)")
+    d.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE")
+    d.add_argument("--max-tokens", type=int, default=48)
+
+    w = sub.add_parser("worker", parents=[common], help="serve one shard on one GPU or the CPU")
+    w.add_argument("--shard", type=int, required=True)
+    w.add_argument("--gpu", default=None, help="GPU index (sets CUDA_VISIBLE_DEVICES); none=CPU")
+    w.add_argument("--model", default="", help="HF folder or name (default: embedded model)")
+    w.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an AsyncEngineArgs field, repeatable (e.g. max_model_len=8192)",
+    )
+    w.add_argument("--name", default="", help="consumer name (default: host-shard-gpu)")
+
+    ws = sub.add_parser("workers", parents=[common], help="one supervised worker per GPU")
+    grp = ws.add_mutually_exclusive_group(required=True)
+    grp.add_argument("--gpus", help="comma-separated GPU indexes: shard i runs on the i-th")
+    grp.add_argument("--cpu", type=int, metavar="N", help="N CPU workers (shards 0..N-1)")
+    ws.add_argument("--model", default="")
+    ws.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE")
+
+    s = sub.add_parser("submit", parents=[common], help="enqueue a burst from a JSONL file")
+    s.add_argument("file", help="JSONL: plain lines or OpenAI batch lines ('-' = stdin)")
+    s.add_argument("--wait", action="store_true", help="wait with a progress bar")
+    s.add_argument("--out", help="with --wait: write results here (JSONL, input order)")
+    s.add_argument("--timeout", type=float, default=None, help="with --wait: give up after S s")
+    s.add_argument("--burst-id", default=None)
+    s.add_argument("--token-ids", action="store_true", help="include output token ids")
+
+    r = sub.add_parser("results", parents=[common], help="write a burst's results (JSONL)")
+    r.add_argument("burst")
+    r.add_argument("--out", help="file (default: stdout)")
+    r.add_argument("--timeout", type=float, default=None, help="wait at most S s for results")
+    r.add_argument("--token-ids", action="store_true")
+
+    i = sub.add_parser("inspect", parents=[common], help="queues, workers and burst latency")
+    i.add_argument("--burst", default=None)
+    i.add_argument("--json", action="store_true")
+    i.add_argument("--recent", type=int, default=5, help="bursts to show (default 5)")
+    return p
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    names = {f.name for f in dataclasses.fields(Settings)}
+    return Settings.from_env(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def read_requests(path: str) -> list[Request]:
+    """Requests from a JSONL file; the error names the first bad line."""
+    f = sys.stdin if path == "-" else open(path, encoding="utf-8")  # noqa: SIM115
+    out: list[Request] = []
+    with f:
+        for n, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValidationError(f"{path}: line {n + 1} is not JSON: {e.msg}") from None
+            out.append(Request.from_json(obj, index=n))
+    return out
+
+
+def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
+    from prefixq.consumers.run import run_worker
+    from prefixq.consumers.vllm_engine import parse_engine_args
+    from prefixq.model import default_cache_dir, resolve_model
+
+    model = resolve_model(args.model, default_cache_dir(settings.cache_dir))
+    return run_worker(
+        settings,
+        args.shard,
+        model,
+        gpu=args.gpu,
+        engine_args=parse_engine_args(args.engine_arg),
+        name=args.name,
+    )
+
+
+def cmd_workers(args: argparse.Namespace, settings: Settings, argv: Sequence[str]) -> int:
+    from prefixq.consumers.run import supervise
+
+    gpus: list[str | None] = (
+        [g.strip() for g in args.gpus.split(",") if g.strip()] if args.gpus else [None] * args.cpu
+    )
+    if not gpus:
+        raise ConfigError("--gpus needs at least one GPU index")
+    if settings.shards and settings.shards != len(gpus):
+        raise ConfigError(f"--shards {settings.shards} but {len(gpus)} workers")
+    passthrough = _strip_options(argv, {"--gpus", "--cpu", "--shards"})
+    return supervise([*passthrough, "--shards", str(len(gpus))], gpus)
+
+
+def _strip_options(argv: Sequence[str], drop: set[str]) -> list[str]:
+    out: list[str] = []
+    it: Iterator[str] = iter(argv[1:])  # argv[0] is the subcommand
+    for a in it:
+        name = a.split("=", 1)[0]
+        if name in drop:
+            if "=" not in a:
+                next(it, None)
+            continue
+        out.append(a)
+    return out
+
+
+def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
+    from prefixq import results
+    from prefixq.producer import Producer
+    from prefixq.progress import BurstProgress, EnqueueProgress
+
+    reqs = read_requests(args.file)
+    with EnqueueProgress(len(reqs)) as bar:
+        burst = Producer(settings).submit(reqs, burst_id=args.burst_id, progress=bar.update)
+    print(f"submitted {len(reqs)} requests as burst {burst}", file=sys.stderr)
+    if args.wait:
+        with BurstProgress(burst) as bar:
+            st = results.wait(burst, settings, timeout=args.timeout, progress=bar.update)
+        if args.out:
+            n = results.write_jsonl(burst, args.out, settings, token_ids=args.token_ids)
+            print(f"wrote {n} results to {args.out}", file=sys.stderr)
+        print(f"{st.done} done, {st.failed} failed", file=sys.stderr)
+    print(burst)
+    return 0
+
+
+def cmd_results(args: argparse.Namespace, settings: Settings) -> int:
+    from prefixq import results
+
+    out = args.out or sys.stdout
+    n = results.write_jsonl(
+        args.burst, out, settings, timeout=args.timeout, token_ids=args.token_ids
+    )
+    if args.out:
+        print(f"wrote {n} results to {args.out}", file=sys.stderr)
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace, settings: Settings) -> int:
+    from prefixq.inspect import snapshot
+    from prefixq.progress import render_snapshot
+
+    snap = snapshot(settings, burst=args.burst, recent=args.recent)
+    if args.json:
+        print(json.dumps(snap, indent=2))
+    else:
+        render_snapshot(snap)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    default_level = "INFO" if args.command in ("worker", "workers", "demo") else "WARNING"
+    logging.basicConfig(
+        level=(args.log_level or default_level).upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        settings = settings_from(args)
+        if args.command == "worker":
+            return cmd_worker(args, settings)
+        if args.command == "workers":
+            return cmd_workers(args, settings, argv)
+        if args.command == "submit":
+            return cmd_submit(args, settings)
+        if args.command == "results":
+            return cmd_results(args, settings)
+        if args.command == "inspect":
+            return cmd_inspect(args, settings)
+        if args.command == "demo":
+            from prefixq.demo import run_demo
+
+            return run_demo(
+                settings, model=args.model, engine_args=args.engine_arg, max_tokens=args.max_tokens
+            )
+    except (ConfigError, SetupError) as e:
+        print(f"prefixq: error: {e}", file=sys.stderr)
+        return 2
+    except PrefixqError as e:
+        print(f"prefixq: error: {e}", file=sys.stderr)
+        return 1
+    except FileNotFoundError as e:
+        print(f"prefixq: error: {e.filename}: no such file", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

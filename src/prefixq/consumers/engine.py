@@ -1,0 +1,70 @@
+"""The seam between the worker loop and an inference engine.
+
+`VllmEngine` (vllm_engine.py) is the real one; tests may put a deterministic engine behind the same
+protocol to inject faults into the worker loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """One request as the engine sees it: a prompt string or token ids, plus sampling fields."""
+
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    #: the prompt is a rendered chat template: tokenize it without adding special tokens again
+    chat: bool = False
+
+
+@dataclass(slots=True)
+class EngineOutput:
+    """The finished output of one request."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    #: epoch seconds of the first output token (0.0 if the engine cannot tell)
+    first_token: float = 0.0
+
+
+class Engine(Protocol):
+    """What the worker needs from an engine. Implementations raise `EngineError` for a failed
+    request and `EngineDead` when no further request can succeed."""
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Requests the engine schedules at once (sets the worker's default in-flight window)."""
+        ...
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV-cache block."""
+        ...
+
+    async def start(self) -> None:
+        """Load the model and start serving; returns once requests can be sent."""
+        ...
+
+    async def generate(self, request: EngineRequest) -> EngineOutput:
+        """Run one request to completion."""
+        ...
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        """The prompt string for a chat, through the model's chat template."""
+        ...
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix block."""
+        ...
+
+    async def close(self) -> None:
+        """Stop the engine and release its resources."""
+        ...

@@ -1,0 +1,35 @@
+"""Measures garbage-collector pauses through `gc.callbacks` (worst pause, count)."""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any
+
+
+class GcWatch:
+    """Times every collection between `start()` and `stop()`."""
+
+    def __init__(self) -> None:
+        self.max_pause = 0.0
+        self.total = 0.0
+        self.count = 0
+        self._t0 = 0.0
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0:
+            pause = time.perf_counter() - self._t0
+            self._t0 = 0.0
+            self.count += 1
+            self.total += pause
+            self.max_pause = max(self.max_pause, pause)
+
+    def start(self) -> None:
+        if self._callback not in gc.callbacks:
+            gc.callbacks.append(self._callback)
+
+    def stop(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)

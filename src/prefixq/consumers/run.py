@@ -1,0 +1,98 @@
+"""Process entry points: one worker bound to a GPU (or the CPU), and a supervisor of many."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from prefixq.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def run_worker(
+    settings: Settings,
+    shard: int,
+    model: str,
+    *,
+    gpu: str | None = None,
+    engine_args: dict[str, Any] | None = None,
+    name: str = "",
+) -> int:
+    """Run one worker in this process until SIGTERM/SIGINT or engine death; returns exit code."""
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu  # before vLLM/torch see any device
+    from prefixq.consumers.vllm_engine import VllmEngine, cpu_defaults
+    from prefixq.consumers.worker import Worker
+
+    args = ({} if gpu is not None else cpu_defaults()) | (engine_args or {})
+    engine = VllmEngine(model, args)
+
+    async def main() -> int:
+        worker = Worker(settings, shard, engine, name=name, gpu=gpu)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, worker.stop)
+        return await worker.run()
+
+    return asyncio.run(main())
+
+
+def supervise(
+    settings_args: Sequence[str],
+    gpus: Sequence[str | None],
+    *,
+    restart_delay: float = 2.0,
+    max_restarts: int = 100,
+) -> int:
+    """Start ``prefixq worker`` for each GPU (shard i on gpus[i]) and restart any that exits
+    non-zero (engine death, crash). SIGTERM/SIGINT are passed on; returns when all have exited."""
+    procs: dict[int, subprocess.Popen[bytes]] = {}
+    restarts = dict.fromkeys(range(len(gpus)), 0)
+    stopping = False
+
+    def spawn(i: int) -> None:
+        cmd = [sys.executable, "-m", "prefixq", "worker", "--shard", str(i), *settings_args]
+        if gpus[i] is not None:
+            cmd += ["--gpu", str(gpus[i])]
+        procs[i] = subprocess.Popen(cmd)
+        log.info("started worker shard=%d gpu=%s pid=%d", i, gpus[i], procs[i].pid)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    for i in range(len(gpus)):
+        spawn(i)
+    worst = 0
+    while procs:
+        time.sleep(0.5)
+        for i, p in list(procs.items()):
+            rc = p.poll()
+            if rc is None:
+                continue
+            del procs[i]
+            if stopping or rc == 0:
+                worst = max(worst, rc)
+                continue
+            if restarts[i] >= max_restarts:
+                log.error("worker shard=%d exited %d; restart limit reached", i, rc)
+                worst = max(worst, rc)
+                continue
+            restarts[i] += 1
+            log.warning("worker shard=%d exited %d; restarting (%d)", i, rc, restarts[i])
+            time.sleep(restart_delay)
+            spawn(i)
+    return worst

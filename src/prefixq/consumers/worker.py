@@ -1,0 +1,378 @@
+"""The long-lived consumer of one shard: stream -> engine -> results, with continuous admission.
+
+Lifecycle: connect, join the consumer group, start and warm the engine, ``gc.freeze()``, then
+  * the reader keeps up to ``max_inflight`` requests inside the engine, reading more as each
+    finishes (one XREADGROUP per refill; its own pending entries first, after a restart);
+  * each request is handed to the engine as soon as it is read;
+  * the writer records finished results in pipelined groups (exactly once per request, Lua), then
+    XACKs and XDELs their entries;
+  * the heartbeat renews a TTL'd health key and re-claims in-flight entries so that they never look
+    idle to the reclaimer of another worker; the reclaimer takes over entries idle on dead workers
+    and dead-letters those delivered ``max_attempts`` times.
+``stop()`` (SIGTERM) stops reading, lets in-flight requests finish within ``grace_s``, writes and
+acks their results; what did not finish stays pending for a restart or a reclaim. An engine death
+leaves in-flight entries pending (not failed) and exits with code 3.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import socket
+import time
+from collections import OrderedDict
+from typing import Any
+
+import redis.asyncio as aredis
+from redis.exceptions import ResponseError
+
+from prefixq import wire
+from prefixq.connection import TRANSIENT, async_client
+from prefixq.consumers.engine import Engine, EngineRequest
+from prefixq.consumers.gcwatch import GcWatch
+from prefixq.consumers.reclaim import Reclaimer
+from prefixq.consumers.writer import ResultWriter
+from prefixq.entries import Entry
+from prefixq.errors import EngineDead, EngineError, PrefixqError
+from prefixq.keys import FIELD, GROUP, Keys
+from prefixq.records import Result
+from prefixq.settings import Settings
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_ENGINE_DEAD = 3
+
+
+def default_name(shard: int, gpu: str | None) -> str:
+    """Stable per host, shard and GPU, so a restarted worker resumes its own pending entries."""
+    return f"{socket.gethostname()}-s{shard}-{'gpu' + gpu if gpu else 'cpu'}"
+
+
+class Worker:
+    """Drains shard ``shard`` into ``engine``. One per GPU; run with `run()`."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        shard: int,
+        engine: Engine,
+        *,
+        name: str = "",
+        gpu: str | None = None,
+        redis: aredis.Redis | None = None,
+    ) -> None:
+        self.settings = settings
+        self.shard = shard
+        self.engine = engine
+        self.name = name or default_name(shard, gpu)
+        self.gpu = gpu
+        self.keys = Keys(settings.namespace)
+        self.stream = self.keys.stream(shard)
+        self.limits = wire.Limits.from_settings(settings)
+        self.r = redis or async_client(settings)
+        self.max_inflight = settings.max_inflight
+        self.inflight: dict[bytes, asyncio.Task[None]] = {}
+        self.counts = {"admitted": 0, "finished": 0, "failed": 0, "dead": 0, "reclaimed": 0}
+        self.started = time.time()
+        self.engine_up = False
+        self.gc = GcWatch()
+        self._stopping = asyncio.Event()
+        self._room = asyncio.Event()
+        self._dead: str | None = None
+        self._prefixes: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.writer = ResultWriter(self)
+        self.reclaimer = Reclaimer(self)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop reading; in-flight requests get ``grace_s`` to finish."""
+        if not self._stopping.is_set():
+            log.info("worker %s stopping (grace %.0fs)", self.name, self.settings.grace_s)
+        self._stopping.set()
+
+    async def run(self) -> int:
+        """Serve until `stop()` or engine death; returns the process exit code."""
+        await self._join_group()
+        await self.engine.start()
+        if not self.max_inflight:
+            self.max_inflight = max(2 * self.engine.max_num_seqs, 1)
+        await self._warm_up()
+        self.engine_up = True
+        tasks = [
+            asyncio.create_task(c, name=n)
+            for n, c in (
+                ("writer", self.writer.run()),
+                ("heartbeat", self._heartbeat_loop()),
+                ("reclaim", self.reclaimer.run()),
+            )
+        ]
+        try:
+            await self.reclaimer.dead_letter_over_limit(self.name)
+            await self._read_loop()
+            await self._drain()
+        finally:
+            await self.writer.close()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._unregister()
+            self.gc.stop()
+            await self.engine.close()
+            await self.r.aclose()
+        if self._dead:
+            log.error("worker %s exits: %s", self.name, self._dead)
+            return EXIT_ENGINE_DEAD
+        return EXIT_OK
+
+    async def _join_group(self) -> None:
+        delay = 0.1
+        while True:
+            try:
+                await self.r.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
+            except ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+            except TRANSIENT as e:
+                log.warning("redis unavailable (%s); retrying in %.1fs", e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            if self.settings.shards:
+                await self.r.hsetnx(self.keys.config, "shards", self.settings.shards)
+            return
+
+    async def _warm_up(self) -> None:
+        t0 = time.perf_counter()
+        await self.engine.generate(
+            EngineRequest(
+                request_id=f"warmup-{self.name}-{os.getpid()}",
+                prompt_token_ids=[1] * 8,
+                sampling={"max_tokens": 2, "ignore_eos": True},
+            )
+        )
+        await self.engine.reset_prefix_cache()
+        if self.settings.gc_freeze:
+            gc.collect()
+            gc.freeze()
+        self.gc.start()
+        log.info(
+            "worker %s warm in %.2fs; max_inflight=%d; serving %s",
+            self.name,
+            time.perf_counter() - t0,
+            self.max_inflight,
+            self.stream,
+        )
+
+    async def _drain(self) -> None:
+        pending = list(self.inflight.values())
+        if pending:
+            log.info("draining %d in-flight requests", len(pending))
+            _, late = await asyncio.wait(pending, timeout=self.settings.grace_s)
+            for t in late:
+                t.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+            if late:
+                log.warning(
+                    "%d requests did not finish in the grace period; left pending", len(late)
+                )
+
+    # ---- reading and admission -------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        backlog_from: str | None = "0"  # our own pending entries first (a restart)
+        delay = 0.1
+        while not self._stopping.is_set():
+            room = self.max_inflight - len(self.inflight)
+            if room <= 0:
+                self._room.clear()
+                await _first(self._room.wait(), self._stopping.wait())
+                continue
+            count = min(room, self.settings.read_count)
+            try:
+                if backlog_from is not None:
+                    resp = await self.r.xreadgroup(
+                        GROUP, self.name, {self.stream: backlog_from}, count=count
+                    )
+                else:
+                    resp = await self.r.xreadgroup(
+                        GROUP, self.name, {self.stream: ">"}, count=count, block=500
+                    )
+            except TRANSIENT as e:
+                log.warning("read failed (%s); retrying in %.1fs", e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            delay = 0.1
+            entries = resp[0][1] if resp else []
+            if backlog_from is not None:
+                if not entries:
+                    backlog_from = None
+                    continue
+                backlog_from = entries[-1][0].decode()
+                entries = [e for e in entries if e[0] not in self.inflight]
+            if entries:
+                await self.admit(entries)
+
+    async def admit(self, entries: list[tuple[bytes, dict[bytes, bytes] | None]]) -> None:
+        """Decode entries and hand each to the engine at once; bad ones go to dead letters."""
+        decoded: list[tuple[bytes, Entry]] = []
+        for entry_id, fields in entries:
+            data = (fields or {}).get(FIELD)
+            if data is None:
+                if not fields:  # deleted after its result was recorded: only ack it
+                    await self.r.xack(self.stream, GROUP, entry_id)
+                    continue
+                await self.reclaimer.dead_letter(entry_id, fields, "entry has no 'd' field")
+                continue
+            try:
+                decoded.append((entry_id, Entry.from_wire(wire.decode(data, self.limits))))
+            except PrefixqError as err:
+                await self.reclaimer.dead_letter(entry_id, fields or {}, f"undecodable: {err}")
+        prefixes = await self._prefixes_for([e for _, e in decoded])
+        for entry_id, e in decoded:
+            self.counts["admitted"] += 1
+            task = asyncio.create_task(self._serve(entry_id, e, prefixes))
+            self.inflight[entry_id] = task
+
+    async def _prefixes_for(self, entries: list[Entry]) -> dict[str, dict[str, Any] | str]:
+        """Resolve prefix references: local LRU first, one MGET for the rest."""
+        found: dict[str, dict[str, Any] | str] = {}
+        missing = []
+        for e in entries:
+            ref = e.prefix_ref
+            if ref is None or ref in found:
+                continue
+            if ref in self._prefixes:
+                self._prefixes.move_to_end(ref)
+                found[ref] = self._prefixes[ref]
+            else:
+                missing.append(ref)
+                found[ref] = "missing"
+        if missing:
+            values = await self.r.mget([self.keys.prefix(ref) for ref in missing])
+            for ref, raw in zip(missing, values, strict=True):
+                if raw is None:
+                    found[ref] = f"stored prefix {ref} not found (expired or never stored)"
+                    continue
+                try:
+                    obj = wire.decode(raw, self.limits)
+                except PrefixqError as err:
+                    found[ref] = f"stored prefix {ref} undecodable: {err}"
+                    continue
+                found[ref] = obj
+                self._prefixes[ref] = obj
+                while len(self._prefixes) > self.settings.prefix_cache_entries:
+                    self._prefixes.popitem(last=False)
+        return found
+
+    async def _serve(
+        self, entry_id: bytes, e: Entry, prefixes: dict[str, dict[str, Any] | str]
+    ) -> None:
+        res = Result(
+            id=e.id,
+            index=e.index,
+            shard=self.shard,
+            worker=self.name,
+            predicted_cached_tokens=e.predicted_cached,
+        )
+        res.timings.enqueued = e.enqueued
+        res.timings.admitted = time.time()
+        try:
+            prefix = prefixes.get(e.prefix_ref) if e.prefix_ref else None
+            if isinstance(prefix, str):
+                raise EngineError(prefix)
+            req = e.to_request(prefix)
+            req.validate(
+                max_chars=self.settings.max_prompt_chars, max_messages=self.settings.max_messages
+            )
+            prompt = self.engine.render_chat(req.messages) if req.messages else req.prompt
+            out = await self.engine.generate(
+                EngineRequest(
+                    request_id=f"{e.burst}:{e.index}:{entry_id.decode()}",
+                    prompt=prompt,
+                    prompt_token_ids=req.prompt_token_ids,
+                    sampling=req.sampling,
+                    chat=req.messages is not None,
+                )
+            )
+            res.text, res.token_ids, res.finish_reason = out.text, out.token_ids, out.finish_reason
+            res.prompt_tokens, res.cached_tokens = out.prompt_tokens, out.cached_tokens
+            res.output_tokens = len(out.token_ids)
+            res.timings.first_token = out.first_token
+        except EngineDead as err:
+            self._engine_died(str(err))
+            return
+        except PrefixqError as err:  # EngineError, ValidationError, WireError: this request only
+            res.error = str(err)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # never let one payload take the worker down
+            log.exception("unexpected error serving %s", e.id)
+            res.error = f"internal error: {type(err).__name__}: {err}"
+        finally:
+            self.inflight.pop(entry_id, None)
+            self._room.set()
+        res.timings.finished = time.time()
+        self.counts["failed" if res.error else "finished"] += 1
+        self.writer.put(entry_id, e, res)
+
+    def _engine_died(self, why: str) -> None:
+        if self._dead is None:
+            self._dead = why
+            log.error(
+                "engine died (%s): %d in-flight entries stay pending", why, len(self.inflight)
+            )
+        self.stop()
+
+    # ---- health ----------------------------------------------------------------------------
+    async def _heartbeat_loop(self) -> None:
+        hb = self.keys.heartbeat(self.shard, self.name)
+        while True:
+            try:
+                now = time.time()
+                pipe = self.r.pipeline(transaction=False)
+                pipe.hset(hb, mapping=self.health(now))
+                pipe.expire(hb, max(1, int(self.settings.heartbeat_ttl_s)))
+                pipe.zadd(self.keys.workers(self.shard), {self.name: now})
+                ids = list(self.inflight)
+                if ids:  # keep our in-flight entries from looking idle to other reclaimers
+                    pipe.xclaim(self.stream, GROUP, self.name, 0, ids, justid=True)
+                await pipe.execute()
+            except TRANSIENT as e:
+                log.warning("heartbeat failed: %s", e)
+            await asyncio.sleep(self.settings.heartbeat_s)
+
+    def health(self, now: float) -> dict[str, Any]:
+        """What the heartbeat key holds (read by inspect and check)."""
+        return {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "gpu": self.gpu or "cpu",
+            "shard": self.shard,
+            "beat": now,
+            "started": self.started,
+            "inflight": len(self.inflight),
+            "max_inflight": self.max_inflight,
+            "engine_up": int(self.engine_up and not self._dead),
+            "stopping": int(self._stopping.is_set()),
+            "gc_max_pause_ms": round(self.gc.max_pause * 1000, 3),
+            "gc_pauses": self.gc.count,
+            **self.counts,
+        }
+
+    async def _unregister(self) -> None:
+        with contextlib.suppress(*TRANSIENT):
+            await self.r.delete(self.keys.heartbeat(self.shard, self.name))
+            await self.r.zrem(self.keys.workers(self.shard), self.name)
+
+
+async def _first(*aws: Any) -> None:
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()

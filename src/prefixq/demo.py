@@ -1,0 +1,183 @@
+"""`prefixq demo`: the whole pipeline on one machine with the embedded model.
+
+Redis from REDIS_URL if it answers, else a private redis-server; the embedded SmolLM2-135M-Instruct
+prepared once; one CPU worker process; a burst of chat questions about a few documents (Python's
+own reference pages, bundled with Python) plus one general question; answers and the per-stage
+latency summary printed at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+from rich.console import Console
+
+from prefixq import results
+from prefixq.connection import redact, sync_client
+from prefixq.errors import SetupError
+from prefixq.keys import Keys
+from prefixq.settings import Settings
+
+DOCUMENTS = ("while", "assert", "return", "global")
+QUESTIONS = (
+    "In one sentence, what does this document describe?",
+    "Which Python keyword is this document about? Answer with the keyword only.",
+    "Give a one-line example of the statement described in the document.",
+)
+GENERAL = "What is the capital of France?"
+
+
+def demo_requests(max_tokens: int) -> list[dict[str, Any]]:
+    """The demo burst: each document with each question, then a general question."""
+    from pydoc_data.topics import topics
+
+    reqs: list[dict[str, Any]] = []
+    for doc in DOCUMENTS:
+        system = "Answer briefly, using this document.\n\n" + topics[doc]
+        for n, q in enumerate(QUESTIONS):
+            reqs.append(
+                {
+                    "id": f"{doc}-{n}",
+                    "max_tokens": max_tokens,
+                    "temperature": 0.0,
+                    "messages": [
+                        {"role": "system", "content": system},
+                        {"role": "user", "content": q},
+                    ],
+                }
+            )
+    reqs.append(
+        {
+            "id": "capital",
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "messages": [{"role": "user", "content": GENERAL}],
+        }
+    )
+    return reqs
+
+
+def _redis_answers(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+    except (redis.RedisError, OSError, ValueError):
+        return False
+
+
+def _wait_engine_up(
+    r: redis.Redis, keys: Keys, proc: subprocess.Popen[bytes], log: Path, timeout: float
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-3000:]
+            raise SetupError(f"the worker exited ({proc.returncode}) before serving:\n{tail}")
+        for name in r.zrange(keys.workers(0), 0, -1):
+            if r.hget(keys.heartbeat(0, name.decode()), "engine_up") == b"1":
+                return
+        time.sleep(1.0)
+    raise SetupError(f"the worker did not come up within {timeout:.0f}s; see {log}")
+
+
+def run_demo(
+    settings: Settings,
+    *,
+    model: str = "",
+    engine_args: list[str] | None = None,
+    max_tokens: int = 48,
+) -> int:
+    """Run the demo; returns the exit code."""
+    from prefixq.inspect import snapshot
+    from prefixq.model import default_cache_dir, resolve_model
+    from prefixq.producer import Producer
+    from prefixq.progress import BurstProgress, render_snapshot
+    from prefixq.redis_server import RedisServer
+
+    con = Console(stderr=True)
+    with contextlib.ExitStack() as stack:
+        if _redis_answers(settings.redis_url):
+            con.print(f"[green]redis[/] {redact(settings.redis_url)} answers; using it")
+        else:
+            srv = stack.enter_context(RedisServer())
+            con.print(
+                f"[yellow]redis[/] nothing at {redact(settings.redis_url)}; started a "
+                f"private redis-server on port {srv.port}"
+            )
+            settings = settings.replace(redis_url=srv.url)
+        settings = settings.replace(
+            namespace=f"{settings.namespace}-demo-{secrets.token_hex(3)}", shards=1
+        )
+        con.print("[bold]model[/] preparing the embedded SmolLM2-135M-Instruct (once)...")
+        path = resolve_model(model, default_cache_dir(settings.cache_dir))
+        con.print(f"[bold]model[/] {path}")
+
+        log = Path(tempfile.mkdtemp(prefix="prefixq-demo-")) / "worker.log"
+        cmd = [
+            sys.executable,
+            "-m",
+            "prefixq",
+            "worker",
+            "--shard",
+            "0",
+            "--model",
+            path,
+            "--redis-url",
+            settings.redis_url,
+            "--namespace",
+            settings.namespace,
+            "--shards",
+            "1",
+        ]
+        for a in engine_args or []:
+            cmd += ["--engine-arg", a]
+        out = stack.enter_context(open(log, "wb"))
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
+        stack.callback(_stop, proc)
+        con.print(
+            f"[bold]worker[/] pid {proc.pid} starting its vLLM engine (about 1-2 min on "
+            f"2 CPU cores); log: {log}"
+        )
+        r = sync_client(settings)
+        t0 = time.monotonic()
+        _wait_engine_up(r, Keys(settings.namespace), proc, log, timeout=900)
+        con.print(f"[bold]worker[/] serving after {time.monotonic() - t0:.0f}s")
+
+        reqs = demo_requests(max_tokens)
+        burst = Producer(settings).submit(reqs)
+        con.print(f"[bold]burst[/] {burst}: {len(reqs)} chat requests")
+        with BurstProgress(burst) as bar:
+            results.wait(burst, settings, timeout=1800, progress=bar.update)
+        answers = results.collect(burst, settings)
+        c = Console()
+        for req, res in zip(reqs, answers, strict=True):
+            question = req["messages"][-1]["content"]
+            doc = req["id"].rsplit("-", 1)[0] if req["id"] != "capital" else "-"
+            text = (
+                res.text.strip().replace("\n", " ") if res.error is None else f"ERROR {res.error}"
+            )
+            c.print(f"[cyan]{doc:>8}[/] {question}\n         [green]->[/] {text}")
+        render_snapshot(snapshot(settings, burst=burst, client=r), c)
+        failed = sum(1 for a in answers if a.error)
+    return 1 if failed else 0
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

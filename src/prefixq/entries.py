@@ -1,0 +1,162 @@
+"""Stream entries: a `Request` as the short-keyed map one shard's stream carries, and back.
+
+An entry holds the request's own part (``p`` prompt text, ``m`` trailing chat messages or ``t``
+token ids) and its shared prefix either inline (``x``) or by reference (``xr``: the digest of a
+prefix stored once, content-addressed, under `Keys.prefix`). A prefix object is ``{"x": text}``,
+``{"m": leading messages}`` or ``{"t": token ids}``. Other keys: ``v`` version, ``b`` burst,
+``i`` input index, ``id`` request id, ``s`` sampling, ``e`` enqueued (epoch s), ``k`` shard,
+``w`` estimated uncached prompt tokens (the placement's load unit), ``pc`` predicted cached tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from prefixq.errors import WireError
+from prefixq.records import Request
+
+VERSION = 1
+
+
+def split_prefix(req: Request) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(prefix object or None, the request's own part) for one request."""
+    if req.prompt_token_ids is not None:
+        own: dict[str, Any] = {"t": req.prompt_token_ids}
+        return ({"t": req.prefix} if isinstance(req.prefix, list) else None), own
+    if req.messages is not None:
+        if len(req.messages) > 1:
+            return {"m": req.messages[:-1]}, {"m": req.messages[-1:]}
+        return None, {"m": req.messages}
+    own = {"p": req.prompt}
+    return ({"x": req.prefix} if isinstance(req.prefix, str) and req.prefix else None), own
+
+
+def prefix_size(prefix: dict[str, Any]) -> int:
+    """Characters (or token ids) in a prefix object, to decide whether to store it once."""
+    if "x" in prefix:
+        return len(prefix["x"])
+    if "t" in prefix:
+        return len(prefix["t"]) * 4
+    return sum(len(m.get("content") or "") for m in prefix["m"])
+
+
+def digest(packed_prefix: bytes) -> str:
+    """Content address of a packed prefix object (128-bit xxh3, hex)."""
+    return xxhash.xxh3_128_hexdigest(packed_prefix)
+
+
+@dataclass(slots=True)
+class Entry:
+    """A decoded stream entry, checked for shape (never trusted beyond that)."""
+
+    burst: str
+    index: int
+    id: str
+    own: dict[str, Any]
+    prefix: dict[str, Any] | None
+    prefix_ref: str | None
+    sampling: dict[str, Any]
+    enqueued: float
+    shard: int
+    work: int
+    predicted_cached: int
+
+    @classmethod
+    def from_wire(cls, d: Any) -> Entry:
+        """Validate the shape of a decoded entry; WireError says what is wrong."""
+        if not isinstance(d, dict):
+            raise WireError(f"entry is a {type(d).__name__}, not a map")
+        if d.get("v") != VERSION:
+            raise WireError(f"unsupported entry version {d.get('v')!r}")
+        try:
+            e = cls(
+                burst=_typed(d, "b", str),
+                index=_typed(d, "i", int),
+                id=_typed(d, "id", str),
+                own={k: d[k] for k in ("p", "m", "t") if k in d},
+                prefix=d.get("x"),
+                prefix_ref=d.get("xr"),
+                sampling=d.get("s") or {},
+                enqueued=float(d.get("e", 0.0)),
+                shard=int(d.get("k", 0)),
+                work=int(d.get("w", 0)),
+                predicted_cached=int(d.get("pc", 0)),
+            )
+        except (TypeError, ValueError) as err:
+            raise WireError(f"malformed entry: {err}") from None
+        if len(e.own) != 1:
+            raise WireError("entry needs exactly one of p, m, t")
+        if not isinstance(e.sampling, dict):
+            raise WireError("entry sampling is not a map")
+        if e.prefix is not None and not _is_prefix(e.prefix):
+            raise WireError("entry prefix is malformed")
+        if e.prefix_ref is not None and not isinstance(e.prefix_ref, str):
+            raise WireError("entry prefix reference is not a string")
+        return e
+
+    def to_request(self, prefix: dict[str, Any] | None) -> Request:
+        """The full request, given the resolved prefix object (inline or fetched)."""
+        prefix = prefix if prefix is not None else self.prefix
+        if prefix is not None and not _is_prefix(prefix):
+            raise WireError("stored prefix is malformed")
+        req = Request(id=self.id, sampling=dict(self.sampling))
+        if "t" in self.own:
+            req.prompt_token_ids = list((prefix or {}).get("t", ())) + list(self.own["t"])
+        elif "m" in self.own:
+            req.messages = list((prefix or {}).get("m", ())) + list(self.own["m"])
+        else:
+            req.prompt = str((prefix or {}).get("x", "")) + str(self.own["p"])
+        return req
+
+
+def to_wire(
+    req: Request,
+    *,
+    burst: str,
+    index: int,
+    shard: int,
+    enqueued: float,
+    work: int,
+    predicted_cached: int,
+    prefix: dict[str, Any] | None,
+    prefix_ref: str | None,
+    own: dict[str, Any],
+) -> dict[str, Any]:
+    """The entry map for one request (prefix inline or by reference, never both)."""
+    d: dict[str, Any] = {
+        "v": VERSION,
+        "b": burst,
+        "i": index,
+        "id": req.id,
+        **own,
+        "e": enqueued,
+        "k": shard,
+        "w": work,
+        "pc": predicted_cached,
+    }
+    if req.sampling:
+        d["s"] = req.sampling
+    if prefix_ref is not None:
+        d["xr"] = prefix_ref
+    elif prefix is not None:
+        d["x"] = prefix
+    return d
+
+
+def _typed(d: dict[str, Any], key: str, kind: type) -> Any:
+    value = d.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise WireError(f"entry field {key!r} must be {kind.__name__}")
+    return value
+
+
+def _is_prefix(p: Any) -> bool:
+    if not isinstance(p, dict) or len(p) != 1:
+        return False
+    ((key, value),) = p.items()
+    return (key == "x" and isinstance(value, str)) or (
+        key in ("m", "t") and isinstance(value, list)
+    )

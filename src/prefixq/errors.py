@@ -1,0 +1,67 @@
+"""The one exception tree of prefixq.
+
+::
+
+    PrefixqError
+    ├── ConfigError            bad or inconsistent settings
+    ├── ValidationError        a request refused before it is enqueued
+    ├── WireError              an entry that cannot be decoded safely
+    │   └── LimitExceeded      a size or depth limit was hit while decoding
+    ├── RedisUnavailable       Redis did not answer within the retry budget
+    ├── BurstNotFound          no burst with that id
+    ├── BurstTimeout           waiting for a burst ran past its timeout
+    ├── BurstFailed            a burst finished with too many failed requests
+    ├── EngineError            the engine refused or failed one request
+    │   └── EngineDead         the engine process is gone; in-flight work goes back to pending
+    └── SetupError             a prerequisite is missing (redis-server, the model package, ...)
+"""
+
+from __future__ import annotations
+
+
+class PrefixqError(Exception):
+    """Root of every error prefixq raises on purpose."""
+
+
+class ConfigError(PrefixqError):
+    """Raised when settings are missing, malformed or contradict what Redis holds."""
+
+
+class ValidationError(PrefixqError):
+    """Raised when a request is refused before it is enqueued (the message says which and why)."""
+
+
+class WireError(PrefixqError):
+    """Raised when an entry cannot be decoded: bad codec tag, corrupt data, wrong shape."""
+
+
+class LimitExceeded(WireError):
+    """Raised when decoding would exceed a documented size, length or depth limit."""
+
+
+class RedisUnavailable(PrefixqError):
+    """Raised when Redis cannot be reached within the retry budget."""
+
+
+class BurstNotFound(PrefixqError):
+    """Raised when a burst id is unknown (never submitted, or expired)."""
+
+
+class BurstTimeout(PrefixqError):
+    """Raised when waiting for a burst runs past its timeout."""
+
+
+class BurstFailed(PrefixqError):
+    """Raised when a burst finishes with more failed requests than allowed."""
+
+
+class EngineError(PrefixqError):
+    """Raised when the engine refuses or fails a single request."""
+
+
+class EngineDead(EngineError):
+    """Raised when the engine process has died; in-flight requests must be retried elsewhere."""
+
+
+class SetupError(PrefixqError):
+    """Raised when a prerequisite is missing; the message says how to fix it."""

@@ -1,0 +1,92 @@
+"""Every Redis key prefixq uses, in one place.
+
+Per-shard keys carry the Cluster hash tag ``{s<k>}`` and per-burst keys ``{b<id>}``, so that the
+keys one Lua script touches always share a slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: the consumer group every worker of a shard joins
+GROUP = "workers"
+#: the one field of a stream entry; its value is a wire-encoded record
+FIELD = b"d"
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key names under one namespace."""
+
+    ns: str
+
+    # deployment
+    @property
+    def config(self) -> str:
+        """Hash: shards, model, block_size: written by the first worker or `prefixq init`."""
+        return f"{self.ns}:config"
+
+    # per shard
+    def stream(self, shard: int) -> str:
+        """Stream of request entries for one shard (consumer group `GROUP`)."""
+        return f"{self.ns}:{{s{shard}}}:requests"
+
+    def dead(self, shard: int) -> str:
+        """Stream of dead letters: the original entry plus reason and delivery count."""
+        return f"{self.ns}:{{s{shard}}}:dead"
+
+    def workers(self, shard: int) -> str:
+        """Sorted set: worker name -> last heartbeat (epoch s)."""
+        return f"{self.ns}:{{s{shard}}}:workers"
+
+    def heartbeat(self, shard: int, worker: str) -> str:
+        """Hash with TTL: one live worker's state (pid, host, in flight, counters)."""
+        return f"{self.ns}:{{s{shard}}}:hb:{worker}"
+
+    # placement
+    @property
+    def load(self) -> str:
+        """Hash: shard -> estimated outstanding prefill tokens (producers add, workers subtract)."""
+        return f"{self.ns}:load"
+
+    @property
+    def prefix_map(self) -> str:
+        """Hash: prefix checkpoint hash -> shard."""
+        return f"{self.ns}:pmap"
+
+    @property
+    def prefix_lru(self) -> str:
+        """Sorted set: prefix checkpoint hash -> last use, to bound `prefix_map`."""
+        return f"{self.ns}:pmap:lru"
+
+    @property
+    def moves(self) -> str:
+        """Stream: one entry per prefix group the load guard moved."""
+        return f"{self.ns}:moves"
+
+    @property
+    def shard_stats(self) -> str:
+        """Hash: per-shard token counters (``<k>:prompt``, ``<k>:cached``, ``<k>:predicted``)."""
+        return f"{self.ns}:shardstats"
+
+    def prefix(self, digest: str) -> str:
+        """String with TTL: a shared prefix stored once, content-addressed."""
+        return f"{self.ns}:prefix:{digest}"
+
+    # bursts
+    @property
+    def bursts(self) -> str:
+        """Sorted set: burst id -> created (epoch s)."""
+        return f"{self.ns}:bursts"
+
+    def burst(self, burst: str) -> str:
+        """Hash: a burst's record and progress counters."""
+        return f"{self.ns}:{{b{burst}}}:meta"
+
+    def results(self, burst: str) -> str:
+        """Hash: input index -> wire-encoded result (written once per index)."""
+        return f"{self.ns}:{{b{burst}}}:results"
+
+    def events(self, burst: str) -> str:
+        """Stream: one entry per finished request, for waiters (capped)."""
+        return f"{self.ns}:{{b{burst}}}:events"

@@ -1,0 +1,258 @@
+"""`Producer`: validate a burst, place each request on a shard, enqueue it in pipelined XADDs.
+
+A burst is written in this order: shared prefixes (content-addressed, ``SET NX`` + TTL), the burst
+record (total, settings, byte counts), then the entries, shard by shard, in pipelines of
+``_CHUNK`` commands, each pipeline also raising the shard's outstanding-prefill counter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import redis
+import redis.asyncio as aredis
+
+from prefixq import wire
+from prefixq.affinity.placement import HashPlacer, Placer, RandomPlacer, RoundRobinPlacer
+from prefixq.connection import TRANSIENT, async_client, describe
+from prefixq.entries import digest, prefix_size, split_prefix, to_wire
+from prefixq.errors import ConfigError, ValidationError
+from prefixq.keys import FIELD, Keys
+from prefixq.producer.items import ItemBuilder
+from prefixq.records import Request
+from prefixq.settings import Settings
+
+log = logging.getLogger(__name__)
+
+_CHUNK = 1000
+#: called with (requests enqueued so far, total)
+Progress = Callable[[int, int], None]
+
+
+def new_burst_id() -> str:
+    """Sortable and unique: UTC time plus 6 random hex digits."""
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+def normalize(requests: Iterable[Request | Mapping[str, Any]], settings: Settings) -> list[Request]:
+    """Requests from dicts (plain or OpenAI batch lines), validated; duplicate ids refused."""
+    out: list[Request] = []
+    for i, r in enumerate(requests):
+        req = r if isinstance(r, Request) else Request.from_json(r, index=i)
+        req.validate(
+            max_chars=settings.max_prompt_chars,
+            max_messages=settings.max_messages,
+            where=f"request {i} ({req.id!r})",
+        )
+        out.append(req)
+    if not out:
+        raise ValidationError("the burst is empty")
+    dupes = [k for k, n in Counter(r.id for r in out).items() if n > 1]
+    if dupes:
+        raise ValidationError(f"duplicate request ids: {', '.join(map(repr, dupes[:5]))}")
+    return out
+
+
+def _shards(stored: bytes | None, settings: Settings) -> tuple[int, bool]:
+    """(shard count, whether to record it): Redis's record wins; settings may agree or seed it."""
+    keys = Keys(settings.namespace)
+    if stored is not None:
+        n = int(stored)
+        if settings.shards and settings.shards != n:
+            raise ConfigError(
+                f"PREFIXQ_SHARDS={settings.shards} but namespace {settings.namespace!r} has {n} "
+                f"shards in Redis ({keys.config}); drop the setting or use another namespace"
+            )
+        return n, False
+    if not settings.shards:
+        raise ConfigError(
+            "no shard count: set PREFIXQ_SHARDS (or --shards), or start the "
+            "workers first (they record it)"
+        )
+    return settings.shards, True
+
+
+async def resolve_shards(r: aredis.Redis, settings: Settings) -> int:
+    """The deployment's shard count (asyncio client); records it on first use."""
+    n, record = _shards(await r.hget(Keys(settings.namespace).config, "shards"), settings)
+    if record:
+        await r.hsetnx(Keys(settings.namespace).config, "shards", n)
+    return n
+
+
+def resolve_shards_sync(r: redis.Redis, settings: Settings) -> int:
+    """The same with a blocking client."""
+    n, record = _shards(r.hget(Keys(settings.namespace).config, "shards"), settings)
+    if record:
+        r.hsetnx(Keys(settings.namespace).config, "shards", n)
+    return n
+
+
+class Producer:
+    """Submits bursts. ``submit`` blocks; ``asubmit`` is the same inside an event loop."""
+
+    def __init__(
+        self, settings: Settings | None = None, *, tokenizer: Any = None, model: str = ""
+    ) -> None:
+        self.settings = settings or Settings.from_env()
+        self.keys = Keys(self.settings.namespace)
+        self.items = ItemBuilder(self.settings, tokenizer=tokenizer, model=model)
+
+    def submit(self, requests: Iterable[Request | Mapping[str, Any]], **options: Any) -> str:
+        """Enqueue a burst; returns its id. Options as for `asubmit`."""
+        return asyncio.run(self.asubmit(requests, **options))
+
+    async def asubmit(
+        self,
+        requests: Iterable[Request | Mapping[str, Any]],
+        *,
+        burst_id: str | None = None,
+        placement: str | None = None,
+        on_complete: str | None = None,
+        rq_queue: str | None = None,
+        progress: Progress | None = None,
+        seed: int | None = None,
+    ) -> str:
+        """Validate, place and enqueue ``requests``; returns the burst id.
+
+        ``placement`` overrides the setting; ``on_complete`` ("pkg.module:func") is enqueued as an
+        RQ job on ``rq_queue`` with the burst id once the burst's last request is recorded.
+        """
+        s = self.settings
+        reqs = normalize(requests, s)
+        burst = burst_id or new_burst_id()
+        r = async_client(s)
+        try:
+            return await self._submit(
+                r, reqs, burst, placement or s.placement, on_complete, rq_queue, progress, seed
+            )
+        except TRANSIENT as e:
+            raise describe(s, e) from e
+        finally:
+            await r.aclose()
+
+    async def _submit(
+        self,
+        r: aredis.Redis,
+        reqs: list[Request],
+        burst: str,
+        placement: str,
+        on_complete: str | None,
+        rq_queue: str | None,
+        progress: Progress | None,
+        seed: int | None,
+    ) -> str:
+        s, keys = self.settings, self.keys
+        if on_complete is not None and ":" not in on_complete:
+            raise ValidationError("on_complete must look like 'package.module:function'")
+        shards = await resolve_shards(r, s)
+        if await r.exists(keys.burst(burst)):
+            raise ValidationError(f"burst {burst!r} already exists")
+        parts = [split_prefix(q) for q in reqs]
+        items = [self.items.build(q, p) for q, (p, _) in zip(reqs, parts, strict=True)]
+        placed = await self._placer(placement, seed).place(r, items, shards)
+
+        stored: dict[str, bytes] = {}
+        refs: list[str | None] = []
+        for prefix, _ in parts:
+            ref = None
+            if prefix is not None and prefix_size(prefix) >= s.prefix_store_min_chars:
+                ref = digest(wire.pack(prefix))
+                if ref not in stored:
+                    stored[ref] = wire.encode(prefix, s.codec, s.codec_level)
+            refs.append(ref)
+
+        now = time.time()
+        raw_bytes = encoded = 0
+        by_shard: dict[int, list[tuple[bytes, int]]] = defaultdict(list)
+        for i, (q, (prefix, own), pl, ref) in enumerate(
+            zip(reqs, parts, placed, refs, strict=True)
+        ):
+            kw: dict[str, Any] = {
+                "burst": burst,
+                "index": i,
+                "shard": pl.shard,
+                "enqueued": now,
+                "work": pl.work,
+                "predicted_cached": pl.predicted_cached,
+                "own": own,
+            }
+            raw_bytes += len(wire.pack(to_wire(q, prefix=prefix, prefix_ref=None, **kw)))
+            data = wire.encode(
+                to_wire(q, prefix=prefix, prefix_ref=ref, **kw), s.codec, s.codec_level
+            )
+            if len(data) > s.max_entry_bytes:
+                raise ValidationError(
+                    f"request {i} ({q.id!r}) encodes to {len(data)} bytes, "
+                    f"over max_entry_bytes={s.max_entry_bytes}"
+                )
+            encoded += len(data)
+            by_shard[pl.shard].append((data, pl.work))
+        prefix_bytes = sum(len(v) for v in stored.values())
+
+        pipe = r.pipeline(transaction=False)
+        for ref, value in stored.items():
+            pipe.set(keys.prefix(ref), value, nx=True, ex=s.prefix_ttl_s)
+            pipe.expire(keys.prefix(ref), s.prefix_ttl_s)
+        meta: dict[str, Any] = {
+            "total": len(reqs),
+            "done": 0,
+            "failed": 0,
+            "created": now,
+            "status": "queued",
+            "shards": shards,
+            "placement": placement,
+            "codec": s.codec,
+            "raw_bytes": raw_bytes,
+            "encoded_bytes": encoded + prefix_bytes,
+            "entry_bytes": encoded,
+            "prefix_bytes": prefix_bytes,
+            "prefixes": len(stored),
+            "per_shard": ",".join(str(len(by_shard.get(k, ()))) for k in range(shards)),
+        }
+        if on_complete:
+            meta["on_complete"] = on_complete
+            meta["rq_queue"] = rq_queue or "default"
+        pipe.hset(keys.burst(burst), mapping=meta)
+        pipe.expire(keys.burst(burst), s.result_ttl_s)
+        pipe.zadd(keys.bursts, {burst: now})
+        await pipe.execute()
+
+        sent = 0
+        for shard, datas in sorted(by_shard.items()):
+            stream = keys.stream(shard)
+            for start in range(0, len(datas), _CHUNK):
+                chunk = datas[start : start + _CHUNK]
+                pipe = r.pipeline(transaction=False)
+                for data, _ in chunk:
+                    pipe.xadd(stream, {FIELD: data})
+                pipe.hincrby(keys.load, str(shard), sum(w for _, w in chunk))
+                await pipe.execute()
+                sent += len(chunk)
+                if progress:
+                    progress(sent, len(reqs))
+        log.info(
+            "burst %s: %d requests on %d shards (%s), %d -> %d bytes",
+            burst,
+            len(reqs),
+            shards,
+            meta["per_shard"],
+            raw_bytes,
+            encoded + prefix_bytes,
+        )
+        return burst
+
+    def _placer(self, name: str, seed: int | None) -> Placer:
+        if name == "random":
+            return RandomPlacer(seed)
+        if name == "round-robin":
+            return RoundRobinPlacer()
+        if name in ("hash", "affinity"):
+            return HashPlacer()
+        raise ValidationError(f"unknown placement {name!r}")

@@ -1,0 +1,134 @@
+"""Terminal output: progress bars (enqueue, burst completion) and the inspect tables (rich).
+
+Everything here writes to stderr except `render_snapshot`, so stdout stays machine-readable.
+"""
+
+from __future__ import annotations
+
+import time
+from types import TracebackType
+from typing import Any, Self
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from prefixq.results import BurstStatus
+
+_err = Console(stderr=True)
+
+
+class _Bar:
+    def __init__(self, description: str, total: int, *extra: Any) -> None:
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            *extra,
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=_err,
+            transient=False,
+        )
+        self.task: TaskID = self.progress.add_task(description, total=total or None)
+
+    def __enter__(self) -> Self:
+        self.progress.start()
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.progress.stop()
+
+
+class EnqueueProgress(_Bar):
+    """Requests enqueued so far."""
+
+    def __init__(self, total: int) -> None:
+        super().__init__("enqueue", total)
+
+    def update(self, done: int, total: int) -> None:
+        self.progress.update(self.task, completed=done, total=total)
+
+
+class BurstProgress(_Bar):
+    """Results recorded so far: done, failed, requests/s, ETA."""
+
+    def __init__(self, burst: str) -> None:
+        super().__init__(f"burst {burst}", 0, TextColumn("{task.fields[info]}"))
+        self.progress.update(self.task, info="")
+        self.t0 = time.monotonic()
+
+    def update(self, st: BurstStatus) -> None:
+        n = st.done + st.failed
+        rate = n / max(time.monotonic() - self.t0, 1e-6)
+        self.progress.update(
+            self.task,
+            completed=n,
+            total=st.total,
+            info=f"ok {st.done} failed {st.failed} {rate:.1f} req/s",
+        )
+
+
+def render_snapshot(snap: dict[str, Any], console: Console | None = None) -> None:
+    """The human form of `inspect.snapshot`."""
+    c = console or Console()
+    t = Table(title=f"shards ({snap['namespace']})")
+    for col in (
+        "shard",
+        "stream",
+        "waiting",
+        "pending",
+        "oldest wait s",
+        "workers",
+        "in flight",
+        "prefill backlog",
+        "dead",
+        "cached/predicted/prompt tok",
+    ):
+        t.add_column(col, justify="right")
+    for s in snap["shards"]:
+        t.add_row(
+            str(s["shard"]),
+            str(s["stream_length"]),
+            str(s["waiting"]),
+            str(s["pending"]),
+            f"{s['oldest_waiting_s']:.1f}",
+            str(s["workers"]),
+            str(s["inflight"]),
+            str(s["outstanding_prefill_tokens"]),
+            str(s["dead_letters"]),
+            f"{s['cached_tokens']}/{s['predicted_cached_tokens']}/{s['prompt_tokens']}",
+        )
+    c.print(t)
+    for b in snap["bursts"]:
+        bt = Table(
+            title=f"burst {b['burst']}: {b['status']}, {b['done']} ok + {b['failed']} "
+            f"failed of {b['total']}; {b['requests_per_s']} req/s; placement "
+            f"{b['placement']} {b['per_shard']}"
+        )
+        for col in ("stage (s)", "p50", "p95", "p99", "max"):
+            bt.add_column(col, justify="right")
+        for name, key in (
+            ("queue wait", "queue_wait_s"),
+            ("admit -> first token", "first_token_s"),
+            ("end to end", "end_to_end_s"),
+        ):
+            d = b[key]
+            bt.add_row(name, *(f"{d[k]:.3f}" for k in ("p50", "p95", "p99", "max")))
+        c.print(bt)
+        c.print(
+            f"  prompt tokens {b['prompt_tokens']}, from prefix cache {b['cached_tokens']} "
+            f"({b['cached_ratio']:.1%}), predicted {b['predicted_cached_tokens']}; "
+            f"bytes raw {b['raw_bytes']} -> stored {b['encoded_bytes']} "
+            f"({b['compression']}x)"
+        )

@@ -1,0 +1,298 @@
+"""The records that travel: `Request` (input) and `Result` (output), validated and mapped to the
+short-keyed dicts that `wire` packs.
+
+A request line is either plain (``{"id", "prompt" | "messages" | "prompt_token_ids", "prefix"?,
+sampling fields...}``) or an OpenAI batch-file line (``{"custom_id", "method", "url", "body"}``),
+whose ``custom_id`` becomes the id and whose ``body`` holds the prompt or messages and sampling.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixq.errors import ValidationError
+
+#: sampling fields a request may carry, with their accepted types (checked at submit time)
+SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
+    "max_tokens": (int,),
+    "min_tokens": (int,),
+    "temperature": (int, float),
+    "top_p": (int, float),
+    "top_k": (int,),
+    "min_p": (int, float),
+    "presence_penalty": (int, float),
+    "frequency_penalty": (int, float),
+    "repetition_penalty": (int, float),
+    "stop": (str, list),
+    "stop_token_ids": (list,),
+    "seed": (int,),
+    "ignore_eos": (bool,),
+}
+DEFAULT_MAX_TOKENS = 256
+#: OpenAI body fields that are accepted and ignored (they do not change the result here)
+_IGNORED_BODY = frozenset({"model", "n", "stream", "user", "logprobs", "metadata"})
+_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+
+
+@dataclass(slots=True)
+class Request:
+    """One prompt to run. Exactly one of ``prompt``, ``messages``, ``prompt_token_ids`` is set.
+
+    ``prefix`` is shared leading text (a document) placed before ``prompt``; for chats the shared
+    leading messages play that role (everything but the last message).
+    """
+
+    id: str
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    prompt_token_ids: list[int] | None = None
+    prefix: str | list[int] | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, obj: Any, *, index: int = 0) -> Request:
+        """Build from a plain or OpenAI batch line; ValidationError names the line on bad input."""
+        where = f"line {index + 1}"
+        if not isinstance(obj, Mapping):
+            raise ValidationError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        if "custom_id" in obj or "body" in obj:
+            return cls._from_openai(obj, where)
+        body = dict(obj)
+        rid = body.pop("id", None)
+        rid = str(index) if rid is None else rid
+        return cls._from_body(rid, body, where)
+
+    @classmethod
+    def _from_openai(cls, obj: Mapping[str, Any], where: str) -> Request:
+        body = obj.get("body")
+        if not isinstance(body, Mapping):
+            raise ValidationError(f"{where}: OpenAI batch line needs an object 'body'")
+        url = obj.get("url", "/v1/chat/completions")
+        if url not in ("/v1/chat/completions", "/v1/completions"):
+            raise ValidationError(f"{where}: unsupported url {url!r} (chat or completions only)")
+        if "custom_id" not in obj:
+            raise ValidationError(f"{where}: OpenAI batch line needs 'custom_id'")
+        body = {k: v for k, v in body.items() if k not in _IGNORED_BODY}
+        if "max_completion_tokens" in body:
+            body.setdefault("max_tokens", body.pop("max_completion_tokens"))
+        return cls._from_body(obj["custom_id"], body, where)
+
+    @classmethod
+    def _from_body(cls, rid: Any, body: dict[str, Any], where: str) -> Request:
+        if not isinstance(rid, str | int) or isinstance(rid, bool):
+            raise ValidationError(f"{where}: id must be a string or integer")
+        req = cls(
+            id=str(rid),
+            prompt=body.pop("prompt", None),
+            messages=body.pop("messages", None),
+            prompt_token_ids=body.pop("prompt_token_ids", None),
+            prefix=body.pop("prefix", None),
+        )
+        sampling = body.pop("sampling", None) or {}
+        if not isinstance(sampling, dict):
+            raise ValidationError(f"{where}: 'sampling' must be an object")
+        sampling.update({k: body.pop(k) for k in list(body) if k in SAMPLING_FIELDS})
+        if body:
+            raise ValidationError(f"{where}: unknown fields: {', '.join(sorted(body))}")
+        req.sampling = sampling
+        req.validate(where=where)
+        return req
+
+    def validate(
+        self, *, max_chars: int = 4_000_000, max_messages: int = 1024, where: str = ""
+    ) -> None:
+        """Check shape, sizes and sampling values; raise ValidationError saying what is wrong."""
+        w = f"{where or 'request ' + repr(self.id)}: "
+        given = [
+            n for n in ("prompt", "messages", "prompt_token_ids") if getattr(self, n) is not None
+        ]
+        if len(given) != 1:
+            raise ValidationError(w + "needs exactly one of prompt, messages, prompt_token_ids")
+        if len(self.id) > 512:
+            raise ValidationError(w + "id longer than 512 characters")
+        if self.prompt is not None and not isinstance(self.prompt, str):
+            raise ValidationError(w + "prompt must be a string")
+        if self.prefix is not None:
+            if isinstance(self.prefix, str) and self.prompt is None:
+                raise ValidationError(
+                    w + "a text prefix goes with prompt (chats: leading messages)"
+                )
+            if isinstance(self.prefix, list) and self.prompt_token_ids is None:
+                raise ValidationError(w + "a token-id prefix goes with prompt_token_ids")
+            if not isinstance(self.prefix, str | list):
+                raise ValidationError(w + "prefix must be a string or a list of token ids")
+            if isinstance(self.prefix, list) and not _token_ids(self.prefix):
+                raise ValidationError(w + "prefix token ids must be a non-empty list of ids")
+        if self.prompt_token_ids is not None and not _token_ids(self.prompt_token_ids):
+            raise ValidationError(w + "prompt_token_ids must be a non-empty list of token ids")
+        if self.messages is not None:
+            _check_messages(self.messages, max_messages, w)
+        if self.chars() > max_chars:
+            raise ValidationError(w + f"prompt is {self.chars()} characters, over {max_chars}")
+        if self.prompt == "" and not self.prefix:
+            raise ValidationError(w + "prompt is empty")
+        _check_sampling(self.sampling, w)
+
+    def chars(self) -> int:
+        """Characters of text in the request (prefix, prompt and message contents)."""
+        n = len(self.prefix or ()) + len(self.prompt or "")
+        if self.messages:
+            n += sum(len(m.get("content") or "") for m in self.messages)
+        return n + len(self.prompt_token_ids or ())
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plain JSON form (what `from_json` reads back)."""
+        out: dict[str, Any] = {"id": self.id}
+        for name in ("prompt", "messages", "prompt_token_ids", "prefix"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        out.update(self.sampling)
+        return out
+
+
+def _token_ids(ids: Any) -> bool:
+    return (
+        isinstance(ids, list)
+        and bool(ids)
+        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in ids)
+    )
+
+
+def _check_messages(messages: Any, max_messages: int, w: str) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValidationError(w + "messages must be a non-empty list")
+    if len(messages) > max_messages:
+        raise ValidationError(w + f"{len(messages)} messages, over {max_messages}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValidationError(w + f"message {i} needs a string 'role'")
+        if m["role"] not in _ROLES:
+            raise ValidationError(w + f"message {i} has unknown role {m['role']!r}")
+        if not isinstance(m.get("content"), str):
+            raise ValidationError(w + f"message {i} content must be a string")
+
+
+def _check_sampling(s: dict[str, Any], w: str) -> None:
+    for key, value in s.items():
+        kinds = SAMPLING_FIELDS.get(key)
+        if kinds is None:
+            raise ValidationError(w + f"unknown sampling field {key!r}")
+        if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+            raise ValidationError(w + f"{key} has the wrong type ({type(value).__name__})")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValidationError(w + f"{key} must be finite")
+    checks: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+        ("max_tokens", lambda v: 1 <= v <= 1 << 20, "between 1 and 1048576"),
+        ("min_tokens", lambda v: v >= 0, ">= 0"),
+        ("temperature", lambda v: 0 <= v <= 100, "between 0 and 100"),
+        ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+        ("top_k", lambda v: v == -1 or v >= 0, "-1 or >= 0"),
+        ("min_p", lambda v: 0 <= v <= 1, "in [0, 1]"),
+        ("presence_penalty", lambda v: -2 <= v <= 2, "between -2 and 2"),
+        ("frequency_penalty", lambda v: -2 <= v <= 2, "between -2 and 2"),
+        ("repetition_penalty", lambda v: 0 < v <= 10, "in (0, 10]"),
+        ("seed", lambda v: -(1 << 63) <= v < 1 << 63, "a 64-bit integer"),
+    )
+    for key, ok, what in checks:
+        if key in s and not ok(s[key]):
+            raise ValidationError(w + f"{key}={s[key]!r} must be {what}")
+    stop = s.get("stop")
+    if isinstance(stop, list) and (len(stop) > 16 or not all(isinstance(x, str) for x in stop)):
+        raise ValidationError(w + "stop must be a string or a list of at most 16 strings")
+    ids = s.get("stop_token_ids")
+    if ids is not None and not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+        raise ValidationError(w + "stop_token_ids must be a list of integers")
+
+
+@dataclass(slots=True)
+class Timings:
+    """Epoch seconds of each stage of one request."""
+
+    enqueued: float = 0.0
+    admitted: float = 0.0
+    first_token: float = 0.0
+    finished: float = 0.0
+
+
+@dataclass(slots=True)
+class Result:
+    """The outcome of one request; ``error`` is None on success."""
+
+    id: str
+    index: int
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    shard: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    predicted_cached_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    timings: Timings = field(default_factory=Timings)
+    worker: str = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        """Short-keyed dict for `wire.encode`."""
+        t = self.timings
+        return {
+            "id": self.id,
+            "i": self.index,
+            "x": self.text,
+            "f": self.finish_reason,
+            "e": self.error,
+            "k": self.shard,
+            "pt": self.prompt_tokens,
+            "ct": self.cached_tokens,
+            "ot": self.output_tokens,
+            "pc": self.predicted_cached_tokens,
+            "ti": self.token_ids,
+            "t": [t.enqueued, t.admitted, t.first_token, t.finished],
+            "w": self.worker,
+        }
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Result:
+        """Inverse of `to_wire`."""
+        t = d.get("t") or [0.0, 0.0, 0.0, 0.0]
+        return cls(
+            id=d["id"],
+            index=d["i"],
+            text=d.get("x", ""),
+            finish_reason=d.get("f"),
+            error=d.get("e"),
+            shard=d.get("k", 0),
+            prompt_tokens=d.get("pt", 0),
+            cached_tokens=d.get("ct", 0),
+            output_tokens=d.get("ot", 0),
+            predicted_cached_tokens=d.get("pc", 0),
+            token_ids=list(d.get("ti") or ()),
+            timings=Timings(*t),
+            worker=d.get("w", ""),
+        )
+
+    def to_json(self, *, token_ids: bool = False) -> dict[str, Any]:
+        """The documented output record (one JSONL line)."""
+        t = self.timings
+        out: dict[str, Any] = {
+            "id": self.id,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "error": self.error,
+            "shard": self.shard,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "output_tokens": self.output_tokens,
+            "timings": {
+                "enqueued": t.enqueued,
+                "admitted": t.admitted,
+                "first_token": t.first_token,
+                "finished": t.finished,
+            },
+        }
+        if token_ids:
+            out["token_ids"] = self.token_ids
+        return out

@@ -1,0 +1,189 @@
+"""Wait for, stream and collect a burst's results (blocking API: CLI, RQ jobs, scripts).
+
+Results live in one hash per burst (input index -> encoded `Result`); every recorded result also
+adds an entry to the burst's events stream, which waiters block on (XREAD) instead of polling.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import redis
+
+from prefixq import wire
+from prefixq.connection import TRANSIENT, describe, sync_client
+from prefixq.errors import BurstNotFound, BurstTimeout
+from prefixq.keys import Keys
+from prefixq.records import Result
+from prefixq.settings import Settings
+
+__all__ = ["BurstStatus", "collect", "iter", "status", "wait", "write_jsonl"]
+
+_FETCH = 512
+
+
+@dataclass(slots=True)
+class BurstStatus:
+    """A burst's record and progress."""
+
+    burst: str
+    total: int
+    done: int
+    failed: int
+    status: str
+    created: float
+    finished_at: float
+    meta: dict[str, str]
+
+    @property
+    def finished(self) -> bool:
+        return self.done + self.failed >= self.total
+
+    @classmethod
+    def from_hash(cls, burst: str, h: dict[bytes, bytes]) -> BurstStatus:
+        m = {k.decode(): v.decode() for k, v in h.items()}
+        return cls(
+            burst=burst,
+            total=int(m.get("total", 0)),
+            done=int(m.get("done", 0)),
+            failed=int(m.get("failed", 0)),
+            status=m.get("status", "?"),
+            created=float(m.get("created", 0)),
+            finished_at=float(m.get("finished_at", 0)),
+            meta=m,
+        )
+
+
+class _Session:
+    """One client and key set for the calls below."""
+
+    def __init__(self, burst: str, settings: Settings | None, client: redis.Redis | None) -> None:
+        self.settings = settings or Settings.from_env()
+        self.r = client or sync_client(self.settings)
+        self.keys = Keys(self.settings.namespace)
+        self.burst = burst
+        self.limits = wire.Limits.from_settings(self.settings)
+
+    def status(self) -> BurstStatus:
+        try:
+            h = self.r.hgetall(self.keys.burst(self.burst))
+        except TRANSIENT as e:
+            raise describe(self.settings, e) from e
+        if not h:
+            raise BurstNotFound(f"no burst {self.burst!r} in namespace {self.settings.namespace!r}")
+        return BurstStatus.from_hash(self.burst, h)
+
+    def block(self, last: str, ms: int) -> str:
+        """Wait until a result is recorded after event ``last`` (or ``ms`` pass)."""
+        resp = self.r.xread({self.keys.events(self.burst): last}, count=1000, block=ms)
+        if resp:
+            return str(resp[0][1][-1][0].decode())
+        return last
+
+    def fetch(self, indexes: builtins.range) -> list[Result | None]:
+        raw = self.r.hmget(self.keys.results(self.burst), list(indexes))
+        return [None if v is None else Result.from_wire(wire.decode(v, self.limits)) for v in raw]
+
+
+def status(
+    burst: str, settings: Settings | None = None, *, client: redis.Redis | None = None
+) -> BurstStatus:
+    """The burst's record and counters right now."""
+    return _Session(burst, settings, client).status()
+
+
+def wait(
+    burst: str,
+    settings: Settings | None = None,
+    *,
+    timeout: float | None = None,
+    progress: Callable[[BurstStatus], None] | None = None,
+    client: redis.Redis | None = None,
+) -> BurstStatus:
+    """Block until every request of the burst has a result; BurstTimeout past ``timeout`` s."""
+    ses = _Session(burst, settings, client)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    last = "0-0"
+    while True:
+        st = ses.status()
+        if progress:
+            progress(st)
+        if st.finished:
+            return st
+        ms = 1000
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BurstTimeout(
+                    f"burst {burst}: {st.done + st.failed}/{st.total} results after {timeout:.0f}s"
+                )
+            ms = max(1, min(ms, int(left * 1000)))
+        last = ses.block(last, ms)
+
+
+def iter(
+    burst: str,
+    settings: Settings | None = None,
+    *,
+    timeout: float | None = None,
+    client: redis.Redis | None = None,
+) -> Iterator[Result]:
+    """Yield results in input order, each as soon as it and all before it are recorded."""
+    ses = _Session(burst, settings, client)
+    total = ses.status().total
+    deadline = None if timeout is None else time.monotonic() + timeout
+    nxt, last = 0, "0-0"
+    while nxt < total:
+        got = ses.fetch(builtins.range(nxt, min(total, nxt + _FETCH)))
+        for res in got:
+            if res is None:
+                break
+            yield res
+            nxt += 1
+        else:
+            continue
+        if deadline is not None and time.monotonic() > deadline:
+            raise BurstTimeout(f"burst {burst}: {nxt}/{total} results in order after {timeout}s")
+        last = ses.block(last, 1000)
+
+
+def collect(
+    burst: str, settings: Settings | None = None, *, client: redis.Redis | None = None
+) -> list[Result]:
+    """Every recorded result, in input order (missing ones are skipped)."""
+    ses = _Session(burst, settings, client)
+    total = ses.status().total
+    out: list[Result] = []
+    for start in builtins.range(0, total, _FETCH):
+        out.extend(r for r in ses.fetch(builtins.range(start, min(total, start + _FETCH))) if r)
+    return out
+
+
+def write_jsonl(
+    burst: str,
+    out: str | Path | IO[str],
+    settings: Settings | None = None,
+    *,
+    timeout: float | None = None,
+    token_ids: bool = False,
+    client: redis.Redis | None = None,
+) -> int:
+    """Write the burst's results as JSON lines in input order (waiting for them); returns count."""
+
+    def dump(f: IO[str]) -> int:
+        n = 0
+        for res in iter(burst, settings, timeout=timeout, client=client):
+            f.write(json.dumps(res.to_json(token_ids=token_ids), ensure_ascii=False) + "\n")
+            n += 1
+        return n
+
+    if isinstance(out, str | Path):
+        with open(out, "w", encoding="utf-8") as f:
+            return dump(f)
+    return dump(out)

@@ -1,0 +1,156 @@
+"""One frozen `Settings` object, read once at the edge (env vars, then CLI flags) and passed down.
+
+Every field has a ``PREFIXQ_<FIELD>`` environment variable (``REDIS_URL`` for ``redis_url``) and a
+CLI flag of the same name. Nothing else in the package reads the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, get_type_hints
+
+from prefixq.errors import ConfigError
+
+CODECS = ("zlib", "zstd", "none")
+PLACEMENTS = ("affinity", "hash", "random", "round-robin")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Configuration shared by producers, workers and tools; every field documented in README."""
+
+    # where and under which names
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    namespace: str = "prefixq"
+    #: where the embedded model is prepared; empty = $XDG_CACHE_HOME/prefixq or ~/.cache/prefixq
+    cache_dir: str = ""
+    #: number of shards (one per GPU); 0 = read it from Redis, where the first deployment wrote it
+    shards: int = 0
+
+    # wire format and limits (decision 3)
+    codec: str = "zlib"
+    #: codec level; -1 = the codec's default for prefixq (zlib 1, zstd 3)
+    codec_level: int = -1
+    #: largest encoded entry accepted from the stream, bytes
+    max_entry_bytes: int = 4 << 20
+    #: largest decoded (decompressed msgpack) entry, bytes
+    max_decoded_bytes: int = 32 << 20
+    #: largest prompt (plus prefix and messages), characters
+    max_prompt_chars: int = 4_000_000
+    #: most messages in one chat request
+    max_messages: int = 1024
+    #: prefixes at least this long are stored once, content-addressed, and referenced by hash
+    prefix_store_min_chars: int = 512
+    #: seconds a stored prefix lives (refreshed on every submit that uses it)
+    prefix_ttl_s: int = 86_400
+    #: prefixes a worker keeps decoded in memory
+    prefix_cache_entries: int = 4096
+
+    # affinity and placement (decision 4)
+    placement: str = "affinity"
+    #: tokens per KV block; must equal the engine's block size
+    block_size: int = 16
+    #: characters per block when the producer has no tokenizer
+    block_chars: int = 64
+    #: one map entry every this many blocks (plus the last full block of each prefix)
+    checkpoint_every: int = 8
+    #: bound on the shared prefix map (entries); least recently used beyond it are evicted
+    map_max_entries: int = 200_000
+    #: move a prefix group when its shard's backlog exceeds the least loaded by this many tokens
+    guard_margin_tokens: int = 262_144
+    #: and by this factor (both must hold)
+    guard_factor: float = 2.0
+    #: producer-side tokenizer (HF folder) for token block hashes; empty = the model, if local
+    tokenizer: str = ""
+
+    # consumer (decisions 5 and 6)
+    #: requests kept inside the engine; 0 = twice the engine's max_num_seqs
+    max_inflight: int = 0
+    #: entries read per XREADGROUP
+    read_count: int = 128
+    #: deliveries before an entry goes to the dead-letter stream
+    max_attempts: int = 3
+    #: an entry pending this long on another consumer is reclaimed
+    claim_idle_s: float = 60.0
+    heartbeat_s: float = 2.0
+    heartbeat_ttl_s: float = 15.0
+    #: SIGTERM: seconds to finish in-flight requests before exiting
+    grace_s: float = 60.0
+    #: seconds results and burst records live after the burst's last write
+    result_ttl_s: int = 7 * 86_400
+    #: results are written and acked in groups of up to this many
+    write_batch: int = 64
+    #: freeze the heap after warm-up (gc.freeze)
+    gc_freeze: bool = True
+
+    def __post_init__(self) -> None:
+        if self.codec not in CODECS:
+            raise ConfigError(f"codec must be one of {', '.join(CODECS)}, not {self.codec!r}")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(
+                f"placement must be one of {', '.join(PLACEMENTS)}, not {self.placement!r}"
+            )
+        if self.shards < 0:
+            raise ConfigError(f"shards must be >= 0, not {self.shards}")
+        if not self.namespace or any(c in self.namespace for c in "{} "):
+            raise ConfigError(
+                f"namespace must be non-empty, without braces or spaces: {self.namespace!r}"
+            )
+        for name in (
+            "block_size",
+            "block_chars",
+            "checkpoint_every",
+            "read_count",
+            "max_attempts",
+            "write_batch",
+            "max_entry_bytes",
+            "max_decoded_bytes",
+            "max_prompt_chars",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, not {getattr(self, name)}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Read ``REDIS_URL`` and ``PREFIXQ_*``; keyword overrides (CLI flags) win."""
+        env = os.environ if env is None else env
+        hints = get_type_hints(cls)
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            var = "REDIS_URL" if f.name == "redis_url" else f"PREFIXQ_{f.name.upper()}"
+            if var in env:
+                values[f.name] = _parse(var, env[var], hints[f.name])
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        unknown = set(values) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ConfigError(f"unknown settings: {', '.join(sorted(unknown))}")
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> Settings:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def env_name(self, field: str) -> str:
+        """The environment variable that sets ``field``."""
+        return "REDIS_URL" if field == "redis_url" else f"PREFIXQ_{field.upper()}"
+
+
+def _parse(var: str, raw: str, kind: Any) -> Any:
+    try:
+        if kind is bool:
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if kind is int:
+            return int(raw)
+        if kind is float:
+            return float(raw)
+        return raw
+    except ValueError:
+        raise ConfigError(f"{var}={raw!r} is not a valid {kind.__name__}") from None

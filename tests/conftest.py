@@ -1,0 +1,165 @@
+"""Shared fixtures: a private redis-server per session, settings factories, real worker processes.
+
+Real parts only: `redis_server` is a `redis-server` binary on a free port (tests may kill and restart
+it); `worker_procs` are `prefixq worker` processes with the real vLLM CPU engine on the embedded
+model. Locally a missing redis-server skips Redis tests; in CI (CI=true) it fails them.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from prefixq.keys import Keys
+from prefixq.redis_server import RedisServer
+from prefixq.settings import Settings
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+ENGINE_START_TIMEOUT = 900
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """A private redis-server (AOF on) for the whole session."""
+    if not shutil.which("redis-server"):
+        if IN_CI:
+            pytest.fail("redis-server is not installed (CI must have it)")
+        pytest.skip("redis-server not on PATH")
+    with RedisServer(appendonly=True) as srv:
+        yield srv
+
+
+@pytest.fixture
+def make_settings(redis_server: RedisServer) -> Callable[..., Settings]:
+    """``make_settings(**overrides)``: settings on the private server, a fresh namespace each."""
+
+    def make(**overrides: Any) -> Settings:
+        base: dict[str, Any] = {
+            "redis_url": redis_server.url,
+            "namespace": f"t{secrets.token_hex(4)}",
+            "shards": 1,
+        }
+        return Settings(**(base | overrides))
+
+    return make
+
+
+@pytest.fixture
+def settings(make_settings: Callable[..., Settings]) -> Settings:
+    return make_settings()
+
+
+@pytest.fixture
+def r(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    """The embedded SmolLM2 folder (prepared once into the user cache)."""
+    from prefixq.model import default_cache_dir, resolve_model
+
+    return resolve_model("", default_cache_dir())
+
+
+class WorkerProc:
+    """A `prefixq worker` process; `wait_up()` blocks until its engine serves."""
+
+    def __init__(self, settings: Settings, shard: int, model: str, log: Path,
+                 name: str, extra: list[str]) -> None:
+        self.settings, self.shard, self.name, self.log = settings, shard, name, log
+        cmd = [sys.executable, "-m", "prefixq", "worker", "--shard", str(shard), "--model", model,
+               "--name", name, "--redis-url", settings.redis_url, "--namespace",
+               settings.namespace, "--shards", str(settings.shards),
+               "--claim-idle-s", str(settings.claim_idle_s),
+               "--heartbeat-s", str(settings.heartbeat_s),
+               "--grace-s", str(settings.grace_s),
+               "--max-attempts", str(settings.max_attempts), *extra]
+        self._out = open(log, "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def wait_up(self, timeout: float = ENGINE_START_TIMEOUT) -> WorkerProc:
+        r = redis.Redis.from_url(self.settings.redis_url)
+        hb = Keys(self.settings.namespace).heartbeat(self.shard, self.name)
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"worker exited {self.proc.returncode}:\n{self.tail()}")
+                if r.hget(hb, "engine_up") == b"1":
+                    return self
+                time.sleep(0.5)
+        finally:
+            r.close()
+        raise RuntimeError(f"worker not up after {timeout}s:\n{self.tail()}")
+
+    def tail(self, n: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 120) -> int:
+        self.signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+        finally:
+            self._out.close()
+
+
+@pytest.fixture(scope="session")
+def start_worker(tmp_path_factory: pytest.TempPathFactory,
+                 model_path: str) -> Iterator[Callable[..., WorkerProc]]:
+    """``start_worker(settings, shard=0, name=..., extra=[...])`` -> a started (not yet up)
+    worker process; every one is stopped at the end of the session."""
+    procs: list[WorkerProc] = []
+    logs = tmp_path_factory.mktemp("workers")
+
+    def start(settings: Settings, shard: int = 0, name: str = "", extra: list[str] | None = None,
+              model: str = "") -> WorkerProc:
+        name = name or f"w{len(procs)}-s{shard}"
+        wp = WorkerProc(settings, shard, model or model_path, logs / f"{name}.log", name,
+                        extra or [])
+        procs.append(wp)
+        return wp
+
+    yield start
+    for wp in procs:
+        wp.stop(timeout=60)
+
+
+@pytest.fixture(scope="session")
+def cluster(redis_server: RedisServer, start_worker: Callable[..., WorkerProc]) -> Iterator[Any]:
+    """The shared engine deployment of the session: a 2-shard namespace with one real vLLM CPU
+    worker per shard. Tests submit their own bursts to it."""
+    s = Settings(redis_url=redis_server.url, namespace=f"cluster{secrets.token_hex(3)}",
+                 shards=2, claim_idle_s=5.0, heartbeat_s=1.0, grace_s=60.0)
+    workers = [start_worker(s, shard=k, name=f"cluster-s{k}") for k in range(2)]
+    for w in workers:
+        w.wait_up()
+
+    class Cluster:
+        settings = s
+
+        def __init__(self) -> None:
+            self.workers = workers
+
+    yield Cluster()
