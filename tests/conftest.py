@@ -1,8 +1,9 @@
-"""Shared fixtures: a private redis-server per session, settings factories, real worker processes.
+"""Shared fixtures: a private redis-server per session, settings, real worker processes.
 
-Real parts only: `redis_server` is a `redis-server` binary on a free port (tests may kill and restart
-it); `worker_procs` are `prefixq worker` processes with the real vLLM CPU engine on the embedded
-model. Locally a missing redis-server skips Redis tests; in CI (CI=true) it fails them.
+Real parts only: `redis_server` is a `redis-server` binary on a free port (tests may kill and
+restart it); `start_worker` starts `prefixq worker` processes with the real vLLM CPU engine on the
+embedded model; `cluster` is the session's 2-shard deployment of two such workers. Locally a
+missing redis-server skips Redis tests; in CI (CI=true) it fails them.
 """
 
 from __future__ import annotations
@@ -78,19 +79,44 @@ def model_path() -> str:
 class WorkerProc:
     """A `prefixq worker` process; `wait_up()` blocks until its engine serves."""
 
-    def __init__(self, settings: Settings, shard: int, model: str, log: Path,
-                 name: str, extra: list[str]) -> None:
+    def __init__(
+        self, settings: Settings, shard: int, model: str, log: Path, name: str, extra: list[str]
+    ) -> None:
         self.settings, self.shard, self.name, self.log = settings, shard, name, log
-        cmd = [sys.executable, "-m", "prefixq", "worker", "--shard", str(shard), "--model", model,
-               "--name", name, "--redis-url", settings.redis_url, "--namespace",
-               settings.namespace, "--shards", str(settings.shards),
-               "--claim-idle-s", str(settings.claim_idle_s),
-               "--heartbeat-s", str(settings.heartbeat_s),
-               "--grace-s", str(settings.grace_s),
-               "--max-attempts", str(settings.max_attempts), *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "prefixq",
+            "worker",
+            "--shard",
+            str(shard),
+            "--model",
+            model,
+            "--name",
+            name,
+            "--redis-url",
+            settings.redis_url,
+            "--namespace",
+            settings.namespace,
+            "--shards",
+            str(settings.shards),
+            "--claim-idle-s",
+            str(settings.claim_idle_s),
+            "--heartbeat-s",
+            str(settings.heartbeat_s),
+            "--grace-s",
+            str(settings.grace_s),
+            "--max-attempts",
+            str(settings.max_attempts),
+            *extra,
+        ]
         self._out = open(log, "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
 
     def wait_up(self, timeout: float = ENGINE_START_TIMEOUT) -> WorkerProc:
         r = redis.Redis.from_url(self.settings.redis_url)
@@ -126,18 +152,25 @@ class WorkerProc:
 
 
 @pytest.fixture(scope="session")
-def start_worker(tmp_path_factory: pytest.TempPathFactory,
-                 model_path: str) -> Iterator[Callable[..., WorkerProc]]:
+def start_worker(
+    tmp_path_factory: pytest.TempPathFactory, model_path: str
+) -> Iterator[Callable[..., WorkerProc]]:
     """``start_worker(settings, shard=0, name=..., extra=[...])`` -> a started (not yet up)
     worker process; every one is stopped at the end of the session."""
     procs: list[WorkerProc] = []
     logs = tmp_path_factory.mktemp("workers")
 
-    def start(settings: Settings, shard: int = 0, name: str = "", extra: list[str] | None = None,
-              model: str = "") -> WorkerProc:
+    def start(
+        settings: Settings,
+        shard: int = 0,
+        name: str = "",
+        extra: list[str] | None = None,
+        model: str = "",
+    ) -> WorkerProc:
         name = name or f"w{len(procs)}-s{shard}"
-        wp = WorkerProc(settings, shard, model or model_path, logs / f"{name}.log", name,
-                        extra or [])
+        wp = WorkerProc(
+            settings, shard, model or model_path, logs / f"{name}.log", name, extra or []
+        )
         procs.append(wp)
         return wp
 
@@ -147,11 +180,17 @@ def start_worker(tmp_path_factory: pytest.TempPathFactory,
 
 
 @pytest.fixture(scope="session")
-def cluster(redis_server: RedisServer, start_worker: Callable[..., WorkerProc]) -> Iterator[Any]:
+def cluster(redis_server: RedisServer, start_worker: Callable[..., WorkerProc]) -> Any:
     """The shared engine deployment of the session: a 2-shard namespace with one real vLLM CPU
     worker per shard. Tests submit their own bursts to it."""
-    s = Settings(redis_url=redis_server.url, namespace=f"cluster{secrets.token_hex(3)}",
-                 shards=2, claim_idle_s=5.0, heartbeat_s=1.0, grace_s=60.0)
+    s = Settings(
+        redis_url=redis_server.url,
+        namespace=f"cluster{secrets.token_hex(3)}",
+        shards=2,
+        claim_idle_s=5.0,
+        heartbeat_s=1.0,
+        grace_s=60.0,
+    )
     workers = [start_worker(s, shard=k, name=f"cluster-s{k}") for k in range(2)]
     for w in workers:
         w.wait_up()
@@ -162,4 +201,4 @@ def cluster(redis_server: RedisServer, start_worker: Callable[..., WorkerProc]) 
         def __init__(self) -> None:
             self.workers = workers
 
-    yield Cluster()
+    return Cluster()

@@ -1,0 +1,120 @@
+"""The `prefixq` command on real parts: submit --wait on an OpenAI batch file, inspect --json."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prefixq.settings import Settings
+
+
+def prefixq(
+    *args: str, settings: Settings, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "prefixq",
+        *args,
+        "--redis-url",
+        settings.redis_url,
+        "--namespace",
+        settings.namespace,
+    ]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=900, input=stdin, check=False
+    )
+
+
+def openai_line(cid: str, content: str, max_tokens: int = 8) -> dict[str, Any]:
+    return {
+        "custom_id": cid,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": "any",
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": content}],
+        },
+    }
+
+
+@pytest.mark.engine
+def test_submit_wait_on_openai_batch_file_writes_results_in_order(
+    cluster: Any, tmp_path: Path
+) -> None:
+    """Given an OpenAI batch file, `submit --wait --out` prints the burst id last and writes one
+    result per line, in input order, keyed by custom_id."""
+    lines = [openai_line(f"req-{i}", f"Say the number {i}.") for i in range(6)]
+    src = tmp_path / "batch.jsonl"
+    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    out = tmp_path / "results.jsonl"
+    p = prefixq("submit", str(src), "--wait", "--out", str(out), settings=cluster.settings)
+    assert p.returncode == 0, p.stderr
+    burst = p.stdout.strip().splitlines()[-1]
+    assert burst and " " not in burst
+    got = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [g["id"] for g in got] == [x["custom_id"] for x in lines]
+    assert all(g["error"] is None and g["output_tokens"] > 0 for g in got)
+    assert set(got[0]) >= {
+        "id",
+        "text",
+        "finish_reason",
+        "error",
+        "shard",
+        "prompt_tokens",
+        "cached_tokens",
+        "output_tokens",
+        "timings",
+    }
+
+    again = prefixq("results", burst, settings=cluster.settings)
+    assert again.returncode == 0
+    assert [json.loads(x)["id"] for x in again.stdout.splitlines()] == [g["id"] for g in got]
+
+
+@pytest.mark.engine
+def test_inspect_json_reports_correct_counts(cluster: Any, tmp_path: Path) -> None:
+    """After a burst of 5 good and 1 failing request, inspect --json reports those counts, an
+    empty queue, and one live worker per shard."""
+    lines = [{"id": f"i{i}", "prompt": f"Number {i} is", "max_tokens": 4} for i in range(5)]
+    lines.append({"id": "bad", "prompt": "x " * 9000, "max_tokens": 4})
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(json.dumps(x) for x in lines))
+    p = prefixq("submit", str(src), "--wait", settings=cluster.settings)
+    assert p.returncode == 0, p.stderr
+    burst = p.stdout.strip().splitlines()[-1]
+
+    p = prefixq("inspect", "--json", "--burst", burst, settings=cluster.settings)
+    assert p.returncode == 0, p.stderr
+    snap = json.loads(p.stdout)
+    (b,) = snap["bursts"]
+    assert (b["total"], b["done"], b["failed"], b["status"]) == (6, 5, 1, "finished")
+    assert sum(b["per_shard"]) == 6
+    assert b["ok"] == 5 and b["queue_wait_s"]["p50"] >= 0 and b["end_to_end_s"]["p99"] > 0
+    assert len(snap["shards"]) == cluster.settings.shards
+    for s in snap["shards"]:
+        assert (s["stream_length"], s["pending"], s["waiting"]) == (0, 0, 0)
+        assert s["workers"] == 1
+
+
+def test_submit_refuses_a_bad_file_with_the_line_number(settings: Settings, tmp_path: Path) -> None:
+    """A malformed line is refused before anything is enqueued, naming the line; exit code 1."""
+    src = tmp_path / "bad.jsonl"
+    src.write_text('{"id": "a", "prompt": "ok"}\n{"id": "b", "prompt": "x", "temperature": -3}\n')
+    p = prefixq("submit", str(src), settings=settings)
+    assert p.returncode == 1
+    assert "line 2" in p.stderr and "temperature" in p.stderr
+    assert p.stdout == ""
+
+
+def test_usage_error_exits_2(settings: Settings) -> None:
+    """An unknown flag is a usage error (exit 2)."""
+    p = prefixq("inspect", "--no-such-flag", settings=settings)
+    assert p.returncode == 2
