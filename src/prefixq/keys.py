@@ -51,13 +51,13 @@ class Keys:
 
     @property
     def prefix_map(self) -> str:
-        """Hash: prefix checkpoint hash -> shard."""
-        return f"{self.ns}:pmap"
+        """Hash: prefix checkpoint hash (8 bytes) -> shard."""
+        return f"{self.ns}:{{pmap}}"
 
     @property
     def prefix_lru(self) -> str:
-        """Sorted set: prefix checkpoint hash -> last use, to bound `prefix_map`."""
-        return f"{self.ns}:pmap:lru"
+        """Sorted set: prefix checkpoint hash -> last use, to bound `prefix_map` (same slot)."""
+        return f"{self.ns}:{{pmap}}:lru"
 
     @property
     def moves(self) -> str:

@@ -81,25 +81,24 @@ class BurstProgress(_Bar):
 
 def render_snapshot(snap: dict[str, Any], console: Console | None = None) -> None:
     """The human form of `inspect.snapshot`."""
-    c = console or Console()
-    t = Table(title=f"shards ({snap['namespace']})")
-    for col in (
+    c = console or Console(width=None if Console().is_terminal else 120)
+    t = Table(title=f"shards of {snap['namespace']}")
+    cols = (
         "shard",
-        "stream",
-        "waiting",
+        "queued",
         "pending",
         "oldest wait s",
         "workers",
         "in flight",
-        "prefill backlog",
+        "prefill backlog tok",
         "dead",
-        "cached/predicted/prompt tok",
-    ):
+        "cached tok (predicted) / prompt tok",
+    )
+    for col in cols:
         t.add_column(col, justify="right")
     for s in snap["shards"]:
         t.add_row(
             str(s["shard"]),
-            str(s["stream_length"]),
             str(s["waiting"]),
             str(s["pending"]),
             f"{s['oldest_waiting_s']:.1f}",
@@ -107,15 +106,16 @@ def render_snapshot(snap: dict[str, Any], console: Console | None = None) -> Non
             str(s["inflight"]),
             str(s["outstanding_prefill_tokens"]),
             str(s["dead_letters"]),
-            f"{s['cached_tokens']}/{s['predicted_cached_tokens']}/{s['prompt_tokens']}",
+            f"{s['cached_tokens']} ({s['predicted_cached_tokens']}) / {s['prompt_tokens']}",
         )
     c.print(t)
     for b in snap["bursts"]:
-        bt = Table(
-            title=f"burst {b['burst']}: {b['status']}, {b['done']} ok + {b['failed']} "
-            f"failed of {b['total']}; {b['requests_per_s']} req/s; placement "
-            f"{b['placement']} {b['per_shard']}"
+        c.print(
+            f"[bold]burst {b['burst']}[/]: {b['status']}, {b['done']} ok + {b['failed']} "
+            f"failed of {b['total']}, {b['requests_per_s']} req/s over {b['span_s']} s; "
+            f"placement {b['placement']}, per shard {b['per_shard']}"
         )
+        bt = Table()
         for col in ("stage (s)", "p50", "p95", "p99", "max"):
             bt.add_column(col, justify="right")
         for name, key in (
@@ -127,8 +127,8 @@ def render_snapshot(snap: dict[str, Any], console: Console | None = None) -> Non
             bt.add_row(name, *(f"{d[k]:.3f}" for k in ("p50", "p95", "p99", "max")))
         c.print(bt)
         c.print(
-            f"  prompt tokens {b['prompt_tokens']}, from prefix cache {b['cached_tokens']} "
-            f"({b['cached_ratio']:.1%}), predicted {b['predicted_cached_tokens']}; "
-            f"bytes raw {b['raw_bytes']} -> stored {b['encoded_bytes']} "
-            f"({b['compression']}x)"
+            f"  prompt tokens {b['prompt_tokens']}, from the prefix cache "
+            f"{b['cached_tokens']} ({b['cached_ratio']:.1%}; predicted "
+            f"{b['predicted_cached_tokens']}); bytes: raw msgpack {b['raw_bytes']} -> "
+            f"stored {b['encoded_bytes']} ({b['compression']}x)"
         )

@@ -58,7 +58,9 @@ class Settings:
     #: one map entry every this many blocks (plus the last full block of each prefix)
     checkpoint_every: int = 8
     #: bound on the shared prefix map (entries); least recently used beyond it are evicted
-    map_max_entries: int = 200_000
+    map_max_entries: int = 100_000
+    #: a map match shorter than this share of the prompt (a common instruction) starts a new group
+    affinity_min_match: float = 0.5
     #: move a prefix group when its shard's backlog exceeds the least loaded by this many tokens
     guard_margin_tokens: int = 262_144
     #: and by this factor (both must hold)

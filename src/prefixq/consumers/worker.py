@@ -98,6 +98,7 @@ class Worker:
         """Serve until `stop()` or engine death; returns the process exit code."""
         await self._join_group()
         await self.engine.start()
+        await self._record_engine()
         if not self.max_inflight:
             self.max_inflight = max(2 * self.engine.max_num_seqs, 1)
         await self._warm_up()
@@ -144,6 +145,10 @@ class Worker:
             if self.settings.shards:
                 await self.r.hsetnx(self.keys.config, "shards", self.settings.shards)
             return
+
+    async def _record_engine(self) -> None:
+        """Tell producers the engine's KV block size (predicted hits are rounded to it)."""
+        await self.r.hset(self.keys.config, "block_size", self.engine.block_size)
 
     async def _warm_up(self) -> None:
         t0 = time.perf_counter()

@@ -13,13 +13,21 @@ import secrets
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 import redis.asyncio as aredis
 
 from prefixq import wire
-from prefixq.affinity.placement import HashPlacer, Placer, RandomPlacer, RoundRobinPlacer
+from prefixq.affinity.placement import (
+    HashPlacer,
+    Placed,
+    Placer,
+    RandomPlacer,
+    RoundRobinPlacer,
+)
+from prefixq.affinity.prefix_map import AffinityPlacer
 from prefixq.connection import TRANSIENT, async_client, describe
 from prefixq.entries import digest, prefix_size, split_prefix, to_wire
 from prefixq.errors import ConfigError, ValidationError
@@ -94,6 +102,14 @@ def resolve_shards_sync(r: redis.Redis, settings: Settings) -> int:
     return n
 
 
+@dataclass(slots=True)
+class _Encoded:
+    now: float
+    raw_bytes: int = 0
+    entry_bytes: int = 0
+    by_shard: dict[int, list[tuple[bytes, int]]] = field(default_factory=lambda: defaultdict(list))
+
+
 class Producer:
     """Submits bursts. ``submit`` blocks; ``asubmit`` is the same inside an event loop."""
 
@@ -121,8 +137,9 @@ class Producer:
     ) -> str:
         """Validate, place and enqueue ``requests``; returns the burst id.
 
-        ``placement`` overrides the setting; ``on_complete`` ("pkg.module:func") is enqueued as an
-        RQ job on ``rq_queue`` with the burst id once the burst's last request is recorded.
+        ``placement`` overrides the setting (a name, or a `Placer` of your own);
+        ``on_complete`` ("pkg.module:func") is enqueued as an RQ job on ``rq_queue`` with the
+        burst id once the burst's last request is recorded.
         """
         s = self.settings
         reqs = normalize(requests, s)
@@ -142,7 +159,7 @@ class Producer:
         r: aredis.Redis,
         reqs: list[Request],
         burst: str,
-        placement: str,
+        placement: str | Placer,
         on_complete: str | None,
         rq_queue: str | None,
         progress: Progress | None,
@@ -156,8 +173,54 @@ class Producer:
             raise ValidationError(f"burst {burst!r} already exists")
         parts = [split_prefix(q) for q in reqs]
         items = [self.items.build(q, p) for q, (p, _) in zip(reqs, parts, strict=True)]
-        placed = await self._placer(placement, seed).place(r, items, shards)
+        placer = await self._placer(r, placement, seed)
+        placed = await placer.place(r, items, shards)
+        prefixes, refs = self._prefixes(parts)
+        enc = self._encode(reqs, parts, placed, refs, burst)
+        new_bytes = await self._store_prefixes(r, prefixes)
 
+        meta: dict[str, Any] = {
+            "total": len(reqs),
+            "done": 0,
+            "failed": 0,
+            "created": enc.now,
+            "status": "queued",
+            "shards": shards,
+            "codec": s.codec,
+            "placement": placement if isinstance(placement, str) else type(placement).__name__,
+            "raw_bytes": enc.raw_bytes,
+            "encoded_bytes": enc.entry_bytes + new_bytes,
+            "entry_bytes": enc.entry_bytes,
+            "prefix_bytes": new_bytes,
+            "prefix_bytes_reused": sum(map(len, prefixes.values())) - new_bytes,
+            "prefixes": len(prefixes),
+            "per_shard": ",".join(str(len(enc.by_shard.get(k, ()))) for k in range(shards)),
+        }
+        if on_complete:
+            meta["on_complete"] = on_complete
+            meta["rq_queue"] = rq_queue or "default"
+        pipe = r.pipeline(transaction=False)
+        pipe.hset(keys.burst(burst), mapping=meta)
+        pipe.expire(keys.burst(burst), s.result_ttl_s)
+        pipe.zadd(keys.bursts, {burst: enc.now})
+        await pipe.execute()
+        await self._enqueue(r, enc.by_shard, len(reqs), progress)
+        log.info(
+            "burst %s: %d requests on %d shards (%s), %d -> %d bytes",
+            burst,
+            len(reqs),
+            shards,
+            meta["per_shard"],
+            enc.raw_bytes,
+            meta["encoded_bytes"],
+        )
+        return burst
+
+    def _prefixes(
+        self, parts: list[tuple[dict[str, Any] | None, dict[str, Any]]]
+    ) -> tuple[dict[str, bytes], list[str | None]]:
+        """Prefixes worth storing once (digest -> encoded), and each request's reference."""
+        s = self.settings
         stored: dict[str, bytes] = {}
         refs: list[str | None] = []
         for prefix, _ in parts:
@@ -167,10 +230,18 @@ class Producer:
                 if ref not in stored:
                     stored[ref] = wire.encode(prefix, s.codec, s.codec_level)
             refs.append(ref)
+        return stored, refs
 
-        now = time.time()
-        raw_bytes = encoded = 0
-        by_shard: dict[int, list[tuple[bytes, int]]] = defaultdict(list)
+    def _encode(
+        self,
+        reqs: list[Request],
+        parts: list[tuple[dict[str, Any] | None, dict[str, Any]]],
+        placed: list[Placed],
+        refs: list[str | None],
+        burst: str,
+    ) -> _Encoded:
+        s = self.settings
+        enc = _Encoded(now=time.time())
         for i, (q, (prefix, own), pl, ref) in enumerate(
             zip(reqs, parts, placed, refs, strict=True)
         ):
@@ -178,12 +249,12 @@ class Producer:
                 "burst": burst,
                 "index": i,
                 "shard": pl.shard,
-                "enqueued": now,
+                "enqueued": enc.now,
                 "work": pl.work,
                 "predicted_cached": pl.predicted_cached,
                 "own": own,
             }
-            raw_bytes += len(wire.pack(to_wire(q, prefix=prefix, prefix_ref=None, **kw)))
+            enc.raw_bytes += len(wire.pack(to_wire(q, prefix=prefix, prefix_ref=None, **kw)))
             data = wire.encode(
                 to_wire(q, prefix=prefix, prefix_ref=ref, **kw), s.codec, s.codec_level
             )
@@ -192,67 +263,54 @@ class Producer:
                     f"request {i} ({q.id!r}) encodes to {len(data)} bytes, "
                     f"over max_entry_bytes={s.max_entry_bytes}"
                 )
-            encoded += len(data)
-            by_shard[pl.shard].append((data, pl.work))
-        prefix_bytes = sum(len(v) for v in stored.values())
+            enc.entry_bytes += len(data)
+            enc.by_shard[pl.shard].append((data, pl.work))
+        return enc
 
+    async def _store_prefixes(self, r: aredis.Redis, prefixes: dict[str, bytes]) -> int:
+        """SET NX each prefix (refreshing its TTL); returns the bytes newly stored."""
+        if not prefixes:
+            return 0
+        ttl = self.settings.prefix_ttl_s
         pipe = r.pipeline(transaction=False)
-        for ref, value in stored.items():
-            pipe.set(keys.prefix(ref), value, nx=True, ex=s.prefix_ttl_s)
-            pipe.expire(keys.prefix(ref), s.prefix_ttl_s)
-        meta: dict[str, Any] = {
-            "total": len(reqs),
-            "done": 0,
-            "failed": 0,
-            "created": now,
-            "status": "queued",
-            "shards": shards,
-            "placement": placement,
-            "codec": s.codec,
-            "raw_bytes": raw_bytes,
-            "encoded_bytes": encoded + prefix_bytes,
-            "entry_bytes": encoded,
-            "prefix_bytes": prefix_bytes,
-            "prefixes": len(stored),
-            "per_shard": ",".join(str(len(by_shard.get(k, ()))) for k in range(shards)),
-        }
-        if on_complete:
-            meta["on_complete"] = on_complete
-            meta["rq_queue"] = rq_queue or "default"
-        pipe.hset(keys.burst(burst), mapping=meta)
-        pipe.expire(keys.burst(burst), s.result_ttl_s)
-        pipe.zadd(keys.bursts, {burst: now})
-        await pipe.execute()
+        for ref, value in prefixes.items():
+            pipe.set(self.keys.prefix(ref), value, nx=True, ex=ttl)
+            pipe.expire(self.keys.prefix(ref), ttl)
+        done = await pipe.execute()
+        return sum(len(v) for v, new in zip(prefixes.values(), done[::2], strict=True) if new)
 
+    async def _enqueue(
+        self,
+        r: aredis.Redis,
+        by_shard: dict[int, list[tuple[bytes, int]]],
+        total: int,
+        progress: Progress | None,
+    ) -> None:
+        """XADD every entry, shard by shard, in pipelines that also raise the load counter."""
         sent = 0
         for shard, datas in sorted(by_shard.items()):
-            stream = keys.stream(shard)
+            stream = self.keys.stream(shard)
             for start in range(0, len(datas), _CHUNK):
                 chunk = datas[start : start + _CHUNK]
                 pipe = r.pipeline(transaction=False)
                 for data, _ in chunk:
                     pipe.xadd(stream, {FIELD: data})
-                pipe.hincrby(keys.load, str(shard), sum(w for _, w in chunk))
+                pipe.hincrby(self.keys.load, str(shard), sum(w for _, w in chunk))
                 await pipe.execute()
                 sent += len(chunk)
                 if progress:
-                    progress(sent, len(reqs))
-        log.info(
-            "burst %s: %d requests on %d shards (%s), %d -> %d bytes",
-            burst,
-            len(reqs),
-            shards,
-            meta["per_shard"],
-            raw_bytes,
-            encoded + prefix_bytes,
-        )
-        return burst
+                    progress(sent, total)
 
-    def _placer(self, name: str, seed: int | None) -> Placer:
+    async def _placer(self, r: aredis.Redis, name: str | Placer, seed: int | None) -> Placer:
+        if not isinstance(name, str):
+            return name
+        if name == "affinity":
+            block = await r.hget(self.keys.config, "block_size")
+            return AffinityPlacer(self.settings, engine_block=int(block or 0))
         if name == "random":
             return RandomPlacer(seed)
         if name == "round-robin":
             return RoundRobinPlacer()
-        if name in ("hash", "affinity"):
+        if name == "hash":
             return HashPlacer()
-        raise ValidationError(f"unknown placement {name!r}")
+        raise ValidationError(f"unknown placement {name!r} (affinity, hash, random, round-robin)")

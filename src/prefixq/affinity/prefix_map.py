@@ -1,0 +1,203 @@
+"""Affinity placement over a prefix map shared in Redis by every producer (DESIGN decision 4).
+
+For each request: its checkpoints (every ``checkpoint_every``-th chained block hash, the last block
+of its shared prefix, and its last block) are looked up; the deepest one the map knows (or this
+burst already placed) names the shard that holds those KV blocks, and the request goes there with
+``predicted_cached`` = the matched tokens. A request with no known checkpoint starts a new prefix
+group on the shard with the least estimated outstanding prefill work (the load counters producers
+raise and workers lower, plus what this burst already placed; ties to the lowest shard index).
+
+New checkpoints are claimed atomically (HSETNX in lua/claim_prefixes.lua): when two producers race
+for one prefix, the loser follows the winner. The load guard moves a whole prefix group to the
+least loaded shard when its shard's backlog runs ahead by more than ``guard_margin_tokens`` (and
+``guard_factor`` times); the map is updated so later requests follow, and each move is recorded
+in the moves stream. The map is bounded: at most ``map_max_entries`` checkpoints, least recently
+used evicted first (an evicted prefix is simply placed as new).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import redis.asyncio as aredis
+
+from prefixq.affinity.placement import Item, Placed
+from prefixq.connection import lua
+from prefixq.keys import Keys
+from prefixq.settings import Settings
+
+log = logging.getLogger(__name__)
+
+_CLAIMS_PER_CALL = 4000
+
+
+def _cp(h: int) -> bytes:
+    return h.to_bytes(8, "little")
+
+
+@dataclass(slots=True)
+class _Plan:
+    """One request's checkpoints and decision."""
+
+    cps: list[tuple[int, bytes]]  # (block index, hash) shallow -> deep
+    shard: int = -1
+    matched: int = 0  # blocks matched in the map
+    claims: list[bytes] = field(default_factory=list)
+
+
+class AffinityPlacer:
+    """The default placement (``placement="affinity"``)."""
+
+    def __init__(self, settings: Settings, *, engine_block: int = 0) -> None:
+        self.s = settings
+        self.keys = Keys(settings.namespace)
+        #: the engine's KV block in tokens: predicted hits are rounded down to it
+        self.engine_block = engine_block or settings.block_size
+        self.moves: list[dict[str, float | int | str]] = []
+
+    def checkpoints(self, item: Item) -> list[tuple[int, bytes]]:
+        n = len(item.blocks)
+        every = self.s.checkpoint_every
+        idx = set(range(every - 1, n, every))
+        if item.prefix_blocks:
+            idx.add(min(item.prefix_blocks, n) - 1)
+        if n:
+            idx.add(n - 1)
+        return [(i, _cp(item.blocks[i])) for i in sorted(idx)]
+
+    async def place(self, r: aredis.Redis, items: list[Item], shards: int) -> list[Placed]:
+        plans = [_Plan(self.checkpoints(it)) for it in items]
+        unique = list({cp for p in plans for _, cp in p.cps})
+        known: dict[bytes, int] = {}
+        for start in range(0, len(unique), 10_000):
+            chunk = unique[start : start + 10_000]
+            for cp, v in zip(chunk, await r.hmget(self.keys.prefix_map, chunk), strict=True):
+                if v is not None and 0 <= int(v) < shards:
+                    known[cp] = int(v)
+        raw = await r.hgetall(self.keys.load)
+        load = [0.0] * shards
+        for k, v in raw.items():
+            if 0 <= int(k) < shards:
+                load[int(k)] = max(0.0, float(v))
+
+        local: dict[bytes, int] = {}  # decided in this burst (claims and moves)
+        modes: dict[bytes, str] = {}
+        placed: list[Placed] = []
+        for it, plan in zip(items, plans, strict=True):
+            shard, depth = -1, 0
+            for i, cp in reversed(plan.cps):
+                hit = local.get(cp, known.get(cp))
+                if hit is not None:
+                    shard, depth = hit, i + 1
+                    break
+            if shard >= 0 and depth * it.block_tokens < self.s.affinity_min_match * it.tokens:
+                shard, depth = -1, 0  # only a short common head (an instruction): a new group
+            if shard >= 0 and self._guard(load, shard):
+                target = min(range(shards), key=lambda k: (load[k], k))
+                self._record_move(plan, shard, target, load)
+                for _, cp in plan.cps[: self._depth_index(plan, depth)]:
+                    local[cp] = target
+                    modes[cp] = "m"
+                shard, depth = target, 0
+            if shard < 0:
+                shard = min(range(shards), key=lambda k: (load[k], k))
+            cached = self._cached_tokens(it, depth)
+            for _, cp in plan.cps:
+                if cp not in local and cp not in known:
+                    local[cp] = shard
+                    modes.setdefault(cp, "n")
+                    plan.claims.append(cp)
+            plan.shard, plan.matched = shard, depth
+            work = max(0, it.tokens - cached)
+            load[shard] += work
+            placed.append(Placed(shard, work, cached))
+
+        stored = await self._claim(r, local, modes, [cp for cp in unique if cp not in local])
+        # a racing producer claimed some checkpoints first: their requests follow the winner
+        lost = {cp: v for cp, v in stored.items() if modes.get(cp) == "n" and v != local[cp]}
+        follow: dict[bytes, int] = {}
+        if lost:
+            for plan, pl in zip(plans, placed, strict=True):
+                winner = next((lost[cp] for _, cp in plan.cps if cp in lost), None)
+                if winner is None or winner == pl.shard:
+                    continue
+                pl.shard, pl.predicted_cached = winner, 0
+                follow.update({cp: winner for cp in plan.claims if cp not in lost})
+            log.info("prefix race: %d checkpoints owned by another producer", len(lost))
+        if follow:
+            await self._claim(r, follow, dict.fromkeys(follow, "m"), [])
+        await self._record(r)
+        return placed
+
+    def _depth_index(self, plan: _Plan, depth: int) -> int:
+        return sum(1 for i, _ in plan.cps if i < depth)
+
+    def _guard(self, load: list[float], shard: int) -> bool:
+        low = min(load)
+        return (
+            load[shard] - low > self.s.guard_margin_tokens
+            and load[shard] > self.s.guard_factor * low
+        )
+
+    def _cached_tokens(self, it: Item, depth: int) -> int:
+        if depth <= 0:
+            return 0
+        tokens = min(depth * it.block_tokens, it.tokens - 1)
+        eb = self.engine_block
+        return int(tokens // eb * eb)
+
+    def _record_move(self, plan: _Plan, src: int, dst: int, load: list[float]) -> None:
+        anchor = plan.cps[-1][1].hex() if plan.cps else ""
+        self.moves.append(
+            {
+                "anchor": anchor,
+                "from": src,
+                "to": dst,
+                "at": time.time(),
+                "load_from": round(load[src]),
+                "load_to": round(load[dst]),
+            }
+        )
+        log.info(
+            "load guard: prefix group %s moved from shard %d (%d tok) to %d (%d tok)",
+            anchor,
+            src,
+            load[src],
+            dst,
+            load[dst],
+        )
+
+    async def _claim(
+        self,
+        r: aredis.Redis,
+        local: dict[bytes, int],
+        modes: dict[bytes, str],
+        touched: list[bytes],
+    ) -> dict[bytes, int]:
+        script = r.register_script(lua("claim_prefixes"))
+        items = list(local.items())
+        stored: dict[bytes, int] = {}
+        now = repr(time.time())
+        for start in range(0, max(len(items), 1), _CLAIMS_PER_CALL):
+            chunk = items[start : start + _CLAIMS_PER_CALL]
+            args: list[bytes | str | int] = [now, self.s.map_max_entries, len(chunk)]
+            for cp, shard in chunk:
+                args += [cp, shard, modes.get(cp, "n")]
+            if start == 0:
+                args += touched
+            if not chunk and not touched:
+                break
+            out = await script(keys=[self.keys.prefix_map, self.keys.prefix_lru], args=args)
+            for (cp, _), v in zip(chunk, out, strict=True):
+                stored[cp] = int(v)
+        return stored
+
+    async def _record(self, r: aredis.Redis) -> None:
+        if not self.moves:
+            return
+        pipe = r.pipeline(transaction=False)
+        for m in self.moves:
+            pipe.xadd(self.keys.moves, m, maxlen=10_000, approximate=True)
+        await pipe.execute()
