@@ -12,11 +12,11 @@ import textwrap
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from pydoc_data.topics import topics
 from typing import Any
 
 import pytest
 import redis
-from pydoc_data.topics import topics
 
 from prefixq import results, wire
 from prefixq.affinity.placement import Item, Placed
