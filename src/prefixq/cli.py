@@ -15,10 +15,11 @@ from collections.abc import Iterator, Sequence
 from typing import get_type_hints
 
 from prefixq.errors import ConfigError, PrefixqError, SetupError, ValidationError
+from prefixq.logs import configure as configure_logging
 from prefixq.records import Request
 from prefixq.settings import Settings
 
-log = logging.getLogger("prefixq")
+log = logging.getLogger(__name__)
 
 
 def _settings_parser() -> argparse.ArgumentParser:
@@ -33,6 +34,12 @@ def _settings_parser() -> argparse.ArgumentParser:
         else:
             g.add_argument(flag, dest=f.name, type=kind, default=None, metavar=f.name.upper())
     g.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default per command)")
+    g.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="text (default) or json: one object per line with ts, level, logger, msg",
+    )
     return p
 
 
@@ -80,10 +87,23 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--timeout", type=float, default=None, help="wait at most S s for results")
     r.add_argument("--token-ids", action="store_true")
 
+    from prefixq.bench.command import add_parser as add_bench
+
+    add_bench(sub, common)
     i = sub.add_parser("inspect", parents=[common], help="queues, workers and burst latency")
     i.add_argument("--burst", default=None)
     i.add_argument("--json", action="store_true")
     i.add_argument("--recent", type=int, default=5, help="bursts to show (default 5)")
+    i.add_argument("--watch", action="store_true", help="refresh a live view until Ctrl-C")
+    i.add_argument("--interval", type=float, default=2.0, help="with --watch: seconds (default 2)")
+    i.add_argument(
+        "--watch-count", type=int, default=0, metavar="N", help="with --watch: stop after N views"
+    )
+
+    c = sub.add_parser(
+        "check", parents=[common], help="exit 0 if a live worker serves each shard (healthcheck)"
+    )
+    c.add_argument("--shard", type=int, default=None, help="check this shard only")
     return p
 
 
@@ -134,8 +154,10 @@ def cmd_workers(args: argparse.Namespace, settings: Settings, argv: Sequence[str
         raise ConfigError("--gpus needs at least one GPU index")
     if settings.shards and settings.shards != len(gpus):
         raise ConfigError(f"--shards {settings.shards} but {len(gpus)} workers")
-    passthrough = _strip_options(argv, {"--gpus", "--cpu", "--shards"})
-    return supervise([*passthrough, "--shards", str(len(gpus))], gpus)
+    passthrough = _strip_options(argv, {"--gpus", "--cpu", "--shards", "--metrics-port"})
+    return supervise(
+        [*passthrough, "--shards", str(len(gpus))], gpus, metrics_port=settings.metrics_port
+    )
 
 
 def _strip_options(argv: Sequence[str], drop: set[str]) -> list[str]:
@@ -187,6 +209,8 @@ def cmd_inspect(args: argparse.Namespace, settings: Settings) -> int:
     from prefixq.inspect import snapshot
     from prefixq.progress import render_snapshot
 
+    if args.watch:
+        return _watch(args, settings)
     snap = snapshot(settings, burst=args.burst, recent=args.recent)
     if args.json:
         print(json.dumps(snap, indent=2))
@@ -195,14 +219,42 @@ def cmd_inspect(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _watch(args: argparse.Namespace, settings: Settings) -> int:
+    """``inspect --watch``: a live view until Ctrl-C (exit 0) or ``--watch-count`` views."""
+    from prefixq.connection import sync_client
+    from prefixq.inspect import snapshot
+    from prefixq.progress import watch_snapshot
+
+    if args.json:
+        raise ConfigError("--watch shows a live table; use --json without --watch")
+    if args.interval <= 0 or args.watch_count < 0:
+        raise ConfigError("--interval must be > 0 and --watch-count >= 0")
+    r = sync_client(settings)
+    try:
+        watch_snapshot(
+            lambda: snapshot(settings, burst=args.burst, recent=args.recent, client=r),
+            interval=args.interval,
+            count=args.watch_count,
+        )
+    finally:
+        r.close()
+    return 0
+
+
+def cmd_check(args: argparse.Namespace, settings: Settings) -> int:
+    """Exit 0 if a live worker with its engine up serves each shard checked, else 1; one line."""
+    from prefixq.health import check
+
+    health = check(settings, shard=args.shard)
+    print(health.reason, file=sys.stdout if health.ok else sys.stderr)
+    return 0 if health.ok else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     default_level = "INFO" if args.command in ("worker", "workers", "demo") else "WARNING"
-    logging.basicConfig(
-        level=(args.log_level or default_level).upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.log_level or default_level, args.log_format)
     try:
         settings = settings_from(args)
         if args.command == "worker":
@@ -215,6 +267,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_results(args, settings)
         if args.command == "inspect":
             return cmd_inspect(args, settings)
+        if args.command == "check":
+            return cmd_check(args, settings)
+        if args.command == "bench":
+            from prefixq.bench import command as bench
+
+            return bench.run(args, settings)
         if args.command == "demo":
             from prefixq.demo import run_demo
 

@@ -26,6 +26,16 @@ class Keys:
         """Hash: shards, model, block_size: written by the first worker or `prefixq init`."""
         return f"{self.ns}:config"
 
+    @property
+    def control(self) -> str:
+        """Stream of operator commands to every live worker (consumers/control.py)."""
+        return f"{self.ns}:control"
+
+    @property
+    def control_acks(self) -> str:
+        """Hash: ``<command id>:<worker>`` -> the worker's JSON answer."""
+        return f"{self.ns}:control:acks"
+
     # per shard
     def stream(self, shard: int) -> str:
         """Stream of request entries for one shard (consumer group `GROUP`)."""

@@ -24,13 +24,14 @@ import os
 import socket
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aredis
 from redis.exceptions import ResponseError
 
 from prefixq import wire
 from prefixq.connection import TRANSIENT, async_client
+from prefixq.consumers.control import control_loop
 from prefixq.consumers.engine import Engine, EngineRequest
 from prefixq.consumers.gcwatch import GcWatch
 from prefixq.consumers.reclaim import Reclaimer
@@ -39,7 +40,11 @@ from prefixq.entries import Entry
 from prefixq.errors import EngineDead, EngineError, PrefixqError
 from prefixq.keys import FIELD, GROUP, Keys
 from prefixq.records import Result
+from prefixq.rq_jobs import completion_hook
 from prefixq.settings import Settings
+
+if TYPE_CHECKING:
+    from prefixq.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +85,14 @@ class Worker:
         self.started = time.time()
         self.engine_up = False
         self.gc = GcWatch()
+        #: Prometheus metrics; set by `prefixq.metrics.MetricsExporter`, None when disabled
+        self.metrics: WorkerMetrics | None = None
         self._stopping = asyncio.Event()
         self._room = asyncio.Event()
         self._dead: str | None = None
         self._prefixes: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.writer = ResultWriter(self)
+        self.writer.on_burst_done.append(completion_hook(self.r, settings))
         self.reclaimer = Reclaimer(self)
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -109,6 +117,7 @@ class Worker:
                 ("writer", self.writer.run()),
                 ("heartbeat", self._heartbeat_loop()),
                 ("reclaim", self.reclaimer.run()),
+                ("control", control_loop(self)),
             )
         ]
         try:
@@ -322,6 +331,8 @@ class Worker:
             self._room.set()
         res.timings.finished = time.time()
         self.counts["failed" if res.error else "finished"] += 1
+        if self.metrics is not None:
+            self.metrics.observe(res)
         self.writer.put(entry_id, e, res)
 
     def _engine_died(self, why: str) -> None:

@@ -1,0 +1,1 @@
+"""`prefixq bench`: the finite-burst benchmark, pipeline vs standalone vLLM."""

