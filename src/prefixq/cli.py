@@ -14,6 +14,8 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import get_type_hints
 
+from redis.exceptions import RedisError
+
 from prefixq.errors import ConfigError, PrefixqError, SetupError, ValidationError
 from prefixq.logs import configure as configure_logging
 from prefixq.records import Request
@@ -104,6 +106,33 @@ def build_parser() -> argparse.ArgumentParser:
         "check", parents=[common], help="exit 0 if a live worker serves each shard (healthcheck)"
     )
     c.add_argument("--shard", type=int, default=None, help="check this shard only")
+
+    rc = sub.add_parser(
+        "reclaim",
+        parents=[common],
+        help="hand entries idle on dead workers back to live ones; dead-letter those past "
+        "max_attempts",
+    )
+    rc.add_argument("--shard", type=int, default=None, help="this shard only (default: all)")
+    rc.add_argument("--idle-s", type=float, default=None, help="idle time (default claim_idle_s)")
+    rc.add_argument("--json", action="store_true")
+
+    dl = sub.add_parser("dead", parents=[common], help="list (or --requeue) dead letters")
+    dl.add_argument("--shard", type=int, default=None, help="this shard only (default: all)")
+    dl.add_argument(
+        "--requeue",
+        action="store_true",
+        help="re-submit them (their failed results are taken back)",
+    )
+    dl.add_argument(
+        "--id",
+        action="append",
+        default=[],
+        metavar="DEAD_ID",
+        help="with --requeue: only this dead letter (repeatable)",
+    )
+    dl.add_argument("--limit", type=int, default=1000, help="list at most N per shard")
+    dl.add_argument("--json", action="store_true")
     return p
 
 
@@ -250,6 +279,55 @@ def cmd_check(args: argparse.Namespace, settings: Settings) -> int:
     return 0 if health.ok else 1
 
 
+def cmd_reclaim(args: argparse.Namespace, settings: Settings) -> int:
+    """Entries idle on dead consumers back to live workers; over-limit ones to dead letters."""
+    from prefixq.consumers.deadletters import Recovery
+
+    reports = Recovery(settings).reclaim(args.shard, args.idle_s)
+    if args.json:
+        print(json.dumps([r.to_json() for r in reports], indent=2))
+        return 0
+    for r in reports:
+        print(
+            f"shard {r.shard}: moved {r.moved} back to the stream, dead-lettered {r.dead}, "
+            f"left {r.live} to live workers ({r.raced} taken meanwhile, {r.gone} already gone)"
+        )
+    return 0
+
+
+def cmd_dead(args: argparse.Namespace, settings: Settings) -> int:
+    """List dead letters, or re-submit them with --requeue."""
+    import time
+
+    from prefixq.consumers.deadletters import Recovery
+
+    rec = Recovery(settings)
+    if args.requeue:
+        rep = rec.requeue(args.shard, args.id or None)
+        if args.json:
+            print(json.dumps(rep.to_json(), indent=2))
+        else:
+            print(
+                f"requeued {rep.requeued} (failed results taken back: {rep.cleared}); "
+                f"{rep.resolved} had succeeded already (dropped); {len(rep.skipped)} skipped"
+            )
+        for dead_id, why in rep.skipped:
+            print(f"skipped {dead_id}: {why}", file=sys.stderr)
+        return 0
+    if args.id:
+        raise ConfigError("--id goes with --requeue")
+    letters = rec.letters(args.shard, limit=args.limit)
+    if args.json:
+        print(json.dumps([d.to_json() for d in letters], indent=2))
+        return 0
+    for d in letters:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d.at))
+        where = f"{d.burst}:{d.index}" if d.burst is not None else "-"
+        print(f"{d.id}  shard {d.shard}  delivered {d.delivered}  {where}  {when}  {d.reason}")
+    print(f"{len(letters)} dead letters", file=sys.stderr)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -269,6 +347,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_inspect(args, settings)
         if args.command == "check":
             return cmd_check(args, settings)
+        if args.command == "reclaim":
+            return cmd_reclaim(args, settings)
+        if args.command == "dead":
+            return cmd_dead(args, settings)
         if args.command == "bench":
             from prefixq.bench import command as bench
 
@@ -288,6 +370,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FileNotFoundError as e:
         print(f"prefixq: error: {e.filename}: no such file", file=sys.stderr)
         return 1
+    except RedisError as e:  # what the retries did not absorb; refused credentials -> 2
+        from prefixq.connection import describe
+
+        err = describe(settings_from(args), e)
+        print(f"prefixq: error: {err}", file=sys.stderr)
+        return 2 if isinstance(err, ConfigError) else 1
     except KeyboardInterrupt:
         return 130
     raise AssertionError(f"unhandled command {args.command}")

@@ -10,6 +10,7 @@ and end to end (enqueued -> finished); prompt tokens served from the prefix cach
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import redis
@@ -62,11 +63,28 @@ def latency_summary(results: list[Result]) -> dict[str, Any]:
     }
 
 
-def _id_age(entry_id: bytes | str | None, now: float) -> float:
+def entry_age(entry_id: bytes | str | None, now: float) -> float:
+    """Seconds since a stream entry was added (its id's millisecond part); 0 for none."""
     if not entry_id:
         return 0.0
     ms = int((entry_id.decode() if isinstance(entry_id, bytes) else entry_id).split("-")[0])
     return round(max(0.0, now - ms / 1000), 3)
+
+
+def queue_counts(length: int, group: Mapping[str, Any] | None) -> tuple[int, int, str | None]:
+    """(waiting, pending, XRANGE start of the oldest waiting entry or None) of a shard stream,
+    from its XLEN and its consumer group's XINFO GROUPS record (None before the group exists).
+
+    Acked entries are deleted, so the stream holds exactly the waiting and the pending entries.
+    """
+    pending = int((group or {}).get("pending", 0) or 0)
+    waiting = max(0, length - pending)
+    if not waiting:
+        return waiting, pending, None
+    if group is None:
+        return waiting, pending, "-"
+    last = group["last-delivered-id"]
+    return waiting, pending, "(" + (last.decode() if isinstance(last, bytes) else str(last))
 
 
 def shard_stats(r: redis.Redis, settings: Settings, shards: int) -> list[dict[str, Any]]:
@@ -85,15 +103,11 @@ def shard_stats(r: redis.Redis, settings: Settings, shards: int) -> list[dict[st
         pipe.zrange(keys.workers(k), 0, -1)
         length, first, dead, names = pipe.execute()
         groups = {g["name"].decode(): g for g in r.xinfo_groups(stream)} if length or names else {}
-        g = groups.get(GROUP, {})
-        pending = int(g.get("pending", 0) or 0)
-        waiting = max(0, length - pending)
+        waiting, pending, start = queue_counts(length, groups.get(GROUP))
         oldest_waiting = 0.0
-        if waiting:
-            nxt = (
-                r.xrange(stream, min="(" + g["last-delivered-id"].decode(), count=1) if g else first
-            )
-            oldest_waiting = _id_age(nxt[0][0] if nxt else None, now)
+        if start is not None:
+            nxt = first if start == "-" else r.xrange(stream, min=start, count=1)
+            oldest_waiting = entry_age(nxt[0][0] if nxt else None, now)
         live, inflight = [], 0
         for name in names:
             hb = r.hgetall(keys.heartbeat(k, name.decode()))
@@ -107,7 +121,7 @@ def shard_stats(r: redis.Redis, settings: Settings, shards: int) -> list[dict[st
                 "waiting": waiting,
                 "pending": pending,
                 "oldest_waiting_s": oldest_waiting,
-                "oldest_entry_age_s": _id_age(first[0][0] if first else None, now),
+                "oldest_entry_age_s": entry_age(first[0][0] if first else None, now),
                 "workers": len(live),
                 "worker_names": live,
                 "inflight": inflight,

@@ -1,15 +1,19 @@
 """Terminal output: progress bars (enqueue, burst completion) and the inspect tables (rich).
 
-Everything here writes to stderr except `render_snapshot`, so stdout stays machine-readable.
+Everything here writes to stderr except `render_snapshot` and `watch_snapshot`, so stdout stays
+machine-readable.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Self
 
-from rich.console import Console
+from redis.exceptions import RedisError
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -20,7 +24,9 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
+from prefixq.errors import PrefixqError
 from prefixq.results import BurstStatus
 
 _err = Console(stderr=True)
@@ -81,7 +87,18 @@ class BurstProgress(_Bar):
 
 def render_snapshot(snap: dict[str, Any], console: Console | None = None) -> None:
     """The human form of `inspect.snapshot`."""
-    c = console or Console(width=None if Console().is_terminal else 120)
+    c = console or _out_console()
+    for part in snapshot_renderables(snap):
+        c.print(part)
+
+
+def _out_console() -> Console:
+    return Console(width=None if Console().is_terminal else 120)
+
+
+def snapshot_renderables(snap: dict[str, Any]) -> list[RenderableType]:
+    """What `render_snapshot` prints, in order (tables and markup strings)."""
+    out: list[RenderableType] = []
     t = Table(title=f"shards of {snap['namespace']}")
     cols = (
         "shard",
@@ -108,9 +125,9 @@ def render_snapshot(snap: dict[str, Any], console: Console | None = None) -> Non
             str(s["dead_letters"]),
             f"{s['cached_tokens']} ({s['predicted_cached_tokens']}) / {s['prompt_tokens']}",
         )
-    c.print(t)
+    out.append(t)
     for b in snap["bursts"]:
-        c.print(
+        out.append(
             f"[bold]burst {b['burst']}[/]: {b['status']}, {b['done']} ok + {b['failed']} "
             f"failed of {b['total']}, {b['requests_per_s']} req/s over {b['span_s']} s; "
             f"placement {b['placement']}, per shard {b['per_shard']}"
@@ -125,10 +142,52 @@ def render_snapshot(snap: dict[str, Any], console: Console | None = None) -> Non
         ):
             d = b[key]
             bt.add_row(name, *(f"{d[k]:.3f}" for k in ("p50", "p95", "p99", "max")))
-        c.print(bt)
-        c.print(
+        out.append(bt)
+        out.append(
             f"  prompt tokens {b['prompt_tokens']}, from the prefix cache "
             f"{b['cached_tokens']} ({b['cached_ratio']:.1%}; predicted "
             f"{b['predicted_cached_tokens']}); bytes: raw msgpack {b['raw_bytes']} -> "
             f"stored {b['encoded_bytes']} ({b['compression']}x)"
         )
+    return out
+
+
+def watch_snapshot(
+    fetch: Callable[[], dict[str, Any]],
+    *,
+    interval: float,
+    count: int = 0,
+    console: Console | None = None,
+) -> int:
+    """``inspect --watch``: show `snapshot_renderables(fetch())` in place (rich Live), refreshed
+    every ``interval`` s, until ``count`` views were shown (0 = no limit) or Ctrl-C, which ends it
+    quietly. A failing refresh keeps the last view under a red line; a failing first fetch
+    raises. Returns the number of views shown."""
+    c = console or _out_console()
+    shown = 0
+    problem = ""
+    try:
+        snap = fetch()
+        with Live(console=c, auto_refresh=False) as live:
+            while True:
+                head = Text(
+                    f"prefixq inspect --watch: {snap['namespace']} at "
+                    f"{time.strftime('%H:%M:%S', time.localtime(snap['at']))}, every "
+                    f"{interval:g} s (Ctrl-C quits)",
+                    style="dim",
+                )
+                parts: list[RenderableType] = [head]
+                if problem:
+                    parts.append(Text(problem, style="bold red"))
+                live.update(Group(*parts, *snapshot_renderables(snap)), refresh=True)
+                shown += 1
+                if count and shown >= count:
+                    break
+                time.sleep(interval)
+                try:
+                    snap, problem = fetch(), ""
+                except (PrefixqError, RedisError, OSError) as e:
+                    problem = f"refresh failed: {e}; showing the last view"
+    except KeyboardInterrupt:
+        pass
+    return shown

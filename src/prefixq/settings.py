@@ -87,6 +87,8 @@ class Settings:
     write_batch: int = 64
     #: freeze the heap after warm-up (gc.freeze)
     gc_freeze: bool = True
+    #: workers serve Prometheus metrics on this port (docs/operations.md); 0 = off
+    metrics_port: int = 0
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
@@ -97,6 +99,8 @@ class Settings:
             )
         if self.shards < 0:
             raise ConfigError(f"shards must be >= 0, not {self.shards}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be 0 (off) to 65535, not {self.metrics_port}")
         if not self.namespace or any(c in self.namespace for c in "{} "):
             raise ConfigError(
                 f"namespace must be non-empty, without braces or spaces: {self.namespace!r}"

@@ -1,16 +1,23 @@
-"""Measures garbage-collector pauses through `gc.callbacks` (worst pause, count)."""
+"""Measures garbage-collector pauses through `gc.callbacks` (worst pause, count, an observer)."""
 
 from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 from typing import Any
 
 
 class GcWatch:
-    """Times every collection between `start()` and `stop()`."""
+    """Times every collection between `start()` and `stop()`.
 
-    def __init__(self) -> None:
+    ``observer`` (optional) is called with each pause in seconds, inside the GC callback, in
+    whichever thread collected: it must be quick, take no lock and never raise (the metrics
+    exporter appends to a deque).
+    """
+
+    def __init__(self, observer: Callable[[float], None] | None = None) -> None:
+        self.observer = observer
         self.max_pause = 0.0
         self.total = 0.0
         self.count = 0
@@ -25,6 +32,8 @@ class GcWatch:
             self.count += 1
             self.total += pause
             self.max_pause = max(self.max_pause, pause)
+            if self.observer is not None:
+                self.observer(pause)
 
     def start(self) -> None:
         if self._callback not in gc.callbacks:

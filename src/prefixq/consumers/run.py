@@ -16,6 +16,10 @@ from prefixq.settings import Settings
 
 log = logging.getLogger(__name__)
 
+#: `prefixq worker` exit code for a usage or configuration error (bad flag, refused credentials):
+#: the supervisor does not restart it, since a restart cannot fix it
+EXIT_CONFIG = 2
+
 
 def run_worker(
     settings: Settings,
@@ -40,6 +44,11 @@ def run_worker(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, worker.stop)
+        if settings.metrics_port > 0:
+            from prefixq.metrics import MetricsExporter
+
+            async with MetricsExporter(worker, settings.metrics_port):
+                return await worker.run()
         return await worker.run()
 
     return asyncio.run(main())
@@ -51,9 +60,12 @@ def supervise(
     *,
     restart_delay: float = 2.0,
     max_restarts: int = 100,
+    metrics_port: int = 0,
 ) -> int:
     """Start ``prefixq worker`` for each GPU (shard i on gpus[i]) and restart any that exits
-    non-zero (engine death, crash). SIGTERM/SIGINT are passed on; returns when all have exited."""
+    non-zero (engine death, crash; not 2, a configuration error). SIGTERM/SIGINT are passed on;
+    returns when all have exited.
+    With ``metrics_port`` N > 0, shard i serves its metrics on port N + i."""
     procs: dict[int, subprocess.Popen[bytes]] = {}
     restarts = dict.fromkeys(range(len(gpus)), 0)
     stopping = False
@@ -62,6 +74,8 @@ def supervise(
         cmd = [sys.executable, "-m", "prefixq", "worker", "--shard", str(i), *settings_args]
         if gpus[i] is not None:
             cmd += ["--gpu", str(gpus[i])]
+        if metrics_port > 0:
+            cmd += ["--metrics-port", str(metrics_port + i)]
         procs[i] = subprocess.Popen(cmd)
         log.info("started worker shard=%d gpu=%s pid=%d", i, gpus[i], procs[i].pid)
 
@@ -85,6 +99,10 @@ def supervise(
                 continue
             del procs[i]
             if stopping or rc == 0:
+                worst = max(worst, rc)
+                continue
+            if rc == EXIT_CONFIG:
+                log.error("worker shard=%d: configuration error (exit 2); not restarting", i)
                 worst = max(worst, rc)
                 continue
             if restarts[i] >= max_restarts:

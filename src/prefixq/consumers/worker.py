@@ -30,7 +30,7 @@ import redis.asyncio as aredis
 from redis.exceptions import ResponseError
 
 from prefixq import wire
-from prefixq.connection import TRANSIENT, async_client
+from prefixq.connection import TRANSIENT, async_client, describe, refused
 from prefixq.consumers.control import control_loop
 from prefixq.consumers.engine import Engine, EngineRequest
 from prefixq.consumers.gcwatch import GcWatch
@@ -126,9 +126,7 @@ class Worker:
             await self._drain()
         finally:
             await self.writer.close()
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await _cancel(tasks)
             await self._unregister()
             self.gc.stop()
             await self.engine.close()
@@ -144,9 +142,13 @@ class Worker:
             try:
                 await self.r.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
             except ResponseError as e:
+                if refused(e):
+                    raise describe(self.settings, e) from e
                 if "BUSYGROUP" not in str(e):
                     raise
             except TRANSIENT as e:
+                if refused(e):  # wrong credentials or CA: retrying cannot help
+                    raise describe(self.settings, e) from e
                 log.warning("redis unavailable (%s); retrying in %.1fs", e, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
@@ -219,6 +221,15 @@ class Worker:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
                 continue
+            except ResponseError as e:
+                if "NOGROUP" not in str(e):
+                    raise
+                # Redis restarted without the group (no AOF, or the group was destroyed): join
+                # again from id 0; acked entries are deleted, so only unfinished ones come back
+                log.warning("consumer group gone (%s); joining again", e)
+                await self._join_group()
+                backlog_from = None
+                continue
             delay = 0.1
             entries = resp[0][1] if resp else []
             if backlog_from is not None:
@@ -226,7 +237,8 @@ class Worker:
                     backlog_from = None
                     continue
                 backlog_from = entries[-1][0].decode()
-                entries = [e for e in entries if e[0] not in self.inflight]
+            # already in flight: our backlog, or redelivered after Redis lost recent writes
+            entries = [e for e in entries if e[0] not in self.inflight]
             if entries:
                 await self.admit(entries)
 
@@ -245,6 +257,11 @@ class Worker:
                 decoded.append((entry_id, Entry.from_wire(wire.decode(data, self.limits))))
             except PrefixqError as err:
                 await self.reclaimer.dead_letter(entry_id, fields or {}, f"undecodable: {err}")
+            except Exception as err:  # a payload must never take the worker down
+                log.exception("unexpected error decoding entry %s", entry_id.decode())
+                await self.reclaimer.dead_letter(
+                    entry_id, fields or {}, f"undecodable: {type(err).__name__}: {err}"
+                )
         prefixes = await self._prefixes_for([e for _, e in decoded])
         for entry_id, e in decoded:
             self.counts["admitted"] += 1
@@ -357,7 +374,7 @@ class Worker:
                 if ids:  # keep our in-flight entries from looking idle to other reclaimers
                     pipe.xclaim(self.stream, GROUP, self.name, 0, ids, justid=True)
                 await pipe.execute()
-            except TRANSIENT as e:
+            except (*TRANSIENT, ResponseError) as e:  # never let the heartbeat task die
                 log.warning("heartbeat failed: %s", e)
             await asyncio.sleep(self.settings.heartbeat_s)
 
@@ -383,6 +400,20 @@ class Worker:
         with contextlib.suppress(*TRANSIENT):
             await self.r.delete(self.keys.heartbeat(self.shard, self.name))
             await self.r.zrem(self.keys.workers(self.shard), self.name)
+
+
+async def _cancel(tasks: list[asyncio.Task[Any]]) -> None:
+    """Cancel ``tasks`` and wait until they are done, cancelling again while any runs on: on
+    Python 3.11 a cancel can be lost (asyncio.wait_for returns the result when the awaited
+    operation completes in the same loop step as the cancel, gh-86296), and redis-py sends every
+    command through wait_for, so one cancel may leave a task blocked in Redis calls for ever."""
+    while pending := [t for t in tasks if not t.done()]:
+        for t in pending:
+            t.cancel()
+        await asyncio.wait(pending, timeout=1.0)
+    for t in tasks:  # retrieve their exceptions: nothing is logged as "never retrieved"
+        if not t.cancelled():
+            t.exception()
 
 
 async def _first(*aws: Any) -> None:

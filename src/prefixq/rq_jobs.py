@@ -1,0 +1,345 @@
+"""Bursts as RQ jobs, and completion callbacks into RQ queues (DESIGN decision 2).
+
+Two ways in from RQ, both through RQ's public API with `rq.serializers.JSONSerializer` (never
+pickle), on RQ 2.x and 3.x alike:
+
+* `run_burst` is an ordinary RQ job function. A stock ``rq worker`` running it submits the burst,
+  waits for its results and returns a JSON summary as the job's return value. A burst that runs
+  past its timeout (`BurstTimeout`) or has more failed requests than ``max_failed`` allows
+  (`BurstFailed`) fails the RQ job with a message naming the burst.
+* ``Producer.submit(..., on_complete="pkg.module:func", rq_queue="name")`` stores the callback in
+  the burst record. The prefixq worker that records the burst's last result enqueues the RQ job
+  ``pkg.module.func(burst_id)`` on that queue (`enqueue_on_complete`), exactly once: the claim
+  (``HSETNX callback_job``) and RQ's enqueue commands run in one MULTI/EXEC, watched on the burst
+  record, so any number of calls for one burst enqueue one job, and a call that fails midway
+  enqueues nothing and claims nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import os
+import re
+import socket
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import redis
+import redis.asyncio as aredis
+from redis.exceptions import WatchError
+from rq import Queue, get_current_job
+from rq.serializers import JSONSerializer
+
+from prefixq import results
+from prefixq.cli import read_requests
+from prefixq.connection import TRANSIENT, describe, redact, sync_client
+from prefixq.errors import BurstFailed, BurstTimeout, ConfigError, ValidationError
+from prefixq.keys import Keys
+from prefixq.producer.producer import Producer
+from prefixq.records import Request
+from prefixq.settings import Settings
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "callback_job_id",
+    "callback_path",
+    "completion_hook",
+    "enqueue_on_complete",
+    "enqueue_on_complete_sync",
+    "run_burst",
+]
+
+log = logging.getLogger(__name__)
+
+#: seconds `run_burst` waits for the burst's results unless told otherwise
+DEFAULT_TIMEOUT = 3600.0
+#: the wait ends this long before the RQ job's own timeout, so the job fails with our message
+_JOB_TIMEOUT_MARGIN_S = 5.0
+_IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
+_SPEC = re.compile(rf"({_IDENT}(?:\.{_IDENT})*):({_IDENT}(?:\.{_IDENT})*)")
+
+
+# ---- bursts as RQ jobs ----------------------------------------------------------------------
+def run_burst(
+    requests_or_path: str | os.PathLike[str] | Sequence[Mapping[str, Any]],
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+    max_failed: float | None = None,
+    out: str | None = None,
+    burst_id: str | None = None,
+    token_ids: bool = False,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """Submit a burst, wait for every result, return its summary: an ordinary RQ job function.
+
+    ``requests_or_path`` is a list of request objects (plain or OpenAI batch lines) or the path
+    of a JSONL file readable on the RQ worker's host. ``timeout``: seconds to wait for the
+    results (also cut to a few seconds under the RQ job's own ``job_timeout``); past it the job
+    fails with `BurstTimeout` and the burst keeps running. ``max_failed``: an ``int`` is the
+    number of failed requests allowed, a ``float`` in [0, 1] the allowed share of the burst;
+    more fails the job with `BurstFailed` (None: no limit). ``out``: also write the results as
+    JSON lines there (input order; ``token_ids`` adds output token ids). Every other keyword is a
+    `Settings` field (``redis_url``, ``namespace``, ``placement``, ``shards``, ``codec``, ...)
+    that overrides the environment (``REDIS_URL``, ``PREFIXQ_*``) of the RQ worker.
+
+    Returns a JSON-serialisable dict; docs/rq.md lists its fields.
+    """
+    started = time.monotonic()
+    settings = Settings.from_env(**overrides)
+    _check_max_failed(max_failed)
+    reqs = _load(requests_or_path)
+    budget = _wait_budget(timeout)
+
+    burst = Producer(settings).submit(reqs, burst_id=burst_id)
+    submit_s = time.monotonic() - started
+    log.info("run_burst: submitted %d requests as burst %s", len(reqs), burst)
+    client = sync_client(settings)
+    try:
+        try:
+            st = results.wait(burst, settings, timeout=max(budget - submit_s, 0.001), client=client)
+        except BurstTimeout:
+            now = results.status(burst, settings, client=client)
+            raise BurstTimeout(
+                f"burst {burst}: {now.done + now.failed}/{now.total} results after "
+                f"{time.monotonic() - started:.0f}s (timeout={timeout:g}s); the burst keeps "
+                f"running in namespace {settings.namespace!r} (`prefixq results {burst} "
+                f"--namespace {settings.namespace}` collects it later)"
+            ) from None
+        written = None
+        if out:
+            written = results.write_jsonl(
+                burst, out, settings, timeout=60.0, token_ids=token_ids, client=client
+            )
+            log.info("run_burst: wrote %d results of burst %s to %s", written, burst, out)
+        summary = _summary(settings, st, submit_s=submit_s, out=out, written=written)
+        if _too_many_failed(st.failed, st.total, max_failed):
+            raise BurstFailed(_failed_message(settings, st, max_failed, client))
+    finally:
+        client.close()
+    log.info(
+        "run_burst: burst %s finished: %d done, %d failed, %s req/s",
+        burst,
+        st.done,
+        st.failed,
+        summary["requests_per_s"],
+    )
+    return summary
+
+
+def _load(src: str | os.PathLike[str] | Sequence[Mapping[str, Any]]) -> list[Any]:
+    """The requests: a list as given (validated by the producer), or the lines of a JSONL file."""
+    if isinstance(src, str | os.PathLike):
+        path = os.fspath(src)
+        if path == "-":
+            raise ValidationError("run_burst reads a JSONL file path, not stdin ('-')")
+        try:
+            reqs: list[Request] = read_requests(path)
+        except FileNotFoundError:
+            raise ValidationError(
+                f"{path}: no such file on the RQ worker's host ({socket.gethostname()})"
+            ) from None
+        return reqs
+    if isinstance(src, Mapping):
+        raise ValidationError("run_burst takes a list of request objects or a JSONL path, not one")
+    return list(src)
+
+
+def _check_max_failed(max_failed: float | None) -> None:
+    if max_failed is None:
+        return
+    if isinstance(max_failed, bool) or not isinstance(max_failed, int | float):
+        raise ConfigError(f"max_failed must be an int, a float or None, not {max_failed!r}")
+    if isinstance(max_failed, int) and max_failed < 0:
+        raise ConfigError(f"max_failed as a count must be >= 0, not {max_failed}")
+    if isinstance(max_failed, float) and not 0.0 <= max_failed <= 1.0:
+        raise ConfigError(f"max_failed as a share must be in [0, 1], not {max_failed}")
+
+
+def _too_many_failed(failed: int, total: int, max_failed: float | None) -> bool:
+    """Whether ``failed`` of ``total`` is over ``max_failed`` (int: a count; float: a share)."""
+    if max_failed is None:
+        return False
+    if isinstance(max_failed, int):
+        return failed > max_failed
+    return failed > max_failed * total
+
+
+def _wait_budget(timeout: float) -> float:
+    """``timeout``, cut to end a little before the running RQ job's own timeout (if any)."""
+    if timeout <= 0 or not math.isfinite(timeout):
+        raise ConfigError(f"timeout must be a positive number of seconds, not {timeout!r}")
+    job = get_current_job()
+    job_timeout = getattr(job, "timeout", None) if job is not None else None
+    if not isinstance(job_timeout, int | float) or job_timeout <= 0:
+        return timeout  # not under RQ, or an RQ job without a time limit (-1)
+    cap = max(job_timeout - min(_JOB_TIMEOUT_MARGIN_S, job_timeout / 10), 0.1 * job_timeout)
+    if cap < timeout:
+        log.warning(
+            "RQ job timeout %ss is under run_burst timeout %ss: waiting at most %.1fs "
+            "(enqueue with job_timeout above the burst timeout)",
+            job_timeout,
+            timeout,
+            cap,
+        )
+        return cap
+    return timeout
+
+
+def _summary(
+    settings: Settings,
+    st: results.BurstStatus,
+    *,
+    submit_s: float,
+    out: str | None,
+    written: int | None,
+) -> dict[str, Any]:
+    """The job's return value (plain JSON types only)."""
+    m = st.meta
+    last = st.finished_at if st.finished_at > st.created else time.time()
+    span = max(last - st.created, 1e-9)
+    return {
+        "burst": st.burst,
+        "namespace": settings.namespace,
+        "redis_url": redact(settings.redis_url),
+        "status": st.status,
+        "total": st.total,
+        "done": st.done,
+        "failed": st.failed,
+        "created": st.created,
+        "finished_at": last,
+        "elapsed_s": round(span, 6),
+        "requests_per_s": round((st.done + st.failed) / span, 3),
+        "submit_s": round(submit_s, 6),
+        "placement": m.get("placement", ""),
+        "per_shard": [int(x) for x in m.get("per_shard", "").split(",") if x],
+        "prompt_tokens": int(m.get("prompt_tokens", 0)),
+        "cached_tokens": int(m.get("cached_tokens", 0)),
+        "results_key": Keys(settings.namespace).results(st.burst),
+        "out": out,
+        "written": written,
+    }
+
+
+def _failed_message(
+    settings: Settings, st: results.BurstStatus, max_failed: float | None, client: redis.Redis
+) -> str:
+    """What failed and where the results are, with the first failure's reason."""
+    first = next(
+        (res for res in results.iter(st.burst, settings, timeout=60.0, client=client) if res.error),
+        None,
+    )
+    why = f"; first failure: request {first.id!r}: {first.error}" if first else ""
+    return (
+        f"burst {st.burst}: {st.failed} of {st.total} requests failed, over "
+        f"max_failed={max_failed!r}{why} (results in namespace {settings.namespace!r}: "
+        f"`prefixq results {st.burst} --namespace {settings.namespace}`)"
+    )
+
+
+# ---- completion callbacks -------------------------------------------------------------------
+def callback_path(spec: str) -> str:
+    """``"pkg.module:func"`` -> ``"pkg.module.func"``, the dotted path RQ imports.
+
+    Raises ValidationError unless both sides are dotted Python identifiers.
+    """
+    m = _SPEC.fullmatch(spec.strip())
+    if m is None:
+        raise ValidationError(f"on_complete {spec!r} must look like 'package.module:function'")
+    return f"{m[1]}.{m[2]}"
+
+
+def callback_job_id(namespace: str, burst: str) -> str:
+    """The RQ job id of a burst's callback: fixed per (namespace, burst), in RQ's id alphabet."""
+    digest = hashlib.blake2b(f"{namespace}\0{burst}".encode(), digest_size=6).hexdigest()
+    return f"prefixq-done-{re.sub(r'[^A-Za-z0-9_-]', '_', burst)[:64]}-{digest}"
+
+
+def enqueue_on_complete_sync(client: redis.Redis, settings: Settings, burst: str) -> str | None:
+    """Enqueue the burst's ``on_complete`` RQ job unless it was already; returns the new job's id.
+
+    Returns None when the burst has no callback, is not finished, or its callback was already
+    enqueued (``callback_job`` is set). The claim and RQ's enqueue commands run in one MULTI/EXEC
+    under WATCH of the burst record, so concurrent calls enqueue one job between them.
+    """
+    meta = Keys(settings.namespace).burst(burst)
+    with client.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(meta)
+                spec, queue_name, claimed, status = pipe.hmget(
+                    meta, "on_complete", "rq_queue", "callback_job", "status"
+                )
+                if spec is None:
+                    return None
+                if claimed is not None:
+                    log.debug("burst %s: callback already enqueued as %s", burst, claimed)
+                    return None
+                if status != b"finished":
+                    log.info("burst %s is %s, not finished: no callback yet", burst, status)
+                    return None
+                func = callback_path(spec.decode())
+                job_id = callback_job_id(settings.namespace, burst)
+                queue = Queue(
+                    (queue_name or b"default").decode(),
+                    connection=client,
+                    serializer=JSONSerializer,
+                )
+                # Given a pipeline still WATCHing, RQ (2.0 and later) starts its MULTI before it
+                # queues any command; RQ 2.0-2.2 refuse a pipeline already in MULTI.
+                queue.enqueue(
+                    func,
+                    burst,
+                    job_id=job_id,
+                    pipeline=pipe,
+                    meta={"prefixq_namespace": settings.namespace, "prefixq_burst": burst},
+                )
+                if not pipe.explicit_transaction:
+                    pipe.multi()
+                pipe.hsetnx(meta, "callback_job", job_id)
+                pipe.execute()
+            except WatchError:
+                continue  # the record changed between WATCH and EXEC: look again
+            log.info(
+                "burst %s: enqueued on_complete %s as RQ job %s on queue %s",
+                burst,
+                func,
+                job_id,
+                queue.name,
+            )
+            return job_id
+
+
+async def enqueue_on_complete(r: aredis.Redis, settings: Settings, burst: str) -> str | None:
+    """`enqueue_on_complete_sync` from an event loop; returns the new RQ job's id or None.
+
+    A burst without ``on_complete`` costs one HMGET on ``r``; otherwise RQ's blocking client runs
+    in a thread (``asyncio.to_thread``) on its own short-lived connection.
+    """
+    meta = Keys(settings.namespace).burst(burst)
+    spec, claimed = await r.hmget(meta, "on_complete", "callback_job")
+    if spec is None or claimed is not None:
+        return None
+    return await asyncio.to_thread(_enqueue_with_own_client, settings, burst)
+
+
+def _enqueue_with_own_client(settings: Settings, burst: str) -> str | None:
+    client = sync_client(settings)
+    try:
+        return enqueue_on_complete_sync(client, settings, burst)
+    except TRANSIENT as e:
+        raise describe(settings, e) from e
+    finally:
+        client.close()
+
+
+def completion_hook(r: aredis.Redis, settings: Settings) -> Callable[[str], Awaitable[None]]:
+    """A `ResultWriter.on_burst_done` hook: `enqueue_on_complete` with the worker's client."""
+
+    async def on_burst_done(burst: str) -> None:
+        await enqueue_on_complete(r, settings, burst)
+
+    return on_burst_done

@@ -1,0 +1,267 @@
+"""The operator's commands on real Redis: `prefixq check` (healthchecks) against the real Worker
+loop with the deterministic FakeEngine, `inspect --watch`, and ``--log-format json``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from fake_engine import FakeEngine
+from prefixq.consumers.worker import EXIT_OK, Worker
+from prefixq.health import check
+from prefixq.keys import Keys
+from prefixq.logs import JsonFormatter
+from prefixq.redis_server import free_port
+from prefixq.settings import Settings
+
+
+def run(coro: Awaitable[Any]) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 60))  # type: ignore[arg-type]
+
+
+def command(settings: Settings, *args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "prefixq",
+        *args,
+        "--redis-url",
+        settings.redis_url,
+        "--namespace",
+        settings.namespace,
+    ]
+
+
+def prefixq(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        command(settings, *args), capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+async def start_worker(settings: Settings, shard: int = 0, name: str = "w0") -> tuple[Worker, Any]:
+    """A real Worker serving ``shard`` with a FakeEngine, returned once its heartbeat is written."""
+    w = Worker(settings, shard, FakeEngine(), name=name)
+    task = asyncio.create_task(w.run())
+    r = redis.Redis.from_url(settings.redis_url)
+    try:
+        while not r.exists(Keys(settings.namespace).heartbeat(shard, name)):
+            if task.done():
+                await task
+            await asyncio.sleep(0.01)
+    finally:
+        r.close()
+    return w, task
+
+
+# ---- prefixq check --------------------------------------------------------------------------
+
+
+def test_check_exits_0_with_a_live_worker_and_1_once_it_stopped(
+    make_settings: Callable[..., Settings],
+) -> None:
+    """`prefixq check` exits 0 and names the worker while one serves the shard; after the worker
+    stopped (its heartbeat removed) it exits 1 and says why in one line."""
+    s = make_settings()
+
+    async def main() -> None:
+        w, task = await start_worker(s, name="hc0")
+        up = await asyncio.to_thread(prefixq, s, "check")
+        assert up.returncode == 0, up.stderr
+        assert up.stdout.strip() == "ok: shard 0: hc0"
+        w.stop()
+        assert await task == EXIT_OK
+        down = await asyncio.to_thread(prefixq, s, "check")
+        assert down.returncode == 1
+        assert down.stdout == ""
+        assert down.stderr.strip() == "shard 0: no healthy worker (no worker registered)"
+
+    run(main())
+
+
+def test_check_of_one_shard_ignores_the_others(make_settings: Callable[..., Settings]) -> None:
+    """With 2 shards and a worker on shard 0 only: `--shard 0` passes, `--shard 1` and the
+    all-shards check fail naming shard 1."""
+    s = make_settings(shards=2)
+
+    async def main() -> None:
+        w, task = await start_worker(s, shard=0, name="only0")
+        try:
+            assert check(s, shard=0).ok
+            one = check(s, shard=1)
+            assert not one.ok and one.reason.startswith("shard 1: no healthy worker")
+            every = await asyncio.to_thread(prefixq, s, "check")
+            assert every.returncode == 1
+            assert every.stderr.strip() == "shard 1: no healthy worker (no worker registered)"
+            assert check(s).healthy == {0: ["only0"], 1: []}
+        finally:
+            w.stop()
+            await task
+
+    run(main())
+
+
+def test_a_worker_whose_engine_is_not_up_or_whose_heartbeat_expired_is_not_healthy(
+    make_settings: Callable[..., Settings], r: redis.Redis
+) -> None:
+    """A heartbeat saying engine_up 0 (still loading) fails the check, as does a registered name
+    whose heartbeat expired (a dead worker); the reason names both."""
+    s = make_settings()
+    keys = Keys(s.namespace)
+
+    async def beat() -> None:
+        w = Worker(s, 0, FakeEngine(), name="loading")
+        r.hset(keys.heartbeat(0, w.name), mapping=w.health(time.time()))
+        r.expire(keys.heartbeat(0, w.name), 15)
+        r.zadd(keys.workers(0), {w.name: time.time(), "crashed": time.time() - 60})
+        await w.r.aclose()
+
+    run(beat())
+    h = check(s, client=r)
+    assert not h.ok
+    assert h.reason == "shard 0: no healthy worker (loading engine not up; 1 heartbeat(s) expired)"
+
+
+def test_check_without_a_deployment_or_redis_fails_and_says_why(
+    make_settings: Callable[..., Settings],
+) -> None:
+    """No shard count anywhere, or no Redis at all: unhealthy with a reason, never a traceback."""
+    fresh = make_settings(shards=0)
+    h = check(fresh)
+    assert not h.ok and "no shard count" in h.reason
+    gone = make_settings(redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    client = redis.Redis.from_url(gone.redis_url, retry=Retry(NoBackoff(), 0))
+    h = check(gone, client=client)
+    client.close()
+    assert not h.ok and h.reason.startswith(f"redis at {gone.redis_url}:")
+
+
+# ---- inspect --watch --------------------------------------------------------------------------
+
+
+def test_inspect_watch_stops_after_watch_count_views(
+    make_settings: Callable[..., Settings],
+) -> None:
+    """Off a terminal, `inspect --watch --watch-count 3` refreshes 3 times, prints the final
+    view (the shards table) and exits 0."""
+    s = make_settings()
+    t0 = time.monotonic()
+    p = prefixq(s, "inspect", "--watch", "--interval", "0.2", "--watch-count", "3", "--shards", "1")
+    assert p.returncode == 0, p.stderr
+    assert time.monotonic() - t0 >= 0.4  # two sleeps between three views
+    assert f"shards of {s.namespace}" in p.stdout
+    assert "prefixq inspect --watch" in p.stdout
+
+
+def test_inspect_watch_redraws_in_a_terminal_until_ctrl_c(
+    make_settings: Callable[..., Settings],
+) -> None:
+    """Under a pseudo-terminal the view is redrawn in place; Ctrl-C (SIGINT) ends it with 0."""
+    s = make_settings()
+    master, slave = pty.openpty()
+    env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "160", "LINES": "60"}
+    p = subprocess.Popen(
+        command(s, "inspect", "--watch", "--interval", "0.1", "--shards", "1"),
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env=env,
+        close_fds=True,
+    )
+    os.close(slave)
+    out = b""
+
+    def read(until: Callable[[], bool], timeout: float) -> None:
+        nonlocal out
+        deadline = time.monotonic() + timeout
+        while not until() and time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.1)
+            if ready:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # EIO: the child closed the terminal
+                    return
+                if not chunk:
+                    return
+                out += chunk
+
+    try:
+        read(lambda: out.count(b"shards of") >= 3, 30)
+        assert out.count(b"shards of") >= 3, out[-2000:]
+        assert b"\x1b[" in out  # cursor control: redrawn in place, not appended
+        p.send_signal(signal.SIGINT)
+        read(lambda: p.poll() is not None, 30)
+        assert p.wait(timeout=30) == 0, out[-2000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        os.close(master)
+
+
+def test_inspect_watch_and_json_do_not_mix(make_settings: Callable[..., Settings]) -> None:
+    """`--watch --json` is a usage error (exit 2)."""
+    p = prefixq(make_settings(), "inspect", "--watch", "--json")
+    assert p.returncode == 2
+    assert "--watch" in p.stderr
+
+
+# ---- log format -----------------------------------------------------------------------------
+
+
+def test_json_log_format_writes_one_parseable_object_per_line(
+    make_settings: Callable[..., Settings],
+) -> None:
+    """`--log-format json` turns every log record into one JSON line with ts, level, logger
+    and msg (here the check's debug lines); the command's own output line stays plain."""
+    s = make_settings()
+    p = prefixq(s, "check", "--shards", "1", "--log-level", "DEBUG", "--log-format", "json")
+    assert p.returncode == 1
+    lines = p.stderr.strip().splitlines()
+    assert lines[-1] == "shard 0: no healthy worker (no worker registered)"
+    records = [json.loads(line) for line in lines[:-1]]
+    mine = [x for x in records if x["logger"] == "prefixq.health"]
+    assert mine, p.stderr
+    assert mine[0]["level"] == "DEBUG"
+    assert mine[0]["msg"] == "shard 0: healthy [], down [], expired 0"
+    assert mine[0]["ts"].endswith("Z")
+
+
+def test_json_formatter_keeps_tracebacks_and_extra_fields() -> None:
+    """An exception's traceback goes into exc_info and ``extra`` fields ride along."""
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        record = logging.LogRecord(
+            "prefixq.x", logging.ERROR, __file__, 1, "failed %s", ("b1",), sys.exc_info()
+        )
+    record.burst = "b1"
+    out = json.loads(JsonFormatter().format(record))
+    assert out["msg"] == "failed b1" and out["level"] == "ERROR" and out["logger"] == "prefixq.x"
+    assert out["burst"] == "b1"
+    assert "ValueError: boom" in out["exc_info"] and "Traceback" in out["exc_info"]
+    assert "\n" not in JsonFormatter().format(record)
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_log_format_flag_is_on_every_command(fmt: str) -> None:
+    """--log-format is a common flag, like --log-level (text is the default)."""
+    from prefixq.cli import build_parser
+
+    for argv in (["check"], ["inspect"], ["worker", "--shard", "0"]):
+        assert build_parser().parse_args([*argv, "--log-format", fmt]).log_format == fmt
+    assert build_parser().parse_args(["check"]).log_format == "text"

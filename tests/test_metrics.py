@@ -1,0 +1,237 @@
+"""Worker metrics: the real Worker loop on a real Redis with the deterministic FakeEngine, and a
+Prometheus exporter on a free port, scraped over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import redis.asyncio as aredis
+from prometheus_client.parser import text_string_to_metric_families
+
+from fake_engine import FakeEngine
+from prefixq import wire
+from prefixq.cli import build_parser, settings_from
+from prefixq.consumers.worker import EXIT_OK, Worker
+from prefixq.errors import ConfigError, SetupError
+from prefixq.keys import FIELD, Keys
+from prefixq.metrics import COUNTERS, MetricsExporter, WorkerMetrics
+from prefixq.producer import Producer
+from prefixq.records import Result
+from prefixq.redis_server import free_port
+from prefixq.settings import Settings
+
+Samples = dict[str, float]
+
+
+def run(coro: Awaitable[Any]) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 60))  # type: ignore[arg-type]
+
+
+def scrape(port: int, worker: str, shard: str = "0") -> Samples:
+    """Every sample of one worker, keyed by name (plus ``{le=...}`` for histogram buckets)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = dict(s.labels)
+            assert (labels.pop("shard"), labels.pop("worker")) == (shard, worker), s
+            key = s.name + (f"{{le={labels.pop('le')}}}" if "le" in labels else "")
+            assert not labels, s
+            out[key] = s.value
+    return out
+
+
+async def scrape_until(
+    port: int, worker: str, ready: Callable[[Samples], bool], within: float = 15.0
+) -> Samples:
+    deadline = time.monotonic() + within
+    while True:
+        m = await asyncio.to_thread(scrape, port, worker)
+        if ready(m):
+            return m
+        assert time.monotonic() < deadline, f"metrics never got there: {m}"
+        await asyncio.sleep(0.02)
+
+
+async def wait_results(settings: Settings, burst: str, n: int) -> list[Result]:
+    r = aredis.Redis.from_url(settings.redis_url)
+    keys = Keys(settings.namespace)
+    try:
+        deadline = time.monotonic() + 15
+        while (got := await r.hlen(keys.results(burst))) < n:
+            assert time.monotonic() < deadline, f"{got} of {n} results after 15 s"
+            await asyncio.sleep(0.01)
+        raw = await r.hgetall(keys.results(burst))
+        return sorted(
+            (Result.from_wire(wire.decode(v)) for v in raw.values()), key=lambda x: x.index
+        )
+    finally:
+        await r.aclose()
+
+
+def test_a_burst_is_counted_timed_and_its_queue_seen_before_and_after(
+    make_settings: Callable[..., Settings],
+) -> None:
+    """Given 5 requests (one refused by the engine) and one undecodable entry queued before the
+    worker starts, the exporter first shows 6 waiting entries and the engine down; after the
+    burst, the counters equal the burst's numbers, each histogram counts the 4 successes with the
+    sums the results' own timings give, tokens add up, the queue is empty and GC pauses show."""
+    s = make_settings(heartbeat_s=0.05)
+    texts = ["a b c", "d e", "fail:no", "f", "g h i j"]
+
+    async def main() -> None:
+        w = Worker(s, 0, FakeEngine(), name="m0")
+        port = free_port()
+        async with MetricsExporter(w, port, addr="127.0.0.1") as exporter:
+            assert exporter.port == port and w.metrics is exporter.metrics
+            burst = await Producer(s).asubmit(
+                [{"id": f"q{i}", "prompt": t, "max_tokens": 8} for i, t in enumerate(texts)]
+            )
+            r = aredis.Redis.from_url(s.redis_url)
+            await r.xadd(Keys(s.namespace).stream(0), {FIELD: b"\x01garbage"})
+            await r.aclose()
+            await asyncio.sleep(0.1)
+
+            before = await scrape_until(
+                port,
+                "m0",
+                lambda m: (
+                    m.get("prefixq_queue_depth") == 6
+                    and m["prefixq_queue_oldest_age_seconds"] >= 0.05
+                ),
+            )
+            assert before["prefixq_engine_up"] == 0
+            assert before["prefixq_queue_pending"] == 0
+            assert before["prefixq_requests_admitted_total"] == 0
+            assert before["prefixq_end_to_end_seconds_count"] == 0
+
+            task = asyncio.create_task(w.run())
+            got = await wait_results(s, burst, 5)
+            ok = [g for g in got if g.error is None]
+            assert len(ok) == 4
+            gc.collect()  # GcWatch runs after warm-up: this pause must reach the histogram
+
+            m = await scrape_until(
+                port,
+                "m0",
+                lambda m: (
+                    m["prefixq_queue_depth"] == 0
+                    and m["prefixq_queue_pending"] == 0
+                    and m["prefixq_dead_letter_stream_length"] == 1
+                ),
+            )
+            w.stop()
+            assert await task == EXIT_OK
+        assert w.metrics is None and w.gc.observer is None
+
+        assert m["prefixq_engine_up"] == 1
+        assert m["prefixq_inflight"] == 0
+        assert m["prefixq_max_inflight"] == 8  # 2 x FakeEngine's max_num_seqs
+        assert m["prefixq_requests_admitted_total"] == 5
+        assert m["prefixq_requests_finished_total"] == 4
+        assert m["prefixq_requests_failed_total"] == 1
+        assert m["prefixq_dead_letters_total"] == 1
+        assert m["prefixq_requests_reclaimed_total"] == 0
+        assert m["prefixq_queue_oldest_age_seconds"] == 0
+        assert m["prefixq_queue_stats_age_seconds"] < 5
+        for stage in ("queue_wait", "first_token", "end_to_end"):
+            assert m[f"prefixq_{stage}_seconds_count"] == 4
+            assert m[f"prefixq_{stage}_seconds_bucket{{le=+Inf}}"] == 4
+        t = [g.timings for g in ok]
+        assert m["prefixq_queue_wait_seconds_sum"] == pytest.approx(
+            sum(x.admitted - x.enqueued for x in t)
+        )
+        assert m["prefixq_first_token_seconds_sum"] == pytest.approx(
+            sum(x.first_token - x.admitted for x in t)
+        )
+        assert m["prefixq_end_to_end_seconds_sum"] == pytest.approx(
+            sum(x.finished - x.enqueued for x in t)
+        )
+        assert m["prefixq_prompt_tokens_total"] == sum(g.prompt_tokens for g in ok) == 10
+        assert m["prefixq_output_tokens_total"] == sum(g.output_tokens for g in ok) == 10
+        assert m["prefixq_cached_tokens_total"] == 0
+        assert m["prefixq_cached_token_ratio"] == 0
+        assert m["prefixq_gc_pause_seconds_count"] >= 1
+        with pytest.raises(urllib.error.URLError, match="refused"):  # stopped serving on exit
+            scrape(port, "m0")
+
+    run(main())
+
+
+def test_histogram_buckets_are_cumulative_and_the_cached_ratio_follows_the_tokens() -> None:
+    """Observations land in the first bucket whose bound holds them; buckets are cumulative;
+    the cached-token ratio is cached / prompt tokens; failed results are not timed."""
+    keys = ("engine_up", "inflight", "max_inflight", *COUNTERS)
+    m = WorkerMetrics(3, "w", lambda now: dict.fromkeys(keys, 0))
+    waits = (0.004, 0.005, 0.3, 7200.0)
+    tokens = ((10, 0), (10, 5), (20, 15), (0, 0))
+    for wait, (prompt, cached) in zip(waits, tokens, strict=True):
+        res = Result(id="x", index=0, prompt_tokens=prompt, cached_tokens=cached)
+        res.timings.enqueued, res.timings.admitted = 100.0, 100.0 + wait
+        res.timings.finished = res.timings.admitted + 1
+        m.observe(res)
+    m.observe(Result(id="bad", index=1, error="refused"))
+    fam = {f.name: f for f in m.collect()}
+    samples = fam["prefixq_queue_wait_seconds"].samples
+    buckets = {s.labels["le"]: s.value for s in samples if s.name.endswith("_bucket")}
+    assert buckets["0.005"] == 2  # 0.004 and 0.005 (le is inclusive)
+    assert buckets["0.25"] == 2
+    assert buckets["0.5"] == 3
+    assert buckets["3600.0"] == 3
+    assert buckets["+Inf"] == 4
+    assert m.first_token.count == 0  # no first-token time, nothing observed
+    ratio = fam["prefixq_cached_token_ratio"].samples[0]
+    assert ratio.value == pytest.approx(20 / 40)
+    assert ratio.labels == {"shard": "3", "worker": "w"}
+
+
+def test_observing_a_finished_request_costs_about_a_microsecond() -> None:
+    """`observe` runs on the worker's event loop once per request: it must stay cheap."""
+    m = WorkerMetrics(0, "w", lambda now: {})
+    res = Result(id="x", index=0, prompt_tokens=100, cached_tokens=64, output_tokens=16)
+    t = res.timings
+    t.enqueued, t.admitted, t.first_token, t.finished = 1.0, 1.2, 1.25, 2.0
+    n = 20_000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        m.observe(res)
+    per = (time.perf_counter() - t0) / n
+    assert m.end_to_end.count == n
+    assert per < 10e-6, f"{per * 1e6:.2f} us per observe"
+
+
+def test_metrics_port_is_a_setting_with_an_env_var_and_a_flag() -> None:
+    """PREFIXQ_METRICS_PORT and --metrics-port set it (the flag wins); 0 = off; bad ports fail."""
+    assert Settings().metrics_port == 0
+    assert Settings.from_env({"PREFIXQ_METRICS_PORT": "9105"}).metrics_port == 9105
+    args = build_parser().parse_args(["worker", "--shard", "0", "--metrics-port", "9200"])
+    assert settings_from(args).metrics_port == 9200
+    with pytest.raises(ConfigError):
+        Settings(metrics_port=70_000)
+
+
+def test_a_taken_port_is_a_setup_error(make_settings: Callable[..., Settings]) -> None:
+    """The exporter refuses to start on a port something else holds, saying which."""
+
+    async def main() -> None:
+        w = Worker(make_settings(), 0, FakeEngine(), name="busy")
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            sock.listen()
+            port = sock.getsockname()[1]
+            with pytest.raises(SetupError, match=str(port)):
+                async with MetricsExporter(w, port, addr="127.0.0.1"):
+                    pass
+        assert w.metrics is None
+        await w.r.aclose()
+
+    run(main())

@@ -1,0 +1,374 @@
+"""Bursts as RQ jobs and completion callbacks, on a real Redis and a real `rq worker` process.
+
+The prefixq side is the real `Worker` loop with the deterministic tests/fake_engine.py, run in a
+background thread's event loop (it also carries the completion hook under test); the tests
+marked ``engine`` run the same path once on the session's real vLLM CPU workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio as aredis
+from rq import Queue
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from fake_engine import FakeEngine
+from prefixq import results
+from prefixq.consumers.worker import Worker
+from prefixq.errors import ValidationError
+from prefixq.keys import Keys
+from prefixq.producer import Producer
+from prefixq.rq_jobs import (
+    _too_many_failed,
+    callback_job_id,
+    callback_path,
+    enqueue_on_complete,
+)
+from prefixq.settings import Settings
+from rq_targets import calls_key
+
+TESTS = Path(__file__).resolve().parent
+SRC = TESTS.parent / "src"
+RUN_BURST = "prefixq.rq_jobs.run_burst"
+MARK_DONE = "rq_targets:mark_done"
+
+THREE = [
+    {"id": "q0", "prompt": "a b", "max_tokens": 8},
+    {"id": "q1", "prompt": "fail:nope", "max_tokens": 8},
+    {"id": "q2", "prompt": "c d e", "max_tokens": 8},
+]
+
+
+# ---- helpers --------------------------------------------------------------------------------
+@contextmanager
+def fake_worker(settings: Settings) -> Iterator[Worker]:
+    """The real worker loop of shard 0 on a FakeEngine, in a background thread's event loop."""
+    ready = threading.Event()
+    state: dict[str, Any] = {}
+
+    def main() -> None:
+        async def serve() -> int:
+            w = Worker(settings, 0, FakeEngine(), name="fake-s0")
+            state["loop"], state["worker"] = asyncio.get_running_loop(), w
+            task = asyncio.create_task(w.run())
+            while not w.engine_up and not task.done():
+                await asyncio.sleep(0.01)
+            ready.set()
+            return await task
+
+        try:
+            state["rc"] = asyncio.run(serve())
+        finally:
+            ready.set()
+
+    thread = threading.Thread(target=main, name="prefixq-fake-worker", daemon=True)
+    thread.start()
+    assert ready.wait(30) and "worker" in state, "fake worker did not start"
+    try:
+        yield state["worker"]
+    finally:
+        state["loop"].call_soon_threadsafe(state["worker"].stop)
+        thread.join(30)
+        assert state.get("rc") == 0, "fake worker did not exit cleanly"
+
+
+def rq_worker(url: str, *queues: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run a stock `rq worker --burst` (JSON serializer) until its queues are empty."""
+    path = [str(TESTS), str(SRC), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+    cmd = [sys.executable, "-m", "rq.cli", "worker", "--burst", "--url", url]
+    cmd += ["--serializer", "rq.serializers.JSONSerializer", *queues]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def queue(r: redis.Redis, settings: Settings) -> Queue:
+    """An RQ queue of this test alone (named after its namespace)."""
+    return Queue(f"rq-{settings.namespace}", connection=r, serializer=JSONSerializer)
+
+
+def enqueue_run_burst(q: Queue, settings: Settings, requests: Any, **options: Any) -> Job:
+    """Enqueue `run_burst` the way an upstream pipeline would (by its dotted path)."""
+    options = {"redis_url": settings.redis_url, "namespace": settings.namespace} | options
+    return q.enqueue(RUN_BURST, requests, job_timeout=120, **options)
+
+
+def failure(job: Job) -> str:
+    """The traceback text of a failed job."""
+    res = job.latest_result()
+    assert res is not None and res.exc_string, f"job {job.id} has no failure recorded"
+    return str(res.exc_string)
+
+
+def finished_burst(r: redis.Redis, settings: Settings, **meta: Any) -> str:
+    """A burst record that says it is finished (enough for the callback code)."""
+    burst = f"b-{time.monotonic_ns()}"
+    fields = {"total": 1, "done": 1, "failed": 0, "status": "finished"} | meta
+    r.hset(Keys(settings.namespace).burst(burst), mapping=fields)
+    return burst
+
+
+@pytest.fixture
+def s(make_settings: Callable[..., Settings]) -> Settings:
+    return make_settings(gc_freeze=False, heartbeat_s=0.5)
+
+
+# ---- run_burst through a stock rq worker --------------------------------------------------
+def test_run_burst_job_returns_the_summary_with_counts(s: Settings, r: redis.Redis) -> None:
+    """A stock rq worker runs run_burst; the job's return value is the burst's JSON summary."""
+    q = queue(r, s)
+    job = enqueue_run_burst(q, s, THREE, timeout=60)
+    with fake_worker(s):
+        rq_worker(s.redis_url, q.name)
+    assert job.get_status(refresh=True) == JobStatus.FINISHED
+    summary = job.return_value(refresh=True)
+    assert summary is not None
+    assert (summary["total"], summary["done"], summary["failed"]) == (3, 2, 1)
+    assert summary["status"] == "finished"
+    assert summary["namespace"] == s.namespace
+    assert summary["results_key"] == Keys(s.namespace).results(summary["burst"])
+    assert summary["requests_per_s"] > 0 and summary["elapsed_s"] > 0
+    assert summary["finished_at"] >= summary["created"]
+    assert summary["per_shard"] == [3] and summary["out"] is None
+    got = results.collect(summary["burst"], s, client=r)
+    assert [g.text for g in got] == ["b a", "", "e d c"]
+
+
+def test_run_burst_reads_a_jsonl_path_and_writes_out(
+    s: Settings, r: redis.Redis, tmp_path: Path
+) -> None:
+    """Given a JSONL path and out=, the results are written there in input order."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in THREE), encoding="utf-8")
+    q = queue(r, s)
+    job = enqueue_run_burst(q, s, str(src), out=str(out))
+    with fake_worker(s):
+        rq_worker(s.redis_url, q.name)
+    summary = job.return_value(refresh=True)
+    assert summary is not None, job.latest_result()
+    assert summary["out"] == str(out) and summary["written"] == 3
+    lines = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
+    assert [x["id"] for x in lines] == ["q0", "q1", "q2"]
+    assert lines[1]["error"] == "fake engine refused: nope"
+
+
+def test_burst_over_max_failed_fails_the_rq_job_with_a_clear_message(
+    s: Settings, r: redis.Redis
+) -> None:
+    """max_failed=0 and one failed request: the RQ job fails with BurstFailed naming it."""
+    q = queue(r, s)
+    job = enqueue_run_burst(q, s, THREE, max_failed=0)
+    with fake_worker(s):
+        rq_worker(s.redis_url, q.name)
+    assert job.get_status(refresh=True) == JobStatus.FAILED
+    text = failure(job)
+    assert "BurstFailed" in text
+    assert "1 of 3 requests failed, over max_failed=0" in text
+    assert "first failure: request 'q1': fake engine refused: nope" in text
+
+
+def test_burst_past_its_timeout_fails_the_rq_job(s: Settings, r: redis.Redis) -> None:
+    """No prefixq worker serves the shard: after timeout s the job fails with BurstTimeout."""
+    q = queue(r, s)
+    job = enqueue_run_burst(q, s, THREE, timeout=1, shards=1)
+    rq_worker(s.redis_url, q.name)
+    assert job.get_status(refresh=True) == JobStatus.FAILED
+    text = failure(job)
+    assert "BurstTimeout" in text and "0/3 results after 1s (timeout=1s)" in text
+    assert "the burst keeps running" in text
+
+
+def test_wait_ends_before_the_rq_job_timeout(s: Settings, r: redis.Redis) -> None:
+    """A job_timeout shorter than the burst timeout still fails with BurstTimeout, not RQ's
+    own timeout exception."""
+    q = queue(r, s)
+    options = {"redis_url": s.redis_url, "namespace": s.namespace, "shards": 1}
+    job = q.enqueue(RUN_BURST, THREE, job_timeout=3, **options)
+    t0 = time.monotonic()
+    rq_worker(s.redis_url, q.name)
+    assert time.monotonic() - t0 < 30
+    text = failure(job)
+    assert "BurstTimeout" in text and "JobTimeoutException" not in text
+
+
+@pytest.mark.parametrize(
+    ("failed", "total", "max_failed", "over"),
+    [
+        (0, 3, None, False),
+        (3, 3, None, False),
+        (1, 3, 0, True),
+        (1, 3, 1, False),
+        (2, 3, 1, True),
+        (1, 3, 0.5, False),
+        (2, 3, 0.5, True),
+        (3, 3, 1.0, False),
+        (1, 10, 0.1, False),
+    ],
+)
+def test_max_failed_is_a_count_when_int_and_a_share_when_float(
+    failed: int, total: int, max_failed: float | None, over: bool
+) -> None:
+    """An int allows that many failed requests; a float allows that share of the burst."""
+    assert _too_many_failed(failed, total, max_failed) is over
+
+
+# ---- completion callbacks ------------------------------------------------------------------
+def test_on_complete_job_runs_once_even_when_the_last_result_is_redelivered(
+    s: Settings, r: redis.Redis
+) -> None:
+    """The worker that records the last result enqueues the callback; redelivered entries of
+    the finished burst (recorded again as duplicates) enqueue nothing more; it runs once."""
+    q = queue(r, s)
+    keys = Keys(s.namespace)
+    burst = Producer(s).submit(THREE, on_complete=MARK_DONE, rq_queue=q.name)
+    entries = r.xrange(keys.stream(0))
+    with fake_worker(s) as w:
+        results.wait(burst, s, timeout=30, client=r)
+        for _, fields in entries:  # the same entries delivered again (a crash before XACK)
+            r.xadd(keys.stream(0), fields)
+        deadline = time.monotonic() + 30
+        while w.writer.duplicates < len(entries) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert w.writer.duplicates == len(entries)
+    assert q.count == 1
+    rq_worker(s.redis_url, q.name)
+    assert r.get(calls_key(burst)) == b"1"
+    assert r.hget(keys.burst(burst), "callback_job") == callback_job_id(s.namespace, burst).encode()
+
+
+def test_concurrent_enqueue_on_complete_enqueues_one_job(s: Settings, r: redis.Redis) -> None:
+    """Eight concurrent calls for one finished burst: one enqueues the job, seven see it done."""
+    q = queue(r, s)
+    burst = finished_burst(r, s, on_complete=MARK_DONE, rq_queue=q.name)
+
+    async def main() -> list[str | None]:
+        clients = [aredis.Redis.from_url(s.redis_url) for _ in range(8)]
+        try:
+            return await asyncio.gather(*(enqueue_on_complete(c, s, burst) for c in clients))
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients))
+
+    got = asyncio.run(main())
+    assert [g for g in got if g is not None] == [callback_job_id(s.namespace, burst)]
+    assert q.count == 1
+    assert q.jobs[0].func_name == "rq_targets.mark_done" and q.jobs[0].args == [burst]
+
+
+def test_burst_without_on_complete_enqueues_nothing(s: Settings, r: redis.Redis) -> None:
+    """A finished burst that asked for no callback gets none."""
+    burst = finished_burst(r, s)
+
+    async def main() -> str | None:
+        c = aredis.Redis.from_url(s.redis_url)
+        try:
+            return await enqueue_on_complete(c, s, burst)
+        finally:
+            await c.aclose()
+
+    assert asyncio.run(main()) is None
+    assert r.hget(Keys(s.namespace).burst(burst), "callback_job") is None
+
+
+def test_unfinished_burst_gets_no_callback_yet(s: Settings, r: redis.Redis) -> None:
+    """A burst still running is not claimed, so its real completion can still enqueue."""
+    q = queue(r, s)
+    burst = finished_burst(r, s, status="queued", on_complete=MARK_DONE, rq_queue=q.name)
+
+    async def main() -> str | None:
+        c = aredis.Redis.from_url(s.redis_url)
+        try:
+            return await enqueue_on_complete(c, s, burst)
+        finally:
+            await c.aclose()
+
+    assert asyncio.run(main()) is None
+    assert q.count == 0
+
+
+@pytest.mark.parametrize(
+    ("spec", "dotted"),
+    [("pkg.module:func", "pkg.module.func"), ("m:f", "m.f"), ("a.b:C.method", "a.b.C.method")],
+)
+def test_callback_path_turns_colon_form_into_rq_dotted_path(spec: str, dotted: str) -> None:
+    """'pkg.module:func' becomes the dotted path RQ imports."""
+    assert callback_path(spec) == dotted
+
+
+@pytest.mark.parametrize("spec", ["pkg.module.func", "pkg:", ":f", "a b:f", "pkg:f()", "1x:f"])
+def test_callback_path_refuses_what_is_not_module_colon_function(spec: str) -> None:
+    """Anything but dotted identifiers around one colon is refused with ValidationError."""
+    with pytest.raises(ValidationError, match=r"package\.module:function"):
+        callback_path(spec)
+
+
+def test_callback_job_id_is_stable_and_in_rq_alphabet() -> None:
+    """The callback's RQ job id is fixed per (namespace, burst) and uses only [A-Za-z0-9_-]."""
+    a = callback_job_id("ns", "burst/with:odd chars")
+    assert a == callback_job_id("ns", "burst/with:odd chars")
+    assert a != callback_job_id("other", "burst/with:odd chars")
+    assert all(c.isalnum() or c in "_-" for c in a)
+
+
+# ---- once on the real engine ---------------------------------------------------------------
+@pytest.mark.engine
+def test_run_burst_on_the_real_engine(cluster: Any, r: redis.Redis, tmp_path: Path) -> None:
+    """RQ -> run_burst -> real vLLM CPU workers: every request done, text in the out file."""
+    s = cluster.settings
+    q = queue(r, s)
+    reqs = [
+        {"id": "a", "prompt": "The capital of Italy is", "max_tokens": 8, "temperature": 0.0},
+        {"id": "b", "prompt": "List three colours:", "max_tokens": 8, "temperature": 0.0},
+    ]
+    out = tmp_path / "out.jsonl"
+    job = q.enqueue(
+        RUN_BURST,
+        reqs,
+        redis_url=s.redis_url,
+        namespace=s.namespace,
+        out=str(out),
+        max_failed=0,
+        timeout=300,
+        job_timeout=400,
+    )
+    rq_worker(s.redis_url, q.name, timeout=420)
+    summary = job.return_value(refresh=True)
+    assert summary is not None, job.latest_result()
+    assert (summary["total"], summary["done"], summary["failed"]) == (2, 2, 0)
+    lines = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
+    assert [x["id"] for x in lines] == ["a", "b"]
+    assert all(x["text"] and x["output_tokens"] > 0 for x in lines)
+
+
+@pytest.mark.engine
+def test_on_complete_runs_once_after_a_burst_on_the_real_engine(
+    cluster: Any, r: redis.Redis
+) -> None:
+    """A burst spread over both real workers enqueues its callback once; it runs once."""
+    s = cluster.settings
+    q = queue(r, s)
+    reqs = [{"id": str(i), "prompt": f"Count to {i}:", "max_tokens": 4} for i in range(4)]
+    burst = Producer(s).submit(
+        reqs, placement="round-robin", on_complete=MARK_DONE, rq_queue=q.name
+    )
+    results.wait(burst, s, timeout=300, client=r)
+    deadline = time.monotonic() + 30
+    while q.count < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert q.count == 1
+    rq_worker(s.redis_url, q.name)
+    assert r.get(calls_key(burst)) == b"1"
