@@ -13,11 +13,12 @@ import secrets
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 import redis.asyncio as aredis
+from redis.exceptions import NoPermissionError
 
 from prefixq import wire
 from prefixq.affinity.placement import (
@@ -38,7 +39,9 @@ from prefixq.settings import Settings
 
 log = logging.getLogger(__name__)
 
-_CHUNK = 1000
+_CHUNK = 1024
+#: the first chunk is small, so the engines start while the rest is encoded
+_FIRST_CHUNK = 16
 #: called with (requests enqueued so far, total)
 Progress = Callable[[int, int], None]
 
@@ -107,7 +110,6 @@ class _Encoded:
     now: float
     raw_bytes: int = 0
     entry_bytes: int = 0
-    by_shard: dict[int, list[tuple[bytes, int]]] = field(default_factory=lambda: defaultdict(list))
 
 
 class Producer:
@@ -149,7 +151,7 @@ class Producer:
             return await self._submit(
                 r, reqs, burst, placement or s.placement, on_complete, rq_queue, progress, seed
             )
-        except TRANSIENT as e:
+        except (*TRANSIENT, NoPermissionError) as e:  # ACL refusals become ConfigError too
             raise describe(s, e) from e
         finally:
             await r.aclose()
@@ -176,9 +178,9 @@ class Producer:
         placer = await self._placer(r, placement, seed)
         placed = await placer.place(r, items, shards)
         prefixes, refs = self._prefixes(parts)
-        enc = self._encode(reqs, parts, placed, refs, burst)
         new_bytes = await self._store_prefixes(r, prefixes)
-
+        enc = _Encoded(now=time.time())
+        per_shard = Counter(p.shard for p in placed)
         meta: dict[str, Any] = {
             "total": len(reqs),
             "done": 0,
@@ -188,13 +190,10 @@ class Producer:
             "shards": shards,
             "codec": s.codec,
             "placement": placement if isinstance(placement, str) else type(placement).__name__,
-            "raw_bytes": enc.raw_bytes,
-            "encoded_bytes": enc.entry_bytes + new_bytes,
-            "entry_bytes": enc.entry_bytes,
-            "prefix_bytes": new_bytes,
-            "prefix_bytes_reused": sum(map(len, prefixes.values())) - new_bytes,
+            "per_shard": ",".join(str(per_shard[k]) for k in range(shards)),
             "prefixes": len(prefixes),
-            "per_shard": ",".join(str(len(enc.by_shard.get(k, ()))) for k in range(shards)),
+            "prefix_bytes": new_bytes,
+            "prefix_bytes_reused": sum(len(v) for v, _ in prefixes.values()) - new_bytes,
         }
         if on_complete:
             meta["on_complete"] = on_complete
@@ -204,7 +203,22 @@ class Producer:
         pipe.expire(keys.burst(burst), s.result_ttl_s)
         pipe.zadd(keys.bursts, {burst: enc.now})
         await pipe.execute()
-        await self._enqueue(r, enc.by_shard, len(reqs), progress)
+        # encode and send in growing chunks, so the first requests reach the workers while the
+        # rest are still being encoded
+        start, size = 0, _FIRST_CHUNK
+        while start < len(reqs):
+            end = min(len(reqs), start + size)
+            by_shard = self._encode(reqs, parts, placed, refs, burst, prefixes, enc, start, end)
+            await self._enqueue(r, by_shard)
+            if progress:
+                progress(end, len(reqs))
+            start, size = end, min(size * 4, _CHUNK)
+        sizes = {
+            "raw_bytes": enc.raw_bytes,
+            "entry_bytes": enc.entry_bytes,
+            "encoded_bytes": enc.entry_bytes + new_bytes,
+        }
+        await r.hset(keys.burst(burst), mapping=sizes)
         log.info(
             "burst %s: %d requests on %d shards (%s), %d -> %d bytes",
             burst,
@@ -212,23 +226,31 @@ class Producer:
             shards,
             meta["per_shard"],
             enc.raw_bytes,
-            meta["encoded_bytes"],
+            sizes["encoded_bytes"],
         )
         return burst
 
     def _prefixes(
         self, parts: list[tuple[dict[str, Any] | None, dict[str, Any]]]
-    ) -> tuple[dict[str, bytes], list[str | None]]:
-        """Prefixes worth storing once (digest -> encoded), and each request's reference."""
+    ) -> tuple[dict[str, tuple[bytes, int]], list[str | None]]:
+        """Prefixes worth storing once (digest -> (encoded, packed size)) and each request's
+        reference. A prefix is stored once when at least two requests of the burst share it and
+        it is long enough; a prefix used once travels inline (a separate key would only add a
+        write and a read)."""
         s = self.settings
-        stored: dict[str, bytes] = {}
+        packed = [
+            wire.pack(p) if p is not None and prefix_size(p) >= s.prefix_store_min_chars else None
+            for p, _ in parts
+        ]
+        uses = Counter(b for b in packed if b is not None)
+        stored: dict[str, tuple[bytes, int]] = {}
         refs: list[str | None] = []
-        for prefix, _ in parts:
+        for b in packed:
             ref = None
-            if prefix is not None and prefix_size(prefix) >= s.prefix_store_min_chars:
-                ref = digest(wire.pack(prefix))
+            if b is not None and uses[b] > 1:
+                ref = digest(b)
                 if ref not in stored:
-                    stored[ref] = wire.encode(prefix, s.codec, s.codec_level)
+                    stored[ref] = (wire.compress(b, s.codec, s.codec_level), len(b))
             refs.append(ref)
         return stored, refs
 
@@ -239,67 +261,67 @@ class Producer:
         placed: list[Placed],
         refs: list[str | None],
         burst: str,
-    ) -> _Encoded:
+        prefixes: dict[str, tuple[bytes, int]],
+        enc: _Encoded,
+        start: int,
+        end: int,
+    ) -> dict[int, list[tuple[bytes, int]]]:
+        """Encode requests [start, end); returns shard -> [(entry, work)] and counts bytes."""
         s = self.settings
-        enc = _Encoded(now=time.time())
-        for i, (q, (prefix, own), pl, ref) in enumerate(
-            zip(reqs, parts, placed, refs, strict=True)
-        ):
-            kw: dict[str, Any] = {
-                "burst": burst,
-                "index": i,
-                "shard": pl.shard,
-                "enqueued": enc.now,
-                "work": pl.work,
-                "predicted_cached": pl.predicted_cached,
-                "own": own,
-            }
-            enc.raw_bytes += len(wire.pack(to_wire(q, prefix=prefix, prefix_ref=None, **kw)))
-            data = wire.encode(
-                to_wire(q, prefix=prefix, prefix_ref=ref, **kw), s.codec, s.codec_level
+        by_shard: dict[int, list[tuple[bytes, int]]] = defaultdict(list)
+        inline_key, ref_key = len(wire.pack("x")), len(wire.pack("xr"))
+        for i in range(start, end):
+            q, (prefix, own), pl, ref = reqs[i], parts[i], placed[i], refs[i]
+            entry = to_wire(
+                q,
+                prefix=prefix,
+                prefix_ref=ref,
+                burst=burst,
+                index=i,
+                shard=pl.shard,
+                enqueued=enc.now,
+                work=pl.work,
+                predicted_cached=pl.predicted_cached,
+                own=own,
             )
+            packed = wire.pack(entry)
+            data = wire.compress(packed, s.codec, s.codec_level)
             if len(data) > s.max_entry_bytes:
                 raise ValidationError(
                     f"request {i} ({q.id!r}) encodes to {len(data)} bytes, "
                     f"over max_entry_bytes={s.max_entry_bytes}"
                 )
+            # raw = the same entry with its prefix inline, without packing it twice
+            raw = len(packed)
+            if ref is not None:
+                raw += inline_key + prefixes[ref][1] - ref_key - len(wire.pack(ref))
+            enc.raw_bytes += raw
             enc.entry_bytes += len(data)
-            enc.by_shard[pl.shard].append((data, pl.work))
-        return enc
+            by_shard[pl.shard].append((data, pl.work))
+        return by_shard
 
-    async def _store_prefixes(self, r: aredis.Redis, prefixes: dict[str, bytes]) -> int:
+    async def _store_prefixes(self, r: aredis.Redis, prefixes: dict[str, tuple[bytes, int]]) -> int:
         """SET NX each prefix (refreshing its TTL); returns the bytes newly stored."""
         if not prefixes:
             return 0
         ttl = self.settings.prefix_ttl_s
         pipe = r.pipeline(transaction=False)
-        for ref, value in prefixes.items():
+        for ref, (value, _) in prefixes.items():
             pipe.set(self.keys.prefix(ref), value, nx=True, ex=ttl)
             pipe.expire(self.keys.prefix(ref), ttl)
         done = await pipe.execute()
-        return sum(len(v) for v, new in zip(prefixes.values(), done[::2], strict=True) if new)
+        sizes = [len(v) for v, _ in prefixes.values()]
+        return sum(n for n, new in zip(sizes, done[::2], strict=True) if new)
 
-    async def _enqueue(
-        self,
-        r: aredis.Redis,
-        by_shard: dict[int, list[tuple[bytes, int]]],
-        total: int,
-        progress: Progress | None,
-    ) -> None:
-        """XADD every entry, shard by shard, in pipelines that also raise the load counter."""
-        sent = 0
+    async def _enqueue(self, r: aredis.Redis, by_shard: dict[int, list[tuple[bytes, int]]]) -> None:
+        """XADD a chunk of entries in one pipeline that also raises each shard's load counter."""
+        pipe = r.pipeline(transaction=False)
         for shard, datas in sorted(by_shard.items()):
             stream = self.keys.stream(shard)
-            for start in range(0, len(datas), _CHUNK):
-                chunk = datas[start : start + _CHUNK]
-                pipe = r.pipeline(transaction=False)
-                for data, _ in chunk:
-                    pipe.xadd(stream, {FIELD: data})
-                pipe.hincrby(self.keys.load, str(shard), sum(w for _, w in chunk))
-                await pipe.execute()
-                sent += len(chunk)
-                if progress:
-                    progress(sent, total)
+            for data, _ in datas:
+                pipe.xadd(stream, {FIELD: data})
+            pipe.hincrby(self.keys.load, str(shard), sum(w for _, w in datas))
+        await pipe.execute()
 
     async def _placer(self, r: aredis.Redis, name: str | Placer, seed: int | None) -> Placer:
         if not isinstance(name, str):
