@@ -13,7 +13,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 import pytest
 import redis
 
+from prefixq.consumers.run import worker_command
 from prefixq.keys import Keys
 from prefixq.redis_server import RedisServer
 from prefixq.settings import Settings
@@ -83,33 +83,16 @@ class WorkerProc:
         self, settings: Settings, shard: int, model: str, log: Path, name: str, extra: list[str]
     ) -> None:
         self.settings, self.shard, self.name, self.log = settings, shard, name, log
-        cmd = [
-            sys.executable,
-            "-m",
-            "prefixq",
-            "worker",
-            "--shard",
-            str(shard),
-            "--model",
-            model,
-            "--name",
-            name,
-            "--redis-url",
-            settings.redis_url,
-            "--namespace",
-            settings.namespace,
-            "--shards",
-            str(settings.shards),
-            "--claim-idle-s",
-            str(settings.claim_idle_s),
-            "--heartbeat-s",
-            str(settings.heartbeat_s),
-            "--grace-s",
-            str(settings.grace_s),
-            "--max-attempts",
-            str(settings.max_attempts),
-            *extra,
-        ]
+        fields = (
+            "redis_url",
+            "namespace",
+            "shards",
+            "claim_idle_s",
+            "heartbeat_s",
+            "grace_s",
+            "max_attempts",
+        )
+        cmd = [*worker_command(settings, shard, model, name=name, fields=fields), *extra]
         self._out = open(log, "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
             cmd,

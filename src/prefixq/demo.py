@@ -13,7 +13,6 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from rich.console import Console
 
 from prefixq import results
 from prefixq.connection import redact, sync_client
+from prefixq.consumers.run import worker_command
 from prefixq.errors import SetupError
 from prefixq.keys import Keys
 from prefixq.settings import Settings
@@ -122,24 +122,7 @@ def run_demo(
         con.print(f"[bold]model[/] {path}")
 
         log = Path(tempfile.mkdtemp(prefix="prefixq-demo-")) / "worker.log"
-        cmd = [
-            sys.executable,
-            "-m",
-            "prefixq",
-            "worker",
-            "--shard",
-            "0",
-            "--model",
-            path,
-            "--redis-url",
-            settings.redis_url,
-            "--namespace",
-            settings.namespace,
-            "--shards",
-            "1",
-        ]
-        for a in engine_args or []:
-            cmd += ["--engine-arg", a]
+        cmd = worker_command(settings, 0, path, engine_args=engine_args or ())
         out = stack.enter_context(open(log, "wb"))
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -12,13 +12,13 @@ import asyncio
 import contextlib
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from prefixq.consumers.engine import EngineRequest
+from prefixq.consumers.run import worker_command
 from prefixq.consumers.vllm_engine import VllmEngine
 from prefixq.errors import SetupError
 from prefixq.keys import Keys
@@ -115,29 +115,14 @@ class Workers:
             await self._wait_up(r, k, limit_s)
 
     def _spawn(self, k: int) -> subprocess.Popen[bytes]:
-        s, gpu = self.settings, self.gpus[k]
-        cmd = [
-            sys.executable,
-            "-m",
-            "prefixq",
-            "worker",
-            "--shard",
-            str(k),
-            "--model",
+        cmd = worker_command(
+            self.settings,
+            k,
             self.model,
-            "--name",
-            self.names[k],
-            "--redis-url",
-            s.redis_url,
-            "--namespace",
-            s.namespace,
-            "--shards",
-            str(len(self.gpus)),
-        ]
-        if gpu is not None:
-            cmd += ["--gpu", gpu]
-        for a in self.engine_args:
-            cmd += ["--engine-arg", a]
+            name=self.names[k],
+            gpu=self.gpus[k],
+            engine_args=self.engine_args,
+        )
         with open(self.logs[k], "wb") as out:
             return subprocess.Popen(
                 cmd,

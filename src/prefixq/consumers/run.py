@@ -21,6 +21,32 @@ log = logging.getLogger(__name__)
 EXIT_CONFIG = 2
 
 
+def worker_command(
+    settings: Settings,
+    shard: int,
+    model: str = "",
+    *,
+    name: str = "",
+    gpu: str | None = None,
+    engine_args: Sequence[str] = (),
+    fields: Sequence[str] = ("redis_url", "namespace", "shards"),
+) -> list[str]:
+    """argv for a ``prefixq worker`` process of this interpreter, passing ``fields`` of
+    ``settings`` as flags (the rest comes from the environment)."""
+    cmd = [sys.executable, "-m", "prefixq", "worker", "--shard", str(shard)]
+    if model:
+        cmd += ["--model", model]
+    if name:
+        cmd += ["--name", name]
+    if gpu is not None:
+        cmd += ["--gpu", gpu]
+    for f in fields:
+        cmd += ["--" + f.replace("_", "-"), str(getattr(settings, f))]
+    for a in engine_args:
+        cmd += ["--engine-arg", a]
+    return cmd
+
+
 def run_worker(
     settings: Settings,
     shard: int,
