@@ -123,6 +123,8 @@ def prepare_embedded(cache_dir: Path, *, log: Callable[[str], None] | None = Non
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
         try:
             _convert(gguf, tmp)
+            for item in tmp.iterdir():  # safetensors are written 0600; the cache may be shared
+                item.chmod(0o644)
             (tmp / MARKER).write_text(f"{EMBEDDED_NAME} from {gguf.name}\n")
             os.replace(tmp, target)
         except SetupError:
