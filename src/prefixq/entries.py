@@ -81,12 +81,14 @@ class Entry:
                 prefix_ref=d.get("xr"),
                 sampling=d.get("s") or {},
                 enqueued=float(d.get("e", 0.0)),
-                shard=int(d.get("k", 0)),
-                work=int(d.get("w", 0)),
-                predicted_cached=int(d.get("pc", 0)),
+                shard=_count(d, "k"),
+                work=_count(d, "w"),
+                predicted_cached=_count(d, "pc"),
             )
-        except (TypeError, ValueError) as err:
+        except (TypeError, ValueError, OverflowError) as err:
             raise WireError(f"malformed entry: {err}") from None
+        if not 0 <= e.index < _MAX_COUNT:
+            raise WireError(f"entry index {e.index} out of range")
         if len(e.own) != 1:
             raise WireError("entry needs exactly one of p, m, t")
         if not isinstance(e.sampling, dict):
@@ -103,6 +105,12 @@ class Entry:
         if prefix is not None and not _is_prefix(prefix):
             raise WireError("stored prefix is malformed")
         req = Request(id=self.id, sampling=dict(self.sampling))
+        ((key, value),) = self.own.items()
+        if not isinstance(value, str if key == "p" else list):
+            raise WireError(
+                f"entry field {key!r} must be {'a string' if key == 'p' else 'a list'}, "
+                f"not {type(value).__name__}"
+            )
         if "t" in self.own:
             req.prompt_token_ids = list((prefix or {}).get("t", ())) + list(self.own["t"])
         elif "m" in self.own:
@@ -144,6 +152,18 @@ def to_wire(
     elif prefix is not None:
         d["x"] = prefix
     return d
+
+
+#: bound on the entry's counters (index, shard, work, predicted cached tokens): they end up in
+#: Redis HINCRBY arguments, which must stay within 64 bits even when summed over a batch
+_MAX_COUNT = 1 << 40
+
+
+def _count(d: dict[str, Any], key: str) -> int:
+    value = int(d.get(key, 0))
+    if not 0 <= value < _MAX_COUNT:
+        raise ValueError(f"entry field {key!r}={value} out of range")
+    return value
 
 
 def _typed(d: dict[str, Any], key: str, kind: type) -> Any:

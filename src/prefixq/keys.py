@@ -12,6 +12,9 @@ from dataclasses import dataclass
 GROUP = "workers"
 #: the one field of a stream entry; its value is a wire-encoded record
 FIELD = b"d"
+#: field of an entry that `prefixq reclaim` moved off a dead consumer: the deliveries it had
+#: before the move, which count towards ``max_attempts`` (consumers/deadletters.py)
+CARRIED = b"n"
 
 
 @dataclass(frozen=True, slots=True)

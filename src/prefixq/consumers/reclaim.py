@@ -5,21 +5,21 @@ re-claims its in-flight entries on every heartbeat, so only entries of dead or s
 idle past ``claim_idle_s``; the reclaimer of any live worker of that shard (or `prefixq reclaim`)
 takes them over with XCLAIM, which counts a delivery. An entry delivered ``max_attempts`` times
 goes to the shard's dead-letter stream with the reason, and its request gets a failed result.
+Deliveries are the stream's count plus the ``n`` field of an entry that `prefixq reclaim` moved
+(deadletters.py), so the limit holds across such moves.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
-from prefixq import wire
+from redis.exceptions import ResponseError
+
 from prefixq.connection import TRANSIENT
-from prefixq.entries import Entry
-from prefixq.errors import PrefixqError
-from prefixq.keys import FIELD, GROUP
-from prefixq.records import Result
+from prefixq.consumers.deadletters import carried, dead_letter_record, failed_result
+from prefixq.keys import GROUP
 
 if TYPE_CHECKING:
     from prefixq.consumers.worker import Worker
@@ -39,7 +39,7 @@ class Reclaimer:
             await asyncio.sleep(period)
             try:
                 await self.reclaim_once()
-            except TRANSIENT as e:
+            except (*TRANSIENT, ResponseError) as e:  # NOGROUP after a restart: the reader rejoins
                 log.warning("reclaim failed: %s", e)
 
     async def reclaim_once(self) -> int:
@@ -50,22 +50,29 @@ class Reclaimer:
         pending = await w.r.xpending_range(
             w.stream, GROUP, min="-", max="+", count=max(room, 0) + 100, idle=idle_ms
         )
+        pending = [p for p in pending if p["message_id"] not in w.inflight]
+        limit = w.settings.max_attempts
         claim: list[bytes] = []
-        for p in pending:
-            entry_id = p["message_id"]
-            if entry_id in w.inflight:
-                continue
-            if p["times_delivered"] >= w.settings.max_attempts:
-                await self.dead_letter_id(entry_id, p["times_delivered"])
+        last: list[bytes] = []  # entries whose next delivery is their last allowed one
+        for entry_id, attempts in await self.attempts(pending):
+            if attempts >= limit:
+                await self.dead_letter_id(entry_id, attempts)
+            elif 1 < limit <= attempts + 1:
+                last.append(entry_id)
             elif len(claim) < room:
                 claim.append(entry_id)
+        if last and not (w.gate.waiting or w.gate.solo):
+            # one per round, run alone (consumers/solo.py): a poison entry among them takes
+            # only itself past the limit
+            claim.append(last[0])
         if not claim:
             return 0
         got = await w.r.xclaim(w.stream, GROUP, w.name, idle_ms, claim)
         if got:
             log.info("reclaimed %d idle entries on shard %d", len(got), w.shard)
             w.counts["reclaimed"] += len(got)
-            await w.admit(got)
+            delivered = {p["message_id"]: p["times_delivered"] + 1 for p in pending}
+            await w.admit(got, delivered)
         return len(got)
 
     async def dead_letter_over_limit(self, consumer: str) -> None:
@@ -74,9 +81,23 @@ class Reclaimer:
         pending = await w.r.xpending_range(
             w.stream, GROUP, min="-", max="+", count=10_000, consumername=consumer
         )
+        for entry_id, attempts in await self.attempts(pending):
+            if attempts >= w.settings.max_attempts:
+                await self.dead_letter_id(entry_id, attempts)
+
+    async def attempts(self, pending: list[dict[str, Any]]) -> list[tuple[bytes, int]]:
+        """(entry id, deliveries so far) for XPENDING rows: the stream's count plus the count an
+        entry carried over from a `prefixq reclaim` move (one pipelined XRANGE per entry)."""
+        if not pending:
+            return []
+        pipe = self.w.r.pipeline(transaction=False)
         for p in pending:
-            if p["times_delivered"] >= w.settings.max_attempts:
-                await self.dead_letter_id(p["message_id"], p["times_delivered"])
+            pipe.xrange(self.w.stream, p["message_id"], p["message_id"])
+        found = await pipe.execute()
+        return [
+            (p["message_id"], p["times_delivered"] + carried(f[0][1] if f else None))
+            for p, f in zip(pending, found, strict=True)
+        ]
 
     async def dead_letter_id(self, entry_id: bytes, delivered: int) -> None:
         found = await self.w.r.xrange(self.w.stream, entry_id, entry_id)
@@ -95,42 +116,16 @@ class Reclaimer:
         w = self.w
         w.counts["dead"] += 1
         log.warning("dead letter %s on shard %d: %s", entry_id.decode(), w.shard, reason)
-        record: dict[Any, Any] = {
-            "entry": entry_id,
-            "shard": w.shard,
-            "reason": reason[:2000],
-            "delivered": delivered,
-            "at": time.time(),
-            "worker": w.name,
-        }
-        data = fields.get(FIELD)
-        if data is not None:
-            record[FIELD] = data
-        entry = _identify(data, w)
-        if entry is not None:
-            record["burst"], record["index"] = entry.burst, entry.index
+        record, entry = dead_letter_record(
+            entry_id, w.shard, fields, reason, delivered, w.name, w.limits
+        )
         await w.r.xadd(w.keys.dead(w.shard), record, maxlen=100_000, approximate=True)
         if entry is None:
             await w.r.xack(w.stream, GROUP, entry_id)
             await w.r.xdel(w.stream, entry_id)
             return
-        res = Result(
-            id=entry.id,
-            index=entry.index,
-            shard=w.shard,
-            worker=w.name,
-            error=f"dead-lettered: {reason}",
-        )
-        res.timings.enqueued = entry.enqueued
-        res.timings.finished = time.time()
+        res = failed_result(entry, w.shard, w.name, reason)
         w.counts["failed"] += 1
-        w.writer.put(entry_id, entry, res)  # records the failure, then acks the entry
-
-
-def _identify(data: bytes | None, w: Worker) -> Entry | None:
-    if data is None:
-        return None
-    try:
-        return Entry.from_wire(wire.decode(data, w.limits))
-    except PrefixqError:
-        return None
+        # records the failure and acks the entry before returning: queued behind other results,
+        # the entry would still be pending when the reader reads its backlog, and run once more
+        await w.writer.write_now(entry_id, entry, res)

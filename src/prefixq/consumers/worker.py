@@ -32,9 +32,11 @@ from redis.exceptions import ResponseError
 from prefixq import wire
 from prefixq.connection import TRANSIENT, async_client, describe, refused
 from prefixq.consumers.control import control_loop
+from prefixq.consumers.deadletters import carried
 from prefixq.consumers.engine import Engine, EngineRequest
 from prefixq.consumers.gcwatch import GcWatch
 from prefixq.consumers.reclaim import Reclaimer
+from prefixq.consumers.solo import SoloGate
 from prefixq.consumers.writer import ResultWriter
 from prefixq.entries import Entry
 from prefixq.errors import EngineDead, EngineError, PrefixqError
@@ -89,6 +91,8 @@ class Worker:
         self.metrics: WorkerMetrics | None = None
         self._stopping = asyncio.Event()
         self._room = asyncio.Event()
+        #: entries on their last allowed delivery run alone (consumers/solo.py)
+        self.gate = SoloGate()
         self._dead: str | None = None
         self._prefixes: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._served_since_freeze = 0
@@ -203,7 +207,7 @@ class Worker:
 
     # ---- reading and admission -------------------------------------------------------------
     async def _read_loop(self) -> None:
-        backlog_from: str | None = "0"  # our own pending entries first (a restart)
+        await self._replay_backlog()  # our own pending entries first (a restart)
         delay = 0.1
         while not self._stopping.is_set():
             room = self.max_inflight - len(self.inflight)
@@ -213,14 +217,9 @@ class Worker:
                 continue
             count = min(room, self.settings.read_count)
             try:
-                if backlog_from is not None:
-                    resp = await self.r.xreadgroup(
-                        GROUP, self.name, {self.stream: backlog_from}, count=count
-                    )
-                else:
-                    resp = await self.r.xreadgroup(
-                        GROUP, self.name, {self.stream: ">"}, count=count, block=500
-                    )
+                resp = await self.r.xreadgroup(
+                    GROUP, self.name, {self.stream: ">"}, count=count, block=500
+                )
             except TRANSIENT as e:
                 log.warning("read failed (%s); retrying in %.1fs", e, delay)
                 await asyncio.sleep(delay)
@@ -233,24 +232,81 @@ class Worker:
                 # again from id 0; acked entries are deleted, so only unfinished ones come back
                 log.warning("consumer group gone (%s); joining again", e)
                 await self._join_group()
-                backlog_from = None
                 continue
             delay = 0.1
             entries = resp[0][1] if resp else []
-            if backlog_from is not None:
-                if not entries:
-                    backlog_from = None
-                    continue
-                backlog_from = entries[-1][0].decode()
-            # already in flight: our backlog, or redelivered after Redis lost recent writes
+            # already in flight: redelivered after Redis lost its most recent writes
             entries = [e for e in entries if e[0] not in self.inflight]
             if entries:
                 await self.admit(entries)
 
-    async def admit(self, entries: list[tuple[bytes, dict[bytes, bytes] | None]]) -> None:
-        """Decode entries and hand each to the engine at once; bad ones go to dead letters."""
+    async def _replay_backlog(self) -> None:
+        """Serve this consumer's own pending entries (in flight when it last ran), oldest first.
+
+        Each is charged its delivery (XCLAIM to ourselves) only as it is admitted, not all at
+        once as a re-read would; one on its last allowed delivery is charged only once nothing
+        else is in flight, and is waited for before the next (consumers/solo.py)."""
+        start, delay = "-", 0.1
+        while not self._stopping.is_set():
+            try:
+                page = await self.r.xpending_range(
+                    self.stream, GROUP, min=start, max="+", count=self.settings.read_count,
+                    consumername=self.name,
+                )  # fmt: skip
+                if not page:
+                    return
+                for p in page:
+                    await self._replay_one(p["message_id"], p["times_delivered"] + 1)
+                    start = "(" + p["message_id"].decode()
+                    if self._stopping.is_set():
+                        return
+            except TRANSIENT as e:
+                log.warning("backlog read failed (%s); retrying in %.1fs", e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+            except ResponseError as e:
+                if "NOGROUP" not in str(e):
+                    raise
+                return  # the group is gone, and our backlog with it: the read loop rejoins
+
+    async def _replay_one(self, entry_id: bytes, delivery: int) -> None:
+        if entry_id in self.inflight:
+            return
+        last = 1 < self.settings.max_attempts <= delivery
+        while (self.inflight if last else len(self.inflight) >= self.max_inflight) and (
+            not self._stopping.is_set()
+        ):
+            self._room.clear()
+            await _first(self._room.wait(), self._stopping.wait())
+        if self._stopping.is_set():
+            return
+        got = await self.r.xclaim(self.stream, GROUP, self.name, 0, [entry_id])
+        if not got:  # acked meanwhile, or deleted (XCLAIM then drops it from the list)
+            return
+        last = 1 < self.settings.max_attempts <= delivery + carried(got[0][1])
+        await self.admit(got, {entry_id: delivery})
+        task = self.inflight.get(entry_id)
+        if task is not None and last:
+            stop = asyncio.ensure_future(self._stopping.wait())
+            await asyncio.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+
+    async def admit(
+        self,
+        entries: list[tuple[bytes, dict[bytes, bytes] | None]],
+        delivered: dict[bytes, int] | None = None,
+    ) -> None:
+        """Decode entries and hand each to the engine at once; bad ones go to dead letters.
+
+        ``delivered``: the stream's delivery count of entries delivered more than once (else 1);
+        an entry whose delivery (plus any count it carried over a move) is its last allowed one
+        runs alone."""
         decoded: list[tuple[bytes, Entry]] = []
+        solo: set[bytes] = set()
         for entry_id, fields in entries:
+            n = (delivered or {}).get(entry_id, 1) + carried(fields)
+            if 1 < self.settings.max_attempts <= n:
+                solo.add(entry_id)
             data = (fields or {}).get(FIELD)
             if data is None:
                 if not fields:  # deleted after its result was recorded: only ack it
@@ -270,7 +326,7 @@ class Worker:
         prefixes = await self._prefixes_for([e for _, e in decoded])
         for entry_id, e in decoded:
             self.counts["admitted"] += 1
-            task = asyncio.create_task(self._serve(entry_id, e, prefixes))
+            task = asyncio.create_task(self._serve(entry_id, e, prefixes, entry_id in solo))
             self.inflight[entry_id] = task
 
     async def _prefixes_for(self, entries: list[Entry]) -> dict[str, dict[str, Any] | str]:
@@ -305,7 +361,11 @@ class Worker:
         return found
 
     async def _serve(
-        self, entry_id: bytes, e: Entry, prefixes: dict[str, dict[str, Any] | str]
+        self,
+        entry_id: bytes,
+        e: Entry,
+        prefixes: dict[str, dict[str, Any] | str],
+        solo: bool = False,
     ) -> None:
         res = Result(
             id=e.id,
@@ -325,15 +385,16 @@ class Worker:
                 max_chars=self.settings.max_prompt_chars, max_messages=self.settings.max_messages
             )
             prompt = self.engine.render_chat(req.messages) if req.messages else req.prompt
-            out = await self.engine.generate(
-                EngineRequest(
-                    request_id=f"{e.burst}:{e.index}:{entry_id.decode()}",
-                    prompt=prompt,
-                    prompt_token_ids=req.prompt_token_ids,
-                    sampling=req.sampling,
-                    chat=req.messages is not None,
+            async with self.gate.call(solo):
+                out = await self.engine.generate(
+                    EngineRequest(
+                        request_id=f"{e.burst}:{e.index}:{entry_id.decode()}",
+                        prompt=prompt,
+                        prompt_token_ids=req.prompt_token_ids,
+                        sampling=req.sampling,
+                        chat=req.messages is not None,
+                    )
                 )
-            )
             res.text, res.token_ids, res.finish_reason = out.text, out.token_ids, out.finish_reason
             res.prompt_tokens, res.cached_tokens = out.prompt_tokens, out.cached_tokens
             res.output_tokens = len(out.token_ids)

@@ -12,6 +12,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+from redis.exceptions import ResponseError
+
 from prefixq import wire
 from prefixq.connection import TRANSIENT, lua
 from prefixq.entries import Entry
@@ -25,6 +27,8 @@ log = logging.getLogger(__name__)
 
 #: recorded and it completed its burst (see lua/record_result.lua)
 BURST_DONE = 2
+#: not recorded: the index is outside the burst (a forged or corrupt entry)
+OUT_OF_RANGE = -1
 Item = tuple[bytes, Entry, Result]
 
 
@@ -42,6 +46,11 @@ class ResultWriter:
 
     def put(self, entry_id: bytes, entry: Entry, result: Result) -> None:
         self.queue.put_nowait((entry_id, entry, result))
+
+    async def write_now(self, entry_id: bytes, entry: Entry, result: Result) -> None:
+        """Record and ack one result before returning (dead letters: the entry must be acked
+        before the reader could be delivered it again)."""
+        await self._write_with_retry([(entry_id, entry, result)])
 
     async def run(self) -> None:
         try:
@@ -87,6 +96,11 @@ class ResultWriter:
                 )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
+            except ResponseError as e:  # NOSCRIPT after a Redis restart, OOM, READONLY, ...:
+                # a dead writer would strand every later result, so it outlives them too
+                log.error("writing %d results failed (%s); retrying in %.2fs", len(batch), e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     async def _write(self, batch: list[Item]) -> None:
         w, keys = self.w, self.w.keys
@@ -124,6 +138,8 @@ class ResultWriter:
                 log.info(
                     "result for %s:%d already recorded; acked the redelivery", e.burst, e.index
                 )
+            elif reply == OUT_OF_RANGE:
+                log.warning("entry for %s:%d is outside its burst; acked", e.burst, e.index)
             elif reply == BURST_DONE:
                 log.info("burst %s finished", e.burst)
                 for hook in self.on_burst_done:

@@ -9,7 +9,12 @@
 -- ARGV[5]  now (epoch seconds, as a string)
 -- ARGV[6]  prompt tokens   ARGV[7] cached prompt tokens   ARGV[8] predicted cached tokens
 -- Returns 0 if a result for this index already existed (a redelivery: only ack it),
--- 1 if recorded, 2 if recorded and it was the burst's last outstanding request.
+-- 1 if recorded, 2 if recorded and it was the burst's last outstanding request,
+-- -1 if the index is outside the burst (total known and index >= total): nothing is written.
+local total = tonumber(redis.call('HGET', KEYS[2], 'total') or '')
+if total and tonumber(ARGV[1]) >= total then
+  return -1
+end
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then
   return 0
 end

@@ -1,0 +1,101 @@
+"""A worker process with the deterministic FakeEngine, for fault tests that need a real process.
+
+``python tests/fault_worker.py worker --shard K [--name N] [--crash-after-record] [settings]``
+runs the real `Worker` loop (signal handlers as `prefixq worker` installs them) over
+tests/fake_engine.py; it takes every settings flag `prefixq worker` takes and exits with the same
+codes (0 after SIGTERM, 3 after an engine death, 2 for a configuration error).
+``--crash-after-record`` makes the first result write record its results and then die (exit 137)
+before the entries are acked: a crash between the two halves of a write.
+
+``python tests/fault_worker.py workers --cpu N [settings]`` runs the real supervisor
+(`prefixq.consumers.run.supervise`, as `prefixq workers` does) over such worker processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+from fake_engine import FakeEngine
+from prefixq.cli import _settings_parser, settings_from
+from prefixq.consumers.run import supervise
+from prefixq.consumers.worker import Worker
+from prefixq.consumers.writer import ResultWriter
+from prefixq.errors import ConfigError
+
+CRASH_EXIT = 137
+
+
+def crash_after_record() -> None:
+    """Patch the writer: the first write records its results (Lua), drops XACK/XDEL, dies."""
+    write = ResultWriter._write
+
+    async def crashing(self: ResultWriter, batch: list[Any]) -> None:
+        real = self.w.r.pipeline
+
+        def pipeline(*a: Any, **kw: Any) -> Any:
+            pipe = real(*a, **kw)
+            pipe.xack = lambda *a, **kw: pipe  # the acknowledgement never leaves the process
+            pipe.xdel = lambda *a, **kw: pipe
+            return pipe
+
+        self.w.r.pipeline = pipeline
+        await write(self, batch)
+        print(f"fault_worker: recorded {len(batch)} results, crashing before the ack", flush=True)
+        os._exit(CRASH_EXIT)
+
+    ResultWriter._write = crashing  # type: ignore[method-assign]
+
+
+def worker(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(parents=[_settings_parser()])
+    p.add_argument("--shard", type=int, default=0)
+    p.add_argument("--name", default="")
+    p.add_argument("--crash-after-record", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level or "INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.crash_after_record:
+        crash_after_record()
+
+    async def main() -> int:
+        w = Worker(settings_from(args), args.shard, FakeEngine(), name=args.name)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, w.stop)
+        return await w.run()
+
+    try:
+        return asyncio.run(main())
+    except ConfigError as e:
+        print(f"prefixq: error: {e}", file=sys.stderr)
+        return 2
+
+
+def workers(argv: list[str]) -> int:
+    """The real supervisor, spawning this script's ``worker`` instead of ``prefixq worker``."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--cpu", type=int, required=True)
+    args, rest = p.parse_known_args(argv)
+    popen = subprocess.Popen
+
+    def spawn(cmd: list[str], *a: Any, **kw: Any) -> Any:
+        i = cmd.index("prefixq")
+        assert cmd[i - 1 : i + 2] == ["-m", "prefixq", "worker"], cmd
+        return popen([*cmd[: i - 1], os.path.abspath(__file__), "worker", *cmd[i + 2 :]], *a, **kw)
+
+    subprocess.Popen = spawn  # type: ignore[misc,assignment]
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return supervise([*rest, "--shards", str(args.cpu)], [None] * args.cpu, restart_delay=0.5)
+
+
+if __name__ == "__main__":
+    mode, *rest = sys.argv[1:]
+    sys.exit(worker(rest) if mode == "worker" else workers(rest))
