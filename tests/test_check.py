@@ -125,7 +125,7 @@ def test_a_worker_whose_engine_is_not_up_or_whose_heartbeat_expired_is_not_healt
 
     async def beat() -> None:
         w = Worker(s, 0, FakeEngine(), name="loading")
-        r.hset(keys.heartbeat(0, w.name), mapping=w.health(time.time()))
+        r.hset(keys.heartbeat(0, w.name), mapping=w.heartbeat.health(time.time()))
         r.expire(keys.heartbeat(0, w.name), 15)
         r.zadd(keys.workers(0), {w.name: time.time(), "crashed": time.time() - 60})
         await w.r.aclose()

@@ -264,7 +264,7 @@ class MetricsExporter:
         self.port = port
         self.addr = addr
         self.refresh_s = refresh_s if refresh_s is not None else worker.settings.heartbeat_s
-        self.metrics = WorkerMetrics(worker.shard, worker.name, worker.health)
+        self.metrics = WorkerMetrics(worker.shard, worker.name, worker.heartbeat.health)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
         self._task: asyncio.Task[None] | None = None

@@ -17,13 +17,11 @@ leaves in-flight entries pending (not failed) and exits with code 3.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import os
 import socket
 import time
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aredis
@@ -35,6 +33,8 @@ from prefixq.consumers.control import control_loop
 from prefixq.consumers.deadletters import carried
 from prefixq.consumers.engine import Engine, EngineRequest
 from prefixq.consumers.gcwatch import GcWatch
+from prefixq.consumers.heartbeat import Heartbeat
+from prefixq.consumers.prefixes import PrefixCache
 from prefixq.consumers.reclaim import Reclaimer
 from prefixq.consumers.solo import SoloGate
 from prefixq.consumers.writer import ResultWriter
@@ -94,17 +94,26 @@ class Worker:
         #: entries on their last allowed delivery run alone (consumers/solo.py)
         self.gate = SoloGate()
         self._dead: str | None = None
-        self._prefixes: OrderedDict[str, dict[str, Any]] = OrderedDict()
-        self._served_since_freeze = 0
-        self._last_done = 0.0
+        self.prefixes = PrefixCache(self.r, self.keys, self.limits, settings.prefix_cache_entries)
         #: keep the heap frozen (gc.freeze after warm-up and when idle); the control stream
         #: turns it off to measure pauses without it
         self.freeze = settings.gc_freeze
         self.writer = ResultWriter(self)
         self.writer.on_burst_done.append(completion_hook(self.r, settings))
         self.reclaimer = Reclaimer(self)
+        self.heartbeat = Heartbeat(self)
 
     # ---- lifecycle -------------------------------------------------------------------------
+    @property
+    def stopping(self) -> bool:
+        """`stop()` was called (or the engine died): no more reading."""
+        return self._stopping.is_set()
+
+    @property
+    def serving(self) -> bool:
+        """The engine is up and alive."""
+        return self.engine_up and self._dead is None
+
     def stop(self) -> None:
         """Stop reading; in-flight requests get ``grace_s`` to finish."""
         if not self._stopping.is_set():
@@ -124,7 +133,7 @@ class Worker:
             asyncio.create_task(c, name=n)
             for n, c in (
                 ("writer", self.writer.run()),
-                ("heartbeat", self._heartbeat_loop()),
+                ("heartbeat", self.heartbeat.run()),
                 ("reclaim", self.reclaimer.run()),
                 ("control", control_loop(self)),
             )
@@ -136,7 +145,7 @@ class Worker:
         finally:
             await self.writer.close()
             await _cancel(tasks)
-            await self._unregister()
+            await self.heartbeat.unregister()
             self.gc.stop()
             await self.engine.close()
             await self.r.aclose()
@@ -323,42 +332,11 @@ class Worker:
                 await self.reclaimer.dead_letter(
                     entry_id, fields or {}, f"undecodable: {type(err).__name__}: {err}"
                 )
-        prefixes = await self._prefixes_for([e for _, e in decoded])
+        prefixes = await self.prefixes.resolve([e for _, e in decoded])
         for entry_id, e in decoded:
             self.counts["admitted"] += 1
             task = asyncio.create_task(self._serve(entry_id, e, prefixes, entry_id in solo))
             self.inflight[entry_id] = task
-
-    async def _prefixes_for(self, entries: list[Entry]) -> dict[str, dict[str, Any] | str]:
-        """Resolve prefix references: local LRU first, one MGET for the rest."""
-        found: dict[str, dict[str, Any] | str] = {}
-        missing = []
-        for e in entries:
-            ref = e.prefix_ref
-            if ref is None or ref in found:
-                continue
-            if ref in self._prefixes:
-                self._prefixes.move_to_end(ref)
-                found[ref] = self._prefixes[ref]
-            else:
-                missing.append(ref)
-                found[ref] = "missing"
-        if missing:
-            values = await self.r.mget([self.keys.prefix(ref) for ref in missing])
-            for ref, raw in zip(missing, values, strict=True):
-                if raw is None:
-                    found[ref] = f"stored prefix {ref} not found (expired or never stored)"
-                    continue
-                try:
-                    obj = wire.decode(raw, self.limits)
-                except PrefixqError as err:
-                    found[ref] = f"stored prefix {ref} undecodable: {err}"
-                    continue
-                found[ref] = obj
-                self._prefixes[ref] = obj
-                while len(self._prefixes) > self.settings.prefix_cache_entries:
-                    self._prefixes.popitem(last=False)
-        return found
 
     async def _serve(
         self,
@@ -412,8 +390,7 @@ class Worker:
         finally:
             self.inflight.pop(entry_id, None)
             self._room.set()
-            self._served_since_freeze += 1
-            self._last_done = time.monotonic()
+            self.heartbeat.request_done()
         res.timings.finished = time.time()
         self.counts["failed" if res.error else "finished"] += 1
         if self.metrics is not None:
@@ -427,62 +404,6 @@ class Worker:
                 "engine died (%s): %d in-flight entries stay pending", why, len(self.inflight)
             )
         self.stop()
-
-    # ---- health ----------------------------------------------------------------------------
-    async def _heartbeat_loop(self) -> None:
-        hb = self.keys.heartbeat(self.shard, self.name)
-        while True:
-            try:
-                now = time.time()
-                pipe = self.r.pipeline(transaction=False)
-                pipe.hset(hb, mapping=self.health(now))
-                pipe.expire(hb, max(1, int(self.settings.heartbeat_ttl_s)))
-                pipe.zadd(self.keys.workers(self.shard), {self.name: now})
-                ids = list(self.inflight)
-                if ids:  # keep our in-flight entries from looking idle to other reclaimers
-                    pipe.xclaim(self.stream, GROUP, self.name, 0, ids, justid=True)
-                await pipe.execute()
-            except (*TRANSIENT, ResponseError) as e:  # never let the heartbeat task die
-                log.warning("heartbeat failed: %s", e)
-            self._refreeze_when_idle()
-            await asyncio.sleep(self.settings.heartbeat_s)
-
-    def _refreeze_when_idle(self) -> None:
-        """After a burst, with nothing in flight for a second: collect and freeze again, so the
-        objects that survived the burst (caches, engine state) leave the collected generations
-        and the next burst's collections stay short. Idle time only: no request waits on it."""
-        if not self.freeze or self.inflight or not self._served_since_freeze:
-            return
-        if time.monotonic() - self._last_done < 1.0:
-            return
-        t0 = time.perf_counter()
-        gc.collect()
-        gc.freeze()
-        self._served_since_freeze = 0
-        log.debug("idle: gc.collect + gc.freeze in %.1f ms", (time.perf_counter() - t0) * 1e3)
-
-    def health(self, now: float) -> dict[str, Any]:
-        """What the heartbeat key holds (read by inspect and check)."""
-        return {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "gpu": self.gpu or "cpu",
-            "shard": self.shard,
-            "beat": now,
-            "started": self.started,
-            "inflight": len(self.inflight),
-            "max_inflight": self.max_inflight,
-            "engine_up": int(self.engine_up and not self._dead),
-            "stopping": int(self._stopping.is_set()),
-            "gc_max_pause_ms": round(self.gc.max_pause * 1000, 3),
-            "gc_pauses": self.gc.count,
-            **self.counts,
-        }
-
-    async def _unregister(self) -> None:
-        with contextlib.suppress(*TRANSIENT):
-            await self.r.delete(self.keys.heartbeat(self.shard, self.name))
-            await self.r.zrem(self.keys.workers(self.shard), self.name)
 
 
 async def _cancel(tasks: list[asyncio.Task[Any]]) -> None:
