@@ -11,7 +11,7 @@ import dataclasses
 import json
 import logging
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import get_type_hints
 
 from redis.exceptions import RedisError
@@ -335,32 +335,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.log_level or default_level, args.log_format)
     try:
         settings = settings_from(args)
-        if args.command == "worker":
-            return cmd_worker(args, settings)
         if args.command == "workers":
             return cmd_workers(args, settings, argv)
-        if args.command == "submit":
-            return cmd_submit(args, settings)
-        if args.command == "results":
-            return cmd_results(args, settings)
-        if args.command == "inspect":
-            return cmd_inspect(args, settings)
-        if args.command == "check":
-            return cmd_check(args, settings)
-        if args.command == "reclaim":
-            return cmd_reclaim(args, settings)
-        if args.command == "dead":
-            return cmd_dead(args, settings)
-        if args.command == "bench":
-            from prefixq.bench import command as bench
-
-            return bench.run(args, settings)
-        if args.command == "demo":
-            from prefixq.demo import run_demo
-
-            return run_demo(
-                settings, model=args.model, engine_args=args.engine_arg, max_tokens=args.max_tokens
-            )
+        return _COMMANDS[args.command](args, settings)
     except (ConfigError, SetupError) as e:
         print(f"prefixq: error: {e}", file=sys.stderr)
         return 2
@@ -378,7 +355,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2 if isinstance(err, ConfigError) else 1
     except KeyboardInterrupt:
         return 130
-    raise AssertionError(f"unhandled command {args.command}")
+
+
+def cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
+    from prefixq.bench import command as bench
+
+    return bench.run(args, settings)
+
+
+def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
+    from prefixq.demo import run_demo
+
+    return run_demo(
+        settings, model=args.model, engine_args=args.engine_arg, max_tokens=args.max_tokens
+    )
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace, Settings], int]] = {
+    "worker": cmd_worker,
+    "submit": cmd_submit,
+    "results": cmd_results,
+    "inspect": cmd_inspect,
+    "check": cmd_check,
+    "reclaim": cmd_reclaim,
+    "dead": cmd_dead,
+    "bench": cmd_bench,
+    "demo": cmd_demo,
+}
 
 
 if __name__ == "__main__":
