@@ -13,6 +13,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -185,3 +186,13 @@ def cluster(redis_server: RedisServer, start_worker: Callable[..., WorkerProc]) 
             self.workers = workers
 
     return Cluster()
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The fault suite's ledger (tests/test_faults.py), as the summary's last line."""
+    ledger = getattr(sys.modules.get("test_faults"), "LEDGER", None)
+    if ledger is not None and ledger.faults:
+        terminalreporter.write_line(
+            f"faults injected: {ledger.faults}, requests lost: {ledger.lost}, "
+            f"duplicated: {ledger.duplicated}"
+        )

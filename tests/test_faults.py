@@ -2,8 +2,9 @@
 
 Every test injects faults into real parts (redis-server processes it kills and restarts, worker
 processes it kills, signals or supervises, entries it writes straight into the streams), prints
-what it did and what was lost, and adds its real measurements to a ledger. The module ends by
-printing one line: ``faults injected: N, requests lost: L, duplicated: D``.
+what it did and what was lost, and adds its real measurements to a ledger; the test session's
+summary ends with one line from it (conftest.py): ``faults injected: N, requests lost: L,
+duplicated: D``.
 
 Lost and duplicated are measured, never assumed: for each burst, a request is lost when its index
 has no result, and duplicated when its burst counted it twice (events stream entries beyond one
@@ -71,22 +72,6 @@ class Ledger:
 
 
 LEDGER = Ledger()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _faults_line(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Print the module's one summary line after its last test."""
-    yield
-    line = (
-        f"faults injected: {LEDGER.faults}, requests lost: {LEDGER.lost}, "
-        f"duplicated: {LEDGER.duplicated}"
-    )
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line("")
-        reporter.write_line(line)
-    else:
-        print(line)
 
 
 @dataclass
