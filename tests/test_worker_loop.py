@@ -21,8 +21,10 @@ def run(coro: Awaitable[Any]) -> Any:
     return asyncio.run(asyncio.wait_for(coro, 60))  # type: ignore[arg-type]
 
 
-async def start(settings: Settings, engine: FakeEngine, name: str = "w0") -> tuple[Worker, Any]:
-    w = Worker(settings, 0, engine, name=name)
+async def start(
+    settings: Settings, engine: FakeEngine, name: str = "w0", shard: int = 0
+) -> tuple[Worker, Any]:
+    w = Worker(settings, shard, engine, name=name)
     task = asyncio.create_task(w.run())
     while not w.engine_up:
         if task.done():
@@ -205,5 +207,42 @@ def test_redelivered_request_with_a_result_is_only_acked(
         w.stop()
         await task
         await r.aclose()
+
+    run(main())
+
+
+def test_four_shards_four_workers_serve_a_burst_with_documents_kept_together(
+    make_settings: Callable[..., Settings],
+) -> None:
+    """A 4-shard deployment (one worker loop per shard): a burst of 12 documents x 3 questions
+    is spread over all four shards, each document's questions on one shard, every request
+    answered once."""
+    s = make_settings(shards=4)
+
+    async def main() -> None:
+        started = [await start(s, FakeEngine(), name=f"w{k}", shard=k) for k in range(4)]
+        doc = "Document {d}: " + "words about the subject at hand " * 40
+        reqs = [
+            {
+                "id": f"d{d}q{q}",
+                "prefix": doc.format(d=d),
+                "prompt": f" question {q}",
+                "max_tokens": 4,
+            }
+            for q in range(3)
+            for d in range(12)
+        ]
+        burst = await Producer(s).asubmit(reqs)
+        got = await wait_results(s, burst, len(reqs))
+        assert [g.id for g in got] == [q["id"] for q in reqs]
+        assert all(g.error is None for g in got)
+        shards_of: dict[str, set[int]] = {}
+        for g in got:
+            shards_of.setdefault(g.id.split("q")[0], set()).add(g.shard)
+        assert all(len(v) == 1 for v in shards_of.values()), shards_of
+        assert {g.shard for g in got} == {0, 1, 2, 3}
+        for w, task in started:
+            w.stop()
+            assert await task == EXIT_OK
 
     run(main())
