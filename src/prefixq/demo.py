@@ -143,7 +143,7 @@ def run_demo(
         with BurstProgress(burst) as bar:
             results.wait(burst, settings, timeout=1800, progress=bar.update)
         answers = results.collect(burst, settings)
-        c = Console()
+        c = Console(width=None if Console().is_terminal else 120)
         for req, res in zip(reqs, answers, strict=True):
             question = req["messages"][-1]["content"]
             doc = req["id"].rsplit("-", 1)[0] if req["id"] != "capital" else "-"
