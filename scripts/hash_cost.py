@@ -1,41 +1,53 @@
 """How much of a burst's enqueue time goes to block hashing (the reuse burst of `prefixq bench`).
 
-Run against a Redis you can write to: `REDIS_URL=redis://127.0.0.1:6379/7 python scripts/hash_cost.py`.
+Writes to the Redis at REDIS_URL (default redis://127.0.0.1:6379/0), in throwaway namespaces:
+    REDIS_URL=redis://127.0.0.1:6379/7 python scripts/hash_cost.py
 """
 
+from __future__ import annotations
+
+import asyncio
 import os
-import asyncio, time, secrets
-from prefixq.bench.workloads import build, Shape
-from prefixq.producer.producer import normalize
+import secrets
+import time
+
+from prefixq.bench.workloads import Shape, build
+from prefixq.entries import split_prefix
 from prefixq.producer import Producer
 from prefixq.producer.items import ItemBuilder
-from prefixq.entries import split_prefix
+from prefixq.producer.producer import normalize
+from prefixq.records import Request
 from prefixq.settings import Settings
 
-for label, shape in (("text", Shape()), ("token-ids", Shape(token_ids=True, vocab=128256))):
-    s = Settings(
-        redis_url=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
-        namespace="hc" + secrets.token_hex(2),
-        shards=2,
-    )
-    dicts, _ = build("reuse", requests=256, questions=4, shape=shape)
-    reqs = normalize(dicts, s)
-    b = ItemBuilder(s)
-    t = time.perf_counter()
-    for _ in range(5):
-        items = [b.build(q, split_prefix(q)[0]) for q in reqs]
-    hash_s = (time.perf_counter() - t) / 5
-    p = Producer(s)
+ROUNDS = 5
 
-    async def sub():
-        ts = []
-        for _ in range(5):
-            t = time.perf_counter()
-            await p.asubmit(reqs)
-            ts.append(time.perf_counter() - t)
-        return min(ts)
 
-    sub_s = asyncio.run(sub())
-    print(
-        f"{label}: 256 requests, block hashing {hash_s * 1e3:.1f} ms of submit {sub_s * 1e3:.1f} ms ({hash_s / sub_s:.0%})"
-    )
+async def best_submit(producer: Producer, reqs: list[Request]) -> float:
+    times = []
+    for _ in range(ROUNDS):
+        t = time.perf_counter()
+        await producer.asubmit(reqs)
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def main() -> None:
+    url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    for label, shape in (("text", Shape()), ("token-ids", Shape(token_ids=True, vocab=128_256))):
+        s = Settings(redis_url=url, namespace=f"hashcost-{secrets.token_hex(3)}", shards=2)
+        reqs = normalize(build("reuse", requests=256, questions=4, shape=shape)[0], s)
+        builder = ItemBuilder(s)
+        t = time.perf_counter()
+        for _ in range(ROUNDS):
+            for q in reqs:
+                builder.build(q, split_prefix(q)[0])
+        hashing = (time.perf_counter() - t) / ROUNDS
+        submit = asyncio.run(best_submit(Producer(s), reqs))
+        print(
+            f"{label}: 256 requests, block hashing {hashing * 1e3:.1f} ms of submit "
+            f"{submit * 1e3:.1f} ms ({hashing / submit:.0%})"
+        )
+
+
+if __name__ == "__main__":
+    main()
