@@ -23,16 +23,17 @@ def token_blocks(tokens: Sequence[int], block_size: int, seed: int) -> list[int]
     """Chained hashes of each whole block of token ids."""
     buf = array("I", tokens).tobytes()
     step = block_size * 4
-    return _chain(buf, step, len(tokens) // block_size, seed)
+    return chain(buf, step, len(tokens) // block_size, seed)
 
 
 def char_blocks(text: str, block_chars: int, seed: int) -> list[int]:
     """Chained hashes of each whole block of characters (UTF-32, so blocks align on characters)."""
     buf = text.encode("utf-32-le")
-    return _chain(buf, block_chars * 4, len(text) // block_chars, seed)
+    return chain(buf, block_chars * 4, len(text) // block_chars, seed)
 
 
-def _chain(buf: bytes, step: int, n: int, seed: int) -> list[int]:
+def chain(buf: bytes | memoryview, step: int, n: int, seed: int) -> list[int]:
+    """Chained hashes of the first ``n`` blocks of ``step`` bytes of ``buf``, from ``seed``."""
     out = []
     h = seed
     digest = xxhash.xxh3_64_intdigest

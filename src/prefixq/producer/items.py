@@ -10,11 +10,12 @@ the seed includes it, so two modes never share map entries by accident.
 from __future__ import annotations
 
 import logging
+from array import array
 from typing import Any
 
 import xxhash
 
-from prefixq.affinity.blocks import char_blocks, chat_text, seed_of, token_blocks
+from prefixq.affinity.blocks import chain, chat_text, seed_of, token_blocks
 from prefixq.affinity.placement import Item
 from prefixq.records import Request
 from prefixq.settings import Settings
@@ -22,6 +23,8 @@ from prefixq.settings import Settings
 log = logging.getLogger(__name__)
 
 CHARS_PER_TOKEN = 4.0
+#: shared prefixes whose block hashes are remembered (cleared when full)
+_MEMO_ENTRIES = 1024
 
 
 def load_tokenizer(path: str) -> Any:
@@ -40,6 +43,7 @@ class ItemBuilder:
             tokenizer = load_tokenizer(settings.tokenizer)
         self.tokenizer = tokenizer
         mode = "tokens" if tokenizer is not None else f"chars{settings.block_chars}"
+        self._memo: dict[bytes, list[int]] = {}
         self.seed = seed_of(f"{model or settings.tokenizer}|{mode}|{settings.block_size}")
 
     def build(self, req: Request, prefix: dict[str, Any] | None) -> Item:
@@ -48,7 +52,7 @@ class ItemBuilder:
         if req.prompt_token_ids is not None:
             pre = len(req.prefix) if isinstance(req.prefix, list) else 0
             tokens = (req.prefix if isinstance(req.prefix, list) else []) + req.prompt_token_ids
-            return self._tokens(tokens, pre)
+            return self._tokens(tokens, pre, memo=True)
         if req.messages is not None:
             if self.tokenizer is not None:
                 text = self.tokenizer.apply_chat_template(
@@ -71,7 +75,8 @@ class ItemBuilder:
                 len(self.tokenizer(head, add_special_tokens=False).input_ids) if head else 0
             )
             return self._tokens(ids, head_tokens)
-        blocks = char_blocks(text, s.block_chars, self.seed)
+        bc = s.block_chars
+        blocks = self._chain(text.encode("utf-32-le"), bc * 4, len(text) // bc, len(head) // bc)
         return Item(
             blocks=blocks,
             tokens=max(1, round(len(text) / CHARS_PER_TOKEN)),
@@ -80,9 +85,27 @@ class ItemBuilder:
             key=xxhash.xxh3_64_intdigest(text.encode(), seed=self.seed),
         )
 
-    def _tokens(self, tokens: list[int], prefix_tokens: int) -> Item:
+    def _chain(self, buf: bytes, step: int, n: int, n_head: int) -> list[int]:
+        """Chained hashes of ``n`` blocks of ``buf``; the first ``n_head`` (a shared prefix's
+        whole blocks) come from a memo, so the questions of a document hash only their own part."""
+        if n_head <= 0 or n_head > n:
+            return chain(buf, step, n, self.seed)
+        key = buf[: n_head * step]
+        head = self._memo.get(key)
+        if head is None:
+            head = chain(key, step, n_head, self.seed)
+            if len(self._memo) >= _MEMO_ENTRIES:
+                self._memo.clear()
+            self._memo[key] = head
+        return head + chain(memoryview(buf)[n_head * step :], step, n - n_head, head[-1])
+
+    def _tokens(self, tokens: list[int], prefix_tokens: int, memo: bool = False) -> Item:
         bs = self.s.block_size
-        blocks = token_blocks(tokens, bs, self.seed)
+        if memo:
+            buf = array("I", tokens).tobytes()
+            blocks = self._chain(buf, bs * 4, len(tokens) // bs, prefix_tokens // bs)
+        else:
+            blocks = token_blocks(tokens, bs, self.seed)
         return Item(
             blocks=blocks,
             tokens=len(tokens),
