@@ -288,6 +288,7 @@ def _start_engines_early(request: pytest.FixtureRequest) -> None:
 def kill_tree(pid: int) -> int:
     """SIGKILL a process and all its descendants (the engine core) at once; returns how many."""
     import psutil
+
     root = psutil.Process(pid)
     procs = [root, *root.children(recursive=True)]
     for p in procs:
@@ -1133,6 +1134,7 @@ def test_engine_core_killed_worker_exits_3_leaving_in_flight_requests_pending(
     SIGKILL, the worker fails its in-flight requests back to pending (no failed results), exits 3
     (what `prefixq workers` restarts), and another worker completes the burst exactly once."""
     import psutil
+
     s, b = real_pair.settings, real_pair.b
     b.wait_up()
     reqs = [
