@@ -28,23 +28,11 @@ from prefixq.keys import Keys
 from prefixq.logs import JsonFormatter
 from prefixq.redis_server import free_port
 from prefixq.settings import Settings
+from test_cli import command
 
 
 def run(coro: Awaitable[Any]) -> Any:
     return asyncio.run(asyncio.wait_for(coro, 60))  # type: ignore[arg-type]
-
-
-def command(settings: Settings, *args: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "prefixq",
-        *args,
-        "--redis-url",
-        settings.redis_url,
-        "--namespace",
-        settings.namespace,
-    ]
 
 
 def prefixq(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:

@@ -16,7 +16,19 @@ from prefixq.settings import Settings
 def prefixq(
     *args: str, settings: Settings, stdin: str | None = None
 ) -> subprocess.CompletedProcess[str]:
-    cmd = [
+    return subprocess.run(
+        command(settings, *args),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        input=stdin,
+        check=False,
+    )
+
+
+def command(settings: Settings, *args: str) -> list[str]:
+    """argv for ``prefixq ARGS`` against ``settings``' Redis and namespace (test_check uses it)."""
+    return [
         sys.executable,
         "-m",
         "prefixq",
@@ -26,9 +38,6 @@ def prefixq(
         "--namespace",
         settings.namespace,
     ]
-    return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=900, input=stdin, check=False
-    )
 
 
 def openai_line(cid: str, content: str, max_tokens: int = 8) -> dict[str, Any]:
