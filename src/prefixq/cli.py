@@ -141,8 +141,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return Settings.from_env(**{k: v for k, v in vars(args).items() if k in names})
 
 
-def read_requests(path: str) -> list[Request]:
-    """Requests from a JSONL file; the error names the first bad line."""
+def read_requests(path: str, settings: Settings | None = None) -> list[Request]:
+    """Requests from a JSONL file, validated against the settings' limits; the error names the
+    first bad line (its number in the file)."""
+    s = settings or Settings()
     f = sys.stdin if path == "-" else open(path, encoding="utf-8")  # noqa: SIM115
     out: list[Request] = []
     with f:
@@ -153,7 +155,11 @@ def read_requests(path: str) -> list[Request]:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValidationError(f"{path}: line {n + 1} is not JSON: {e.msg}") from None
-            out.append(Request.from_json(obj, index=n))
+            out.append(
+                Request.from_json(
+                    obj, index=n, max_chars=s.max_prompt_chars, max_messages=s.max_messages
+                )
+            )
     return out
 
 
@@ -207,7 +213,7 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     from prefixq.producer import Producer
     from prefixq.progress import BurstProgress, EnqueueProgress
 
-    reqs = read_requests(args.file)
+    reqs = read_requests(args.file, settings)
     with EnqueueProgress(len(reqs)) as bar:
         burst = Producer(settings).submit(reqs, burst_id=args.burst_id, progress=bar.update)
     print(f"submitted {len(reqs)} requests as burst {burst}", file=sys.stderr)

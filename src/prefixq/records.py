@@ -32,6 +32,9 @@ SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
     "ignore_eos": (bool,),
 }
 DEFAULT_MAX_TOKENS = 256
+#: defaults of `Request.validate` (the settings' max_prompt_chars and max_messages)
+DEFAULT_MAX_CHARS = 4_000_000
+DEFAULT_MAX_MESSAGES = 1024
 #: OpenAI body fields that are accepted and ignored (they do not change the result here)
 _IGNORED_BODY = frozenset({"model", "n", "stream", "user", "logprobs", "metadata"})
 _ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
@@ -53,20 +56,29 @@ class Request:
     sampling: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_json(cls, obj: Any, *, index: int = 0) -> Request:
-        """Build from a plain or OpenAI batch line; ValidationError names the line on bad input."""
+    def from_json(
+        cls,
+        obj: Any,
+        *,
+        index: int = 0,
+        max_chars: int = DEFAULT_MAX_CHARS,
+        max_messages: int = DEFAULT_MAX_MESSAGES,
+    ) -> Request:
+        """Build from a plain or OpenAI batch line and validate it against the given limits
+        (the settings' ``max_prompt_chars`` / ``max_messages``); ValidationError names the line."""
         where = f"line {index + 1}"
+        limits = {"max_chars": max_chars, "max_messages": max_messages}
         if not isinstance(obj, Mapping):
             raise ValidationError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         if "custom_id" in obj or "body" in obj:
-            return cls._from_openai(obj, where)
+            return cls._from_openai(obj, where, limits)
         body = dict(obj)
         rid = body.pop("id", None)
         rid = str(index) if rid is None else rid
-        return cls._from_body(rid, body, where)
+        return cls._from_body(rid, body, where, limits)
 
     @classmethod
-    def _from_openai(cls, obj: Mapping[str, Any], where: str) -> Request:
+    def _from_openai(cls, obj: Mapping[str, Any], where: str, limits: dict[str, int]) -> Request:
         body = obj.get("body")
         if not isinstance(body, Mapping):
             raise ValidationError(f"{where}: OpenAI batch line needs an object 'body'")
@@ -78,10 +90,12 @@ class Request:
         body = {k: v for k, v in body.items() if k not in _IGNORED_BODY}
         if "max_completion_tokens" in body:
             body.setdefault("max_tokens", body.pop("max_completion_tokens"))
-        return cls._from_body(obj["custom_id"], body, where)
+        return cls._from_body(obj["custom_id"], body, where, limits)
 
     @classmethod
-    def _from_body(cls, rid: Any, body: dict[str, Any], where: str) -> Request:
+    def _from_body(
+        cls, rid: Any, body: dict[str, Any], where: str, limits: dict[str, int]
+    ) -> Request:
         if not isinstance(rid, str | int) or isinstance(rid, bool):
             raise ValidationError(f"{where}: id must be a string or integer")
         req = cls(
@@ -98,11 +112,15 @@ class Request:
         if body:
             raise ValidationError(f"{where}: unknown fields: {', '.join(sorted(body))}")
         req.sampling = sampling
-        req.validate(where=where)
+        req.validate(where=where, **limits)
         return req
 
     def validate(
-        self, *, max_chars: int = 4_000_000, max_messages: int = 1024, where: str = ""
+        self,
+        *,
+        max_chars: int = DEFAULT_MAX_CHARS,
+        max_messages: int = DEFAULT_MAX_MESSAGES,
+        where: str = "",
     ) -> None:
         """Check shape, sizes and sampling values; raise ValidationError saying what is wrong."""
         w = f"{where or 'request ' + repr(self.id)}: "

@@ -91,7 +91,7 @@ def run_burst(
     started = time.monotonic()
     settings = Settings.from_env(**overrides)
     _check_max_failed(max_failed)
-    reqs = _load(requests_or_path)
+    reqs = _load(requests_or_path, settings)
     budget = _wait_budget(timeout)
 
     burst = Producer(settings).submit(reqs, burst_id=burst_id)
@@ -130,14 +130,16 @@ def run_burst(
     return summary
 
 
-def _load(src: str | os.PathLike[str] | Sequence[Mapping[str, Any]]) -> list[Any]:
+def _load(
+    src: str | os.PathLike[str] | Sequence[Mapping[str, Any]], settings: Settings
+) -> list[Any]:
     """The requests: a list as given (validated by the producer), or the lines of a JSONL file."""
     if isinstance(src, str | os.PathLike):
         path = os.fspath(src)
         if path == "-":
             raise ValidationError("run_burst reads a JSONL file path, not stdin ('-')")
         try:
-            reqs: list[Request] = read_requests(path)
+            reqs: list[Request] = read_requests(path, settings)
         except FileNotFoundError:
             raise ValidationError(
                 f"{path}: no such file on the RQ worker's host ({socket.gethostname()})"

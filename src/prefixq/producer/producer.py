@@ -54,14 +54,13 @@ def new_burst_id() -> str:
 def normalize(requests: Iterable[Request | Mapping[str, Any]], settings: Settings) -> list[Request]:
     """Requests from dicts (plain or OpenAI batch lines), validated; duplicate ids refused."""
     out: list[Request] = []
+    limits = {"max_chars": settings.max_prompt_chars, "max_messages": settings.max_messages}
     for i, r in enumerate(requests):
-        req = r if isinstance(r, Request) else Request.from_json(r, index=i)
-        req.validate(
-            max_chars=settings.max_prompt_chars,
-            max_messages=settings.max_messages,
-            where=f"request {i} ({req.id!r})",
-        )
-        out.append(req)
+        if isinstance(r, Request):
+            r.validate(where=f"request {i} ({r.id!r})", **limits)
+            out.append(r)
+        else:  # parsed and validated once, against the settings' limits
+            out.append(Request.from_json(r, index=i, **limits))
     if not out:
         raise ValidationError("the burst is empty")
     dupes = [k for k, n in Counter(r.id for r in out).items() if n > 1]
