@@ -79,6 +79,8 @@ async def send(
     r: aredis.Redis, keys: Keys, cmd: str, workers: list[str], wait_s: float = 60.0
 ) -> dict[str, dict[str, Any]]:
     """Post ``cmd`` and wait for every named worker's answer."""
+    if cmd not in COMMANDS:
+        raise ValueError(f"unknown control command {cmd!r} (one of {', '.join(COMMANDS)})")
     cid = secrets.token_hex(6)
     await r.xadd(keys.control, {"cmd": cmd, "id": cid}, maxlen=1000, approximate=True)
     deadline = time.monotonic() + wait_s
