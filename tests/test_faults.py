@@ -412,6 +412,31 @@ def test_lost_consumer_group_is_recreated_and_nothing_is_lost(
     assert queue_empty(r, s) == (0, 0)
 
 
+def test_group_lost_while_the_engine_starts_worker_rejoins(
+    make_settings: Callable[..., Settings], r: redis.Redis
+) -> None:
+    """Given a worker that joined its group and is starting its engine, when the group disappears
+    (Redis restarted empty) before it serves, its start-up dead-letter pass finds nothing pending
+    instead of failing, and it serves a burst."""
+    s = make_settings()
+    keys = Keys(s.namespace)
+
+    class SlowStart(FakeEngine):
+        async def start(self) -> None:
+            await asyncio.to_thread(
+                wait_until, lambda: r.exists(keys.stream(0)) == 1, 30, "the group joined"
+            )
+            r.delete(keys.stream(0))  # the stream and its group, as an empty restart leaves them
+            LEDGER.fault("stream and group deleted while the engine starts")
+            await super().start()
+
+    with ThreadWorker(s, "gl", engine=SlowStart(lethal=False)):
+        burst = Producer(s).submit(requests(5))
+        wait_burst(r, s, burst, 60)
+        out = account(r, s, burst, 5)
+    assert (out.lost, out.duplicated, out.done) == (0, 0, 5)
+
+
 def test_redis_restart_without_persistence_worker_rejoins() -> None:
     """Given a worker on a redis-server without AOF, when the server is killed and restarted
     empty, the worker recreates its stream and group and serves the next burst."""

@@ -76,11 +76,27 @@ class Reclaimer:
         return len(got)
 
     async def dead_letter_over_limit(self, consumer: str) -> None:
-        """Dead-letter this consumer's pending entries that reached ``max_attempts`` (startup)."""
+        """Dead-letter this consumer's pending entries that reached ``max_attempts`` (startup).
+
+        Redis may be down or have restarted empty since the worker joined: a transient error is
+        retried with backoff, and a missing group means nothing is pending (the reader rejoins).
+        """
         w = self.w
-        pending = await w.r.xpending_range(
-            w.stream, GROUP, min="-", max="+", count=10_000, consumername=consumer
-        )
+        delay = 0.1
+        while True:
+            try:
+                pending = await w.r.xpending_range(
+                    w.stream, GROUP, min="-", max="+", count=10_000, consumername=consumer
+                )
+                break
+            except TRANSIENT as e:
+                log.warning("pending read failed (%s); retrying in %.1fs", e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+            except ResponseError as e:
+                if "NOGROUP" not in str(e):
+                    raise
+                return
         for entry_id, attempts in await self.attempts(pending):
             if attempts >= w.settings.max_attempts:
                 await self.dead_letter_id(entry_id, attempts)
