@@ -6,8 +6,11 @@ machine-readable.
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any, Self
 
@@ -160,16 +163,21 @@ def watch_snapshot(
     console: Console | None = None,
 ) -> int:
     """``inspect --watch``: show `snapshot_renderables(fetch())` in place (rich Live), refreshed
-    every ``interval`` s, until ``count`` views were shown (0 = no limit) or Ctrl-C, which ends it
-    quietly. A failing refresh keeps the last view under a red line; a failing first fetch
-    raises. Returns the number of views shown."""
+    every ``interval`` s, until ``count`` views were shown (0 = no limit) or Ctrl-C / SIGTERM,
+    which end it quietly. A failing refresh keeps the last view under a red line; a failing first
+    fetch raises. Returns the number of views shown.
+
+    The signals set a flag instead of raising KeyboardInterrupt: an exception raised while a
+    finalizer runs (a socket's ``__del__``, say) is printed and dropped by Python, and the view
+    would then never end."""
     c = console or _out_console()
     shown = 0
     problem = ""
-    try:
+    quit_ = threading.Event()
+    with _signals_set(quit_, signal.SIGINT, signal.SIGTERM):
         snap = fetch()
         with Live(console=c, auto_refresh=False) as live:
-            while True:
+            while not quit_.is_set():
                 head = Text(
                     f"prefixq inspect --watch: {snap['namespace']} at "
                     f"{time.strftime('%H:%M:%S', time.localtime(snap['at']))}, every "
@@ -181,13 +189,24 @@ def watch_snapshot(
                     parts.append(Text(problem, style="bold red"))
                 live.update(Group(*parts, *snapshot_renderables(snap)), refresh=True)
                 shown += 1
-                if count and shown >= count:
+                if (count and shown >= count) or quit_.wait(interval):
                     break
-                time.sleep(interval)
                 try:
                     snap, problem = fetch(), ""
                 except (PrefixqError, RedisError, OSError) as e:
                     problem = f"refresh failed: {e}; showing the last view"
-    except KeyboardInterrupt:
-        pass
     return shown
+
+
+@contextlib.contextmanager
+def _signals_set(flag: threading.Event, *signums: signal.Signals) -> Iterator[None]:
+    """While inside, the signals set ``flag`` (main thread only; elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {n: signal.signal(n, lambda *_: flag.set()) for n in signums}
+    try:
+        yield
+    finally:
+        for n, handler in before.items():
+            signal.signal(n, handler)
