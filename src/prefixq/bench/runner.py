@@ -138,8 +138,11 @@ async def _workload(
                     }
                 )
         stats = await control.send(r, Keys(s.namespace), "gc_stats", workers.names)
-        gc_frozen = [round(float(stats[n]["gc_max_pause_ms"]), 3) for n in workers.names]
-        out["placements"][placement] = _summarise(runs, gc_frozen)
+        out["placements"][placement] = {
+            **_summarise(runs),
+            "gc_max_pause_ms_frozen": [stats[n]["gc_max_pause_ms"] for n in workers.names],
+            "gc_frozen_by_gen": _by_gen(stats, workers.names),
+        }
     if cfg.placements and "affinity" in out["placements"] and "random" in out["placements"]:
         p = out["placements"]
         out["affinity_gain"] = {
@@ -172,9 +175,21 @@ async def _gc_without_freeze(
     await control.send(r, keys, "gc_freeze", workers.names)
     return {
         "throughput": round(len(reqs) / (t1 - t0), 4),
-        "gc_max_pause_ms": [round(float(stats[n]["gc_max_pause_ms"]), 3) for n in workers.names],
-        "gc_pauses": [int(stats[n]["gc_pauses"]) for n in workers.names],
+        "gc_max_pause_ms": [stats[n]["gc_max_pause_ms"] for n in workers.names],
+        "gc_pauses": [stats[n]["gc_pauses"] for n in workers.names],
+        "gc_by_gen": _by_gen(stats, workers.names),
     }
+
+
+def _by_gen(stats: dict[str, dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
+    """Per worker: the worst pause (ms) and the number of collections of each generation."""
+    return [
+        {
+            "max_pause_ms": stats[n]["gc_max_pause_ms_by_gen"],
+            "collections": stats[n]["gc_pauses_by_gen"],
+        }
+        for n in names
+    ]
 
 
 async def _pipeline(
@@ -235,7 +250,7 @@ async def _assignment(s: Settings, reqs: list[Request], placement: str) -> list[
     return [p.shard for p in placed]
 
 
-def _summarise(runs: list[dict[str, Any]], gc_frozen: list[float]) -> dict[str, Any]:
+def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     by = {m: [x["throughput"] for x in runs if x["mode"] == m] for m in ("standalone", "pipeline")}
     pairs = sorted({x["pair"] for x in runs})
     ratios = []
@@ -253,7 +268,6 @@ def _summarise(runs: list[dict[str, Any]], gc_frozen: list[float]) -> dict[str, 
         "raw_bytes": pipe_runs[0]["raw_bytes"] if pipe_runs else 0,
         "stored_bytes": pipe_runs[0]["stored_bytes"] if pipe_runs else 0,
         "entry_bytes": pipe_runs[0]["entry_bytes"] if pipe_runs else 0,
-        "gc_max_pause_ms_frozen": gc_frozen,
     }
 
 

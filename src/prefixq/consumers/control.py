@@ -62,17 +62,11 @@ async def _run(w: Worker, cmd: str) -> dict[str, Any]:
     elif cmd == "gc_stats":
         pass
     elif cmd == "reset_gc_stats":
-        w.gc.max_pause = w.gc.total = 0.0
-        w.gc.count = 0
+        w.gc.reset()
     else:
         return {"ok": False, "error": f"unknown command {cmd!r}"}
     log.info("control: %s done", cmd)
-    return {
-        "ok": True,
-        "frozen": gc.get_freeze_count(),
-        "gc_max_pause_ms": w.gc.max_pause * 1e3,
-        "gc_pauses": w.gc.count,
-    }
+    return {"ok": True, "frozen": gc.get_freeze_count(), **w.gc.stats()}
 
 
 async def send(

@@ -11,6 +11,10 @@ from typing import Any
 class GcWatch:
     """Times every collection between `start()` and `stop()`.
 
+    Besides the worst pause overall it keeps, per generation, the worst pause and the number of
+    collections: a long pause in generation 0 or 1 means many young container objects (requests
+    in flight), one in generation 2 a large unfrozen heap.
+
     ``observer`` (optional) is called with each pause in seconds, inside the GC callback, in
     whichever thread collected: it must be quick, take no lock and never raise (the metrics
     exporter appends to a deque).
@@ -18,10 +22,15 @@ class GcWatch:
 
     def __init__(self, observer: Callable[[float], None] | None = None) -> None:
         self.observer = observer
+        self._t0 = 0.0
+        self.reset()
+
+    def reset(self) -> None:
         self.max_pause = 0.0
         self.total = 0.0
         self.count = 0
-        self._t0 = 0.0
+        self.max_by_gen = [0.0, 0.0, 0.0]
+        self.count_by_gen = [0, 0, 0]
 
     def _callback(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
@@ -32,8 +41,20 @@ class GcWatch:
             self.count += 1
             self.total += pause
             self.max_pause = max(self.max_pause, pause)
+            g = info.get("generation", 2)
+            self.count_by_gen[g] += 1
+            self.max_by_gen[g] = max(self.max_by_gen[g], pause)
             if self.observer is not None:
                 self.observer(pause)
+
+    def stats(self) -> dict[str, Any]:
+        """The figures as reported by ``gc_stats`` and the heartbeat (milliseconds)."""
+        return {
+            "gc_max_pause_ms": round(self.max_pause * 1e3, 3),
+            "gc_pauses": self.count,
+            "gc_max_pause_ms_by_gen": [round(p * 1e3, 3) for p in self.max_by_gen],
+            "gc_pauses_by_gen": list(self.count_by_gen),
+        }
 
     def start(self) -> None:
         if self._callback not in gc.callbacks:

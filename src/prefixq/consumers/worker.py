@@ -29,6 +29,7 @@ from redis.exceptions import ResponseError
 
 from prefixq import wire
 from prefixq.connection import TRANSIENT, async_client, describe, refused
+from prefixq.consumers.backlog import replay_backlog
 from prefixq.consumers.control import control_loop
 from prefixq.consumers.deadletters import carried
 from prefixq.consumers.engine import Engine, EngineRequest
@@ -215,14 +216,24 @@ class Worker:
                 )
 
     # ---- reading and admission -------------------------------------------------------------
+    async def wait_room(self) -> None:
+        """Until a request in flight finishes, or `stop()`."""
+        self._room.clear()
+        await _first(self._room.wait(), self._stopping.wait())
+
+    async def wait_done(self, task: asyncio.Task[None]) -> None:
+        """Until ``task`` (a request in flight) is done, or `stop()`."""
+        stop = asyncio.ensure_future(self._stopping.wait())
+        await asyncio.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+
     async def _read_loop(self) -> None:
-        await self._replay_backlog()  # our own pending entries first (a restart)
+        await replay_backlog(self)  # our own pending entries first (a restart)
         delay = 0.1
         while not self._stopping.is_set():
             room = self.max_inflight - len(self.inflight)
             if room <= 0:
-                self._room.clear()
-                await _first(self._room.wait(), self._stopping.wait())
+                await self.wait_room()
                 continue
             count = min(room, self.settings.read_count)
             try:
@@ -248,57 +259,6 @@ class Worker:
             entries = [e for e in entries if e[0] not in self.inflight]
             if entries:
                 await self.admit(entries)
-
-    async def _replay_backlog(self) -> None:
-        """Serve this consumer's own pending entries (in flight when it last ran), oldest first.
-
-        Each is charged its delivery (XCLAIM to ourselves) only as it is admitted, not all at
-        once as a re-read would; one on its last allowed delivery is charged only once nothing
-        else is in flight, and is waited for before the next (consumers/solo.py)."""
-        start, delay = "-", 0.1
-        while not self._stopping.is_set():
-            try:
-                page = await self.r.xpending_range(
-                    self.stream, GROUP, min=start, max="+", count=self.settings.read_count,
-                    consumername=self.name,
-                )  # fmt: skip
-                if not page:
-                    return
-                for p in page:
-                    await self._replay_one(p["message_id"], p["times_delivered"] + 1)
-                    start = "(" + p["message_id"].decode()
-                    if self._stopping.is_set():
-                        return
-            except TRANSIENT as e:
-                log.warning("backlog read failed (%s); retrying in %.1fs", e, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-            except ResponseError as e:
-                if "NOGROUP" not in str(e):
-                    raise
-                return  # the group is gone, and our backlog with it: the read loop rejoins
-
-    async def _replay_one(self, entry_id: bytes, delivery: int) -> None:
-        if entry_id in self.inflight:
-            return
-        last = 1 < self.settings.max_attempts <= delivery
-        while (self.inflight if last else len(self.inflight) >= self.max_inflight) and (
-            not self._stopping.is_set()
-        ):
-            self._room.clear()
-            await _first(self._room.wait(), self._stopping.wait())
-        if self._stopping.is_set():
-            return
-        got = await self.r.xclaim(self.stream, GROUP, self.name, 0, [entry_id])
-        if not got:  # acked meanwhile, or deleted (XCLAIM then drops it from the list)
-            return
-        last = 1 < self.settings.max_attempts <= delivery + carried(got[0][1])
-        await self.admit(got, {entry_id: delivery})
-        task = self.inflight.get(entry_id)
-        if task is not None and last:
-            stop = asyncio.ensure_future(self._stopping.wait())
-            await asyncio.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
-            stop.cancel()
 
     async def admit(
         self,
