@@ -59,6 +59,11 @@ def test_quick_bench_writes_a_complete_report_and_plot(
             assert len(pl["ratios"]) == 1 and pl["median_ratio"] == pl["ratios"][0] > 0
             assert pl["raw_bytes"] > 0 and pl["stored_bytes"] > 0
             assert len(pl["gc_max_pause_ms_frozen"]) == 1
+            (by_gen,) = pl["gc_frozen_by_gen"]
+            assert len(by_gen["max_pause_ms"]) == len(by_gen["collections"]) == 3
+            assert by_gen["idle_collections"] >= 0 and by_gen["idle_max_ms"] >= 0
+        (unfrozen,) = w["gc_unfrozen"]["gc_by_gen"]
+        assert sum(unfrozen["collections"]) == w["gc_unfrozen"]["gc_pauses"][0]
     print(
         json.dumps(
             {

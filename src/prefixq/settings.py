@@ -91,7 +91,7 @@ class Settings:
     result_ttl_s: int = 7 * 86_400
     #: results are written and acked in groups of up to this many
     write_batch: int = 64
-    #: freeze the heap after warm-up (gc.freeze)
+    #: freeze the heap after warm-up, and what admitted requests hold (docs/engine.md)
     gc_freeze: bool = True
     #: workers serve Prometheus metrics on this port (docs/operations.md); 0 = off
     metrics_port: int = 0

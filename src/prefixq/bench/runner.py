@@ -187,6 +187,9 @@ def _by_gen(stats: dict[str, dict[str, Any]], names: list[str]) -> list[dict[str
         {
             "max_pause_ms": stats[n]["gc_max_pause_ms_by_gen"],
             "collections": stats[n]["gc_pauses_by_gen"],
+            # collections in idle time (consumers/heap.py): not pauses, no request waits on them
+            "idle_collections": stats[n]["gc_idle_collections"],
+            "idle_max_ms": stats[n]["gc_idle_max_ms"],
         }
         for n in names
     ]

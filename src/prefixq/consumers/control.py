@@ -53,12 +53,9 @@ async def _run(w: Worker, cmd: str) -> dict[str, Any]:
     if cmd == "reset_prefix_cache":
         await w.engine.reset_prefix_cache()
     elif cmd == "gc_freeze":
-        gc.collect()
-        gc.freeze()
-        w.freeze = True
+        w.heap.freeze()
     elif cmd == "gc_unfreeze":
-        gc.unfreeze()
-        w.freeze = False
+        w.heap.unfreeze()
     elif cmd == "gc_stats":
         pass
     elif cmd == "reset_gc_stats":
@@ -66,7 +63,7 @@ async def _run(w: Worker, cmd: str) -> dict[str, Any]:
     else:
         return {"ok": False, "error": f"unknown command {cmd!r}"}
     log.info("control: %s done", cmd)
-    return {"ok": True, "frozen": gc.get_freeze_count(), **w.gc.stats()}
+    return {"ok": True, "frozen": gc.get_freeze_count(), **w.gc.stats(), **w.heap.stats()}
 
 
 async def send(

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -23,6 +24,7 @@ class GcWatch:
     def __init__(self, observer: Callable[[float], None] | None = None) -> None:
         self.observer = observer
         self._t0 = 0.0
+        self._apart = False
         self.reset()
 
     def reset(self) -> None:
@@ -32,7 +34,19 @@ class GcWatch:
         self.max_by_gen = [0.0, 0.0, 0.0]
         self.count_by_gen = [0, 0, 0]
 
+    @contextlib.contextmanager
+    def apart(self) -> Iterator[None]:
+        """Collections inside are not pauses (the worker collects in idle time; consumers/heap.py
+        times those itself)."""
+        self._apart = True
+        try:
+            yield
+        finally:
+            self._apart = False
+
     def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if self._apart:
+            return
         if phase == "start":
             self._t0 = time.perf_counter()
         elif self._t0:

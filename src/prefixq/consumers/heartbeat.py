@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import socket
@@ -65,16 +64,13 @@ class Heartbeat:
             await asyncio.sleep(w.settings.heartbeat_s)
 
     def refreeze_when_idle(self) -> None:
-        """Collect and freeze again after a burst, in idle time only: no request waits on it."""
-        if not self.w.freeze or self.w.inflight or not self._served_since_freeze:
+        """Collect (consumers/heap.py) after a burst, in idle time only: no request waits on it."""
+        if self.w.inflight or not self._served_since_freeze:
             return
         if time.monotonic() - self._last_done < IDLE_FREEZE_S:
             return
-        t0 = time.perf_counter()
-        gc.collect()
-        gc.freeze()
+        self.w.heap.idle(self._served_since_freeze)
         self._served_since_freeze = 0
-        log.debug("idle: gc.collect + gc.freeze in %.1f ms", (time.perf_counter() - t0) * 1e3)
 
     def health(self, now: float) -> dict[str, Any]:
         """What the health key holds (read by inspect and check)."""

@@ -1,6 +1,6 @@
 """The long-lived consumer of one shard: stream -> engine -> results, with continuous admission.
 
-Lifecycle: connect, join the consumer group, start and warm the engine, ``gc.freeze()``, then
+Lifecycle: connect, join the consumer group, start and warm the engine, freeze the heap, then
   * the reader keeps up to ``max_inflight`` requests inside the engine, reading more as each
     finishes (one XREADGROUP per refill; its own pending entries first, after a restart);
   * each request is handed to the engine as soon as it is read;
@@ -17,7 +17,6 @@ leaves in-flight entries pending (not failed) and exits with code 3.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import socket
@@ -34,6 +33,7 @@ from prefixq.consumers.control import control_loop
 from prefixq.consumers.deadletters import carried
 from prefixq.consumers.engine import Engine, EngineRequest
 from prefixq.consumers.gcwatch import GcWatch
+from prefixq.consumers.heap import Heap
 from prefixq.consumers.heartbeat import Heartbeat
 from prefixq.consumers.prefixes import PrefixCache
 from prefixq.consumers.reclaim import Reclaimer
@@ -96,9 +96,8 @@ class Worker:
         self.gate = SoloGate()
         self._dead: str | None = None
         self.prefixes = PrefixCache(self.r, self.keys, self.limits, settings.prefix_cache_entries)
-        #: keep the heap frozen (gc.freeze after warm-up and when idle); the control stream
-        #: turns it off to measure pauses without it
-        self.freeze = settings.gc_freeze
+        #: the GC policy (consumers/heap.py); the control stream turns freezing off and on
+        self.heap = Heap(self.gc, enabled=settings.gc_freeze)
         self.writer = ResultWriter(self)
         self.writer.on_burst_done.append(completion_hook(self.r, settings))
         self.reclaimer = Reclaimer(self)
@@ -190,9 +189,8 @@ class Worker:
             )
         )
         await self.engine.reset_prefix_cache()
-        if self.freeze:
-            gc.collect()
-            gc.freeze()
+        if self.heap.enabled:
+            self.heap.freeze()
         self.gc.start()
         log.info(
             "worker %s warm in %.2fs; max_inflight=%d; serving %s",
@@ -297,6 +295,11 @@ class Worker:
             self.counts["admitted"] += 1
             task = asyncio.create_task(self._serve(entry_id, e, prefixes, entry_id in solo))
             self.inflight[entry_id] = task
+        if decoded:
+            # one loop step: each task runs until it awaits the engine, which then holds its
+            # request; what they all hold is frozen (consumers/heap.py)
+            await asyncio.sleep(0)
+            self.heap.admitted(len(decoded))
 
     async def _serve(
         self,

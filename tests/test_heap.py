@@ -1,0 +1,93 @@
+"""The worker's GC policy (consumers/heap.py) on the real collector: admitted requests' objects
+are frozen, their reference cycles wait for idle time and are collected then, idle collections
+are not counted as pauses, and freezing stops at the budget."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+
+import pytest
+
+from prefixq.consumers import heap as heap_mod
+from prefixq.consumers.gcwatch import GcWatch
+from prefixq.consumers.heap import Heap
+
+
+class Node:
+    """A request-like object in a reference cycle (freed only by the cyclic collector)."""
+
+    def __init__(self) -> None:
+        self.me = self
+        self.payload = list(range(100))
+
+
+@pytest.fixture
+def policy() -> Iterator[tuple[Heap, GcWatch]]:
+    watch = GcWatch()
+    watch.start()
+    h = Heap(watch, enabled=True)
+    h.freeze()
+    try:
+        yield h, watch
+    finally:
+        watch.stop()
+        gc.unfreeze()
+
+
+def young(obj: object) -> bool:
+    return any(o is obj for g in range(3) for o in gc.get_objects(generation=g))
+
+
+def test_admitted_objects_are_frozen_and_their_cycles_wait_for_idle(
+    policy: tuple[Heap, GcWatch], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h, watch = policy
+    monkeypatch.setattr(heap_mod, "WHOLE_HEAP_AFTER", 2)
+    node = Node()
+    gone = weakref.ref(node)
+    assert young(node)
+    h.admitted(1)
+    assert not young(node)  # frozen: no collection traverses it
+    del node
+    gc.collect()
+    assert gone() is not None  # garbage, but frozen: it waits
+    watch.reset()
+    h.idle(served=1)
+    assert gone() is not None  # one frozen request: an idle moment collects only the young
+    h.admitted(1)
+    h.idle(served=1)
+    assert gone() is None  # two: the whole heap, in idle time
+    assert h.stats()["gc_idle_collections"] == 2
+    assert int(h.stats()["gc_idle_collected"]) >= 1
+    assert watch.count == 0  # an idle collection is not a pause
+    gc.collect()
+    assert watch.count == 1  # an ordinary collection is
+
+
+def test_freezing_stops_at_the_budget_until_idle(
+    policy: tuple[Heap, GcWatch], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h, _ = policy
+    monkeypatch.setattr(heap_mod, "FREEZE_BUDGET", 3)
+    monkeypatch.setattr(heap_mod, "WHOLE_HEAP_AFTER", 3)
+    h.admitted(3)
+    late = Node()
+    h.admitted(1)
+    assert young(late)  # over the budget: ordinary collection takes it
+    h.idle(served=4)
+    early = Node()
+    h.admitted(1)
+    assert not young(early)  # the budget starts again after an idle collection
+
+
+def test_turned_off_nothing_is_frozen_or_collected_in_idle(policy: tuple[Heap, GcWatch]) -> None:
+    h, _ = policy
+    h.unfreeze()
+    assert gc.get_freeze_count() == 0
+    node = Node()
+    h.admitted(1)
+    assert young(node)
+    h.idle(served=1)
+    assert h.stats()["gc_idle_collections"] == 0
