@@ -152,7 +152,7 @@ class WorkerMetrics:
         )
         self.gc_pause = FastHistogram(
             "prefixq_gc_pause_seconds",
-            "Garbage-collector pauses in the worker process after warm-up (idle-time collections apart).",
+            "Garbage-collector pauses in the worker after warm-up (idle-time collections apart).",
             GC_BUCKETS,
         )
         self.prompt_tokens = 0
