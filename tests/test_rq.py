@@ -269,9 +269,8 @@ def test_concurrent_enqueue_on_complete_enqueues_one_job(s: Settings, r: redis.R
     assert q.jobs[0].func_name == "rq_targets.mark_done" and q.jobs[0].args == [burst]
 
 
-def test_burst_without_on_complete_enqueues_nothing(s: Settings, r: redis.Redis) -> None:
-    """A finished burst that asked for no callback gets none."""
-    burst = finished_burst(r, s)
+def enqueue_once(s: Settings, burst: str) -> str | None:
+    """`enqueue_on_complete` for ``burst`` from a fresh asyncio client, as a worker calls it."""
 
     async def main() -> str | None:
         c = aredis.Redis.from_url(s.redis_url)
@@ -280,7 +279,14 @@ def test_burst_without_on_complete_enqueues_nothing(s: Settings, r: redis.Redis)
         finally:
             await c.aclose()
 
-    assert asyncio.run(main()) is None
+    return asyncio.run(main())
+
+
+def test_burst_without_on_complete_enqueues_nothing(s: Settings, r: redis.Redis) -> None:
+    """A finished burst that asked for no callback gets none."""
+    burst = finished_burst(r, s)
+
+    assert enqueue_once(s, burst) is None
     assert r.hget(Keys(s.namespace).burst(burst), "callback_job") is None
 
 
@@ -289,14 +295,7 @@ def test_unfinished_burst_gets_no_callback_yet(s: Settings, r: redis.Redis) -> N
     q = queue(r, s)
     burst = finished_burst(r, s, status="queued", on_complete=MARK_DONE, rq_queue=q.name)
 
-    async def main() -> str | None:
-        c = aredis.Redis.from_url(s.redis_url)
-        try:
-            return await enqueue_on_complete(c, s, burst)
-        finally:
-            await c.aclose()
-
-    assert asyncio.run(main()) is None
+    assert enqueue_once(s, burst) is None
     assert q.count == 0
 
 

@@ -7,13 +7,12 @@ and is waited for before the next (consumers/solo.py).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import TYPE_CHECKING
 
 from redis.exceptions import ResponseError
 
-from prefixq.connection import TRANSIENT
+from prefixq.connection import TRANSIENT, Backoff
 from prefixq.consumers.deadletters import carried
 from prefixq.keys import GROUP
 
@@ -25,7 +24,7 @@ log = logging.getLogger(__name__)
 
 async def replay_backlog(w: Worker) -> None:
     """Serve ``w``'s own pending entries, oldest first, until none is left or `w.stop()`."""
-    start, delay = "-", 0.1
+    start, backoff = "-", Backoff()
     while not w.stopping:
         try:
             page = await w.r.xpending_range(
@@ -40,9 +39,7 @@ async def replay_backlog(w: Worker) -> None:
                 if w.stopping:
                     return
         except TRANSIENT as e:
-            log.warning("backlog read failed (%s); retrying in %.1fs", e, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
+            await backoff.wait("replaying the backlog", e)
         except ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise

@@ -37,11 +37,11 @@ class Heartbeat:
 
     def __init__(self, worker: Worker) -> None:
         self.w = worker
-        self._served_since_freeze = 0
+        self._served_since_collect = 0
         self._last_done = 0.0
 
     def request_done(self) -> None:
-        self._served_since_freeze += 1
+        self._served_since_collect += 1
         self._last_done = time.monotonic()
 
     async def run(self) -> None:
@@ -60,17 +60,17 @@ class Heartbeat:
                 await pipe.execute()
             except (*TRANSIENT, ResponseError) as e:  # never let the heartbeat task die
                 log.warning("heartbeat failed: %s", e)
-            self.refreeze_when_idle()
+            self.collect_when_idle()
             await asyncio.sleep(w.settings.heartbeat_s)
 
-    def refreeze_when_idle(self) -> None:
+    def collect_when_idle(self) -> None:
         """Collect (consumers/heap.py) after a burst, in idle time only: no request waits on it."""
-        if self.w.inflight or not self._served_since_freeze:
+        if self.w.inflight or not self._served_since_collect:
             return
         if time.monotonic() - self._last_done < IDLE_FREEZE_S:
             return
-        self.w.heap.idle(self._served_since_freeze)
-        self._served_since_freeze = 0
+        self.w.heap.idle(self._served_since_collect)
+        self._served_since_collect = 0
 
     def health(self, now: float) -> dict[str, Any]:
         """What the health key holds (read by inspect and check)."""

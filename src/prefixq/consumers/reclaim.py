@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import ResponseError
 
-from prefixq.connection import TRANSIENT
+from prefixq.connection import TRANSIENT, Backoff
 from prefixq.consumers.deadletters import carried, dead_letter_record, failed_result
 from prefixq.keys import GROUP
 
@@ -82,7 +82,7 @@ class Reclaimer:
         retried with backoff, and a missing group means nothing is pending (the reader rejoins).
         """
         w = self.w
-        delay = 0.1
+        backoff = Backoff()
         while True:
             try:
                 pending = await w.r.xpending_range(
@@ -90,9 +90,7 @@ class Reclaimer:
                 )
                 break
             except TRANSIENT as e:
-                log.warning("pending read failed (%s); retrying in %.1fs", e, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                await backoff.wait("reading this worker's pending entries", e)
             except ResponseError as e:
                 if "NOGROUP" not in str(e):
                     raise

@@ -27,7 +27,7 @@ import redis.asyncio as aredis
 from redis.exceptions import ResponseError
 
 from prefixq import wire
-from prefixq.connection import TRANSIENT, async_client, describe, refused
+from prefixq.connection import TRANSIENT, Backoff, async_client, describe, refused
 from prefixq.consumers.backlog import replay_backlog
 from prefixq.consumers.control import control_loop
 from prefixq.consumers.deadletters import carried
@@ -155,7 +155,7 @@ class Worker:
         return EXIT_OK
 
     async def _join_group(self) -> None:
-        delay = 0.1
+        backoff = Backoff()
         while True:
             try:
                 await self.r.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
@@ -167,9 +167,7 @@ class Worker:
             except TRANSIENT as e:
                 if refused(e):  # wrong credentials or CA: retrying cannot help
                     raise describe(self.settings, e) from e
-                log.warning("redis unavailable (%s); retrying in %.1fs", e, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                await backoff.wait("joining the consumer group", e)
                 continue
             if self.settings.shards:
                 await self.r.hsetnx(self.keys.config, "shards", self.settings.shards)
@@ -227,7 +225,7 @@ class Worker:
 
     async def _read_loop(self) -> None:
         await replay_backlog(self)  # our own pending entries first (a restart)
-        delay = 0.1
+        backoff = Backoff()
         while not self._stopping.is_set():
             room = self.max_inflight - len(self.inflight)
             if room <= 0:
@@ -239,9 +237,7 @@ class Worker:
                     GROUP, self.name, {self.stream: ">"}, count=count, block=500
                 )
             except TRANSIENT as e:
-                log.warning("read failed (%s); retrying in %.1fs", e, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                await backoff.wait("reading the stream", e)
                 continue
             except ResponseError as e:
                 if "NOGROUP" not in str(e):
@@ -251,7 +247,7 @@ class Worker:
                 log.warning("consumer group gone (%s); joining again", e)
                 await self._join_group()
                 continue
-            delay = 0.1
+            backoff.reset()
             entries = resp[0][1] if resp else []
             # already in flight: redelivered after Redis lost its most recent writes
             entries = [e for e in entries if e[0] not in self.inflight]

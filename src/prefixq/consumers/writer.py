@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from redis.exceptions import ResponseError
 
 from prefixq import wire
-from prefixq.connection import TRANSIENT, lua
+from prefixq.connection import TRANSIENT, Backoff, lua
 from prefixq.entries import Entry
 from prefixq.keys import GROUP
 from prefixq.records import Result
@@ -85,22 +85,16 @@ class ResultWriter:
             )
 
     async def _write_with_retry(self, batch: list[Item]) -> None:
-        delay = 0.05
+        backoff = Backoff(first=0.05)
         while True:
             try:
                 await self._write(batch)
                 return
             except TRANSIENT as e:
-                log.warning(
-                    "writing %d results failed (%s); retrying in %.2fs", len(batch), e, delay
-                )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                await backoff.wait(f"writing {len(batch)} results", e)
             except ResponseError as e:  # NOSCRIPT after a Redis restart, OOM, READONLY, ...:
                 # a dead writer would strand every later result, so it outlives them too
-                log.error("writing %d results failed (%s); retrying in %.2fs", len(batch), e, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                await backoff.wait(f"writing {len(batch)} results", e, logging.ERROR)
 
     async def _write(self, batch: list[Item]) -> None:
         w, keys = self.w, self.w.keys
