@@ -13,9 +13,9 @@ import time
 
 from prefixq.bench.workloads import Shape, build
 from prefixq.entries import split_prefix
+from prefixq.inputs import normalize
 from prefixq.producer import Producer
 from prefixq.producer.items import ItemBuilder
-from prefixq.producer.producer import normalize
 from prefixq.records import Request
 from prefixq.settings import Settings
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from prefixq.errors import ValidationError
-from prefixq.producer.producer import normalize
+from prefixq.inputs import normalize
 from prefixq.settings import Settings
 
 

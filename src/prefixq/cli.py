@@ -16,9 +16,8 @@ from typing import get_type_hints
 
 from redis.exceptions import RedisError
 
-from prefixq.errors import ConfigError, PrefixqError, SetupError, ValidationError
+from prefixq.errors import ConfigError, PrefixqError, SetupError
 from prefixq.logs import configure as configure_logging
-from prefixq.records import Request
 from prefixq.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -141,28 +140,6 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return Settings.from_env(**{k: v for k, v in vars(args).items() if k in names})
 
 
-def read_requests(path: str, settings: Settings | None = None) -> list[Request]:
-    """Requests from a JSONL file, validated against the settings' limits; the error names the
-    first bad line (its number in the file)."""
-    s = settings or Settings()
-    f = sys.stdin if path == "-" else open(path, encoding="utf-8")  # noqa: SIM115
-    out: list[Request] = []
-    with f:
-        for n, line in enumerate(f):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValidationError(f"{path}: line {n + 1} is not JSON: {e.msg}") from None
-            out.append(
-                Request.from_json(
-                    obj, index=n, max_chars=s.max_prompt_chars, max_messages=s.max_messages
-                )
-            )
-    return out
-
-
 def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     from prefixq.consumers.run import run_worker
     from prefixq.consumers.vllm_engine import parse_engine_args
@@ -210,6 +187,7 @@ def _strip_options(argv: Sequence[str], drop: set[str]) -> list[str]:
 
 def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     from prefixq import results
+    from prefixq.inputs import read_requests
     from prefixq.producer import Producer
     from prefixq.progress import BurstProgress, EnqueueProgress
 

@@ -16,8 +16,8 @@ from typing import Any
 import redis
 
 from prefixq import results as results_api
+from prefixq.deployment import resolve_shards_sync
 from prefixq.keys import GROUP, Keys
-from prefixq.producer.producer import resolve_shards_sync
 from prefixq.records import Result
 from prefixq.settings import Settings
 

@@ -35,9 +35,9 @@ from rq import Queue, get_current_job
 from rq.serializers import JSONSerializer
 
 from prefixq import results
-from prefixq.cli import read_requests
 from prefixq.connection import TRANSIENT, describe, redact, sync_client
 from prefixq.errors import BurstFailed, BurstTimeout, ConfigError, ValidationError
+from prefixq.inputs import read_requests
 from prefixq.keys import Keys
 from prefixq.producer.producer import Producer
 from prefixq.records import Request

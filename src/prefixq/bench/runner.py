@@ -30,9 +30,9 @@ from prefixq.bench.workloads import Shape, build
 from prefixq.connection import async_client
 from prefixq.consumers import control
 from prefixq.errors import SetupError
+from prefixq.inputs import normalize
 from prefixq.keys import Keys
 from prefixq.producer import Producer
-from prefixq.producer.producer import normalize
 from prefixq.records import Request
 from prefixq.settings import Settings
 

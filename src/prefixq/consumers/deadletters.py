@@ -243,7 +243,7 @@ class Recovery:
 
     def shards(self, shard: int | None = None) -> list[int]:
         """``[shard]`` (checked against the deployment's shard count), or every shard."""
-        from prefixq.producer.producer import resolve_shards_sync
+        from prefixq.deployment import resolve_shards_sync
 
         n = resolve_shards_sync(self.r, self.s)
         if shard is None:
