@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from prefixq.records import Result
+
 
 @dataclass(slots=True)
 class EngineRequest:
@@ -33,6 +35,13 @@ class EngineOutput:
     cached_tokens: int
     #: epoch seconds of the first output token (0.0 if the engine cannot tell)
     first_token: float = 0.0
+
+    def apply(self, res: Result) -> None:
+        """Copy this output into the request's result record."""
+        res.text, res.token_ids, res.finish_reason = self.text, self.token_ids, self.finish_reason
+        res.prompt_tokens, res.cached_tokens = self.prompt_tokens, self.cached_tokens
+        res.output_tokens = len(self.token_ids)
+        res.timings.first_token = self.first_token
 
 
 class Engine(Protocol):

@@ -332,10 +332,7 @@ class Worker:
                         chat=req.messages is not None,
                     )
                 )
-            res.text, res.token_ids, res.finish_reason = out.text, out.token_ids, out.finish_reason
-            res.prompt_tokens, res.cached_tokens = out.prompt_tokens, out.cached_tokens
-            res.output_tokens = len(out.token_ids)
-            res.timings.first_token = out.first_token
+            out.apply(res)
         except EngineDead as err:
             self._engine_died(str(err))
             return
