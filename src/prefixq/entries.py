@@ -5,7 +5,8 @@ token ids) and its shared prefix either inline (``x``) or by reference (``xr``: 
 prefix stored once, content-addressed, under `Keys.prefix`). A prefix object is ``{"x": text}``,
 ``{"m": leading messages}`` or ``{"t": token ids}``. Other keys: ``v`` version, ``b`` burst,
 ``i`` input index, ``id`` request id, ``s`` sampling, ``e`` enqueued (epoch s), ``k`` shard,
-``w`` estimated uncached prompt tokens (the placement's load unit), ``pc`` predicted cached tokens.
+``w`` estimated uncached prompt tokens (the placement's load unit), ``pc`` predicted cached tokens,
+``dl`` the burst's deadline (epoch s; absent = none).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class Entry:
     shard: int
     work: int
     predicted_cached: int
+    #: epoch seconds after which the request is not admitted any more (None: no deadline)
+    deadline: float | None = None
 
     @classmethod
     def from_wire(cls, d: Any) -> Entry:
@@ -84,6 +87,7 @@ class Entry:
                 shard=_count(d, "k"),
                 work=_count(d, "w"),
                 predicted_cached=_count(d, "pc"),
+                deadline=None if d.get("dl") is None else float(d["dl"]),
             )
         except (TypeError, ValueError, OverflowError) as err:
             raise WireError(f"malformed entry: {err}") from None
@@ -132,6 +136,7 @@ def to_wire(
     prefix: dict[str, Any] | None,
     prefix_ref: str | None,
     own: dict[str, Any],
+    deadline: float | None = None,
 ) -> dict[str, Any]:
     """The entry map for one request (prefix inline or by reference, never both)."""
     d: dict[str, Any] = {
@@ -147,6 +152,8 @@ def to_wire(
     }
     if req.sampling:
         d["s"] = req.sampling
+    if deadline is not None:
+        d["dl"] = deadline
     if prefix_ref is not None:
         d["xr"] = prefix_ref
     elif prefix is not None:

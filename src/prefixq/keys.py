@@ -100,6 +100,20 @@ class Keys:
         """Hash: input index -> wire-encoded result (written once per index)."""
         return f"{self.ns}:{{b{burst}}}:results"
 
+    def ids(self, burst: str) -> str:
+        """List: the burst's request ids in input order (cancel and expiry fill their results)."""
+        return f"{self.ns}:{{b{burst}}}:ids"
+
+    @property
+    def deadlines(self) -> str:
+        """Sorted set: burst id -> deadline (epoch s), for bursts submitted with one."""
+        return f"{self.ns}:deadlines"
+
+    @property
+    def cancels(self) -> str:
+        """Stream: one entry ``{b: burst}`` per cancelled burst, read by every worker."""
+        return f"{self.ns}:cancels"
+
     def events(self, burst: str) -> str:
         """Stream: one entry per finished request, for waiters (capped)."""
         return f"{self.ns}:{{b{burst}}}:events"

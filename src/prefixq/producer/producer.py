@@ -8,7 +8,9 @@ record (total, settings, byte counts), then the entries, shard by shard, in pipe
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import math
 import secrets
 import time
 from collections import Counter, defaultdict
@@ -16,7 +18,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import redis
 import redis.asyncio as aredis
 from redis.exceptions import NoPermissionError
 
@@ -30,8 +31,10 @@ from prefixq.affinity.placement import (
 )
 from prefixq.affinity.prefix_map import AffinityPlacer
 from prefixq.connection import TRANSIENT, async_client, describe
+from prefixq.deployment import resolve_shards
 from prefixq.entries import digest, prefix_size, split_prefix, to_wire
-from prefixq.errors import ConfigError, ValidationError
+from prefixq.errors import ValidationError
+from prefixq.inputs import normalize
 from prefixq.keys import FIELD, Keys
 from prefixq.producer.items import ItemBuilder
 from prefixq.records import Request
@@ -40,6 +43,8 @@ from prefixq.settings import Settings
 log = logging.getLogger(__name__)
 
 _CHUNK = 1024
+#: request ids per RPUSH of the burst's id list
+_IDS_CHUNK = 10_000
 #: the first chunk is small, so the engines start while the rest is encoded
 _FIRST_CHUNK = 16
 #: called with (requests enqueued so far, total)
@@ -51,62 +56,10 @@ def new_burst_id() -> str:
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(3)
 
 
-def normalize(requests: Iterable[Request | Mapping[str, Any]], settings: Settings) -> list[Request]:
-    """Requests from dicts (plain or OpenAI batch lines), validated; duplicate ids refused."""
-    out: list[Request] = []
-    limits = {"max_chars": settings.max_prompt_chars, "max_messages": settings.max_messages}
-    for i, r in enumerate(requests):
-        if isinstance(r, Request):
-            r.validate(where=f"request {i} ({r.id!r})", **limits)
-            out.append(r)
-        else:  # parsed and validated once, against the settings' limits
-            out.append(Request.from_json(r, index=i, **limits))
-    if not out:
-        raise ValidationError("the burst is empty")
-    dupes = [k for k, n in Counter(r.id for r in out).items() if n > 1]
-    if dupes:
-        raise ValidationError(f"duplicate request ids: {', '.join(map(repr, dupes[:5]))}")
-    return out
-
-
-def _shards(stored: bytes | None, settings: Settings) -> tuple[int, bool]:
-    """(shard count, whether to record it): Redis's record wins; settings may agree or seed it."""
-    keys = Keys(settings.namespace)
-    if stored is not None:
-        n = int(stored)
-        if settings.shards and settings.shards != n:
-            raise ConfigError(
-                f"PREFIXQ_SHARDS={settings.shards} but namespace {settings.namespace!r} has {n} "
-                f"shards in Redis ({keys.config}); drop the setting or use another namespace"
-            )
-        return n, False
-    if not settings.shards:
-        raise ConfigError(
-            "no shard count: set PREFIXQ_SHARDS (or --shards), or start the "
-            "workers first (they record it)"
-        )
-    return settings.shards, True
-
-
-async def resolve_shards(r: aredis.Redis, settings: Settings) -> int:
-    """The deployment's shard count (asyncio client); records it on first use."""
-    n, record = _shards(await r.hget(Keys(settings.namespace).config, "shards"), settings)
-    if record:
-        await r.hsetnx(Keys(settings.namespace).config, "shards", n)
-    return n
-
-
-def resolve_shards_sync(r: redis.Redis, settings: Settings) -> int:
-    """The same with a blocking client."""
-    n, record = _shards(r.hget(Keys(settings.namespace).config, "shards"), settings)
-    if record:
-        r.hsetnx(Keys(settings.namespace).config, "shards", n)
-    return n
-
-
 @dataclass(slots=True)
 class _Encoded:
     now: float
+    deadline: float | None = None
     raw_bytes: int = 0
     entry_bytes: int = 0
 
@@ -135,20 +88,41 @@ class Producer:
         rq_queue: str | None = None,
         progress: Progress | None = None,
         seed: int | None = None,
+        deadline: float | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> str:
         """Validate, place and enqueue ``requests``; returns the burst id.
 
         ``placement`` overrides the setting (a name, or a `Placer` of your own);
         ``on_complete`` ("pkg.module:func") is enqueued as an RQ job on ``rq_queue`` with the
-        burst id once the burst's last request is recorded.
+        burst id once the burst's last request is recorded. ``deadline`` (epoch seconds): requests
+        not admitted by then get an expired result. ``metadata``: string pairs kept on the burst
+        record (field ``metadata``, JSON).
         """
         s = self.settings
         reqs = normalize(requests, s)
         burst = burst_id or new_burst_id()
+        extra: dict[str, Any] = {}
+        if deadline is not None:
+            if not math.isfinite(deadline):
+                raise ValidationError(f"deadline must be finite epoch seconds, not {deadline!r}")
+            extra["deadline"] = deadline
+        if metadata:
+            if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+                raise ValidationError("metadata must map strings to strings")
+            extra["metadata"] = json.dumps(dict(metadata), ensure_ascii=False)
         r = async_client(s)
         try:
             return await self._submit(
-                r, reqs, burst, placement or s.placement, on_complete, rq_queue, progress, seed
+                r,
+                reqs,
+                burst,
+                placement or s.placement,
+                on_complete,
+                rq_queue,
+                progress,
+                seed,
+                extra,
             )
         except (*TRANSIENT, NoPermissionError) as e:  # ACL refusals become ConfigError too
             raise describe(s, e) from e
@@ -165,6 +139,7 @@ class Producer:
         rq_queue: str | None,
         progress: Progress | None,
         seed: int | None,
+        extra: dict[str, Any],
     ) -> str:
         s, keys = self.settings, self.keys
         if on_complete is not None and ":" not in on_complete:
@@ -197,11 +172,18 @@ class Producer:
         if on_complete:
             meta["on_complete"] = on_complete
             meta["rq_queue"] = rq_queue or "default"
+        meta.update(extra)
         pipe = r.pipeline(transaction=False)
         pipe.hset(keys.burst(burst), mapping=meta)
         pipe.expire(keys.burst(burst), s.result_ttl_s)
         pipe.zadd(keys.bursts, {burst: enc.now})
+        for start in range(0, len(reqs), _IDS_CHUNK):  # request ids in input order
+            pipe.rpush(keys.ids(burst), *(q.id for q in reqs[start : start + _IDS_CHUNK]))
+        pipe.expire(keys.ids(burst), s.result_ttl_s)
+        if "deadline" in extra:
+            pipe.zadd(keys.deadlines, {burst: extra["deadline"]})
         await pipe.execute()
+        enc.deadline = extra.get("deadline")
         # encode and send in growing chunks, so the first requests reach the workers while the
         # rest are still being encoded
         start, size = 0, _FIRST_CHUNK
@@ -282,6 +264,7 @@ class Producer:
                 work=pl.work,
                 predicted_cached=pl.predicted_cached,
                 own=own,
+                deadline=enc.deadline,
             )
             packed = wire.pack(entry)
             data = wire.compress(packed, s.codec, s.codec_level)
