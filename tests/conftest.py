@@ -189,8 +189,8 @@ def cluster(redis_server: RedisServer, start_worker: Callable[..., WorkerProc]) 
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """The fault suite's ledger (tests/test_faults.py), as the summary's last line."""
-    ledger = getattr(sys.modules.get("test_faults"), "LEDGER", None)
+    """The fault suite's ledger (tests/ledger.py), as the summary's last line."""
+    ledger = getattr(sys.modules.get("ledger"), "LEDGER", None)
     if ledger is not None and ledger.faults:
         terminalreporter.write_line(
             f"faults injected: {ledger.faults}, requests lost: {ledger.lost}, "
