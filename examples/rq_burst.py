@@ -75,7 +75,7 @@ def report(burst_job_id: str) -> dict[str, Any]:
     assert summary is not None, f"run_burst job {burst_job_id} has no result"
     # the summary names the namespace; REDIS_URL comes from this worker's environment
     settings = Settings.from_env(namespace=summary["namespace"])
-    answers = {res.id: res.text.strip() for res in results.iter(summary["burst"], settings)}
+    answers = {res.id: res.text.strip() for res in results.iterate(summary["burst"], settings)}
     return {
         "burst": summary["burst"],
         "requests_per_s": summary["requests_per_s"],

@@ -141,7 +141,7 @@ def test_results_come_back_in_input_order_with_stage_timestamps(cluster: Any) ->
         for i, n in enumerate(lengths)
     ]
     burst = Producer(cluster.settings).submit(reqs)
-    got = list(results.iter(burst, cluster.settings, timeout=600))
+    got = list(results.iterate(burst, cluster.settings, timeout=600))
     assert [r.id for r in got] == [q["id"] for q in reqs]
     assert [r.output_tokens for r in got] == lengths
     finish_order = sorted(got, key=lambda r: r.timings.finished)

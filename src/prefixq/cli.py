@@ -219,8 +219,8 @@ def cmd_results(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace, settings: Settings) -> int:
-    from prefixq.inspect import snapshot
     from prefixq.progress import render_snapshot
+    from prefixq.stats import snapshot
 
     if args.watch:
         return _watch(args, settings)
@@ -235,8 +235,8 @@ def cmd_inspect(args: argparse.Namespace, settings: Settings) -> int:
 def _watch(args: argparse.Namespace, settings: Settings) -> int:
     """``inspect --watch``: a live view until Ctrl-C (exit 0) or ``--watch-count`` views."""
     from prefixq.connection import sync_client
-    from prefixq.inspect import snapshot
     from prefixq.progress import watch_snapshot
+    from prefixq.stats import snapshot
 
     if args.json:
         raise ConfigError("--watch shows a live table; use --json without --watch")

@@ -97,11 +97,11 @@ def run_demo(
     max_tokens: int = 48,
 ) -> int:
     """Run the demo; returns the exit code."""
-    from prefixq.inspect import snapshot
     from prefixq.model import default_cache_dir, resolve_model
     from prefixq.producer import Producer
     from prefixq.progress import BurstProgress, render_snapshot
     from prefixq.redis_server import RedisServer
+    from prefixq.stats import snapshot
 
     con = Console(stderr=True)
     with contextlib.ExitStack() as stack:
@@ -134,7 +134,7 @@ def run_demo(
         )
         r = sync_client(settings)
         t0 = time.monotonic()
-        _wait_engine_up(r, Keys(settings.namespace), proc, log, timeout=900)
+        _wait_engine_up(r, settings.keys, proc, log, timeout=900)
         con.print(f"[bold]worker[/] serving after {time.monotonic() - t0:.0f}s")
 
         reqs = demo_requests(max_tokens)

@@ -16,7 +16,6 @@ from redis.exceptions import RedisError
 
 from prefixq.connection import redact, sync_client
 from prefixq.errors import ConfigError
-from prefixq.keys import Keys
 from prefixq.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -49,7 +48,7 @@ def check(
 
 
 def _check(r: redis.Redis, settings: Settings, shard: int | None) -> Health:
-    keys = Keys(settings.namespace)
+    keys = settings.keys
     if shard is None:
         stored = r.hget(keys.config, "shards")
         n = int(stored) if stored is not None else settings.shards

@@ -26,7 +26,7 @@ class Keys:
     # deployment
     @property
     def config(self) -> str:
-        """Hash: shards, model, block_size: written by the first worker or `prefixq init`."""
+        """Hash: shards and block_size, written by the first worker (or producer given shards)."""
         return f"{self.ns}:config"
 
     @property

@@ -40,9 +40,9 @@ from redis.exceptions import ResponseError
 
 from prefixq.connection import TRANSIENT, async_client
 from prefixq.errors import SetupError
-from prefixq.inspect import entry_age, queue_counts
 from prefixq.keys import GROUP
 from prefixq.records import Result
+from prefixq.stats import entry_age, queue_counts
 
 if TYPE_CHECKING:
     import redis.asyncio as aredis

@@ -89,7 +89,7 @@ class BurstProgress(_Bar):
 
 
 def render_snapshot(snap: dict[str, Any], console: Console | None = None) -> None:
-    """The human form of `inspect.snapshot`."""
+    """The human form of `stats.snapshot`."""
     c = console or _out_console()
     for part in snapshot_renderables(snap):
         c.print(part)

@@ -6,7 +6,6 @@ adds an entry to the burst's events stream, which waiters block on (XREAD) inste
 
 from __future__ import annotations
 
-import builtins
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -19,11 +18,10 @@ import redis
 from prefixq import wire
 from prefixq.connection import TRANSIENT, describe, sync_client
 from prefixq.errors import BurstNotFound, BurstTimeout
-from prefixq.keys import Keys
 from prefixq.records import Result
 from prefixq.settings import Settings
 
-__all__ = ["BurstStatus", "collect", "iter", "status", "wait", "write_jsonl"]
+__all__ = ["BurstStatus", "collect", "iterate", "status", "wait", "write_jsonl"]
 
 _FETCH = 512
 
@@ -66,7 +64,7 @@ class _Session:
     def __init__(self, burst: str, settings: Settings | None, client: redis.Redis | None) -> None:
         self.settings = settings or Settings.from_env()
         self.r = client or sync_client(self.settings)
-        self.keys = Keys(self.settings.namespace)
+        self.keys = self.settings.keys
         self.burst = burst
         self.limits = wire.Limits.from_settings(self.settings)
 
@@ -86,7 +84,7 @@ class _Session:
             return str(resp[0][1][-1][0].decode())
         return last
 
-    def fetch(self, indexes: builtins.range) -> list[Result | None]:
+    def fetch(self, indexes: range) -> list[Result | None]:
         raw = self.r.hmget(self.keys.results(self.burst), list(indexes))
         return [None if v is None else Result.from_wire(wire.decode(v, self.limits)) for v in raw]
 
@@ -127,7 +125,7 @@ def wait(
         last = ses.block(last, ms)
 
 
-def iter(
+def iterate(
     burst: str,
     settings: Settings | None = None,
     *,
@@ -140,7 +138,7 @@ def iter(
     deadline = None if timeout is None else time.monotonic() + timeout
     nxt, last = 0, "0-0"
     while nxt < total:
-        got = ses.fetch(builtins.range(nxt, min(total, nxt + _FETCH)))
+        got = ses.fetch(range(nxt, min(total, nxt + _FETCH)))
         for res in got:
             if res is None:
                 break
@@ -160,8 +158,8 @@ def collect(
     ses = _Session(burst, settings, client)
     total = ses.status().total
     out: list[Result] = []
-    for start in builtins.range(0, total, _FETCH):
-        out.extend(r for r in ses.fetch(builtins.range(start, min(total, start + _FETCH))) if r)
+    for start in range(0, total, _FETCH):
+        out.extend(r for r in ses.fetch(range(start, min(total, start + _FETCH))) if r)
     return out
 
 
@@ -178,7 +176,7 @@ def write_jsonl(
 
     def dump(f: IO[str]) -> int:
         n = 0
-        for res in iter(burst, settings, timeout=timeout, client=client):
+        for res in iterate(burst, settings, timeout=timeout, client=client):
             f.write(json.dumps(res.to_json(token_ids=token_ids), ensure_ascii=False) + "\n")
             n += 1
         return n

@@ -231,7 +231,11 @@ def _failed_message(
 ) -> str:
     """What failed and where the results are, with the first failure's reason."""
     first = next(
-        (res for res in results.iter(st.burst, settings, timeout=60.0, client=client) if res.error),
+        (
+            res
+            for res in results.iterate(st.burst, settings, timeout=60.0, client=client)
+            if res.error
+        ),
         None,
     )
     why = f"; first failure: request {first.id!r}: {first.error}" if first else ""

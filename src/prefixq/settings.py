@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any, get_type_hints
 
 from prefixq.errors import ConfigError
+from prefixq.keys import Keys
 
 CODECS = ("zlib", "zstd", "none")
 PLACEMENTS = ("affinity", "hash", "random", "round-robin")
@@ -140,6 +141,11 @@ class Settings:
         if unknown:
             raise ConfigError(f"unknown settings: {', '.join(sorted(unknown))}")
         return cls(**values)
+
+    @property
+    def keys(self) -> Keys:
+        """The Redis key names of this namespace."""
+        return Keys(self.namespace)
 
     def replace(self, **changes: Any) -> Settings:
         """A copy with some fields changed."""

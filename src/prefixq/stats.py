@@ -17,7 +17,7 @@ import redis
 
 from prefixq import results as results_api
 from prefixq.deployment import resolve_shards_sync
-from prefixq.keys import GROUP, Keys
+from prefixq.keys import GROUP
 from prefixq.records import Result
 from prefixq.settings import Settings
 
@@ -89,7 +89,7 @@ def queue_counts(length: int, group: Mapping[str, Any] | None) -> tuple[int, int
 
 def shard_stats(r: redis.Redis, settings: Settings, shards: int) -> list[dict[str, Any]]:
     """One dict per shard (see module docstring)."""
-    keys = Keys(settings.namespace)
+    keys = settings.keys
     now = time.time()
     load = {k.decode(): int(v) for k, v in r.hgetall(keys.load).items()}
     sstats = {k.decode(): int(v) for k, v in r.hgetall(keys.shard_stats).items()}
@@ -171,9 +171,7 @@ def snapshot(
     r = client or sync_client(settings)
     shards = resolve_shards_sync(r, settings)
     bursts = (
-        [burst]
-        if burst
-        else [b.decode() for b in r.zrevrange(Keys(settings.namespace).bursts, 0, recent - 1)]
+        [burst] if burst else [b.decode() for b in r.zrevrange(settings.keys.bursts, 0, recent - 1)]
     )
     return {
         "namespace": settings.namespace,
@@ -181,7 +179,7 @@ def snapshot(
         "bursts": [
             burst_stats(r, settings, b)
             for b in bursts
-            if r.exists(Keys(settings.namespace).burst(b)) or b == burst
+            if r.exists(settings.keys.burst(b)) or b == burst
         ],
         "at": time.time(),
     }
