@@ -5,8 +5,10 @@ from prefixq.errors import (
     BurstNotFound,
     BurstTimeout,
     ConfigError,
+    EngineAborted,
     EngineDead,
     EngineError,
+    EngineRefused,
     LimitExceeded,
     PrefixqError,
     RedisUnavailable,
@@ -15,7 +17,7 @@ from prefixq.errors import (
     WireError,
 )
 from prefixq.producer.producer import Producer
-from prefixq.records import Request, Result, Timings
+from prefixq.records import Choice, Request, Result, Timings, TokenLogprob
 from prefixq.settings import Settings
 
 __version__ = "0.1.0"
@@ -24,9 +26,12 @@ __all__ = [
     "BurstFailed",
     "BurstNotFound",
     "BurstTimeout",
+    "Choice",
     "ConfigError",
+    "EngineAborted",
     "EngineDead",
     "EngineError",
+    "EngineRefused",
     "LimitExceeded",
     "PrefixqError",
     "Producer",
@@ -36,6 +41,7 @@ __all__ = [
     "Settings",
     "SetupError",
     "Timings",
+    "TokenLogprob",
     "ValidationError",
     "WireError",
     "__version__",

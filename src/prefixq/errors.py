@@ -12,6 +12,8 @@
     ├── BurstTimeout           waiting for a burst ran past its timeout
     ├── BurstFailed            a burst finished with too many failed requests
     ├── EngineError            the engine refused or failed one request
+    │   ├── EngineRefused      the engine refused the request as invalid (too long, bad token id)
+    │   ├── EngineAborted      the request was aborted inside the engine (`Engine.abort`)
     │   └── EngineDead         the engine process is gone; in-flight work goes back to pending
     └── SetupError             a prerequisite is missing (redis-server, the model package, ...)
 """
@@ -57,6 +59,16 @@ class BurstFailed(PrefixqError):
 
 class EngineError(PrefixqError):
     """Raised when the engine refuses or fails a single request."""
+
+
+class EngineRefused(EngineError):
+    """Raised when the engine refuses a request as invalid (prompt over max_model_len, token id
+    outside the vocabulary, sampling values it does not accept)."""
+
+
+class EngineAborted(EngineError):
+    """Raised by `Engine.generate` when the request was aborted (`Engine.abort`) before it
+    finished."""
 
 
 class EngineDead(EngineError):

@@ -13,7 +13,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixq.errors import ValidationError
+from prefixq.errors import (
+    EngineAborted,
+    EngineError,
+    EngineRefused,
+    ValidationError,
+    WireError,
+)
 
 #: sampling fields a request may carry, with their accepted types (checked at submit time)
 SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
@@ -239,9 +245,103 @@ class Timings:
     finished: float = 0.0
 
 
+#: machine-readable classes of `Result.error` (`Result.error_code`): the request was cancelled
+#: with its burst; its burst's deadline passed before it was admitted; it was refused as invalid
+#: (by validation or by the engine: too long a prompt, a token id outside the vocabulary); the
+#: engine failed it; it was dead-lettered after ``max_attempts`` deliveries (or undecodable);
+#: something unexpected failed in prefixq itself
+ERROR_CODES = (
+    "cancelled",
+    "expired",
+    "invalid_request",
+    "engine_error",
+    "dead_lettered",
+    "internal_error",
+)
+
+
+def error_code_of(err: BaseException) -> str:
+    """The `ERROR_CODES` entry for an exception that failed one request."""
+    if isinstance(err, ValidationError | WireError | EngineRefused):
+        return "invalid_request"
+    if isinstance(err, EngineAborted):
+        return "cancelled"
+    if isinstance(err, EngineError):
+        return "engine_error"
+    return "internal_error"
+
+
+#: the logprob reported for a token the engine gives -inf (JSON has no infinity; vLLM's OpenAI
+#: server clamps the same way)
+MIN_LOGPROB = -9999.0
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """One output token with its log probability and the most likely tokens at its position.
+
+    ``token`` is the token's text as the engine's tokenizer decodes it alone (None when the
+    engine runs without a tokenizer, ``skip_tokenizer_init``); ``top`` holds up to the requested
+    number of alternatives, most likely first, as ``(token id, text, logprob)``.
+    """
+
+    token_id: int
+    token: str | None
+    logprob: float
+    top: list[tuple[int, str | None, float]] = field(default_factory=list)
+
+    def to_wire(self) -> list[Any]:
+        return [self.token_id, self.token, self.logprob, [x for t in self.top for x in t]]
+
+    @classmethod
+    def from_wire(cls, d: list[Any]) -> TokenLogprob:
+        flat = d[3] or []
+        top = [(flat[i], flat[i + 1], flat[i + 2]) for i in range(0, len(flat) - 2, 3)]
+        return cls(token_id=d[0], token=d[1], logprob=d[2], top=top)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "token_id": self.token_id,
+            "token": self.token,
+            "logprob": self.logprob,
+            "top_logprobs": [{"token_id": i, "token": t, "logprob": lp} for i, t, lp in self.top],
+        }
+
+
+@dataclass(slots=True)
+class Choice:
+    """One of the ``n`` completions of a request; ``logprobs`` has one `TokenLogprob` per output
+    token when the request asked for logprobs, else None."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+    def to_json(self, *, token_ids: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "index": self.index,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "logprobs": None if self.logprobs is None else [t.to_json() for t in self.logprobs],
+        }
+        if token_ids:
+            out["token_ids"] = self.token_ids
+        return out
+
+
 @dataclass(slots=True)
 class Result:
-    """The outcome of one request; ``error`` is None on success."""
+    """The outcome of one request; ``error`` is None on success, else the reason, and
+    ``error_code`` one of `ERROR_CODES`.
+
+    ``choices`` is empty unless the request asked for ``n`` > 1 or for logprobs; then it holds
+    all ``n`` choices in order, and choice 0 is also in ``text``, ``token_ids`` and
+    ``finish_reason``. ``output_tokens`` counts the tokens of every choice. ``endpoint`` (the
+    OpenAI url the line named, None for a plain line) and ``model`` (its body's ``model``) are
+    what an OpenAI output object needs.
+    """
 
     id: str
     index: int
@@ -256,11 +356,15 @@ class Result:
     token_ids: list[int] = field(default_factory=list)
     timings: Timings = field(default_factory=Timings)
     worker: str = ""
+    error_code: str | None = None
+    choices: list[Choice] = field(default_factory=list)
+    endpoint: str | None = None
+    model: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """Short-keyed dict for `wire.encode`."""
         t = self.timings
-        return {
+        d: dict[str, Any] = {
             "id": self.id,
             "i": self.index,
             "x": self.text,
@@ -275,12 +379,34 @@ class Result:
             "t": [t.enqueued, t.admitted, t.first_token, t.finished],
             "w": self.worker,
         }
+        if self.error_code is not None:
+            d["ec"] = self.error_code
+        if self.choices:
+            d["ch"] = [self._choice_wire(c) for c in self.choices]
+        if self.endpoint is not None:
+            d["u"] = self.endpoint
+        if self.model is not None:
+            d["md"] = self.model
+        return d
+
+    def _choice_wire(self, c: Choice) -> list[Any]:
+        """``[index, text, token ids, finish reason, logprobs]``; text and token ids are None
+        when they are the result's own (choice 0 is not stored twice)."""
+        same = c.text == self.text and c.token_ids == self.token_ids
+        return [
+            c.index,
+            None if same else c.text,
+            None if same else c.token_ids,
+            c.finish_reason,
+            None if c.logprobs is None else [t.to_wire() for t in c.logprobs],
+        ]
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> Result:
-        """Inverse of `to_wire`."""
+        """Inverse of `to_wire` (results written before a field existed decode with its
+        default)."""
         t = d.get("t") or [0.0, 0.0, 0.0, 0.0]
-        return cls(
+        res = cls(
             id=d["id"],
             index=d["i"],
             text=d.get("x", ""),
@@ -294,7 +420,21 @@ class Result:
             token_ids=list(d.get("ti") or ()),
             timings=Timings(*t),
             worker=d.get("w", ""),
+            error_code=d.get("ec"),
+            endpoint=d.get("u"),
+            model=d.get("md"),
         )
+        for c in d.get("ch") or ():
+            res.choices.append(
+                Choice(
+                    index=c[0],
+                    text=res.text if c[1] is None else c[1],
+                    token_ids=list(res.token_ids if c[2] is None else c[2]),
+                    finish_reason=c[3],
+                    logprobs=None if c[4] is None else [TokenLogprob.from_wire(x) for x in c[4]],
+                )
+            )
+        return res
 
     def to_json(self, *, token_ids: bool = False) -> dict[str, Any]:
         """The documented output record (one JSONL line)."""
@@ -304,6 +444,7 @@ class Result:
             "text": self.text,
             "finish_reason": self.finish_reason,
             "error": self.error,
+            "error_code": self.error_code,
             "shard": self.shard,
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
@@ -315,6 +456,8 @@ class Result:
                 "finished": t.finished,
             },
         }
+        if self.choices:
+            out["choices"] = [c.to_json(token_ids=token_ids) for c in self.choices]
         if token_ids:
             out["token_ids"] = self.token_ids
         return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from prefixq.records import Result
+from prefixq.records import Choice, Result
 
 
 @dataclass(slots=True)
@@ -26,7 +26,9 @@ class EngineRequest:
 
 @dataclass(slots=True)
 class EngineOutput:
-    """The finished output of one request."""
+    """The finished output of one request: choice 0 in ``text``/``token_ids``/``finish_reason``;
+    ``choices`` holds all ``n`` choices (with logprobs when asked for) when the request asked for
+    ``n`` > 1 or for logprobs, else it is empty."""
 
     text: str
     token_ids: list[int]
@@ -35,12 +37,17 @@ class EngineOutput:
     cached_tokens: int
     #: epoch seconds of the first output token (0.0 if the engine cannot tell)
     first_token: float = 0.0
+    choices: list[Choice] = field(default_factory=list)
 
     def apply(self, res: Result) -> None:
-        """Copy this output into the request's result record."""
+        """Copy this output into the request's result record (``output_tokens`` counts the tokens
+        of every choice, as OpenAI's ``usage.completion_tokens`` does)."""
         res.text, res.token_ids, res.finish_reason = self.text, self.token_ids, self.finish_reason
         res.prompt_tokens, res.cached_tokens = self.prompt_tokens, self.cached_tokens
-        res.output_tokens = len(self.token_ids)
+        res.choices = self.choices
+        res.output_tokens = (
+            sum(len(c.token_ids) for c in self.choices) if self.choices else len(self.token_ids)
+        )
         res.timings.first_token = self.first_token
 
 
