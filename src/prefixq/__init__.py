@@ -3,6 +3,7 @@
 from prefixq.errors import (
     BurstFailed,
     BurstNotFound,
+    BurstRecordLost,
     BurstTimeout,
     ConfigError,
     EngineAborted,
@@ -11,6 +12,7 @@ from prefixq.errors import (
     EngineRefused,
     LimitExceeded,
     PrefixqError,
+    RedisOutOfMemory,
     RedisUnavailable,
     SetupError,
     ValidationError,
@@ -25,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BurstFailed",
     "BurstNotFound",
+    "BurstRecordLost",
     "BurstTimeout",
     "Choice",
     "ConfigError",
@@ -35,6 +38,7 @@ __all__ = [
     "LimitExceeded",
     "PrefixqError",
     "Producer",
+    "RedisOutOfMemory",
     "RedisUnavailable",
     "Request",
     "Result",

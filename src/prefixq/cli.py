@@ -332,9 +332,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"prefixq: error: {e.filename}: no such file", file=sys.stderr)
         return 1
     except RedisError as e:  # what the retries did not absorb; refused credentials -> 2
-        from prefixq.connection import describe
+        from prefixq.connection import describe, is_oom, sync_client
 
-        err = describe(settings_from(args), e)
+        settings = settings_from(args)
+        client = sync_client(settings) if is_oom(e) else None  # for its memory figures
+        try:
+            err = describe(settings, e, client)
+        finally:
+            if client is not None:
+                client.close()
         print(f"prefixq: error: {err}", file=sys.stderr)
         return 2 if isinstance(err, ConfigError) else 1
     except KeyboardInterrupt:

@@ -10,10 +10,13 @@ options from the query string, and an unknown option or a missing certificate fi
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import contextlib
 import importlib.resources
 import logging
 import os
+import re
 from functools import cache
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -23,12 +26,21 @@ import redis.asyncio as aredis
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS
-from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
+from redis.exceptions import (
+    AuthenticationError,
+    BusyLoadingError,
+    NoPermissionError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from prefixq.errors import ConfigError, RedisUnavailable
+from prefixq.errors import ConfigError, RedisOutOfMemory, RedisUnavailable
 from prefixq.settings import Settings
 
 #: errors that mean "try again later", never "this request is bad" (but see `refused`: redis-py's
@@ -47,7 +59,7 @@ class Backoff:
 
     async def wait(self, what: str, err: BaseException, level: int = logging.WARNING) -> None:
         """Log that ``what`` failed with ``err``, sleep the current delay, double it."""
-        log.log(level, "%s failed (%s); retrying in %.2fs", what, err, self.delay)
+        log.log(level, "%s failed (%s); retrying in %.2fs", what, error_text(err), self.delay)
         await asyncio.sleep(self.delay)
         self.delay = min(self.delay * 2, self.cap)
 
@@ -158,24 +170,119 @@ def sync_client(settings: Settings) -> redis.Redis:
         raise ConfigError(f"bad REDIS_URL {settings.redis_url!r}: {e}") from None
 
 
-def describe(settings: Settings, err: BaseException) -> PrefixqErrorLike:
-    """Turn a redis-py error into our error with a hint, hiding the password."""
+def describe(
+    settings: Settings, err: BaseException, client: redis.Redis | None = None
+) -> PrefixqErrorLike:
+    """Turn a redis-py error into our error with a hint, hiding the password and any command
+    arguments. For an OOM refusal, ``client`` (when given) adds Redis's memory figures."""
+    return _describe(settings, err, memory_figures(client) if client and is_oom(err) else None)
+
+
+async def describe_async(
+    settings: Settings, err: BaseException, client: aredis.Redis | None = None
+) -> PrefixqErrorLike:
+    """`describe` with an asyncio client for the memory figures."""
+    figures = await memory_figures_async(client) if client and is_oom(err) else None
+    return _describe(settings, err, figures)
+
+
+def _describe(settings: Settings, err: BaseException, figures: str | None) -> PrefixqErrorLike:
     url = redact(settings.redis_url)
+    text = error_text(err)
     if isinstance(err, RedisConnectionError) and "CERTIFICATE_VERIFY_FAILED" in str(err):
         return ConfigError(
-            f"the TLS certificate of Redis at {url} does not verify: {err} (give the CA that "
+            f"the TLS certificate of Redis at {url} does not verify: {text} (give the CA that "
             "signed it as ?ssl_ca_certs=/path/ca.crt in REDIS_URL)"
         )
     if refused(err):
         return ConfigError(
-            f"Redis at {url} refused the credentials or command: {err} (check the user and "
+            f"Redis at {url} refused the credentials or command: {text} (check the user and "
             f"password in REDIS_URL, and that the user's ACL allows the keys "
-            f"{settings.namespace}:* and the stream, hash and script commands)"
+            f"{settings.namespace}:* and the commands docs/delivery.md lists)"
         )
-    return RedisUnavailable(f"cannot reach Redis at {url}: {err} (is redis-server running?)")
+    if is_oom(err):
+        state = f" ({figures})" if figures else ""
+        return RedisOutOfMemory(
+            f"Redis at {url} is out of memory{state}: {text} (raise maxmemory, or let the "
+            "workers drain the queues and try again; under the noeviction policy prefixq needs, "
+            "Redis refuses writes instead of dropping data)"
+        )
+    if isinstance(err, TRANSIENT):
+        return RedisUnavailable(f"cannot reach Redis at {url}: {text} (is redis-server running?)")
+    return RedisUnavailable(f"Redis at {url} answered with an error: {text}")
 
 
 PrefixqErrorLike = ConfigError | RedisUnavailable
+
+
+def is_oom(err: BaseException) -> bool:
+    """True when Redis refused a command because used memory reached ``maxmemory``."""
+    return isinstance(err, OutOfMemoryError) or (
+        isinstance(err, ResponseError) and str(err).startswith("OOM")
+    )
+
+
+def _figures(info: dict[str, Any]) -> str:
+    return (
+        f"used {info.get('used_memory_human', '?')} of maxmemory "
+        f"{info.get('maxmemory_human', '?')}, policy {info.get('maxmemory_policy', '?')}"
+    )
+
+
+def memory_figures(client: redis.Redis) -> str | None:
+    """ "used X of maxmemory Y, policy P" from ``INFO memory``; None if that fails too."""
+    try:
+        return _figures(client.info("memory"))
+    except (RedisError, OSError):
+        return None
+
+
+async def memory_figures_async(client: aredis.Redis) -> str | None:
+    """`memory_figures` with an asyncio client."""
+    try:
+        return _figures(await client.info("memory"))
+    except (RedisError, OSError):
+        return None
+
+
+#: redis-py's pipeline errors: "Command # N (COMMAND ARGS...) of pipeline caused error: MESSAGE",
+#: with the arguments (binary, compressed payloads) in the middle
+_PIPELINE_MARK = " of pipeline caused error: "
+_PIPELINE_HEAD = re.compile(r"Command # (\d+) \((\S*)")
+#: the reply codes redis-py drops from the message when it maps a reply to an exception class
+_CODES: tuple[tuple[type[BaseException], str], ...] = (
+    (OutOfMemoryError, "OOM"),
+    (NoPermissionError, "NOPERM"),
+    (NoScriptError, "NOSCRIPT"),
+    (ReadOnlyError, "READONLY"),
+    (BusyLoadingError, "LOADING"),
+)
+#: longest `error_text`
+_MAX_TEXT = 300
+
+
+def error_text(err: BaseException) -> str:
+    """One printable line for a log message or an error: a redis-py error without the command
+    arguments that pipeline errors embed (binary, compressed payloads), with the reply code
+    (OOM, NOPERM, ...) that redis-py drops, at most 300 characters."""
+    text, where = str(err), ""
+    if _PIPELINE_MARK in text:
+        head, _, text = text.rpartition(_PIPELINE_MARK)
+        m = _PIPELINE_HEAD.match(head)
+        if m:
+            where = f" (pipeline command {m.group(1)}, {m.group(2)[:32]})"
+        if text.startswith("(") and text.endswith(")"):  # the asyncio client's args tuple
+            with contextlib.suppress(ValueError, SyntaxError, MemoryError, RecursionError):
+                args = ast.literal_eval(text)
+                if isinstance(args, tuple) and args and isinstance(args[0], str):
+                    text = args[0]
+    for kind, code in _CODES:
+        if isinstance(err, kind) and not text.startswith(code):
+            text = f"{code} {text}"
+            break
+    text = " ".join(text.split())
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text) + where
+    return text if len(text) <= _MAX_TEXT else text[: _MAX_TEXT - 3] + "..."
 
 
 def redact(url: str) -> str:

@@ -7,8 +7,10 @@
     ├── ValidationError        a request refused before it is enqueued
     ├── WireError              an entry that cannot be decoded safely
     │   └── LimitExceeded      a size or depth limit was hit while decoding
-    ├── RedisUnavailable       Redis did not answer within the retry budget
+    ├── RedisUnavailable       Redis did not answer within the retry budget (or erred)
+    │   └── RedisOutOfMemory   Redis refused a write: used memory is at maxmemory
     ├── BurstNotFound          no burst with that id
+    │   └── BurstRecordLost    the burst's record is incomplete (expired or evicted)
     ├── BurstTimeout           waiting for a burst ran past its timeout
     ├── BurstFailed            a burst finished with too many failed requests
     ├── EngineError            the engine refused or failed one request
@@ -42,11 +44,20 @@ class LimitExceeded(WireError):
 
 
 class RedisUnavailable(PrefixqError):
-    """Raised when Redis cannot be reached within the retry budget."""
+    """Raised when Redis cannot be reached within the retry budget, or answers with an error."""
+
+
+class RedisOutOfMemory(RedisUnavailable):
+    """Raised when Redis refuses a write because its used memory reached ``maxmemory`` (OOM)."""
 
 
 class BurstNotFound(PrefixqError):
-    """Raised when a burst id is unknown (never submitted, or expired)."""
+    """Raised when a burst id is unknown (never submitted, or its record expired or was evicted)."""
+
+
+class BurstRecordLost(BurstNotFound):
+    """Raised when a burst's record is present but incomplete (no total): it expired or was
+    evicted and was partly written again, so the burst can never read as finished."""
 
 
 class BurstTimeout(PrefixqError):

@@ -3,7 +3,8 @@
 Every worker renews its heartbeat hash (`Keys.heartbeat`) each ``heartbeat_s`` with a TTL of
 ``heartbeat_ttl_s`` and lists its name in the shard's workers set. A worker counts as healthy
 while its heartbeat exists (so it beat within the TTL), says ``engine_up`` 1 and is not stopping.
-Read-only: the check never writes to Redis.
+The check first reads Redis's eviction policy (redis_policy.py): an evicting Redis is a
+configuration error. Read-only: the check never writes to Redis.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from dataclasses import dataclass, field
 import redis
 from redis.exceptions import RedisError
 
-from prefixq.connection import redact, sync_client
+from prefixq.connection import describe, error_text, redact, refused, sync_client
 from prefixq.errors import ConfigError
+from prefixq.redis_policy import check_policy_sync
 from prefixq.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -34,14 +36,18 @@ def check(
     settings: Settings, *, shard: int | None = None, client: redis.Redis | None = None
 ) -> Health:
     """Healthy if every shard checked (``shard``, else all of the deployment's) has at least one
-    healthy worker. Redis errors make it unhealthy, never raise."""
+    healthy worker. Redis errors make it unhealthy; ConfigError (exit 2) when Redis refuses the
+    credentials or a command, or its maxmemory-policy evicts keys (unless allowed)."""
     if shard is not None and shard < 0:
         raise ConfigError(f"--shard must be >= 0, not {shard}")
     r = client or sync_client(settings)
     try:
+        check_policy_sync(r, settings)
         return _check(r, settings, shard)
     except (RedisError, OSError) as e:
-        return Health(False, f"redis at {redact(settings.redis_url)}: {e}")
+        if refused(e):  # no retry or restart fixes it: a configuration error
+            raise describe(settings, e) from e
+        return Health(False, f"redis at {redact(settings.redis_url)}: {error_text(e)}")
     finally:
         if client is None:
             r.close()

@@ -6,6 +6,7 @@ adds an entry to the burst's events stream, which waiters block on (XREAD) inste
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -14,10 +15,11 @@ from pathlib import Path
 from typing import IO
 
 import redis
+from redis.exceptions import RedisError
 
 from prefixq import wire
-from prefixq.connection import TRANSIENT, describe, sync_client
-from prefixq.errors import BurstNotFound, BurstTimeout
+from prefixq.connection import describe, sync_client
+from prefixq.errors import BurstNotFound, BurstRecordLost, BurstTimeout
 from prefixq.records import Result
 from prefixq.settings import Settings
 
@@ -41,21 +43,33 @@ class BurstStatus:
 
     @property
     def finished(self) -> bool:
-        return self.done + self.failed >= self.total
+        return self.total > 0 and self.done + self.failed >= self.total
 
     @classmethod
     def from_hash(cls, burst: str, h: dict[bytes, bytes]) -> BurstStatus:
-        m = {k.decode(): v.decode() for k, v in h.items()}
-        return cls(
-            burst=burst,
-            total=int(m.get("total", 0)),
-            done=int(m.get("done", 0)),
-            failed=int(m.get("failed", 0)),
-            status=m.get("status", "?"),
-            created=float(m.get("created", 0)),
-            finished_at=float(m.get("finished_at", 0)),
-            meta=m,
-        )
+        """The status in a burst record; BurstRecordLost if the record has no valid ``total``
+        (a partial record: what is left of one that expired or was evicted)."""
+        m = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in h.items()}
+        try:
+            total = int(m["total"])
+            if total <= 0:
+                raise ValueError(total)
+            return cls(
+                burst=burst,
+                total=total,
+                done=int(m.get("done", 0)),
+                failed=int(m.get("failed", 0)),
+                status=m.get("status", "?"),
+                created=float(m.get("created", 0)),
+                finished_at=float(m.get("finished_at", 0)),
+                meta=m,
+            )
+        except (KeyError, ValueError):
+            raise BurstRecordLost(
+                f"burst {burst!r}: its record is incomplete (fields: {', '.join(sorted(m))}): it "
+                "expired or was evicted, and was partly written again; its results cannot be "
+                "read as complete or finished. Submit the burst again"
+            ) from None
 
 
 class _Session:
@@ -69,24 +83,35 @@ class _Session:
         self.limits = wire.Limits.from_settings(self.settings)
 
     def status(self) -> BurstStatus:
-        try:
+        with self.redis_errors():
             h = self.r.hgetall(self.keys.burst(self.burst))
-        except TRANSIENT as e:
-            raise describe(self.settings, e) from e
         if not h:
-            raise BurstNotFound(f"no burst {self.burst!r} in namespace {self.settings.namespace!r}")
+            raise BurstNotFound(
+                f"no burst {self.burst!r} in namespace {self.settings.namespace!r}: it was never "
+                "submitted, or its record expired (result_ttl_s) or was evicted"
+            )
         return BurstStatus.from_hash(self.burst, h)
 
     def block(self, last: str, ms: int) -> str:
         """Wait until a result is recorded after event ``last`` (or ``ms`` pass)."""
-        resp = self.r.xread({self.keys.events(self.burst): last}, count=1000, block=ms)
+        with self.redis_errors():
+            resp = self.r.xread({self.keys.events(self.burst): last}, count=1000, block=ms)
         if resp:
             return str(resp[0][1][-1][0].decode())
         return last
 
     def fetch(self, indexes: range) -> list[Result | None]:
-        raw = self.r.hmget(self.keys.results(self.burst), list(indexes))
+        with self.redis_errors():
+            raw = self.r.hmget(self.keys.results(self.burst), list(indexes))
         return [None if v is None else Result.from_wire(wire.decode(v, self.limits)) for v in raw]
+
+    @contextlib.contextmanager
+    def redis_errors(self) -> Iterator[None]:
+        """Redis errors as ours: unreachable, refused (ConfigError), out of memory."""
+        try:
+            yield
+        except (RedisError, OSError) as e:
+            raise describe(self.settings, e) from e
 
 
 def status(

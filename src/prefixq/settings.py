@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, get_type_hints
@@ -17,6 +18,9 @@ from prefixq.keys import Keys
 
 CODECS = ("zlib", "zstd", "none")
 PLACEMENTS = ("affinity", "hash", "random", "round-robin")
+#: a namespace: every key starts with ``<namespace>:``, and ':' never occurs inside one, so the
+#: ACL pattern ``~<namespace>:*`` covers exactly one namespace (docs/delivery.md)
+_NAMESPACE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,8 +30,10 @@ class Settings:
     # where and under which names
     #: Redis URL; rediss:// for TLS, user:password@ for an ACL user, ?ssl_ca_certs=... options
     redis_url: str = "redis://127.0.0.1:6379/0"
-    #: prefix of every key; deployments sharing a Redis use different namespaces
+    #: prefix of every key (1-64 of A-Z a-z 0-9 _ . -); each deployment sharing a Redis has its own
     namespace: str = "prefixq"
+    #: accept a Redis whose maxmemory-policy evicts keys (it may drop queued work; warns at checks)
+    allow_eviction: bool = False
     #: where the embedded model is prepared; empty = $XDG_CACHE_HOME/prefixq or ~/.cache/prefixq
     cache_dir: str = ""
     #: number of shards (one per GPU); 0 = read it from Redis, where the first deployment wrote it
@@ -108,9 +114,11 @@ class Settings:
             raise ConfigError(f"shards must be >= 0, not {self.shards}")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be 0 (off) to 65535, not {self.metrics_port}")
-        if not self.namespace or any(c in self.namespace for c in "{} "):
+        if not _NAMESPACE.fullmatch(self.namespace):
             raise ConfigError(
-                f"namespace must be non-empty, without braces or spaces: {self.namespace!r}"
+                f"namespace {self.namespace!r} is not allowed: use 1 to 64 letters, digits, '_', "
+                "'.' or '-' (no ':', so that the ACL key pattern '<namespace>:*' of one "
+                "namespace matches no key of another)"
             )
         for name in (
             "block_size",
