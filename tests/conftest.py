@@ -1,9 +1,11 @@
-"""Shared fixtures: a private redis-server per session, settings, real worker processes.
+"""Shared fixtures: a private redis-server per session, settings, workers.
 
 Real parts only: `redis_server` is a `redis-server` binary on a free port (tests may kill and
-restart it); `start_worker` starts `prefixq worker` processes with the real vLLM CPU engine on the
-embedded model; `cluster` is the session's 2-shard deployment of two such workers. Locally a
-missing redis-server skips Redis tests; in CI (CI=true) it fails them.
+restart it); `fake_worker` builds in-process workers (the real `Worker` loop over
+tests/fake_engine.py) and always stops them; `start_worker` starts `prefixq worker` processes with
+the real vLLM CPU engine on the embedded model; `cluster` is the session's 2-shard deployment of
+two such workers. Locally a missing redis-server skips Redis tests; in CI (CI=true) it fails them.
+Helpers every module shares (the CLI runner, the result waiter) are in tests/helpers.py.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import pytest
 import redis
 
+from helpers import FakeWorker
 from prefixq.consumers.run import worker_command
 from prefixq.keys import Keys
 from prefixq.redis_server import RedisServer
@@ -67,6 +70,29 @@ def r(redis_server: RedisServer) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_server.url)
     yield client
     client.close()
+
+
+@pytest.fixture
+def fake_worker() -> Iterator[Callable[..., FakeWorker]]:
+    """``fake_worker(settings, name=..., shard=..., engine=..., wrap=..., until=...)`` -> a
+    started `FakeWorker` (tests/helpers.py); also a context manager that stops it on exit.
+    Whatever it built is stopped (loop stopped, thread joined) when the test ends."""
+    built: list[FakeWorker] = []
+
+    def make(settings: Settings, *, until: str = "up", **overrides: Any) -> FakeWorker:
+        fw = FakeWorker(settings, **overrides)
+        built.append(fw)
+        return fw.start(until=until)
+
+    yield make
+    errors: list[BaseException] = []
+    for fw in reversed(built):
+        try:
+            fw.stop()
+        except BaseException as e:  # stop them all, then report the first failure
+            errors.append(e)
+    if errors:
+        raise errors[0]
 
 
 @pytest.fixture(scope="session")

@@ -4,16 +4,24 @@ Output = the prompt's words reversed, one token per word. Prompts steer faults:
 ``"fail:..."`` raises EngineError, ``"die:..."`` kills a ``lethal`` engine (EngineDead for it
 and everything in flight), ``"sleep:S ..."`` takes S seconds. Never the only coverage of a
 feature: the real engine has its own end-to-end tests.
+
+`serve` runs the real `Worker` loop over it: the one place that builds such a worker, for the
+`fake_worker` fixture (tests/helpers.py, in a thread) and tests/fault_worker.py (a process).
 """
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from prefixq.consumers.engine import EngineOutput, EngineRequest
+from prefixq.consumers.worker import Worker
 from prefixq.errors import EngineDead, EngineError
+from prefixq.settings import Settings
 
 
 class FakeEngine:
@@ -81,3 +89,32 @@ class FakeEngine:
 
     async def close(self) -> None:
         self.closed = True
+
+
+async def serve(
+    settings: Settings,
+    shard: int = 0,
+    engine: FakeEngine | None = None,
+    *,
+    name: str = "",
+    wrap: Callable[[Worker], AbstractAsyncContextManager[Any]] | None = None,
+    on_worker: Callable[[Worker, asyncio.AbstractEventLoop], None] | None = None,
+    signals: bool = False,
+) -> int:
+    """Run the real `Worker` loop of ``shard`` over ``engine`` (a new FakeEngine by default)
+    until it stops; its exit code. ``signals``: SIGTERM/SIGINT stop it, as in `prefixq worker`;
+    ``wrap``: an async context manager around the run (a metrics exporter); ``on_worker`` is
+    called with the worker and its loop once built (and wrapped), before it runs."""
+    w = Worker(settings, shard, engine if engine is not None else FakeEngine(), name=name)
+    loop = asyncio.get_running_loop()
+    if signals:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, w.stop)
+    if wrap is None:
+        if on_worker is not None:
+            on_worker(w, loop)
+        return await w.run()
+    async with wrap(w):
+        if on_worker is not None:
+            on_worker(w, loop)
+        return await w.run()

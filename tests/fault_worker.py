@@ -2,8 +2,9 @@
 
 ``python tests/fault_worker.py worker --shard K [--name N] [--crash-after-record] [settings]``
 runs the real `Worker` loop (signal handlers as `prefixq worker` installs them) over
-tests/fake_engine.py; it takes every settings flag `prefixq worker` takes and exits with the same
-codes (0 after SIGTERM, 3 after an engine death, 2 for a configuration error).
+tests/fake_engine.py (its `serve`, which the in-process `fake_worker` fixture runs too); it takes
+every settings flag `prefixq worker` takes and exits with the same codes (0 after SIGTERM, 3 after
+an engine death, 2 for a configuration error).
 ``--crash-after-record`` makes the first result write record its results and then die (exit 137)
 before the entries are acked: a crash between the two halves of a write.
 
@@ -17,15 +18,13 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import subprocess
 import sys
 from typing import Any
 
-from fake_engine import FakeEngine
+from fake_engine import serve
 from prefixq.cli import _settings_parser, settings_from
 from prefixq.consumers.run import supervise
-from prefixq.consumers.worker import Worker
 from prefixq.consumers.writer import ResultWriter
 from prefixq.errors import ConfigError
 
@@ -65,15 +64,8 @@ def worker(argv: list[str]) -> int:
     if args.crash_after_record:
         crash_after_record()
 
-    async def main() -> int:
-        w = Worker(settings_from(args), args.shard, FakeEngine(), name=args.name)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, w.stop)
-        return await w.run()
-
     try:
-        return asyncio.run(main())
+        return asyncio.run(serve(settings_from(args), args.shard, name=args.name, signals=True))
     except ConfigError as e:
         print(f"prefixq: error: {e}", file=sys.stderr)
         return 2

@@ -4,12 +4,11 @@ speed (speed is what the benchmark measures, never what a test asserts)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import cli
 from prefixq.redis_server import RedisServer
 
 pytestmark = pytest.mark.engine
@@ -21,26 +20,18 @@ def test_quick_bench_writes_a_complete_report_and_plot(
     """Given --quick on one CPU shard, the report holds every workload and placement with paired
     runs of both modes, ratios, byte counts and GC pauses, and a PNG plot is written."""
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "prefixq",
-            "bench",
-            "--quick",
-            "--cpu",
-            "1",
-            "--redis-url",
-            redis_server.url,
-            "--json",
-            str(out),
-            "--plot",
-            str(png),
-        ],
-        capture_output=True,
-        text=True,
+    p = cli(
+        None,
+        "bench",
+        "--quick",
+        "--cpu",
+        "1",
+        "--json",
+        str(out),
+        "--plot",
+        str(png),
+        url=redis_server.url,
         timeout=900,
-        check=False,
     )
     assert p.returncode == 0, p.stderr[-4000:]
     report = json.loads(out.read_text())

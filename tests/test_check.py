@@ -13,8 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -22,85 +21,51 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from fake_engine import FakeEngine
+from helpers import FakeWorker, cli, cli_argv
 from prefixq.consumers.worker import EXIT_OK, Worker
 from prefixq.health import check
 from prefixq.keys import Keys
 from prefixq.logs import JsonFormatter
 from prefixq.redis_server import free_port
 from prefixq.settings import Settings
-from test_cli import command
 
-
-def run(coro: Awaitable[Any]) -> Any:
-    return asyncio.run(asyncio.wait_for(coro, 60))  # type: ignore[arg-type]
-
-
-def prefixq(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        command(settings, *args), capture_output=True, text=True, timeout=60, check=False
-    )
-
-
-async def start_worker(settings: Settings, shard: int = 0, name: str = "w0") -> tuple[Worker, Any]:
-    """A real Worker serving ``shard`` with a FakeEngine, returned once its heartbeat is written."""
-    w = Worker(settings, shard, FakeEngine(), name=name)
-    task = asyncio.create_task(w.run())
-    r = redis.Redis.from_url(settings.redis_url)
-    try:
-        while not r.exists(Keys(settings.namespace).heartbeat(shard, name)):
-            if task.done():
-                await task
-            await asyncio.sleep(0.01)
-    finally:
-        r.close()
-    return w, task
+MakeWorker = Callable[..., FakeWorker]
 
 
 # ---- prefixq check --------------------------------------------------------------------------
 
 
 def test_check_exits_0_with_a_live_worker_and_1_once_it_stopped(
-    make_settings: Callable[..., Settings],
+    settings: Settings, fake_worker: MakeWorker
 ) -> None:
     """`prefixq check` exits 0 and names the worker while one serves the shard; after the worker
     stopped (its heartbeat removed) it exits 1 and says why in one line."""
-    s = make_settings()
-
-    async def main() -> None:
-        w, task = await start_worker(s, name="hc0")
-        up = await asyncio.to_thread(prefixq, s, "check")
-        assert up.returncode == 0, up.stderr
-        assert up.stdout.strip() == "ok: shard 0: hc0"
-        w.stop()
-        assert await task == EXIT_OK
-        down = await asyncio.to_thread(prefixq, s, "check")
-        assert down.returncode == 1
-        assert down.stdout == ""
-        assert down.stderr.strip() == "shard 0: no healthy worker (no worker registered)"
-
-    run(main())
+    s = settings
+    w = fake_worker(s, name="hc0")
+    up = cli(s, "check")
+    assert up.returncode == 0, up.stderr
+    assert up.stdout.strip() == "ok: shard 0: hc0"
+    assert w.stop() == EXIT_OK
+    down = cli(s, "check")
+    assert down.returncode == 1
+    assert down.stdout == ""
+    assert down.stderr.strip() == "shard 0: no healthy worker (no worker registered)"
 
 
-def test_check_of_one_shard_ignores_the_others(make_settings: Callable[..., Settings]) -> None:
+def test_check_of_one_shard_ignores_the_others(
+    make_settings: Callable[..., Settings], fake_worker: MakeWorker
+) -> None:
     """With 2 shards and a worker on shard 0 only: `--shard 0` passes, `--shard 1` and the
     all-shards check fail naming shard 1."""
     s = make_settings(shards=2)
-
-    async def main() -> None:
-        w, task = await start_worker(s, shard=0, name="only0")
-        try:
-            assert check(s, shard=0).ok
-            one = check(s, shard=1)
-            assert not one.ok and one.reason.startswith("shard 1: no healthy worker")
-            every = await asyncio.to_thread(prefixq, s, "check")
-            assert every.returncode == 1
-            assert every.stderr.strip() == "shard 1: no healthy worker (no worker registered)"
-            assert check(s).healthy == {0: ["only0"], 1: []}
-        finally:
-            w.stop()
-            await task
-
-    run(main())
+    fake_worker(s, shard=0, name="only0")
+    assert check(s, shard=0).ok
+    one = check(s, shard=1)
+    assert not one.ok and one.reason.startswith("shard 1: no healthy worker")
+    every = cli(s, "check")
+    assert every.returncode == 1
+    assert every.stderr.strip() == "shard 1: no healthy worker (no worker registered)"
+    assert check(s).healthy == {0: ["only0"], 1: []}
 
 
 def test_a_worker_whose_engine_is_not_up_or_whose_heartbeat_expired_is_not_healthy(
@@ -118,7 +83,7 @@ def test_a_worker_whose_engine_is_not_up_or_whose_heartbeat_expired_is_not_healt
         r.zadd(keys.workers(0), {w.name: time.time(), "crashed": time.time() - 60})
         await w.r.aclose()
 
-    run(beat())
+    asyncio.run(beat())
     h = check(s, client=r)
     assert not h.ok
     assert h.reason == "shard 0: no healthy worker (loading engine not up; 1 heartbeat(s) expired)"
@@ -148,7 +113,7 @@ def test_inspect_watch_stops_after_watch_count_views(
     view (the shards table) and exits 0."""
     s = make_settings()
     t0 = time.monotonic()
-    p = prefixq(s, "inspect", "--watch", "--interval", "0.2", "--watch-count", "3", "--shards", "1")
+    p = cli(s, "inspect", "--watch", "--interval", "0.2", "--watch-count", "3", "--shards", "1")
     assert p.returncode == 0, p.stderr
     assert time.monotonic() - t0 >= 0.4  # two sleeps between three views
     assert f"shards of {s.namespace}" in p.stdout
@@ -163,7 +128,7 @@ def test_inspect_watch_redraws_in_a_terminal_until_ctrl_c(
     master, slave = pty.openpty()
     env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "160", "LINES": "60"}
     p = subprocess.Popen(
-        command(s, "inspect", "--watch", "--interval", "0.1", "--shards", "1"),
+        cli_argv(s, "inspect", "--watch", "--interval", "0.1", "--shards", "1"),
         stdin=slave,
         stdout=slave,
         stderr=slave,
@@ -203,7 +168,7 @@ def test_inspect_watch_redraws_in_a_terminal_until_ctrl_c(
 
 def test_inspect_watch_and_json_do_not_mix(make_settings: Callable[..., Settings]) -> None:
     """`--watch --json` is a usage error (exit 2)."""
-    p = prefixq(make_settings(), "inspect", "--watch", "--json")
+    p = cli(make_settings(), "inspect", "--watch", "--json")
     assert p.returncode == 2
     assert "--watch" in p.stderr
 
@@ -217,7 +182,7 @@ def test_json_log_format_writes_one_parseable_object_per_line(
     """`--log-format json` turns every log record into one JSON line with ts, level, logger
     and msg (here the check's debug lines); the command's own output line stays plain."""
     s = make_settings()
-    p = prefixq(s, "check", "--shards", "1", "--log-level", "DEBUG", "--log-format", "json")
+    p = cli(s, "check", "--shards", "1", "--log-level", "DEBUG", "--log-format", "json")
     assert p.returncode == 1
     lines = p.stderr.strip().splitlines()
     assert lines[-1] == "shard 0: no healthy worker (no worker registered)"

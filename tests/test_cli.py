@@ -3,41 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from helpers import cli
 from prefixq.settings import Settings
-
-
-def prefixq(
-    *args: str, settings: Settings, stdin: str | None = None
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        command(settings, *args),
-        capture_output=True,
-        text=True,
-        timeout=900,
-        input=stdin,
-        check=False,
-    )
-
-
-def command(settings: Settings, *args: str) -> list[str]:
-    """argv for ``prefixq ARGS`` against ``settings``' Redis and namespace (test_check uses it)."""
-    return [
-        sys.executable,
-        "-m",
-        "prefixq",
-        *args,
-        "--redis-url",
-        settings.redis_url,
-        "--namespace",
-        settings.namespace,
-    ]
 
 
 def openai_line(cid: str, content: str, max_tokens: int = 8) -> dict[str, Any]:
@@ -64,7 +36,7 @@ def test_submit_wait_on_openai_batch_file_writes_results_in_order(
     src = tmp_path / "batch.jsonl"
     src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     out = tmp_path / "results.jsonl"
-    p = prefixq("submit", str(src), "--wait", "--out", str(out), settings=cluster.settings)
+    p = cli(cluster.settings, "submit", str(src), "--wait", "--out", str(out), timeout=900)
     assert p.returncode == 0, p.stderr
     burst = p.stdout.strip().splitlines()[-1]
     assert burst and " " not in burst
@@ -83,7 +55,7 @@ def test_submit_wait_on_openai_batch_file_writes_results_in_order(
         "timings",
     }
 
-    again = prefixq("results", burst, settings=cluster.settings)
+    again = cli(cluster.settings, "results", burst)
     assert again.returncode == 0
     assert [json.loads(x)["id"] for x in again.stdout.splitlines()] == [g["id"] for g in got]
 
@@ -96,11 +68,11 @@ def test_inspect_json_reports_correct_counts(cluster: Any, tmp_path: Path) -> No
     lines.append({"id": "bad", "prompt": "x " * 9000, "max_tokens": 4})
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(json.dumps(x) for x in lines))
-    p = prefixq("submit", str(src), "--wait", settings=cluster.settings)
+    p = cli(cluster.settings, "submit", str(src), "--wait", timeout=900)
     assert p.returncode == 0, p.stderr
     burst = p.stdout.strip().splitlines()[-1]
 
-    p = prefixq("inspect", "--json", "--burst", burst, settings=cluster.settings)
+    p = cli(cluster.settings, "inspect", "--json", "--burst", burst)
     assert p.returncode == 0, p.stderr
     snap = json.loads(p.stdout)
     (b,) = snap["bursts"]
@@ -117,7 +89,7 @@ def test_submit_refuses_a_bad_file_with_the_line_number(settings: Settings, tmp_
     """A malformed line is refused before anything is enqueued, naming the line; exit code 1."""
     src = tmp_path / "bad.jsonl"
     src.write_text('{"id": "a", "prompt": "ok"}\n{"id": "b", "prompt": "x", "temperature": -3}\n')
-    p = prefixq("submit", str(src), settings=settings)
+    p = cli(settings, "submit", str(src))
     assert p.returncode == 1
     assert "line 2" in p.stderr and "temperature" in p.stderr
     assert p.stdout == ""
@@ -125,5 +97,5 @@ def test_submit_refuses_a_bad_file_with_the_line_number(settings: Settings, tmp_
 
 def test_usage_error_exits_2(settings: Settings) -> None:
     """An unknown flag is a usage error (exit 2)."""
-    p = prefixq("inspect", "--no-such-flag", settings=settings)
+    p = cli(settings, "inspect", "--no-such-flag")
     assert p.returncode == 2

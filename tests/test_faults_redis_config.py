@@ -24,6 +24,7 @@ import pytest
 import redis
 import redis.asyncio as aredis
 
+from helpers import FakeWorker
 from ledger import LEDGER, account
 from prefixq import results
 from prefixq.connection import describe, error_text, lua
@@ -32,7 +33,6 @@ from prefixq.producer import Producer
 from prefixq.redis_policy import check_policy, check_policy_sync
 from prefixq.redis_server import RedisServer
 from prefixq.settings import Settings
-from test_faults import ThreadWorker
 
 pytestmark = pytest.mark.slow
 
@@ -106,7 +106,7 @@ def test_allow_eviction_accepts_an_evicting_redis_with_a_warning_at_every_check(
     admin.config_set("maxmemory-policy", "volatile-lru")
     LEDGER.fault("Redis evicts keys (volatile-lru), allowed")
     s = Settings(redis_url=server.url, namespace="allowed", shards=1, allow_eviction=True)
-    with ThreadWorker(s, "ev0"):
+    with FakeWorker(s, name="ev0"):
         for _ in range(2):
             p = cli(s, "check", "--allow-eviction")
             assert p.returncode == 0, p.stderr
@@ -256,7 +256,7 @@ def test_acl_user_of_one_namespace_runs_a_burst_end_to_end_and_writes_only_its_k
     results, inspect, check, dead, reclaim) serve a burst of namespace nsA; every key written
     starts with "nsA:"."""
     s = team_a
-    with ThreadWorker(s, "acl0"):
+    with FakeWorker(s, name="acl0"):
         burst = Producer(s).submit(requests(12))
         results.wait(burst, s, timeout=30)
         src = tmp_path / "in.jsonl"
@@ -285,7 +285,7 @@ def test_acl_user_of_nsA_is_refused_on_every_key_of_nsAB(
     """Every key of namespace nsAB (a burst served there by another user) is refused to the user
     of nsA, for reading and for writing, and so is nsAB through prefixq's own API."""
     other = Settings(redis_url=server.url, namespace="nsAB", shards=1)
-    with ThreadWorker(other, "ab0"):
+    with FakeWorker(other, name="ab0"):
         burst = Producer(other).submit(requests(6))
         results.wait(burst, other, timeout=30)
     keys = [k.decode() for k in admin.scan_iter(match="nsAB:*", count=1000)]

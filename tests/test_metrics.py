@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -13,11 +14,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-import redis.asyncio as aredis
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from fake_engine import FakeEngine
-from prefixq import wire
+from helpers import FakeWorker, wait_burst
 from prefixq.cli import build_parser, settings_from
 from prefixq.consumers.worker import EXIT_OK, Worker
 from prefixq.errors import ConfigError, SetupError
@@ -50,121 +51,120 @@ def scrape(port: int, worker: str, shard: str = "0") -> Samples:
     return out
 
 
-async def scrape_until(
+def scrape_until(
     port: int, worker: str, ready: Callable[[Samples], bool], within: float = 15.0
 ) -> Samples:
     deadline = time.monotonic() + within
     while True:
-        m = await asyncio.to_thread(scrape, port, worker)
+        m = scrape(port, worker)
         if ready(m):
             return m
         assert time.monotonic() < deadline, f"metrics never got there: {m}"
-        await asyncio.sleep(0.02)
+        time.sleep(0.02)
 
 
-async def wait_results(settings: Settings, burst: str, n: int) -> list[Result]:
-    r = aredis.Redis.from_url(settings.redis_url)
-    keys = Keys(settings.namespace)
-    try:
-        deadline = time.monotonic() + 15
-        while (got := await r.hlen(keys.results(burst))) < n:
-            assert time.monotonic() < deadline, f"{got} of {n} results after 15 s"
-            await asyncio.sleep(0.01)
-        raw = await r.hgetall(keys.results(burst))
-        return sorted(
-            (Result.from_wire(wire.decode(v)) for v in raw.values()), key=lambda x: x.index
-        )
-    finally:
-        await r.aclose()
+class GatedEngine(FakeEngine):
+    """A FakeEngine whose start (the engine loading) waits until the test opens the gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.gate.wait, 30)
+        await super().start()
 
 
 def test_a_burst_is_counted_timed_and_its_queue_seen_before_and_after(
     make_settings: Callable[..., Settings],
+    fake_worker: Callable[..., FakeWorker],
+    r: redis.Redis,
 ) -> None:
-    """Given 5 requests (one refused by the engine) and one undecodable entry queued before the
-    worker starts, the exporter first shows 6 waiting entries and the engine down; after the
-    burst, the counters equal the burst's numbers, each histogram counts the 4 successes with the
-    sums the results' own timings give, tokens add up, the queue is empty and GC pauses show."""
+    """Given 5 requests (one refused by the engine) and one undecodable entry queued while the
+    worker's engine loads, the exporter first shows 6 waiting entries and the engine down; after
+    the burst, the counters equal the burst's numbers, each histogram counts the 4 successes with
+    the sums the results' own timings give, tokens add up, the queue is empty and GC pauses
+    show."""
     s = make_settings(heartbeat_s=0.05)
     texts = ["a b c", "d e", "fail:no", "f", "g h i j"]
+    port = free_port()
+    exporters: list[MetricsExporter] = []
 
-    async def main() -> None:
-        w = Worker(s, 0, FakeEngine(), name="m0")
-        port = free_port()
-        async with MetricsExporter(w, port, addr="127.0.0.1") as exporter:
-            assert exporter.port == port and w.metrics is exporter.metrics
-            burst = await Producer(s).asubmit(
-                [{"id": f"q{i}", "prompt": t, "max_tokens": 8} for i, t in enumerate(texts)]
-            )
-            r = aredis.Redis.from_url(s.redis_url)
-            await r.xadd(Keys(s.namespace).stream(0), {FIELD: b"\x01garbage"})
-            await r.aclose()
-            await asyncio.sleep(0.1)
+    def exporter(w: Worker) -> MetricsExporter:
+        exporters.append(MetricsExporter(w, port, addr="127.0.0.1"))
+        return exporters[-1]
 
-            before = await scrape_until(
-                port,
-                "m0",
-                lambda m: (
-                    m.get("prefixq_queue_depth") == 6
-                    and m["prefixq_queue_oldest_age_seconds"] >= 0.05
-                ),
-            )
-            assert before["prefixq_engine_up"] == 0
-            assert before["prefixq_queue_pending"] == 0
-            assert before["prefixq_requests_admitted_total"] == 0
-            assert before["prefixq_end_to_end_seconds_count"] == 0
+    engine = GatedEngine()
+    fw = fake_worker(s, name="m0", engine=engine, wrap=exporter, until="built")
+    assert fw.worker is not None
+    (exp,) = exporters
+    assert exp.port == port and fw.worker.metrics is exp.metrics
+    burst = Producer(s).submit(
+        [{"id": f"q{i}", "prompt": t, "max_tokens": 8} for i, t in enumerate(texts)]
+    )
+    r.xadd(Keys(s.namespace).stream(0), {FIELD: b"\x01garbage"})
+    time.sleep(0.1)
 
-            task = asyncio.create_task(w.run())
-            got = await wait_results(s, burst, 5)
-            ok = [g for g in got if g.error is None]
-            assert len(ok) == 4
-            gc.collect()  # GcWatch runs after warm-up: this pause must reach the histogram
+    before = scrape_until(
+        port,
+        "m0",
+        lambda m: (
+            m.get("prefixq_queue_depth") == 6 and m["prefixq_queue_oldest_age_seconds"] >= 0.05
+        ),
+    )
+    assert before["prefixq_engine_up"] == 0
+    assert before["prefixq_queue_pending"] == 0
+    assert before["prefixq_requests_admitted_total"] == 0
+    assert before["prefixq_end_to_end_seconds_count"] == 0
 
-            m = await scrape_until(
-                port,
-                "m0",
-                lambda m: (
-                    m["prefixq_queue_depth"] == 0
-                    and m["prefixq_queue_pending"] == 0
-                    and m["prefixq_dead_letter_stream_length"] == 1
-                ),
-            )
-            w.stop()
-            assert await task == EXIT_OK
-        assert w.metrics is None and w.gc.observer is None
+    engine.gate.set()
+    got = wait_burst(r, s, burst, 15)
+    ok = [g for g in got if g.error is None]
+    assert len(ok) == 4
+    gc.collect()  # GcWatch runs after warm-up: this pause must reach the histogram
 
-        assert m["prefixq_engine_up"] == 1
-        assert m["prefixq_inflight"] == 0
-        assert m["prefixq_max_inflight"] == 8  # 2 x FakeEngine's max_num_seqs
-        assert m["prefixq_requests_admitted_total"] == 5
-        assert m["prefixq_requests_finished_total"] == 4
-        assert m["prefixq_requests_failed_total"] == 1
-        assert m["prefixq_dead_letters_total"] == 1
-        assert m["prefixq_requests_reclaimed_total"] == 0
-        assert m["prefixq_queue_oldest_age_seconds"] == 0
-        assert m["prefixq_queue_stats_age_seconds"] < 5
-        for stage in ("queue_wait", "first_token", "end_to_end"):
-            assert m[f"prefixq_{stage}_seconds_count"] == 4
-            assert m[f"prefixq_{stage}_seconds_bucket{{le=+Inf}}"] == 4
-        t = [g.timings for g in ok]
-        assert m["prefixq_queue_wait_seconds_sum"] == pytest.approx(
-            sum(x.admitted - x.enqueued for x in t)
-        )
-        assert m["prefixq_first_token_seconds_sum"] == pytest.approx(
-            sum(x.first_token - x.admitted for x in t)
-        )
-        assert m["prefixq_end_to_end_seconds_sum"] == pytest.approx(
-            sum(x.finished - x.enqueued for x in t)
-        )
-        assert m["prefixq_prompt_tokens_total"] == sum(g.prompt_tokens for g in ok) == 10
-        assert m["prefixq_output_tokens_total"] == sum(g.output_tokens for g in ok) == 10
-        assert m["prefixq_cached_tokens_total"] == 0
-        assert m["prefixq_cached_token_ratio"] == 0
-        assert m["prefixq_gc_pause_seconds_count"] >= 1
-        with pytest.raises(urllib.error.URLError, match="refused"):  # stopped serving on exit
-            scrape(port, "m0")
+    m = scrape_until(
+        port,
+        "m0",
+        lambda m: (
+            m["prefixq_queue_depth"] == 0
+            and m["prefixq_queue_pending"] == 0
+            and m["prefixq_dead_letter_stream_length"] == 1
+        ),
+    )
+    assert fw.stop() == EXIT_OK
+    assert fw.worker.metrics is None and fw.worker.gc.observer is None
 
-    run(main())
+    assert m["prefixq_engine_up"] == 1
+    assert m["prefixq_inflight"] == 0
+    assert m["prefixq_max_inflight"] == 8  # 2 x FakeEngine's max_num_seqs
+    assert m["prefixq_requests_admitted_total"] == 5
+    assert m["prefixq_requests_finished_total"] == 4
+    assert m["prefixq_requests_failed_total"] == 1
+    assert m["prefixq_dead_letters_total"] == 1
+    assert m["prefixq_requests_reclaimed_total"] == 0
+    assert m["prefixq_queue_oldest_age_seconds"] == 0
+    assert m["prefixq_queue_stats_age_seconds"] < 5
+    for stage in ("queue_wait", "first_token", "end_to_end"):
+        assert m[f"prefixq_{stage}_seconds_count"] == 4
+        assert m[f"prefixq_{stage}_seconds_bucket{{le=+Inf}}"] == 4
+    t = [g.timings for g in ok]
+    assert m["prefixq_queue_wait_seconds_sum"] == pytest.approx(
+        sum(x.admitted - x.enqueued for x in t)
+    )
+    assert m["prefixq_first_token_seconds_sum"] == pytest.approx(
+        sum(x.first_token - x.admitted for x in t)
+    )
+    assert m["prefixq_end_to_end_seconds_sum"] == pytest.approx(
+        sum(x.finished - x.enqueued for x in t)
+    )
+    assert m["prefixq_prompt_tokens_total"] == sum(g.prompt_tokens for g in ok) == 10
+    assert m["prefixq_output_tokens_total"] == sum(g.output_tokens for g in ok) == 10
+    assert m["prefixq_cached_tokens_total"] == 0
+    assert m["prefixq_cached_token_ratio"] == 0
+    assert m["prefixq_gc_pause_seconds_count"] >= 1
+    with pytest.raises(urllib.error.URLError, match="refused"):  # stopped serving on exit
+        scrape(port, "m0")
 
 
 def test_histogram_buckets_are_cumulative_and_the_cached_ratio_follows_the_tokens() -> None:

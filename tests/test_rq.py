@@ -1,7 +1,8 @@
 """Bursts as RQ jobs and completion callbacks, on a real Redis and a real `rq worker` process.
 
 The prefixq side is the real `Worker` loop with the deterministic tests/fake_engine.py, run in a
-background thread's event loop (it also carries the completion hook under test); the tests
+background thread's event loop (the `fake_worker` fixture; it also carries the completion hook
+under test); the tests
 marked ``engine`` run the same path once on the session's real vLLM CPU workers.
 """
 
@@ -12,10 +13,8 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +25,8 @@ from rq import Queue
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from fake_engine import FakeEngine
+from helpers import FakeWorker, queue_empty, wait_until
 from prefixq import results
-from prefixq.consumers.worker import Worker
 from prefixq.errors import ValidationError
 from prefixq.keys import Keys
 from prefixq.producer import Producer
@@ -54,38 +52,6 @@ THREE = [
 
 
 # ---- helpers --------------------------------------------------------------------------------
-@contextmanager
-def fake_worker(settings: Settings) -> Iterator[Worker]:
-    """The real worker loop of shard 0 on a FakeEngine, in a background thread's event loop."""
-    ready = threading.Event()
-    state: dict[str, Any] = {}
-
-    def main() -> None:
-        async def serve() -> int:
-            w = Worker(settings, 0, FakeEngine(), name="fake-s0")
-            state["loop"], state["worker"] = asyncio.get_running_loop(), w
-            task = asyncio.create_task(w.run())
-            while not w.engine_up and not task.done():
-                await asyncio.sleep(0.01)
-            ready.set()
-            return await task
-
-        try:
-            state["rc"] = asyncio.run(serve())
-        finally:
-            ready.set()
-
-    thread = threading.Thread(target=main, name="prefixq-fake-worker", daemon=True)
-    thread.start()
-    assert ready.wait(30) and "worker" in state, "fake worker did not start"
-    try:
-        yield state["worker"]
-    finally:
-        state["loop"].call_soon_threadsafe(state["worker"].stop)
-        thread.join(30)
-        assert state.get("rc") == 0, "fake worker did not exit cleanly"
-
-
 def rq_worker(url: str, *queues: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run a stock `rq worker --burst` (JSON serializer) until its queues are empty."""
     path = [str(TESTS), str(SRC), os.environ.get("PYTHONPATH", "")]
@@ -123,13 +89,18 @@ def finished_burst(r: redis.Redis, settings: Settings, **meta: Any) -> str:
     return burst
 
 
+MakeWorker = Callable[..., FakeWorker]
+
+
 @pytest.fixture
 def s(make_settings: Callable[..., Settings]) -> Settings:
     return make_settings(gc_freeze=False, heartbeat_s=0.5)
 
 
 # ---- run_burst through a stock rq worker --------------------------------------------------
-def test_run_burst_job_returns_the_summary_with_counts(s: Settings, r: redis.Redis) -> None:
+def test_run_burst_job_returns_the_summary_with_counts(
+    s: Settings, r: redis.Redis, fake_worker: MakeWorker
+) -> None:
     """A stock rq worker runs run_burst; the job's return value is the burst's JSON summary."""
     q = queue(r, s)
     job = enqueue_run_burst(q, s, THREE, timeout=60)
@@ -150,7 +121,7 @@ def test_run_burst_job_returns_the_summary_with_counts(s: Settings, r: redis.Red
 
 
 def test_run_burst_reads_a_jsonl_path_and_writes_out(
-    s: Settings, r: redis.Redis, tmp_path: Path
+    s: Settings, r: redis.Redis, fake_worker: MakeWorker, tmp_path: Path
 ) -> None:
     """Given a JSONL path and out=, the results are written there in input order."""
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
@@ -168,7 +139,7 @@ def test_run_burst_reads_a_jsonl_path_and_writes_out(
 
 
 def test_burst_over_max_failed_fails_the_rq_job_with_a_clear_message(
-    s: Settings, r: redis.Redis
+    s: Settings, r: redis.Redis, fake_worker: MakeWorker
 ) -> None:
     """max_failed=0 and one failed request: the RQ job fails with BurstFailed naming it."""
     q = queue(r, s)
@@ -229,7 +200,7 @@ def test_max_failed_is_a_count_when_int_and_a_share_when_float(
 
 # ---- completion callbacks ------------------------------------------------------------------
 def test_on_complete_job_runs_once_even_when_the_last_result_is_redelivered(
-    s: Settings, r: redis.Redis
+    s: Settings, r: redis.Redis, fake_worker: MakeWorker
 ) -> None:
     """The worker that records the last result enqueues the callback; redelivered entries of
     the finished burst (recorded again as duplicates) enqueue nothing more; it runs once."""
@@ -237,14 +208,14 @@ def test_on_complete_job_runs_once_even_when_the_last_result_is_redelivered(
     keys = Keys(s.namespace)
     burst = Producer(s).submit(THREE, on_complete=MARK_DONE, rq_queue=q.name)
     entries = r.xrange(keys.stream(0))
-    with fake_worker(s) as w:
+    with fake_worker(s):
         results.wait(burst, s, timeout=30, client=r)
+        wait_until(lambda: q.count == 1, 10, "the callback enqueued")
+        before = r.hgetall(keys.burst(burst))
         for _, fields in entries:  # the same entries delivered again (a crash before XACK)
             r.xadd(keys.stream(0), fields)
-        deadline = time.monotonic() + 30
-        while w.writer.duplicates < len(entries) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert w.writer.duplicates == len(entries)
+        wait_until(lambda: queue_empty(r, s) == (0, 0), 30, "the redeliveries acked")
+        assert r.hgetall(keys.burst(burst)) == before  # recorded nothing: only acked
     assert q.count == 1
     rq_worker(s.redis_url, q.name)
     assert r.get(calls_key(burst)) == b"1"

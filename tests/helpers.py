@@ -1,0 +1,294 @@
+"""What every test module shares (conftest.py turns the worker into the `fake_worker` fixture).
+
+- `FakeWorker`: the real `Worker` loop over tests/fake_engine.py, on its own event loop in a
+  thread; built, started and always stopped by the `fake_worker` fixture (or a ``with`` block);
+- `cli` / `cli_argv`: the one way tests run the `prefixq` command (a real process);
+- `wait_burst`: wait until a burst has all its results, or fail saying what is missing;
+- `wait_until`: poll a condition, or fail naming what never happened;
+- `fault_worker`: tests/fault_worker.py as a process (what kill -9 and SIGTERM tests need);
+- `pending_on`, `queue_empty`, `requests`: Redis state and bursts the fault tests share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import redis
+
+from fake_engine import FakeEngine, serve
+from prefixq import wire
+from prefixq.consumers.worker import Worker
+from prefixq.keys import GROUP, Keys
+from prefixq.records import Result
+from prefixq.settings import Settings
+
+TESTS = Path(__file__).resolve().parent
+PY = sys.executable
+T = TypeVar("T")
+
+#: Redis errors a waiter rides out (the server being killed and restarted under it)
+_REDIS_AWAY = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+
+
+def wait_until(pred: Callable[[], T], timeout: float, what: str, every: float = 0.05) -> T:
+    """Poll ``pred`` until it returns something true and return that; else fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(every)
+
+
+# ---- the fake-engine worker -----------------------------------------------------------------
+class FakeWorker:
+    """A real `Worker` loop (shard ``shard``, consumer ``name``) over a FakeEngine, on its own
+    event loop in a daemon thread. `start()` returns once the worker serves (its heartbeat says
+    engine_up, as `prefixq check` sees it); `stop()` is SIGTERM; `wait()` waits for the worker to
+    exit by itself (an engine death). An exception of the worker is raised by `stop`/`wait`.
+
+    ``wrap``: an async context manager factory the run is wrapped in (what `prefixq worker` does
+    with its metrics exporter); ``until="built"`` returns from `start` as soon as the worker is
+    built and wrapped, before it joins its group or starts its engine."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        shard: int = 0,
+        name: str = "fw",
+        engine: FakeEngine | None = None,
+        wrap: Callable[[Worker], AbstractAsyncContextManager[Any]] | None = None,
+    ) -> None:
+        self.settings, self.shard, self.name = settings, shard, name
+        self.engine = engine if engine is not None else FakeEngine()
+        self.wrap = wrap
+        self.worker: Worker | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.rc: int | None = None
+        self.error: BaseException | None = None
+        self._raised = False
+        self._thread = threading.Thread(target=self._main, name=f"fake-worker-{name}", daemon=True)
+
+    def _main(self) -> None:
+        def built(w: Worker, loop: asyncio.AbstractEventLoop) -> None:
+            self.worker, self.loop = w, loop
+
+        try:
+            self.rc = asyncio.run(
+                serve(
+                    self.settings,
+                    self.shard,
+                    self.engine,
+                    name=self.name,
+                    wrap=self.wrap,
+                    on_worker=built,
+                )
+            )
+        except BaseException as e:  # handed to the test by start/stop/wait
+            self.error = e
+
+    def start(self, timeout: float = 30, *, until: str = "up") -> FakeWorker:
+        if self._thread.ident is not None:
+            return self
+        self._thread.start()
+        if until == "built":
+            ready: Callable[[], bool] = lambda: self.worker is not None  # noqa: E731
+        else:
+            ready = self._serving
+        wait_until(
+            lambda: ready() or not self._thread.is_alive(), timeout, f"worker {self.name} up"
+        )
+        self._raise()
+        assert self._thread.is_alive(), f"worker {self.name} exited {self.rc} before serving"
+        return self
+
+    def _raise(self) -> None:
+        """The worker's exception, once (the fixture's clean-up does not report it again)."""
+        if self.error is not None and not self._raised:
+            self._raised = True
+            raise self.error
+
+    def _serving(self) -> bool:
+        if self.worker is None or not self.worker.engine_up:
+            return False
+        c = redis.Redis.from_url(self.settings.redis_url)
+        try:
+            hb = Keys(self.settings.namespace).heartbeat(self.shard, self.name)
+            return bool(c.hget(hb, "engine_up") == b"1")
+        except _REDIS_AWAY:
+            return False
+        finally:
+            c.close()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def wait(self, timeout: float = 60) -> int | None:
+        """Until the worker exits by itself; its exit code."""
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), f"worker {self.name} still running after {timeout}s"
+        self._raise()
+        return self.rc
+
+    def stop(self, timeout: float = 60) -> int | None:
+        """Stop reading, drain within grace_s, exit (SIGTERM); its exit code. Idempotent."""
+        if self._thread.ident is None:
+            return None
+        if self._thread.is_alive() and self.loop is not None and self.worker is not None:
+            self.loop.call_soon_threadsafe(self.worker.stop)
+        return self.wait(timeout)
+
+    def call(self, fn: Callable[[Worker], Awaitable[T]], timeout: float = 30) -> T:
+        """``await fn(worker)`` on the worker's own event loop; its result."""
+        assert self.worker is not None and self.loop is not None, "worker not started"
+        coro: Any = fn(self.worker)
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def __enter__(self) -> FakeWorker:
+        return self.start()
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+# ---- the prefixq command --------------------------------------------------------------------
+def cli_argv(settings: Settings | None, *args: str, url: str = "") -> list[str]:
+    """argv for ``prefixq ARGS`` against ``settings``' Redis (or ``url``) and namespace."""
+    flags: list[str] = []
+    if url or settings is not None:
+        flags += ["--redis-url", url or (settings.redis_url if settings else "")]
+    if settings is not None:
+        flags += ["--namespace", settings.namespace]
+    return [PY, "-m", "prefixq", *args, *flags]
+
+
+def cli(
+    settings: Settings | None,
+    *args: str,
+    url: str = "",
+    stdin: str | None = None,
+    timeout: float = 120,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``prefixq ARGS`` (see `cli_argv`) to completion; its exit code, stdout and stderr."""
+    return subprocess.run(
+        cli_argv(settings, *args, url=url),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        input=stdin,
+        check=False,
+    )
+
+
+# ---- waiting for results --------------------------------------------------------------------
+def wait_burst(
+    r: redis.Redis, settings: Settings, burst: str, timeout: float = 60, *, n: int | None = None
+) -> list[Result]:
+    """Wait until ``burst`` has a result for each of its requests (``n``, default its record's
+    total) and return them in input order; on timeout fail saying what is there and what is not.
+    Rides out Redis being killed and restarted meanwhile."""
+    keys = Keys(settings.namespace)
+    deadline = time.monotonic() + timeout
+    total, got = n or 0, 0
+    while True:
+        try:
+            if n is None:
+                total = int(r.hget(keys.burst(burst), "total") or 0)
+            got = r.hlen(keys.results(burst))
+            if total and got >= total:
+                raw = r.hgetall(keys.results(burst))
+                return sorted((Result.from_wire(wire.decode(v)) for v in raw.values()), key=_index)
+        except _REDIS_AWAY:
+            pass
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"burst {burst}: {_state(r, settings, burst, got, total)}")
+        time.sleep(0.05)
+
+
+def _index(res: Result) -> int:
+    return res.index
+
+
+def _state(r: redis.Redis, s: Settings, burst: str, got: int, total: int) -> str:
+    try:
+        meta = {
+            k.decode(): v.decode() for k, v in r.hgetall(Keys(s.namespace).burst(burst)).items()
+        }
+        shards = range(max(s.shards, 1))
+        queues = ", ".join(f"shard {k}: {queue_empty(r, s, k)}" for k in shards)
+    except _REDIS_AWAY as e:
+        return f"{got} of {total} results; Redis unreachable ({e})"
+    return (
+        f"{got} of {total} results; record {meta}; (stream length, pending) {queues}"
+        if meta
+        else f"no burst record ({got} results)"
+    )
+
+
+# ---- Redis state the fault tests look at ----------------------------------------------------
+def queue_empty(r: redis.Redis, s: Settings, shard: int = 0) -> tuple[int, int]:
+    """(entries in the stream, entries pending) of one shard."""
+    stream = Keys(s.namespace).stream(shard)
+    if not r.exists(stream):
+        return 0, 0
+    try:
+        return r.xlen(stream), r.xpending(stream, GROUP)["pending"]
+    except redis.ResponseError:  # NOGROUP: no worker has joined
+        return r.xlen(stream), 0
+
+
+def pending_on(r: redis.Redis, s: Settings, consumer: str, shard: int = 0) -> int:
+    """Entries pending on one consumer of the shard's group."""
+    stream = Keys(s.namespace).stream(shard)
+    try:
+        return len(r.xpending_range(stream, GROUP, "-", "+", 10_000, consumername=consumer))
+    except redis.ResponseError:  # NOGROUP: that worker has not joined yet
+        return 0
+
+
+def requests(n: int, prompt: Callable[[int], str] = lambda i: f"hello {i}") -> list[dict[str, Any]]:
+    """``n`` plain requests q0..q{n-1} (FakeEngine prompts steer faults: sleep:, fail:, die:)."""
+    return [{"id": f"q{i}", "prompt": prompt(i), "max_tokens": 8} for i in range(n)]
+
+
+# ---- fake-engine worker processes -----------------------------------------------------------
+WORKER_FLAGS = (
+    "redis_url",
+    "namespace",
+    "shards",
+    "max_attempts",
+    "claim_idle_s",
+    "heartbeat_s",
+    "grace_s",
+    "max_inflight",
+)
+
+
+def settings_flags(s: Settings, fields: Sequence[str] = WORKER_FLAGS) -> list[str]:
+    """``--field value`` flags for ``fields`` of ``s``."""
+    return [a for f in fields for a in ("--" + f.replace("_", "-"), str(getattr(s, f)))]
+
+
+def fault_worker(
+    s: Settings, log: Path, *args: str, mode: str = "worker"
+) -> subprocess.Popen[bytes]:
+    """tests/fault_worker.py as a process: a FakeEngine worker (``mode="worker"``), or the real
+    supervisor over such workers (``mode="workers"``); output goes to ``log``."""
+    cmd = [PY, str(TESTS / "fault_worker.py"), mode, *args, *settings_flags(s)]
+    with open(log, "wb") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=TESTS.parent)

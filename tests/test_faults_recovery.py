@@ -1,0 +1,93 @@
+"""Recovery without an engine: `prefixq reclaim`, `prefixq dead` and `dead --requeue`
+(docs/delivery.md, "Stuck work").
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import pytest
+import redis
+
+from helpers import FakeWorker, cli, queue_empty, requests, wait_burst
+from ledger import LEDGER, account
+from prefixq.keys import CARRIED, GROUP, Keys
+from prefixq.producer import Producer
+from prefixq.settings import Settings
+
+pytestmark = pytest.mark.slow
+
+MakeWorker = Callable[..., FakeWorker]
+
+
+# ---- prefixq reclaim / prefixq dead ----------------------------------------------------------
+def test_prefixq_reclaim_and_dead_requeue(
+    make_settings: Callable[..., Settings], r: redis.Redis, fake_worker: MakeWorker
+) -> None:
+    """Given entries pending on consumers that died (no heartbeat), `prefixq reclaim` moves the
+    ones under max_attempts back to the stream (carrying their delivery count) and dead-letters
+    the one past it (failing its request once); an entry on a live consumer is left alone; a
+    worker then serves the moved ones, and dead-letters a moved entry whose carried count reaches
+    the limit. `prefixq dead` lists the dead letters; `prefixq dead --requeue` takes their failed
+    results back and re-submits them, and the burst ends with one successful result each."""
+    s = make_settings(max_attempts=3, claim_idle_s=1.0, heartbeat_s=0.5)
+    keys = Keys(s.namespace)
+    stream = keys.stream(0)
+    burst = Producer(s).submit(requests(8))
+    r.xgroup_create(stream, GROUP, id="0")
+    got = r.xreadgroup(GROUP, "ghost", {stream: ">"}, count=8)
+    ids = [entry_id for entry_id, _ in got[0][1]]
+    r.xclaim(stream, GROUP, "ghost", 0, [ids[5]])  # delivered 3 times: past max_attempts
+    r.xclaim(stream, GROUP, "ghost", 0, [ids[5]])
+    r.xclaim(stream, GROUP, "ghost", 0, [ids[6]])  # delivered 2 times
+    r.xclaim(stream, GROUP, "busy", 0, [ids[7]], justid=True)  # on a live consumer
+    r.set(keys.heartbeat(0, "busy"), "1", ex=60)
+    LEDGER.fault("8 entries left pending on consumers that died", 8)
+
+    p = cli(s, "reclaim", "--idle-s", "0", "--json")
+    assert p.returncode == 0, p.stderr
+    (rep,) = json.loads(p.stdout)
+    print(f"  prefixq reclaim: {rep}")
+    assert (rep["moved"], rep["dead"], rep["live"]) == (6, 1, 1)
+    carried = {int(f.get(CARRIED, b"0")) for _, f in r.xrange(stream) if CARRIED in f}
+    assert carried == {1, 2}
+    # the moved entries are read by a consumer that dies too: for the one that had 2 deliveries,
+    # that read was its 3rd, so the live worker's reclaimer dead-letters it instead of a 4th
+    assert len(r.xreadgroup(GROUP, "ghost2", {stream: ">"}, count=100)[0][1]) == 6
+    r.delete(keys.heartbeat(0, "busy"))  # the busy consumer dies as well
+
+    with fake_worker(s, name="rw") as w:
+        wait_burst(r, s, burst, 30)
+        out = account(r, s, burst, 8, what="after reclaim")
+        assert w.worker is not None
+    assert (out.lost, out.duplicated, out.done, out.failed) == (0, 0, 6, 2)
+    assert out.results[5].error == "dead-lettered: delivered 3 times (max_attempts=3)"
+    assert out.results[6].error == "dead-lettered: delivered 3 times (max_attempts=3)"
+
+    p = cli(s, "dead", "--json")
+    assert p.returncode == 0, p.stderr
+    letters = json.loads(p.stdout)
+    print("  prefixq dead:", [(d["index"], d["delivered"], d["reason"]) for d in letters])
+    assert sorted((d["burst"], d["index"], d["delivered"]) for d in letters) == [
+        (burst, 5, 3),
+        (burst, 6, 3),
+    ]
+    assert {d["worker"] for d in letters} == {"prefixq-reclaim", "rw"}
+
+    p = cli(s, "dead", "--requeue", "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) | {"skipped": []} == {
+        "requeued": 2,
+        "cleared": 2,
+        "resolved": 0,
+        "skipped": [],
+    }
+    assert r.hget(keys.burst(burst), "failed") == b"0"
+    with fake_worker(s, name="rw"):
+        wait_burst(r, s, burst, 30)
+        out = account(r, s, burst, 8, taken_back=2, what="after requeue")
+    assert (out.lost, out.duplicated, out.done, out.failed) == (0, 0, 8, 0)
+    assert r.xlen(keys.dead(0)) == 0 and queue_empty(r, s) == (0, 0)
+    p = cli(s, "dead")
+    assert p.returncode == 0 and p.stdout == ""
