@@ -5,23 +5,22 @@ from __future__ import annotations
 
 import io
 import subprocess
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import redis
 
+from helpers import FakeWorker, cli
 from prefixq import results
 from prefixq.errors import BurstNotFound, BurstRecordLost
 from prefixq.producer import Producer
 from prefixq.settings import Settings
-from test_faults import ThreadWorker
 
 
 def served_burst(s: Settings, n: int = 10) -> str:
     """A burst of ``n`` requests, every one recorded by a real Worker loop (fake engine)."""
-    with ThreadWorker(s, "res0"):
+    with FakeWorker(s, name="res0"):
         burst = Producer(s).submit([{"id": f"q{i}", "prompt": f"hi {i}"} for i in range(n)])
         results.wait(burst, s, timeout=30)
     return burst
@@ -38,9 +37,7 @@ def every_reader(burst: str, s: Settings) -> dict[str, Callable[[], Any]]:
 
 
 def prefixq_results(s: Settings, burst: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "prefixq", "results", burst]
-    cmd += ["--redis-url", s.redis_url, "--namespace", s.namespace]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    return cli(s, "results", burst, timeout=60)
 
 
 def test_a_burst_whose_record_is_gone_is_not_found_and_says_why(
