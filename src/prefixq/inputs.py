@@ -1,58 +1,105 @@
 """Requests in: a JSONL file's lines, or Python objects, into validated `Request` records.
 
-A bad line is refused with its 1-based line number before anything is enqueued.
+A bad line is refused with its 1-based line number before anything is enqueued: bytes that are
+not UTF-8, text that is not JSON (or nests too deeply to read), a request that does not validate
+(`Request.validate`: shapes, sizes, sampling, valid Unicode), an empty id, or an id that an earlier
+line already has. Python objects get the same checks, named by their position (``requests[7]``).
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prefixq.errors import ValidationError
 from prefixq.records import Request
 from prefixq.settings import Settings
 
-__all__ = ["normalize", "read_requests"]
+__all__ = ["normalize", "parse_line", "read_requests"]
 
 
 def read_requests(path: str, settings: Settings | None = None) -> list[Request]:
-    """Requests from a JSONL file, validated against the settings' limits; the error names the
-    first bad line (its number in the file)."""
+    """Requests from a JSONL file ('-': stdin), validated against the settings' limits; the error
+    names the first bad line (its number in the file)."""
     s = settings or Settings()
-    f = sys.stdin if path == "-" else open(path, encoding="utf-8")  # noqa: SIM115
+    name = "stdin" if path == "-" else path
+    try:
+        f = sys.stdin.buffer if path == "-" else open(path, "rb")  # noqa: SIM115
+    except FileNotFoundError:
+        raise
+    except OSError as e:  # a directory, no permission
+        raise ValidationError(f"{path}: cannot read it: {e.strerror}") from None
     out: list[Request] = []
+    lines: list[int] = []
     with f:
-        for n, line in enumerate(f):
-            if not line.strip():
+        for n, raw in enumerate(f, 1):
+            obj = parse_line(raw, n, name)
+            if obj is None:
                 continue
             try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValidationError(f"{path}: line {n + 1} is not JSON: {e.msg}") from None
-            out.append(
-                Request.from_json(
-                    obj, index=n, max_chars=s.max_prompt_chars, max_messages=s.max_messages
+                req = Request.from_json(
+                    obj, index=n - 1, max_chars=s.max_prompt_chars, max_messages=s.max_messages
                 )
-            )
+            except ValidationError as e:  # it names the line; add the file
+                raise ValidationError(f"{name}: {e}") from None
+            out.append(req)
+            lines.append(n)
+    _check_ids([r.id for r in out], lambda i: f"line {lines[i]}", f"{name}: ")
     return out
 
 
+def parse_line(raw: bytes, n: int, name: str = "input") -> Any:
+    """The JSON value of line ``n`` (1-based) of ``name``, or None for a blank line;
+    ValidationError naming the line for bytes that are not UTF-8 or text that is not JSON."""
+    where = f"{name}: line {n}"
+    if n == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark
+        raw = raw[3:]
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValidationError(
+            f"{where} is not valid UTF-8 (byte {e.start + 1} of the line is "
+            f"{raw[e.start : e.start + 1]!r})"
+        ) from None
+    if not text.strip():
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValidationError(f"{where} is not JSON: {e.msg} (column {e.colno})") from None
+    except RecursionError:
+        raise ValidationError(f"{where} nests too deeply to read as JSON") from None
+    except ValueError as e:  # an integer of more than 4300 digits
+        raise ValidationError(f"{where} is not readable JSON: {e}") from None
+
+
 def normalize(requests: Iterable[Request | Mapping[str, Any]], settings: Settings) -> list[Request]:
-    """Requests from dicts (plain or OpenAI batch lines), validated; duplicate ids refused."""
+    """Requests from dicts (plain or OpenAI batch lines), validated; empty and duplicate ids
+    refused, naming positions as ``requests[i]``."""
     out: list[Request] = []
     limits = {"max_chars": settings.max_prompt_chars, "max_messages": settings.max_messages}
     for i, r in enumerate(requests):
         if isinstance(r, Request):
-            r.validate(where=f"request {i} ({r.id!r})", **limits)
+            r.validate(where=f"requests[{i}] ({r.id!r})", **limits)
             out.append(r)
         else:  # parsed and validated once, against the settings' limits
             out.append(Request.from_json(r, index=i, **limits))
     if not out:
         raise ValidationError("the burst is empty")
-    dupes = [k for k, n in Counter(r.id for r in out).items() if n > 1]
-    if dupes:
-        raise ValidationError(f"duplicate request ids: {', '.join(map(repr, dupes[:5]))}")
+    _check_ids([r.id for r in out], lambda i: f"requests[{i}]")
     return out
+
+
+def _check_ids(ids: list[str], label: Callable[[int], str], head: str = "") -> None:
+    """ValidationError for the first empty id, or the first id seen twice (naming both)."""
+    first: dict[str, int] = {}
+    for i, rid in enumerate(ids):
+        if rid == "":
+            raise ValidationError(f"{head}{label(i)}: the id is empty")
+        j = first.setdefault(rid, i)
+        if j != i:
+            raise ValidationError(
+                f"{head}duplicate request ids: {label(i)} and {label(j)} both have id {rid!r}"
+            )

@@ -20,6 +20,7 @@ from prefixq.errors import (
     ValidationError,
     WireError,
 )
+from prefixq.text_checks import check_nested, check_text
 
 #: sampling fields a request may carry, with their accepted types (checked at submit time)
 SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
@@ -135,6 +136,8 @@ class Request:
         ]
         if len(given) != 1:
             raise ValidationError(w + "needs exactly one of prompt, messages, prompt_token_ids")
+        if not isinstance(self.id, str):
+            raise ValidationError(w + "id must be a string")
         if len(self.id) > 512:
             raise ValidationError(w + "id longer than 512 characters")
         if self.prompt is not None and not isinstance(self.prompt, str):
@@ -159,6 +162,19 @@ class Request:
         if self.prompt == "" and not self.prefix:
             raise ValidationError(w + "prompt is empty")
         _check_sampling(self.sampling, w)
+        self._check_texts(w)
+
+    def _check_texts(self, w: str) -> None:
+        """Every string is valid Unicode (text_checks.py); messages nest boundedly."""
+        check_text(self.id, "id", w)
+        if isinstance(self.prompt, str):
+            check_text(self.prompt, "prompt", w)
+        if isinstance(self.prefix, str):
+            check_text(self.prefix, "prefix", w)
+        for i, m in enumerate(self.messages or ()):
+            check_nested(m, f"message {i}", w)
+        for key, value in self.sampling.items():
+            check_nested(value, key, w)
 
     def chars(self) -> int:
         """Characters of text in the request (prefix, prompt and message contents)."""
