@@ -13,18 +13,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import subprocess
-import sys
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
 import redis.asyncio as aredis
 
-from helpers import FakeWorker
+from helpers import FakeWorker, cli, requests
 from ledger import LEDGER, account
 from prefixq import results
 from prefixq.connection import describe, error_text, lua
@@ -62,17 +59,6 @@ def admin(server: RedisServer) -> Iterator[redis.Redis]:
 
 def user_url(srv: RedisServer, user: str, password: str = PASSWORD) -> str:
     return f"redis://{user}:{password}@127.0.0.1:{srv.port}/0"
-
-
-def cli(s: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    """``prefixq ARGS`` as a process against ``s``'s Redis and namespace."""
-    cmd = [sys.executable, "-m", "prefixq", *args]
-    cmd += ["--redis-url", s.redis_url, "--namespace", s.namespace]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
-
-
-def requests(n: int) -> list[dict[str, Any]]:
-    return [{"id": f"q{i}", "prompt": f"hello {i}", "max_tokens": 8} for i in range(n)]
 
 
 def printable(text: str) -> bool:

@@ -8,7 +8,6 @@ import contextlib
 import json
 import re
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +19,7 @@ import redis
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 
+from helpers import cli
 from prefixq.errors import ValidationError
 from prefixq.inputs import read_requests
 from prefixq.producer import Producer
@@ -69,21 +69,7 @@ def submit_file(tmp_path: Path, content: bytes) -> subprocess.CompletedProcess[s
     """``prefixq submit FILE`` with a Redis URL nothing listens on: input errors come first."""
     src = tmp_path / "in.jsonl"
     src.write_bytes(content)
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "prefixq",
-            "submit",
-            str(src),
-            "--redis-url",
-            "redis://127.0.0.1:9/0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return cli(None, "submit", str(src), url="redis://127.0.0.1:9/0", timeout=60)
 
 
 @pytest.mark.parametrize(("line", "says"), [pytest.param(b, s, id=i) for i, b, s in BAD_LINES])
