@@ -21,6 +21,7 @@ from typing import Any
 from prefixq.consumers.engine import EngineOutput, EngineRequest
 from prefixq.consumers.worker import Worker
 from prefixq.errors import EngineDead, EngineError
+from prefixq.rq_jobs import RqCompletion
 from prefixq.settings import Settings
 
 
@@ -105,7 +106,13 @@ async def serve(
     until it stops; its exit code. ``signals``: SIGTERM/SIGINT stop it, as in `prefixq worker`;
     ``wrap``: an async context manager around the run (a metrics exporter); ``on_worker`` is
     called with the worker and its loop once built (and wrapped), before it runs."""
-    w = Worker(settings, shard, engine if engine is not None else FakeEngine(), name=name)
+    w = Worker(
+        settings,
+        shard,
+        engine if engine is not None else FakeEngine(),
+        name=name,
+        middleware=[RqCompletion(settings)],  # as `prefixq worker` registers it
+    )
     loop = asyncio.get_running_loop()
     if signals:
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -25,31 +25,21 @@ from typing import Any
 from fake_engine import serve
 from prefixq.cli import _settings_parser, settings_from
 from prefixq.consumers.run import supervise
-from prefixq.consumers.writer import ResultWriter
+from prefixq.consumers.shard import ShardStream
 from prefixq.errors import ConfigError
 
 CRASH_EXIT = 137
 
 
 def crash_after_record() -> None:
-    """Patch the writer: the first write records its results (Lua), drops XACK/XDEL, dies."""
-    write = ResultWriter._write
+    """Patch the stream protocol: the first group of results is recorded (Lua), and the worker
+    dies before the ack."""
 
-    async def crashing(self: ResultWriter, batch: list[Any]) -> None:
-        real = self.w.r.pipeline
-
-        def pipeline(*a: Any, **kw: Any) -> Any:
-            pipe = real(*a, **kw)
-            pipe.xack = lambda *a, **kw: pipe  # the acknowledgement never leaves the process
-            pipe.xdel = lambda *a, **kw: pipe
-            return pipe
-
-        self.w.r.pipeline = pipeline
-        await write(self, batch)
+    async def crashing(self: ShardStream, batch: Any) -> None:
         print(f"fault_worker: recorded {len(batch)} results, crashing before the ack", flush=True)
         os._exit(CRASH_EXIT)
 
-    ResultWriter._write = crashing  # type: ignore[method-assign]
+    ShardStream.ack = crashing  # type: ignore[method-assign]
 
 
 def worker(argv: list[str]) -> int:

@@ -98,7 +98,7 @@ def test_a_burst_is_counted_timed_and_its_queue_seen_before_and_after(
     fw = fake_worker(s, name="m0", engine=engine, wrap=exporter, until="built")
     assert fw.worker is not None
     (exp,) = exporters
-    assert exp.port == port and fw.worker.metrics is exp.metrics
+    assert exp.port == port and exp in fw.worker.middleware
     burst = Producer(s).submit(
         [{"id": f"q{i}", "prompt": t, "max_tokens": 8} for i, t in enumerate(texts)]
     )
@@ -133,7 +133,7 @@ def test_a_burst_is_counted_timed_and_its_queue_seen_before_and_after(
         ),
     )
     assert fw.stop() == EXIT_OK
-    assert fw.worker.metrics is None and fw.worker.gc.observer is None
+    assert exp not in fw.worker.middleware and fw.worker.gc.observer is None
 
     assert m["prefixq_engine_up"] == 1
     assert m["prefixq_inflight"] == 0
@@ -231,7 +231,7 @@ def test_a_taken_port_is_a_setup_error(make_settings: Callable[..., Settings]) -
             with pytest.raises(SetupError, match=str(port)):
                 async with MetricsExporter(w, port, addr="127.0.0.1"):
                     pass
-        assert w.metrics is None
+        assert not w.middleware
         await w.r.aclose()
 
     run(main())

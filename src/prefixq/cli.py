@@ -265,9 +265,12 @@ def cmd_check(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_reclaim(args: argparse.Namespace, settings: Settings) -> int:
     """Entries idle on dead consumers back to live workers; over-limit ones to dead letters."""
-    from prefixq.consumers.deadletters import Recovery
+    from prefixq.consumers.recovery import Recovery
+    from prefixq.rq_jobs import enqueue_on_complete_sync
 
-    reports = Recovery(settings).reclaim(args.shard, args.idle_s)
+    reports = Recovery(settings, on_burst_done=enqueue_on_complete_sync).reclaim(
+        args.shard, args.idle_s
+    )
     if args.json:
         print(json.dumps([r.to_json() for r in reports], indent=2))
         return 0
@@ -283,9 +286,10 @@ def cmd_dead(args: argparse.Namespace, settings: Settings) -> int:
     """List dead letters, or re-submit them with --requeue."""
     import time
 
-    from prefixq.consumers.deadletters import Recovery
+    from prefixq.consumers.recovery import Recovery
+    from prefixq.rq_jobs import enqueue_on_complete_sync
 
-    rec = Recovery(settings)
+    rec = Recovery(settings, on_burst_done=enqueue_on_complete_sync)
     if args.requeue:
         rep = rec.requeue(args.shard, args.id or None)
         if args.json:

@@ -13,7 +13,7 @@ GROUP = "workers"
 #: the one field of a stream entry; its value is a wire-encoded record
 FIELD = b"d"
 #: field of an entry that `prefixq reclaim` moved off a dead consumer: the deliveries it had
-#: before the move, which count towards ``max_attempts`` (consumers/deadletters.py)
+#: before the move, which count towards ``max_attempts`` (consumers/letters.py)
 CARRIED = b"n"
 
 

@@ -4,7 +4,8 @@
 One `CollectorRegistry` per worker, no module state. Values come from three places, none of which
 makes the worker's event loop wait:
 
-* per finished request, `Worker._serve` calls `WorkerMetrics.observe` once: three lock-free
+* per finished request, the exporter's `after_result` hook (a worker middleware) calls
+  `WorkerMetrics.observe` once: three lock-free
   histogram observations (a bisect and two additions each) and three integer additions, about a
   microsecond in all (prometheus_client's own Histogram takes a lock and scans its buckets: ~2 us
   per observation);
@@ -39,6 +40,7 @@ from prometheus_client.core import (
 from redis.exceptions import ResponseError
 
 from prefixq.connection import TRANSIENT, async_client
+from prefixq.consumers.middleware import Middleware
 from prefixq.errors import SetupError
 from prefixq.keys import GROUP
 from prefixq.records import Result
@@ -247,10 +249,11 @@ class WorkerMetrics:
         return c
 
 
-class MetricsExporter:
-    """``async with MetricsExporter(worker, port):`` serves ``/metrics`` over HTTP (a daemon
-    thread) and refreshes the queue gauges every ``refresh_s`` (default: ``heartbeat_s``);
-    it attaches to ``worker.metrics`` and ``worker.gc.observer`` and detaches on exit."""
+class MetricsExporter(Middleware):
+    """Serves ``/metrics`` over HTTP (a daemon thread) and refreshes the queue gauges every
+    ``refresh_s`` (default: ``heartbeat_s``). A worker middleware (consumers/middleware.py):
+    registered on a worker, it starts with it, observes each finished request and stops after
+    it; ``async with MetricsExporter(worker, port):`` starts it at once and registers it."""
 
     def __init__(
         self,
@@ -264,14 +267,41 @@ class MetricsExporter:
         self.port = port
         self.addr = addr
         self.refresh_s = refresh_s if refresh_s is not None else worker.settings.heartbeat_s
-        self.metrics = WorkerMetrics(worker.shard, worker.name, worker.heartbeat.health)
+        self.metrics = WorkerMetrics(worker.shard, worker.name, worker.health)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
         self._task: asyncio.Task[None] | None = None
         self._r: aredis.Redis | None = None
         self._failing = False
 
+    # ---- middleware hooks -----------------------------------------------------------------
+    async def before_start(self, worker: Worker) -> None:
+        await self.start()
+
+    def after_result(self, result: Result) -> None:
+        self.metrics.observe(result)
+
+    async def after_stop(self, worker: Worker) -> None:
+        await self.close()
+
+    # ---- life -----------------------------------------------------------------------------
     async def __aenter__(self) -> Self:
+        await self.start()
+        if self not in self.worker.middleware:
+            self.worker.add_middleware(self)
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+        if self in self.worker.middleware:
+            self.worker.middleware.remove(self)
+
+    async def start(self) -> None:
+        """Serve and refresh (once; later calls do nothing)."""
+        if self._server is not None:
+            return
         try:
             self._server, self._thread = start_http_server(
                 self.port, self.addr, registry=self.metrics.registry
@@ -281,28 +311,26 @@ class MetricsExporter:
                 f"cannot serve metrics on {self.addr}:{self.port}: {e.strerror or e}"
             ) from None
         self.port = self._server.server_port
-        self.worker.metrics = self.metrics
         self.worker.gc.observer = self.metrics.gc_pause.observe
         self._r = async_client(self.worker.settings)
         self._task = asyncio.create_task(self._refresh_loop(), name="metrics-refresh")
         log.info("metrics on http://%s:%d/metrics", self.addr, self.port)
-        return self
 
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.wait([self._task], timeout=5)  # never hold up the worker's exit
-        self.worker.metrics = None
-        self.worker.gc.observer = None
-        if self._server is not None:
-            await asyncio.to_thread(self._server.shutdown)
-            self._server.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        if self._r is not None:
-            await self._r.aclose()
+    async def close(self) -> None:
+        """Stop serving (idempotent)."""
+        task, server, thread, r = self._task, self._server, self._thread, self._r
+        self._task = self._server = self._thread = self._r = None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task], timeout=5)  # never hold up the worker's exit
+        if server is not None:
+            self.worker.gc.observer = None
+            await asyncio.to_thread(server.shutdown)
+            server.server_close()
+        if thread is not None:
+            thread.join(timeout=5)
+        if r is not None:
+            await r.aclose()
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -326,19 +354,20 @@ class MetricsExporter:
         assert self._r is not None, "use `async with MetricsExporter(...)`"
         w, r = self.worker, self._r
         pipe = r.pipeline(transaction=False)
-        pipe.xlen(w.stream)
+        stream = w.stream.stream
+        pipe.xlen(stream)
         pipe.xlen(w.keys.dead(w.shard))
         length, dead = await pipe.execute()
         group = None
         if length:
-            for g in await r.xinfo_groups(w.stream):
+            for g in await r.xinfo_groups(stream):
                 name = g["name"]
                 if (name.decode() if isinstance(name, bytes) else name) == GROUP:
                     group = g
         waiting, pending, start = queue_counts(length, group)
         oldest = 0.0
         if start is not None:
-            nxt = await r.xrange(w.stream, min=start, count=1)
+            nxt = await r.xrange(stream, min=start, count=1)
             oldest = entry_age(nxt[0][0] if nxt else None, time.time())
         # one assignment, so a scrape in the HTTP thread sees the old state or the new one
         self.metrics.queue = QueueState(waiting, pending, oldest, dead, time.time())

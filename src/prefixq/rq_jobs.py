@@ -25,8 +25,8 @@ import os
 import re
 import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import redis
 import redis.asyncio as aredis
@@ -36,6 +36,7 @@ from rq.serializers import JSONSerializer
 
 from prefixq import results
 from prefixq.connection import TRANSIENT, describe, redact, sync_client
+from prefixq.consumers.middleware import Middleware
 from prefixq.errors import BurstFailed, BurstTimeout, ConfigError, ValidationError
 from prefixq.inputs import read_requests
 from prefixq.keys import Keys
@@ -43,11 +44,14 @@ from prefixq.producer.producer import Producer
 from prefixq.records import Request
 from prefixq.settings import Settings
 
+if TYPE_CHECKING:
+    from prefixq.consumers.worker import Worker
+
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "RqCompletion",
     "callback_job_id",
     "callback_path",
-    "completion_hook",
     "enqueue_on_complete",
     "enqueue_on_complete_sync",
     "run_burst",
@@ -342,10 +346,17 @@ def _enqueue_with_own_client(settings: Settings, burst: str) -> str | None:
         client.close()
 
 
-def completion_hook(r: aredis.Redis, settings: Settings) -> Callable[[str], Awaitable[None]]:
-    """A `ResultWriter.on_burst_done` hook: `enqueue_on_complete` with the worker's client."""
+class RqCompletion(Middleware):
+    """A worker middleware (consumers/middleware.py): enqueues a burst's ``on_complete`` RQ job
+    when a result the worker recorded completes the burst (`enqueue_on_complete`, idempotent)."""
 
-    async def on_burst_done(burst: str) -> None:
-        await enqueue_on_complete(r, settings, burst)
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.r: aredis.Redis | None = None
 
-    return on_burst_done
+    async def before_start(self, worker: Worker) -> None:
+        self.r = worker.r  # the worker's own client
+
+    async def after_burst_done(self, burst: str) -> None:
+        if self.r is not None:
+            await enqueue_on_complete(self.r, self.settings, burst)

@@ -117,7 +117,7 @@ async def _workload(
     for placement in placements:
         shards = await _assignment(s, reqs, placement)
         runs: list[dict[str, Any]] = []
-        await control.send(r, Keys(s.namespace), "reset_gc_stats", workers.names)
+        await control.send(r, Keys(s.namespace), "reset_stats", workers.names)
         for pair in range(cfg.random_pairs if placement == "random" else cfg.pairs):
             order = ("standalone", "pipeline") if pair % 2 == 0 else ("pipeline", "standalone")
             for mode in order:
@@ -137,7 +137,7 @@ async def _workload(
                         **run,
                     }
                 )
-        stats = await control.send(r, Keys(s.namespace), "gc_stats", workers.names)
+        stats = await control.send(r, Keys(s.namespace), "stats", workers.names)
         out["placements"][placement] = {
             **_summarise(runs),
             "gc_max_pause_ms_frozen": [stats[n]["gc_max_pause_ms"] for n in workers.names],
@@ -168,10 +168,10 @@ async def _gc_without_freeze(
     keys = Keys(s.namespace)
     say(f"{wl}: one pipeline run without gc.freeze")
     await control.send(r, keys, "gc_unfreeze", workers.names)
-    await control.send(r, keys, "reset_gc_stats", workers.names)
+    await control.send(r, keys, "reset_stats", workers.names)
     await _reset(s, r, standalone, workers)
     t0, t1, _ = await _pipeline(s, reqs, "affinity")
-    stats = await control.send(r, keys, "gc_stats", workers.names)
+    stats = await control.send(r, keys, "stats", workers.names)
     await control.send(r, keys, "gc_freeze", workers.names)
     return {
         "throughput": round(len(reqs) / (t1 - t0), 4),
@@ -187,7 +187,7 @@ def _by_gen(stats: dict[str, dict[str, Any]], names: list[str]) -> list[dict[str
         {
             "max_pause_ms": stats[n]["gc_max_pause_ms_by_gen"],
             "collections": stats[n]["gc_pauses_by_gen"],
-            # collections in idle time (consumers/heap.py): not pauses, no request waits on them
+            # collections in idle time (consumers/gc_policy.py): no request waits on them
             "idle_collections": stats[n]["gc_idle_collections"],
             "idle_max_ms": stats[n]["gc_idle_max_ms"],
         }

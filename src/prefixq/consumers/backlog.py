@@ -8,57 +8,47 @@ and is waited for before the next (consumers/solo.py).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from redis.exceptions import ResponseError
 
 from prefixq.connection import TRANSIENT, Backoff
-from prefixq.consumers.deadletters import carried
-from prefixq.keys import GROUP
-
-if TYPE_CHECKING:
-    from prefixq.consumers.worker import Worker
+from prefixq.consumers.admission import Admission
+from prefixq.consumers.shard import Pending, ShardStream, last_allowed
 
 log = logging.getLogger(__name__)
 
 
-async def replay_backlog(w: Worker) -> None:
-    """Serve ``w``'s own pending entries, oldest first, until none is left or `w.stop()`."""
+async def replay_backlog(
+    shard: ShardStream, work: Admission, *, page: int, max_attempts: int
+) -> None:
+    """Serve ``shard.consumer``'s own pending entries, oldest first, until none is left or the
+    worker stops."""
     start, backoff = "-", Backoff()
-    while not w.stopping:
+    while not work.stopping:
         try:
-            page = await w.r.xpending_range(
-                w.stream, GROUP, min=start, max="+", count=w.settings.read_count,
-                consumername=w.name,
-            )  # fmt: skip
-            if not page:
+            rows = await shard.pending(count=page, start=start, consumer=shard.consumer)
+            if not rows:
                 return
-            for p in page:
-                await _replay_one(w, p["message_id"], p["times_delivered"] + 1)
-                start = "(" + p["message_id"].decode()
-                if w.stopping:
+            for p in rows:
+                await _replay_one(shard, work, p, max_attempts)
+                start = "(" + p.entry_id.decode()
+                if work.stopping:
                     return
-        except TRANSIENT as e:
+        except (*TRANSIENT, ResponseError) as e:
             await backoff.wait("replaying the backlog", e)
-        except ResponseError as e:
-            if "NOGROUP" not in str(e):
-                raise
-            return  # the group is gone, and our backlog with it: the read loop rejoins
 
 
-async def _replay_one(w: Worker, entry_id: bytes, delivery: int) -> None:
-    if entry_id in w.inflight:
+async def _replay_one(shard: ShardStream, work: Admission, p: Pending, max_attempts: int) -> None:
+    if work.holds(p.entry_id):
         return
-    last = 1 < w.settings.max_attempts <= delivery
-    while (w.inflight if last else len(w.inflight) >= w.max_inflight) and not w.stopping:
-        await w.wait_room()
-    if w.stopping:
+    last = last_allowed(p.deliveries + 1, max_attempts)
+    while (work.busy() if last else work.room() <= 0) and not work.stopping:
+        await work.wait_room()
+    if work.stopping:
         return
-    got = await w.r.xclaim(w.stream, GROUP, w.name, 0, [entry_id])
+    got = await shard.claim([p], 0)
     if not got:  # acked meanwhile, or deleted (XCLAIM then drops it from the list)
         return
-    last = 1 < w.settings.max_attempts <= delivery + carried(got[0][1])
-    await w.admit(got, {entry_id: delivery})
-    task = w.inflight.get(entry_id)
-    if task is not None and last:
-        await w.wait_done(task)
+    await work.admit(got)
+    if last_allowed(got[0].deliveries, max_attempts):
+        await work.wait_done(p.entry_id)

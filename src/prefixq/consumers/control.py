@@ -2,41 +2,48 @@
 
 A command is an entry ``{cmd, id}`` on `Keys.control`; every worker reads the stream from the
 moment it starts (XREAD BLOCK, no consumer group: each worker sees every command), runs the
-command, and writes its answer under ``<id>:<worker>`` in `Keys.control_acks`. Commands:
-``reset_prefix_cache`` (between benchmark runs), ``gc_freeze`` / ``gc_unfreeze`` (to measure GC
-pauses with and without a frozen heap), ``reset_gc_stats`` and ``gc_stats`` (answers only).
+command, and writes its answer under ``<id>:<worker>`` in `Keys.control_acks`. The worker passes
+its handlers in (`Handlers`); the commands are ``reset_prefix_cache`` (between benchmark runs),
+``gc_freeze`` / ``gc_unfreeze`` (to measure GC pauses with and without a frozen heap),
+``reset_stats`` and ``stats`` (GC pauses, event-loop lag, admission timings).
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 import redis.asyncio as aredis
+from redis.exceptions import ResponseError
 
 from prefixq.connection import TRANSIENT
 from prefixq.keys import Keys
 
-if TYPE_CHECKING:
-    from prefixq.consumers.worker import Worker
-
 log = logging.getLogger(__name__)
 
-COMMANDS = ("reset_prefix_cache", "gc_freeze", "gc_unfreeze", "reset_gc_stats", "gc_stats")
+COMMANDS = ("reset_prefix_cache", "gc_freeze", "gc_unfreeze", "reset_stats", "stats")
+#: command -> coroutine that runs it; every answer also carries the worker's stats
+Handlers = Mapping[str, Callable[[], Awaitable[None]]]
 
 
-async def control_loop(w: Worker) -> None:
+async def control_loop(
+    r: aredis.Redis,
+    keys: Keys,
+    name: str,
+    handlers: Handlers,
+    stats: Callable[[], dict[str, Any]],
+) -> None:
     """Run inside a worker: answer every command posted after the worker started."""
     last = "$"
     while True:
         try:
-            resp = await w.r.xread({w.keys.control: last}, count=10, block=1000)
-        except TRANSIENT as e:
+            resp = await r.xread({keys.control: last}, count=10, block=1000)
+        except (*TRANSIENT, ResponseError) as e:
             log.warning("control stream unavailable: %s", e)
             await asyncio.sleep(1.0)
             continue
@@ -44,26 +51,22 @@ async def control_loop(w: Worker) -> None:
             last = entry_id
             cmd = fields.get(b"cmd", b"").decode()
             cid = fields.get(b"id", b"").decode()
-            answer = await _run(w, cmd)
-            await w.r.hset(w.keys.control_acks, f"{cid}:{w.name}", json.dumps(answer))
-            await w.r.expire(w.keys.control_acks, 3600)
+            answer = await _run(cmd, handlers, stats)
+            try:
+                await r.hset(keys.control_acks, f"{cid}:{name}", json.dumps(answer))
+                await r.expire(keys.control_acks, 3600)
+            except (*TRANSIENT, ResponseError) as e:
+                log.warning("control: could not answer %s: %s", cmd, e)
 
 
-async def _run(w: Worker, cmd: str) -> dict[str, Any]:
-    if cmd == "reset_prefix_cache":
-        await w.engine.reset_prefix_cache()
-    elif cmd == "gc_freeze":
-        w.heap.freeze()
-    elif cmd == "gc_unfreeze":
-        w.heap.unfreeze()
-    elif cmd == "gc_stats":
-        pass
-    elif cmd == "reset_gc_stats":
-        w.gc.reset()
-    else:
+async def _run(cmd: str, handlers: Handlers, stats: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    handler = handlers.get(cmd)
+    if handler is None and cmd != "stats":
         return {"ok": False, "error": f"unknown command {cmd!r}"}
+    if handler is not None:
+        await handler()
     log.info("control: %s done", cmd)
-    return {"ok": True, "frozen": gc.get_freeze_count(), **w.gc.stats(), **w.heap.stats()}
+    return {"ok": True, **stats()}
 
 
 async def send(

@@ -36,8 +36,8 @@ class GcWatch:
 
     @contextlib.contextmanager
     def apart(self) -> Iterator[None]:
-        """Collections inside are not pauses (the worker collects in idle time; consumers/heap.py
-        times those itself)."""
+        """Collections inside are not pauses (the worker collects in idle time;
+        consumers/gc_policy.py times those itself)."""
         self._apart = True
         try:
             yield

@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from prefixq.consumers.reaper import start_reaper, stop_reaper
 from prefixq.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -66,18 +67,25 @@ def run_worker(
     engine = VllmEngine(model, args)
 
     async def main() -> int:
-        worker = Worker(settings, shard, engine, name=name, gpu=gpu)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, worker.stop)
+        from prefixq.rq_jobs import RqCompletion
+
+        worker = Worker(
+            settings, shard, engine, name=name, gpu=gpu, middleware=[RqCompletion(settings)]
+        )
         if settings.metrics_port > 0:
             from prefixq.metrics import MetricsExporter
 
-            async with MetricsExporter(worker, settings.metrics_port):
-                return await worker.run()
+            worker.add_middleware(MetricsExporter(worker, settings.metrics_port))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, worker.stop)
         return await worker.run()
 
-    return asyncio.run(main())
+    reaper = start_reaper()  # the engine's processes die with this one, even after kill -9
+    try:
+        return asyncio.run(main())
+    finally:
+        stop_reaper(reaper)
 
 
 def supervise(

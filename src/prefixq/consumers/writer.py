@@ -1,73 +1,105 @@
-"""Writes finished results in pipelined groups: record once (Lua), then XACK + XDEL the entries.
+"""The worker's single writer: records finished results in pipelined groups, then acks them.
 
 A group is whatever finished while the previous group was being written, up to ``write_batch``:
-no timer, so a lone result is written at once and a burst of completions shares one round trip.
+no timer, so a lone result is written at once and a burst of completions shares a round trip.
+Each group goes through `ShardStream.record` (exactly once per request, Lua) and then
+`ShardStream.ack` for the results that were recorded; a result Redis refused (out of memory, a
+lost script) stays queued and its entry pending, and the group is tried again with backoff.
+
+Back-pressure: results not yet written count against the worker's in-flight window (`backlog`),
+so while Redis refuses writes the reader stops reading instead of piling up finished work; and
+the entries of unwritten results stay leased to this worker (`holding`), so no other worker
+reclaims them meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
-from redis.exceptions import ResponseError
-
-from prefixq import wire
-from prefixq.connection import TRANSIENT, Backoff, lua
+from prefixq.connection import TRANSIENT, Backoff
+from prefixq.consumers.shard import (
+    BURST_DONE,
+    DUPLICATE,
+    FINISHED_DUPLICATE,
+    OUT_OF_RANGE,
+    RECORD_LOST,
+    ShardStream,
+    Written,
+)
 from prefixq.entries import Entry
-from prefixq.keys import GROUP
 from prefixq.records import Result
-
-if TYPE_CHECKING:
-    from prefixq.consumers.worker import Worker
 
 log = logging.getLogger(__name__)
 
-#: recorded and it completed its burst (see lua/record_result.lua)
-BURST_DONE = 2
-#: not recorded: the index is outside the burst (a forged or corrupt entry)
-OUT_OF_RANGE = -1
-Item = tuple[bytes, Entry, Result]
+#: called with a burst id when a result completes it (again after a duplicate of a finished one)
+BurstDone = Callable[[str], Awaitable[None]]
 
 
 class ResultWriter:
-    """The worker's single writer task."""
+    """Runs as one task (`run`); the worker hands it results with `put`."""
 
-    def __init__(self, worker: Worker) -> None:
-        self.w = worker
-        self.queue: asyncio.Queue[Item | None] = asyncio.Queue()
-        self.record = worker.r.register_script(lua("record_result"))
-        #: called with the burst id when a result completes a burst (exactly once per burst)
-        self.on_burst_done: list[Callable[[str], Awaitable[None]]] = []
+    def __init__(
+        self,
+        shard: ShardStream,
+        *,
+        write_batch: int,
+        grace_s: float,
+        on_burst_done: BurstDone | None = None,
+        on_written: Callable[[], None] | None = None,
+    ) -> None:
+        self.shard = shard
+        self.write_batch = write_batch
+        self.grace_s = grace_s
+        self.on_burst_done = on_burst_done
+        #: called after each group is acked (the reader waits on room)
+        self.on_written = on_written or (lambda: None)
+        self.queue: asyncio.Queue[Written | None] = asyncio.Queue()
+        #: entries whose results are queued or being written, still pending on this consumer
+        self._unwritten: set[bytes] = set()
         self.duplicates = 0
+        self.written = 0
         self._closed = asyncio.Event()
 
+    @property
+    def backlog(self) -> int:
+        """Results finished but not yet recorded and acked."""
+        return len(self._unwritten)
+
+    def holds(self, entry_id: bytes) -> bool:
+        return entry_id in self._unwritten
+
+    def holding(self) -> list[bytes]:
+        """Entries of results not yet acked (leased to this worker)."""
+        return list(self._unwritten)
+
     def put(self, entry_id: bytes, entry: Entry, result: Result) -> None:
-        self.queue.put_nowait((entry_id, entry, result))
+        self._unwritten.add(entry_id)
+        self.queue.put_nowait(Written(entry_id, entry, result))
 
     async def write_now(self, entry_id: bytes, entry: Entry, result: Result) -> None:
-        """Record and ack one result before returning (dead letters: the entry must be acked
-        before the reader could be delivered it again)."""
-        await self._write_with_retry([(entry_id, entry, result)])
+        """Record and ack one result before returning (a dead letter's failed result: its entry
+        must be acked before the reader could be delivered it again)."""
+        self._unwritten.add(entry_id)
+        await self._write([Written(entry_id, entry, result)])
 
     async def run(self) -> None:
         try:
             while True:
                 item = await self.queue.get()
-                batch: list[Item] = []
+                batch: list[Written] = []
                 stop = item is None
                 if item is not None:
                     batch.append(item)
-                while len(batch) < self.w.settings.write_batch and not self.queue.empty():
+                while len(batch) < self.write_batch and not self.queue.empty():
                     nxt = self.queue.get_nowait()
                     if nxt is None:
                         stop = True
                         break
                     batch.append(nxt)
                 if batch:
-                    await self._write_with_retry(batch)
+                    await self._write(batch)
                 if stop and self.queue.empty():
                     return
         finally:
@@ -77,67 +109,63 @@ class ResultWriter:
         """Flush what is queued, then stop."""
         self.queue.put_nowait(None)
         try:
-            await asyncio.wait_for(self._closed.wait(), timeout=self.w.settings.grace_s + 30)
+            await asyncio.wait_for(self._closed.wait(), timeout=self.grace_s + 30)
         except TimeoutError:
             log.error(
-                "results still unwritten at exit: %d (their entries stay pending)",
-                self.queue.qsize(),
+                "results still unwritten at exit: %d (their entries stay pending)", self.backlog
             )
 
-    async def _write_with_retry(self, batch: list[Item]) -> None:
+    async def _write(self, batch: list[Written]) -> None:
+        """Record ``batch``, ack what was recorded, retry what was refused, until all is done."""
         backoff = Backoff(first=0.05)
-        while True:
+        todo = batch
+        while todo:
             try:
-                await self._write(batch)
-                return
+                replies = await self.shard.record(todo)
             except TRANSIENT as e:
-                await backoff.wait(f"writing {len(batch)} results", e)
-            except ResponseError as e:  # NOSCRIPT after a Redis restart, OOM, READONLY, ...:
-                # a dead writer would strand every later result, so it outlives them too
-                await backoff.wait(f"writing {len(batch)} results", e, logging.ERROR)
+                await backoff.wait(f"recording {len(todo)} results", e)
+                continue
+            done = [(w, r) for w, r in zip(todo, replies, strict=True) if isinstance(r, int)]
+            errors = [r for r in replies if not isinstance(r, int)]
+            await self._ack([w for w, _ in done])
+            for w, reply in done:
+                await self._settled(w, reply)
+            todo = [w for w, r in zip(todo, replies, strict=True) if not isinstance(r, int)]
+            if errors:  # out of memory, a lost script, a read-only replica, ...
+                await backoff.wait(f"recording {len(todo)} results", errors[0], logging.ERROR)
+            else:
+                backoff.reset()
 
-    async def _write(self, batch: list[Item]) -> None:
-        w, keys = self.w, self.w.keys
-        codec, ttl, now = w.settings.codec, w.settings.result_ttl_s, repr(time.time())
-        pipe = w.r.pipeline(transaction=False)
-        for _, e, res in batch:
-            await self.record(
-                keys=[keys.results(e.burst), keys.burst(e.burst), keys.events(e.burst)],
-                args=[
-                    e.index,
-                    wire.encode(res.to_wire(), codec),
-                    int(res.error is not None),
-                    ttl,
-                    now,
-                    res.prompt_tokens,
-                    res.cached_tokens,
-                    res.predicted_cached_tokens,
-                ],
-                client=pipe,
+    async def _ack(self, done: list[Written]) -> None:
+        backoff = Backoff(first=0.05)
+        while done:
+            try:
+                await self.shard.ack(done)
+                break
+            except Exception as e:  # acking twice is harmless: retry until it lands
+                await backoff.wait(f"acking {len(done)} recorded results", e, logging.ERROR)
+        for w in done:
+            self._unwritten.discard(w.entry_id)
+        self.written += len(done)
+        self.on_written()
+
+    async def _settled(self, w: Written, reply: int) -> None:
+        e = w.entry
+        if reply in (DUPLICATE, FINISHED_DUPLICATE):
+            self.duplicates += 1
+            log.info("result for %s:%d already recorded; acked the redelivery", e.burst, e.index)
+        elif reply == OUT_OF_RANGE:
+            log.warning("entry for %s:%d is outside its burst; acked", e.burst, e.index)
+        elif reply == RECORD_LOST:
+            log.warning(
+                "burst %s has no record (expired, evicted or never created): result %d dropped",
+                e.burst,
+                e.index,
             )
-        ids = [entry_id for entry_id, _, _ in batch]
-        pipe.xack(w.stream, GROUP, *ids)
-        pipe.xdel(w.stream, *ids)
-        k = w.shard
-        pipe.hincrby(keys.load, str(k), -sum(e.work for _, e, _ in batch))
-        pipe.hincrby(keys.shard_stats, f"{k}:prompt", sum(r.prompt_tokens for _, _, r in batch))
-        pipe.hincrby(keys.shard_stats, f"{k}:cached", sum(r.cached_tokens for _, _, r in batch))
-        pipe.hincrby(
-            keys.shard_stats, f"{k}:predicted", sum(r.predicted_cached_tokens for _, _, r in batch)
-        )
-        replies = await pipe.execute()
-        for (_, e, _), reply in zip(batch, replies[: len(batch)], strict=True):
-            if reply == 0:
-                self.duplicates += 1
-                log.info(
-                    "result for %s:%d already recorded; acked the redelivery", e.burst, e.index
-                )
-            elif reply == OUT_OF_RANGE:
-                log.warning("entry for %s:%d is outside its burst; acked", e.burst, e.index)
-            elif reply == BURST_DONE:
-                log.info("burst %s finished", e.burst)
-                for hook in self.on_burst_done:
-                    try:
-                        await hook(e.burst)
-                    except Exception:  # a hook must not stop result writing
-                        log.exception("burst-done hook failed for %s", e.burst)
+        elif reply == BURST_DONE:
+            log.info("burst %s finished", e.burst)
+        if reply in (BURST_DONE, FINISHED_DUPLICATE) and self.on_burst_done is not None:
+            try:
+                await self.on_burst_done(e.burst)
+            except Exception:  # a hook must not stop result writing
+                log.exception("burst-done hook failed for %s", e.burst)

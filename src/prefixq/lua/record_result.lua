@@ -2,34 +2,48 @@
 -- KEYS[1]  results hash of the burst   (field = input index, value = wire-encoded result)
 -- KEYS[2]  burst record hash           (total, done, failed, token counters, status)
 -- KEYS[3]  burst events stream         (one entry per recorded result, for waiters)
+-- KEYS[4]  the burst's request-id list (only given a TTL here)
 -- ARGV[1]  input index
 -- ARGV[2]  wire-encoded result
 -- ARGV[3]  "1" if the request failed, else "0"
--- ARGV[4]  TTL in seconds for the three keys
+-- ARGV[4]  TTL in seconds the burst's keys get once it has finished
 -- ARGV[5]  now (epoch seconds, as a string)
 -- ARGV[6]  prompt tokens   ARGV[7] cached prompt tokens   ARGV[8] predicted cached tokens
--- Returns 0 if a result for this index already existed (a redelivery: only ack it),
--- 1 if recorded, 2 if recorded and it was the burst's last outstanding request,
--- -1 if the index is outside the burst (total known and index >= total): nothing is written.
-local total = tonumber(redis.call('HGET', KEYS[2], 'total') or '')
-if total and tonumber(ARGV[1]) >= total then
+-- Returns
+--   1  recorded
+--   2  recorded, and it was the burst's last outstanding request (status "finished"; the four
+--      keys then expire ARGV[4] seconds later: a running burst's keys never expire)
+--   0  a result for this index existed already (a redelivery: only ack it)
+--   3  a result existed already and the burst has finished (ack; completion hooks may run again)
+--  -1  the index is outside the burst (index >= total): nothing is written
+--  -2  the burst record does not exist, or lacks its total (expired, evicted, never created):
+--      nothing is written, so a lost record is never re-created as an empty, "finished" one
+local rec = redis.call('HMGET', KEYS[2], 'total', 'done', 'failed')
+local total = tonumber(rec[1] or '')
+if not total then
+  return -2
+end
+if tonumber(ARGV[1]) >= total then
   return -1
 end
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then
+  if tonumber(rec[2] or 0) + tonumber(rec[3] or 0) >= total then
+    return 3
+  end
   return 0
 end
-local ttl = tonumber(ARGV[4])
-redis.call('HINCRBY', KEYS[2], ARGV[3] == '1' and 'failed' or 'done', 1)
+local done = redis.call('HINCRBY', KEYS[2], ARGV[3] == '1' and 'failed' or 'done', 1)
 redis.call('HINCRBY', KEYS[2], 'prompt_tokens', ARGV[6])
 redis.call('HINCRBY', KEYS[2], 'cached_tokens', ARGV[7])
 redis.call('HINCRBY', KEYS[2], 'predicted_cached_tokens', ARGV[8])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', 100000, '*', 'i', ARGV[1])
-redis.call('EXPIRE', KEYS[1], ttl)
-redis.call('EXPIRE', KEYS[2], ttl)
-redis.call('EXPIRE', KEYS[3], ttl)
-local c = redis.call('HMGET', KEYS[2], 'total', 'done', 'failed')
-if c[1] and (tonumber(c[2] or 0) + tonumber(c[3] or 0)) >= tonumber(c[1]) then
+local other = ARGV[3] == '1' and rec[2] or rec[3]
+if done + tonumber(other or 0) >= total then
   redis.call('HSET', KEYS[2], 'status', 'finished', 'finished_at', ARGV[5])
+  local ttl = tonumber(ARGV[4])
+  for i = 1, 4 do
+    redis.call('EXPIRE', KEYS[i], ttl)
+  end
   return 2
 end
 return 1

@@ -34,7 +34,7 @@ WHOLE_HEAP_AFTER = 1_000
 FREEZE_BUDGET = 20_000
 
 
-class Heap:
+class GcPolicy:
     """One per worker. ``enabled`` is the ``gc_freeze`` setting (the control stream toggles it)."""
 
     def __init__(self, watch: GcWatch, *, enabled: bool) -> None:

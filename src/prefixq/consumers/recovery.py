@@ -1,9 +1,7 @@
-"""Dead letters and recovery without an engine: `prefixq reclaim` and `prefixq dead`.
+"""Recovery without an engine: `prefixq reclaim` and `prefixq dead` (list, ``--requeue``).
 
-A dead letter is an entry of the shard's dead-letter stream (`Keys.dead`): the original entry's
-payload (``d``) plus ``entry`` (its stream id), ``shard``, ``reason``, ``delivered``, ``at``,
-``worker`` and, when the payload identifies its request, ``burst`` and ``index``. Workers write
-them (reclaim.py) and so does `Recovery.reclaim`; both build them with `dead_letter_record`.
+Dead letters are described in consumers/letters.py; workers write them through
+`ShardStream.dead_letter` and `Recovery.reclaim` with the same `dead_letter_record`.
 
 ``prefixq reclaim`` runs where there is no engine, so it cannot serve an entry, and it must not
 XCLAIM one to a live worker's consumer name either: that worker never read it, so it would not
@@ -35,160 +33,35 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import redis
-from redis.exceptions import ResponseError
 
 from prefixq import wire
 from prefixq.connection import lua, sync_client
-from prefixq.entries import VERSION, Entry
-from prefixq.errors import ConfigError, PrefixqError, WireError
+from prefixq.consumers.letters import (
+    DeadLetter,
+    carried,
+    dead_letter_record,
+    failed_result,
+)
+from prefixq.consumers.reclaim import over_limit
+from prefixq.consumers.shard import BURST_DONE, FINISHED_DUPLICATE, group_lost, record_call
+from prefixq.deployment import resolve_shards_sync
+from prefixq.entries import Entry
+from prefixq.errors import ConfigError, PrefixqError
 from prefixq.keys import CARRIED, FIELD, GROUP, Keys
 from prefixq.records import Result
 from prefixq.settings import Settings
 
-__all__ = [
-    "DeadLetter",
-    "ReclaimReport",
-    "Recovery",
-    "RequeueReport",
-    "carried",
-    "dead_letter_record",
-    "failed_result",
-    "identify",
-]
+__all__ = ["ReclaimReport", "Recovery", "RequeueReport"]
 
 #: the name dead letters and failed results carry when `prefixq reclaim` wrote them
 CLI_WORKER = "prefixq-reclaim"
 _PAGE = 1000
-_BURST_DONE = 2
 _STREAM_ID = re.compile(r"\d+-\d+")
-
-
-def carried(fields: dict[bytes, bytes] | None) -> int:
-    """Deliveries an entry had before `prefixq reclaim` moved it (0 for an entry never moved)."""
-    raw = (fields or {}).get(CARRIED)
-    try:
-        return max(0, int(raw)) if raw is not None else 0
-    except ValueError:
-        return 0
-
-
-def identify(data: bytes | None, limits: wire.Limits) -> Entry | None:
-    """The request an entry's payload belongs to, as far as it can be told: the full `Entry`, or
-    one with only burst, index and id when the rest is malformed (so that its request still gets
-    a failed result and its burst can finish); None when not even that decodes."""
-    if data is None:
-        return None
-    try:
-        obj = wire.decode(data, limits)
-    except PrefixqError:
-        return None
-    try:
-        return Entry.from_wire(obj)
-    except WireError:
-        pass
-    if not isinstance(obj, dict) or obj.get("v") != VERSION:  # another version: not ours to fail
-        return None
-    burst, index, rid = obj.get("b"), obj.get("i"), obj.get("id")
-    if not (
-        isinstance(burst, str)
-        and isinstance(rid, str)
-        and isinstance(index, int)
-        and not isinstance(index, bool)
-        and 0 <= index < 1 << 40
-    ):
-        return None
-    return Entry(
-        burst=burst,
-        index=index,
-        id=rid,
-        own={},
-        prefix=None,
-        prefix_ref=None,
-        sampling={},
-        enqueued=0.0,
-        shard=0,
-        work=0,
-        predicted_cached=0,
-    )
-
-
-def dead_letter_record(
-    entry_id: bytes,
-    shard: int,
-    fields: dict[bytes, bytes],
-    reason: str,
-    delivered: int,
-    worker: str,
-    limits: wire.Limits,
-) -> tuple[dict[Any, Any], Entry | None]:
-    """The fields of one dead letter, and the request it belongs to (None if unidentifiable)."""
-    record: dict[Any, Any] = {
-        "entry": entry_id,
-        "shard": shard,
-        "reason": reason[:2000],
-        "delivered": delivered,
-        "at": time.time(),
-        "worker": worker,
-    }
-    data = fields.get(FIELD)
-    if data is not None:
-        record[FIELD] = data
-    entry = identify(data, limits)
-    if entry is not None:
-        record["burst"], record["index"] = entry.burst, entry.index
-    return record, entry
-
-
-def failed_result(entry: Entry, shard: int, worker: str, reason: str) -> Result:
-    """The failed result a dead-lettered request gets."""
-    res = Result(
-        id=entry.id, index=entry.index, shard=shard, worker=worker, error=f"dead-lettered: {reason}"
-    )
-    res.timings.enqueued = entry.enqueued
-    res.timings.finished = time.time()
-    return res
-
-
-@dataclass(slots=True)
-class DeadLetter:
-    """One dead letter, as `prefixq dead` lists it."""
-
-    id: str
-    shard: int
-    entry: str
-    reason: str
-    delivered: int
-    burst: str | None
-    index: int | None
-    at: float
-    worker: str
-    has_payload: bool
-
-    @classmethod
-    def from_fields(cls, shard: int, dead_id: bytes, f: dict[bytes, bytes]) -> DeadLetter:
-        def text(key: bytes) -> str:
-            return f.get(key, b"").decode(errors="replace")
-
-        index = text(b"index")
-        return cls(
-            id=dead_id.decode(),
-            shard=shard,
-            entry=text(b"entry"),
-            reason=text(b"reason"),
-            delivered=int(text(b"delivered") or 0),
-            burst=text(b"burst") or None,
-            index=int(index) if index.lstrip("-").isdigit() else None,
-            at=float(text(b"at") or 0.0),
-            worker=text(b"worker"),
-            has_payload=FIELD in f,
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(slots=True)
@@ -231,8 +104,17 @@ class RequeueReport:
 class Recovery:
     """Reclaim, list and requeue over a blocking client (the CLI's)."""
 
-    def __init__(self, settings: Settings, client: redis.Redis | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        client: redis.Redis | None = None,
+        *,
+        on_burst_done: Callable[[redis.Redis, Settings, str], object] | None = None,
+    ) -> None:
+        """``on_burst_done(client, settings, burst)`` runs when a failed result this records
+        completes a burst (the CLI passes RQ's `enqueue_on_complete_sync`)."""
         self.s = settings
+        self.on_burst_done = on_burst_done
         self.r = client or sync_client(settings)
         self.keys = Keys(settings.namespace)
         self.limits = wire.Limits.from_settings(settings)
@@ -243,8 +125,6 @@ class Recovery:
 
     def shards(self, shard: int | None = None) -> list[int]:
         """``[shard]`` (checked against the deployment's shard count), or every shard."""
-        from prefixq.deployment import resolve_shards_sync
-
         n = resolve_shards_sync(self.r, self.s)
         if shard is None:
             return list(range(n))
@@ -268,8 +148,8 @@ class Recovery:
                 page = self.r.xpending_range(
                     stream, GROUP, min=start, max="+", count=_PAGE, idle=idle_ms
                 )
-            except ResponseError as e:
-                if "NOGROUP" in str(e):  # no worker ever joined: nothing was delivered
+            except redis.ResponseError as e:
+                if group_lost(e):  # no worker ever joined: nothing was delivered
                     return rep
                 raise
             for p in page:
@@ -310,7 +190,7 @@ class Recovery:
             else:
                 rep.moved += 1
             return
-        reason = f"delivered {attempts} times (max_attempts={self.s.max_attempts})"
+        reason = over_limit(attempts, self.s.max_attempts)
         record, entry = dead_letter_record(
             entry_id, k, fields, reason, attempts, CLI_WORKER, self.limits
         )
@@ -329,24 +209,10 @@ class Recovery:
 
     def record_failure(self, e: Entry, res: Result) -> None:
         """Record a failed result exactly once (the writer's script and arguments)."""
-        keys = self.keys
-        reply = self._record(
-            keys=[keys.results(e.burst), keys.burst(e.burst), keys.events(e.burst)],
-            args=[
-                e.index,
-                wire.encode(res.to_wire(), self.s.codec),
-                1,
-                self.s.result_ttl_s,
-                repr(time.time()),
-                0,
-                0,
-                0,
-            ],
-        )
-        if reply == _BURST_DONE:  # the last outstanding request: its callback, once
-            from prefixq.rq_jobs import enqueue_on_complete_sync
-
-            enqueue_on_complete_sync(self.r, self.s, e.burst)
+        keys, args = record_call(self.keys, e, res, self.s, repr(time.time()))
+        reply = self._record(keys=keys, args=args)
+        if reply in (BURST_DONE, FINISHED_DUPLICATE) and self.on_burst_done is not None:
+            self.on_burst_done(self.r, self.s, e.burst)  # the last outstanding request
 
     # ---- dead letters ----------------------------------------------------------------------
     def letters(self, shard: int | None = None, limit: int = 1000) -> list[DeadLetter]:
@@ -397,7 +263,8 @@ class Recovery:
                 self.r.xdel(self.keys.dead(k), dead_id)
                 rep.resolved += 1
                 return
-            rep.cleared += int(self._unrecord(keys=[results, meta], args=[entry.index, raw]))
+            burst_keys = [results, meta, self.keys.events(entry.burst), self.keys.ids(entry.burst)]
+            rep.cleared += int(self._unrecord(keys=burst_keys, args=[entry.index, raw]))
         new = self._requeue(
             keys=[self.keys.stream(k), self.keys.dead(k)], args=[dead_id, FIELD, data]
         )

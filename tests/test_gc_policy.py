@@ -1,4 +1,4 @@
-"""The worker's GC policy (consumers/heap.py) on the real collector: admitted requests' objects
+"""The worker's GC policy (consumers/gc_policy.py) on the real collector: admitted requests' objects
 are frozen, their reference cycles wait for idle time and are collected then, idle collections
 are not counted as pauses, and freezing stops at the budget."""
 
@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from prefixq.consumers import heap as heap_mod
+from prefixq.consumers import gc_policy as heap_mod
+from prefixq.consumers.gc_policy import GcPolicy
 from prefixq.consumers.gcwatch import GcWatch
-from prefixq.consumers.heap import Heap
 
 
 class Node:
@@ -24,10 +24,10 @@ class Node:
 
 
 @pytest.fixture
-def policy() -> Iterator[tuple[Heap, GcWatch]]:
+def policy() -> Iterator[tuple[GcPolicy, GcWatch]]:
     watch = GcWatch()
     watch.start()
-    h = Heap(watch, enabled=True)
+    h = GcPolicy(watch, enabled=True)
     h.freeze()
     try:
         yield h, watch
@@ -41,7 +41,7 @@ def young(obj: object) -> bool:
 
 
 def test_admitted_objects_are_frozen_and_their_cycles_wait_for_idle(
-    policy: tuple[Heap, GcWatch], monkeypatch: pytest.MonkeyPatch
+    policy: tuple[GcPolicy, GcWatch], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     h, watch = policy
     monkeypatch.setattr(heap_mod, "WHOLE_HEAP_AFTER", 2)
@@ -67,7 +67,7 @@ def test_admitted_objects_are_frozen_and_their_cycles_wait_for_idle(
 
 
 def test_freezing_stops_at_the_budget_until_idle(
-    policy: tuple[Heap, GcWatch], monkeypatch: pytest.MonkeyPatch
+    policy: tuple[GcPolicy, GcWatch], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     h, _ = policy
     monkeypatch.setattr(heap_mod, "FREEZE_BUDGET", 3)
@@ -82,7 +82,9 @@ def test_freezing_stops_at_the_budget_until_idle(
     assert not young(early)  # the budget starts again after an idle collection
 
 
-def test_turned_off_nothing_is_frozen_or_collected_in_idle(policy: tuple[Heap, GcWatch]) -> None:
+def test_turned_off_nothing_is_frozen_or_collected_in_idle(
+    policy: tuple[GcPolicy, GcWatch],
+) -> None:
     h, _ = policy
     h.unfreeze()
     assert gc.get_freeze_count() == 0

@@ -1,0 +1,124 @@
+"""Engine processes die with the process that started them, even after kill -9.
+
+vLLM starts its engine core in a separate process; if the worker that owns it is killed with
+SIGKILL, nothing tells the engine core, which is re-parented to PID 1 and keeps its memory (and
+on a GPU, the GPU: a restarted worker on that GPU then fails to start). `start_reaper` starts a
+small watcher process (its own session, so a terminal's Ctrl-C does not reach it) that notes the
+owner's descendants every ``every_s`` seconds through /proc, and waits for the owner's end of a
+pipe to close — which the kernel does however the owner ends. It then kills every noted process
+still alive (checking its start time, so a reused PID is never hit) and exits. On a clean exit
+the engine has already shut down and there is nothing left to kill. Linux only (/proc); elsewhere
+it does nothing.
+
+Runs as ``python .../reaper.py OWNER_PID`` (the file itself, so the watcher imports nothing but
+the standard library).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+from typing import IO
+
+log = logging.getLogger(__name__)
+
+#: seconds between two looks at the owner's process tree
+EVERY_S = 1.0
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of a live process, from /proc/PID/stat."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    fields = raw[raw.rindex(b")") + 2 :].split()  # the command name may hold spaces or parens
+    return int(fields[1]), int(fields[19])
+
+
+def descendants(root: int) -> dict[int, int]:
+    """Every live descendant of ``root``: pid -> start time."""
+    children: dict[int, list[int]] = {}
+    start: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        st = _stat(int(name))
+        if st is not None:
+            children.setdefault(st[0], []).append(int(name))
+            start[int(name)] = st[1]
+    out: dict[int, int] = {}
+    todo = list(children.get(root, ()))
+    while todo:
+        pid = todo.pop()
+        if pid in out or pid not in start:
+            continue
+        out[pid] = start[pid]
+        todo.extend(children.get(pid, ()))
+    return out
+
+
+def watch(owner: int, lifeline: IO[bytes], every_s: float = EVERY_S) -> list[int]:
+    """Note ``owner``'s descendants until ``lifeline`` reaches end of file; kill those still
+    alive; returns the pids killed."""
+    me = os.getpid()
+    noted: dict[int, int] = {}
+    while True:
+        noted.update({p: t for p, t in descendants(owner).items() if p != me})
+        ready, _, _ = select.select([lifeline], [], [], every_s)
+        if ready and not os.read(lifeline.fileno(), 4096):
+            break
+    killed = []
+    for pid, started in noted.items():
+        st = _stat(pid)
+        if st is not None and st[1] == started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except OSError:
+                pass
+    return killed
+
+
+def start_reaper() -> subprocess.Popen[bytes] | None:
+    """Start the watcher for this process; keep the returned handle for the process's life (its
+    stdin is the lifeline; `stop_reaper` closes it). None where there is no /proc."""
+    if not os.path.isdir("/proc/self"):
+        log.debug("no /proc: engine processes are not reaped after a kill -9")
+        return None
+    return subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), str(os.getpid())],
+        stdin=subprocess.PIPE,
+        start_new_session=True,
+    )
+
+
+def stop_reaper(proc: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> None:
+    """Close the lifeline (the watcher kills what is left of the engine) and wait for it."""
+    if proc is None:
+        return
+    if proc.stdin is not None:
+        proc.stdin.close()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def main() -> int:
+    owner = int(sys.argv[1])
+    killed = watch(owner, sys.stdin.buffer)
+    if killed:
+        print(
+            f"prefixq reaper: killed {len(killed)} process(es) left by pid {owner}", file=sys.stderr
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Keys vanishing under a live worker: its stream deleted or the database flushed while it blocks
+in XREADGROUP; and a worker that cannot know the deployment's shard count.
+
+Real worker processes (tests/fault_worker.py: the real `Worker` loop over the FakeEngine) on a
+private redis-server; each fault is checked to have landed while the worker was blocked reading.
+"""
+
+from __future__ import annotations
+
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from ledger import LEDGER, account
+from prefixq.keys import Keys
+from prefixq.producer import Producer
+from prefixq.redis_server import RedisServer
+from prefixq.settings import Settings
+
+pytestmark = pytest.mark.slow
+
+TESTS = Path(__file__).parent
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    with RedisServer(appendonly=False) as srv:
+        yield srv
+
+
+def worker(s: Settings, log: Path) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable,
+        str(TESTS / "fault_worker.py"),
+        "worker",
+        "--name",
+        "w0",
+        "--redis-url",
+        s.redis_url,
+        "--namespace",
+        s.namespace,
+        "--shards",
+        str(s.shards),
+        "--heartbeat-s",
+        "0.5",
+    ]
+    with open(log, "ab") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+
+
+def until(pred: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def blocked_reader(r: redis.Redis) -> bool:
+    """A client is blocked in XREADGROUP right now."""
+    return any(c.get("cmd") == "xreadgroup" and "b" in c.get("flags", "") for c in r.client_list())
+
+
+def serve_one_burst(r: redis.Redis, s: Settings, what: str) -> None:
+    burst = Producer(s).submit([{"id": f"q{i}", "prompt": f"a b {i}"} for i in range(10)])
+    until(lambda: r.hlen(Keys(s.namespace).results(burst)) == 10, 30, what)
+    out = account(r, s, burst, 10, what=what)
+    assert out.lost == 0 and out.duplicated == 0
+
+
+@pytest.mark.parametrize("fault", ["DEL of the stream", "FLUSHALL"])
+def test_stream_gone_while_the_worker_blocks_it_rejoins_and_serves(
+    server: RedisServer, tmp_path: Path, fault: str
+) -> None:
+    """Given a worker blocked in XREADGROUP on its shard's stream, when the stream is deleted
+    (or the whole database flushed), then the worker does not exit: it joins the group again and
+    serves the next burst."""
+    r = redis.Redis.from_url(server.url)
+    s = Settings(redis_url=server.url, namespace=f"gone{secrets.token_hex(3)}", shards=1)
+    log = tmp_path / "w.log"
+    w = worker(s, log)
+    try:
+        serve_one_burst(r, s, "before the fault")
+        until(lambda: blocked_reader(r), 30, "the worker blocked in XREADGROUP")
+        if fault == "FLUSHALL":
+            r.flushall()
+        else:
+            r.delete(Keys(s.namespace).stream(0))
+        assert not r.exists(Keys(s.namespace).stream(0))
+        LEDGER.fault(f"{fault} while the worker blocked reading its stream")
+        time.sleep(1.5)
+        assert w.poll() is None, f"worker exited {w.returncode}:\n{log.read_text()[-2000:]}"
+        serve_one_burst(r, s, f"after {fault}")
+    finally:
+        w.send_signal(signal.SIGTERM)
+        assert w.wait(60) == 0
+    assert "Traceback" not in log.read_text()
+
+
+def test_worker_without_a_shard_count_refuses_to_start(server: RedisServer, tmp_path: Path) -> None:
+    """Given a fresh Redis with no deployment recorded, when a worker starts without --shards,
+    then it exits 2 saying how to give the count, instead of serving a deployment that producers
+    and `check` cannot see."""
+    s = Settings(redis_url=server.url, namespace=f"noshards{secrets.token_hex(3)}", shards=0)
+    log = tmp_path / "w.log"
+    w = worker(s, log)
+    assert w.wait(30) == 2
+    text = log.read_text()
+    assert "--shards" in text and "Traceback" not in text
+    r = redis.Redis.from_url(server.url)
+    assert not r.exists(Keys(s.namespace).heartbeat(0, "w0"))
