@@ -104,7 +104,12 @@ def dead_letter_record(
 def failed_result(entry: Entry, shard: int, worker: str, reason: str) -> Result:
     """The failed result a dead-lettered request gets."""
     res = Result(
-        id=entry.id, index=entry.index, shard=shard, worker=worker, error=f"dead-lettered: {reason}"
+        id=entry.id,
+        index=entry.index,
+        shard=shard,
+        worker=worker,
+        error=f"dead-lettered: {reason}",
+        error_code="dead_lettered",
     )
     res.timings.enqueued = entry.enqueued
     res.timings.finished = time.time()

@@ -50,7 +50,8 @@ from prefixq.consumers.writer import ResultWriter
 from prefixq.entries import Entry
 from prefixq.errors import ConfigError, EngineDead, EngineError, PrefixqError
 from prefixq.keys import FIELD
-from prefixq.records import Result
+from prefixq.records import Result, error_code_of
+from prefixq.redis_policy import check_policy
 from prefixq.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -195,7 +196,11 @@ class Worker:
         return EXIT_OK
 
     async def _register(self) -> None:
-        """Join the shard's group, and make sure the deployment's shard count is recorded."""
+        """Check the server's eviction policy, join the shard's group, and make sure the
+        deployment's shard count is recorded."""
+        await self._retry(
+            "reading the eviction policy", lambda: check_policy(self.r, self.settings)
+        )
         await self.stream.join()
 
         async def shards() -> None:
@@ -406,12 +411,13 @@ class Worker:
             self._engine_died(str(err))
             return
         except PrefixqError as err:  # EngineError, ValidationError, WireError: this request only
-            res.error = str(err)
+            res.error, res.error_code = str(err), error_code_of(err)
         except asyncio.CancelledError:
             raise
         except Exception as err:  # never let one payload take the worker down
             log.exception("unexpected error serving %s", e.id)
             res.error = f"internal error: {type(err).__name__}: {err}"
+            res.error_code = error_code_of(err)
         finally:
             self.inflight.pop(entry_id, None)
             self._room.set()
