@@ -189,11 +189,13 @@ def test_error_text_of_a_pipeline_oom_is_one_printable_line_without_the_argument
     RedisOutOfMemory with Redis's memory figures."""
     payload = zlib.compress(bytes(range(256)) * 8, 1)
     sha = admin.script_load(lua("record_result"))
+    admin.hset("oom:{b1}:meta", "total", 1)  # a running burst: the script goes on to write
     at_maxmemory(admin)
-    args = ("oom:{b1}:results", "oom:{b1}:meta", "oom:{b1}:events", 0, payload, 0, 60, 1, 1, 0, 0)
+    keys = ("oom:{b1}:results", "oom:{b1}:meta", "oom:{b1}:events", "oom:{b1}:ids")
+    args = (*keys, 0, payload, 0, 60, 1, 1, 0, 0)
     pipe = admin.pipeline(transaction=False)
     pipe.get("ballast")
-    pipe.evalsha(sha, 3, *args)
+    pipe.evalsha(sha, 4, *args)
     with pytest.raises(redis.exceptions.OutOfMemoryError) as sync_err:
         pipe.execute()
 
@@ -201,7 +203,7 @@ def test_error_text_of_a_pipeline_oom_is_one_printable_line_without_the_argument
         ar = aredis.Redis.from_url(server.url)
         try:
             apipe = ar.pipeline(transaction=False)
-            apipe.evalsha(sha, 3, *args)
+            apipe.evalsha(sha, 4, *args)
             try:
                 await apipe.execute()
             except redis.exceptions.OutOfMemoryError as e:

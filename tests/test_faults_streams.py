@@ -92,11 +92,13 @@ def test_stream_gone_while_the_worker_blocks_it_rejoins_and_serves(
     try:
         serve_one_burst(r, s, "before the fault")
         until(lambda: blocked_reader(r), 30, "the worker blocked in XREADGROUP")
+        marker = f"{s.namespace}:marker"
+        r.set(marker, "1")
         if fault == "FLUSHALL":
             r.flushall()
+            assert not r.exists(marker), "FLUSHALL did not land"
         else:
-            r.delete(Keys(s.namespace).stream(0))
-        assert not r.exists(Keys(s.namespace).stream(0))
+            assert r.delete(Keys(s.namespace).stream(0)) == 1, "the stream was not there to delete"
         LEDGER.fault(f"{fault} while the worker blocked reading its stream")
         time.sleep(1.5)
         assert w.poll() is None, f"worker exited {w.returncode}:\n{log.read_text()[-2000:]}"

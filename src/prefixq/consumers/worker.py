@@ -32,7 +32,7 @@ import redis.asyncio as aredis
 from redis.exceptions import ResponseError
 
 from prefixq import wire
-from prefixq.connection import TRANSIENT, Backoff, async_client, refused
+from prefixq.connection import TRANSIENT, Backoff, async_client, describe, refused
 from prefixq.consumers.backlog import replay_backlog
 from prefixq.consumers.control import control_loop
 from prefixq.consumers.engine import Engine, EngineRequest
@@ -227,8 +227,8 @@ class Worker:
                 await call()
                 return
             except (*TRANSIENT, ResponseError) as e:
-                if refused(e):
-                    raise
+                if refused(e):  # wrong credentials, an ACL, an untrusted certificate
+                    raise describe(self.settings, e) from e
                 await backoff.wait(what, e)
 
     async def _warm_up(self) -> None:
