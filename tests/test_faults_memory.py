@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import secrets
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 
+from helpers import fault_worker, wait_until
 from ledger import LEDGER, account
 from prefixq.keys import GROUP, Keys
 from prefixq.producer import Producer
@@ -27,8 +26,6 @@ from prefixq.redis_server import RedisServer
 from prefixq.settings import Settings
 
 pytestmark = pytest.mark.slow
-
-TESTS = Path(__file__).parent
 
 
 @pytest.fixture
@@ -47,25 +44,6 @@ def settings_for(srv: RedisServer, **kw: Any) -> Settings:
         "max_inflight": 8,
     }
     return Settings(**(base | kw))
-
-
-def worker(s: Settings, name: str, log: Path, *extra: str) -> subprocess.Popen[bytes]:
-    flags = ["--redis-url", s.redis_url, "--namespace", s.namespace, "--shards", str(s.shards)]
-    for f in ("heartbeat_s", "claim_idle_s", "max_inflight"):
-        flags += ["--" + f.replace("_", "-"), str(getattr(s, f))]
-    cmd = [sys.executable, str(TESTS / "fault_worker.py"), "worker", "--name", name, *flags]
-    with open(log, "ab") as out:
-        return subprocess.Popen([*cmd, *extra], stdout=out, stderr=subprocess.STDOUT)
-
-
-def until(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def results(r: redis.Redis, s: Settings, burst: str) -> int:
@@ -96,9 +74,9 @@ def test_writes_refused_mid_burst_then_kill_9_loses_nothing(
     s = settings_for(server)
     burst = Producer(s).submit(sleepy(200, 0.2))
     log = tmp_path / "w.log"
-    w = worker(s, "w0", log)
+    w = fault_worker(s, log, "--name", "w0")
     try:
-        until(lambda: results(r, s, burst) >= 20, 60, "20 results before the fault")
+        wait_until(lambda: results(r, s, burst) >= 20, 60, "20 results before the fault")
         said = out_of_memory(r)
         before = results(r, s, burst)
         assert before < 200, "the burst finished before the fault landed"
@@ -118,9 +96,9 @@ def test_writes_refused_mid_burst_then_kill_9_loses_nothing(
         if w.poll() is None:
             w.kill()
     r.config_set("maxmemory", 0)
-    w2 = worker(s, "w0", log)  # same consumer name: its backlog is replayed first
+    w2 = fault_worker(s, tmp_path / "w2.log", "--name", "w0")  # its backlog is replayed first
     try:
-        until(lambda: results(r, s, burst) == 200, 120, "all 200 results after the restart")
+        wait_until(lambda: results(r, s, burst) == 200, 120, "all 200 results after the restart")
     finally:
         w2.send_signal(signal.SIGTERM)
         w2.wait(60)
@@ -139,7 +117,7 @@ def test_worker_started_while_redis_is_out_of_memory_waits_then_serves(
     said = out_of_memory(r)
     LEDGER.fault(f"worker started while Redis is out of memory ({said[:40]})")
     log = tmp_path / "w.log"
-    w = worker(s, "w0", log)
+    w = fault_worker(s, log, "--name", "w0")
     try:
         time.sleep(3)
         assert w.poll() is None, f"worker exited {w.returncode}:\n{log.read_text()[-2000:]}"
@@ -147,7 +125,7 @@ def test_worker_started_while_redis_is_out_of_memory_waits_then_serves(
         assert "joining the consumer group" in text and "Traceback" not in text
         r.config_set("maxmemory", 0)
         burst = Producer(s).submit(sleepy(20, 0.0))
-        until(lambda: results(r, s, burst) == 20, 60, "the burst after memory came back")
+        wait_until(lambda: results(r, s, burst) == 20, 60, "the burst after memory came back")
     finally:
         w.send_signal(signal.SIGTERM)
         assert w.wait(60) == 0

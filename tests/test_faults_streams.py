@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import secrets
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
 
+from helpers import fault_worker, wait_until
 from ledger import LEDGER, account
 from prefixq.keys import Keys
 from prefixq.producer import Producer
@@ -27,43 +25,11 @@ from prefixq.settings import Settings
 
 pytestmark = pytest.mark.slow
 
-TESTS = Path(__file__).parent
-
 
 @pytest.fixture
 def server() -> Iterator[RedisServer]:
     with RedisServer(appendonly=False) as srv:
         yield srv
-
-
-def worker(s: Settings, log: Path) -> subprocess.Popen[bytes]:
-    cmd = [
-        sys.executable,
-        str(TESTS / "fault_worker.py"),
-        "worker",
-        "--name",
-        "w0",
-        "--redis-url",
-        s.redis_url,
-        "--namespace",
-        s.namespace,
-        "--shards",
-        str(s.shards),
-        "--heartbeat-s",
-        "0.5",
-    ]
-    with open(log, "ab") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-
-
-def until(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def blocked_reader(r: redis.Redis) -> bool:
@@ -73,7 +39,7 @@ def blocked_reader(r: redis.Redis) -> bool:
 
 def serve_one_burst(r: redis.Redis, s: Settings, what: str) -> None:
     burst = Producer(s).submit([{"id": f"q{i}", "prompt": f"a b {i}"} for i in range(10)])
-    until(lambda: r.hlen(Keys(s.namespace).results(burst)) == 10, 30, what)
+    wait_until(lambda: r.hlen(Keys(s.namespace).results(burst)) == 10, 30, what)
     out = account(r, s, burst, 10, what=what)
     assert out.lost == 0 and out.duplicated == 0
 
@@ -88,10 +54,10 @@ def test_stream_gone_while_the_worker_blocks_it_rejoins_and_serves(
     r = redis.Redis.from_url(server.url)
     s = Settings(redis_url=server.url, namespace=f"gone{secrets.token_hex(3)}", shards=1)
     log = tmp_path / "w.log"
-    w = worker(s, log)
+    w = fault_worker(s, log, "--name", "w0")
     try:
         serve_one_burst(r, s, "before the fault")
-        until(lambda: blocked_reader(r), 30, "the worker blocked in XREADGROUP")
+        wait_until(lambda: blocked_reader(r), 30, "the worker blocked in XREADGROUP")
         marker = f"{s.namespace}:marker"
         r.set(marker, "1")
         if fault == "FLUSHALL":
@@ -115,7 +81,7 @@ def test_worker_without_a_shard_count_refuses_to_start(server: RedisServer, tmp_
     and `check` cannot see."""
     s = Settings(redis_url=server.url, namespace=f"noshards{secrets.token_hex(3)}", shards=0)
     log = tmp_path / "w.log"
-    w = worker(s, log)
+    w = fault_worker(s, log, "--name", "w0")
     assert w.wait(30) == 2
     text = log.read_text()
     assert "--shards" in text and "Traceback" not in text
