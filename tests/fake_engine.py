@@ -2,7 +2,8 @@
 
 Output = the prompt's words reversed, one token per word. Prompts steer faults:
 ``"fail:..."`` raises EngineError, ``"die:..."`` kills a ``lethal`` engine (EngineDead for it
-and everything in flight), ``"sleep:S ..."`` takes S seconds. Never the only coverage of a
+and everything in flight), ``"sleep:S ..."`` takes S seconds (`abort` ends it at once with
+EngineAborted). Never the only coverage of a
 feature: the real engine has its own end-to-end tests.
 
 `serve` runs the real `Worker` loop over it: the one place that builds such a worker, for the
@@ -20,7 +21,7 @@ from typing import Any
 
 from prefixq.consumers.engine import EngineOutput, EngineRequest
 from prefixq.consumers.worker import Worker
-from prefixq.errors import EngineDead, EngineError
+from prefixq.errors import EngineAborted, EngineDead, EngineError
 from prefixq.rq_jobs import RqCompletion
 from prefixq.settings import Settings
 
@@ -36,6 +37,8 @@ class FakeEngine:
         self.active = 0
         self.peak_active = 0
         self.seen: list[str] = []
+        self.aborted: set[str] = set()
+        self._abort_events: dict[str, asyncio.Event] = {}
 
     @property
     def max_num_seqs(self) -> int:
@@ -53,6 +56,9 @@ class FakeEngine:
             raise EngineDead("fake engine is dead")
         prompt = request.prompt or " ".join(map(str, request.prompt_token_ids or ()))
         self.seen.append(request.request_id)
+        if request.request_id in self.aborted:
+            raise EngineAborted(f"request {request.request_id} was aborted before it started")
+        abort = self._abort_events.setdefault(request.request_id, asyncio.Event())
         self.active += 1
         self.peak_active = max(self.peak_active, self.active)
         try:
@@ -64,10 +70,16 @@ class FakeEngine:
             if prompt.startswith("sleep:"):
                 secs = float(prompt.split()[0][6:])
                 dead = asyncio.ensure_future(self.dead.wait())
-                done, _ = await asyncio.wait([dead], timeout=secs)
+                stop = asyncio.ensure_future(abort.wait())
+                done, _ = await asyncio.wait(
+                    [dead, stop], timeout=secs, return_when=asyncio.FIRST_COMPLETED
+                )
                 dead.cancel()
-                if done:
+                stop.cancel()
+                if dead in done:
                     raise EngineDead("fake engine died while serving")
+                if stop in done:
+                    raise EngineAborted(f"request {request.request_id} was aborted")
             words = prompt.split()
             first = time.time()
             n = min(len(words), int(request.sampling.get("max_tokens", 256)))
@@ -81,6 +93,13 @@ class FakeEngine:
             )
         finally:
             self.active -= 1
+            self._abort_events.pop(request.request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.add(request_id)
+        event = self._abort_events.get(request_id)
+        if event is not None:
+            event.set()
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         return " ".join(f"{m['role']}: {m['content']}" for m in messages)

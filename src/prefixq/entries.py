@@ -6,7 +6,8 @@ prefix stored once, content-addressed, under `Keys.prefix`). A prefix object is 
 ``{"m": leading messages}`` or ``{"t": token ids}``. Other keys: ``v`` version, ``b`` burst,
 ``i`` input index, ``id`` request id, ``s`` sampling, ``e`` enqueued (epoch s), ``k`` shard,
 ``w`` estimated uncached prompt tokens (the placement's load unit), ``pc`` predicted cached tokens,
-``dl`` the burst's deadline (epoch s; absent = none).
+``dl`` the burst's deadline (epoch s; absent = none), ``u`` the OpenAI url of the line (absent for
+a plain line) and ``md`` its body's model (absent when none): both only for the output objects.
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ class Entry:
     predicted_cached: int
     #: epoch seconds after which the request is not admitted any more (None: no deadline)
     deadline: float | None = None
+    #: the OpenAI url the request's line named (None for a plain line), for the output objects
+    endpoint: str | None = None
+    #: the body's ``model`` of an OpenAI line (None if it named none)
+    model: str | None = None
 
     @classmethod
     def from_wire(cls, d: Any) -> Entry:
@@ -88,6 +93,8 @@ class Entry:
                 work=_count(d, "w"),
                 predicted_cached=_count(d, "pc"),
                 deadline=None if d.get("dl") is None else float(d["dl"]),
+                endpoint=_optional_str(d, "u"),
+                model=_optional_str(d, "md"),
             )
         except (TypeError, ValueError, OverflowError) as err:
             raise WireError(f"malformed entry: {err}") from None
@@ -108,7 +115,9 @@ class Entry:
         prefix = prefix if prefix is not None else self.prefix
         if prefix is not None and not _is_prefix(prefix):
             raise WireError("stored prefix is malformed")
-        req = Request(id=self.id, sampling=dict(self.sampling))
+        req = Request(
+            id=self.id, sampling=dict(self.sampling), endpoint=self.endpoint, model=self.model
+        )
         ((key, value),) = self.own.items()
         if not isinstance(value, str if key == "p" else list):
             raise WireError(
@@ -154,6 +163,10 @@ def to_wire(
         d["s"] = req.sampling
     if deadline is not None:
         d["dl"] = deadline
+    if req.endpoint is not None:
+        d["u"] = req.endpoint
+    if req.model is not None:
+        d["md"] = req.model
     if prefix_ref is not None:
         d["xr"] = prefix_ref
     elif prefix is not None:
@@ -177,6 +190,13 @@ def _typed(d: dict[str, Any], key: str, kind: type) -> Any:
     value = d.get(key)
     if not isinstance(value, kind) or isinstance(value, bool):
         raise WireError(f"entry field {key!r} must be {kind.__name__}")
+    return value
+
+
+def _optional_str(d: dict[str, Any], key: str) -> str | None:
+    value = d.get(key)
+    if value is not None and not isinstance(value, str):
+        raise WireError(f"entry field {key!r} must be str")
     return value
 
 

@@ -8,11 +8,12 @@ whose ``custom_id`` becomes the id and whose ``body`` holds the prompt or messag
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixq import body as openai_body
+from prefixq.choices import MIN_LOGPROB, Choice, TokenLogprob
 from prefixq.errors import (
     EngineAborted,
     EngineError,
@@ -20,30 +21,30 @@ from prefixq.errors import (
     ValidationError,
     WireError,
 )
+from prefixq.sampling import (
+    DEFAULT_MAX_TOKENS,
+    SAMPLING_FIELDS,
+    check_sampling,
+    normalize_sampling,
+)
 from prefixq.text_checks import check_nested, check_text
 
-#: sampling fields a request may carry, with their accepted types (checked at submit time)
-SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
-    "max_tokens": (int,),
-    "min_tokens": (int,),
-    "temperature": (int, float),
-    "top_p": (int, float),
-    "top_k": (int,),
-    "min_p": (int, float),
-    "presence_penalty": (int, float),
-    "frequency_penalty": (int, float),
-    "repetition_penalty": (int, float),
-    "stop": (str, list),
-    "stop_token_ids": (list,),
-    "seed": (int,),
-    "ignore_eos": (bool,),
-}
-DEFAULT_MAX_TOKENS = 256
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "ERROR_CODES",
+    "MIN_LOGPROB",
+    "SAMPLING_FIELDS",
+    "Choice",
+    "Request",
+    "Result",
+    "Timings",
+    "TokenLogprob",
+    "error_code_of",
+]
+
 #: defaults of `Request.validate` (the settings' max_prompt_chars and max_messages)
 DEFAULT_MAX_CHARS = 4_000_000
 DEFAULT_MAX_MESSAGES = 1024
-#: OpenAI body fields that are accepted and ignored (they do not change the result here)
-_IGNORED_BODY = frozenset({"model", "n", "stream", "user", "logprobs", "metadata"})
 _ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 
@@ -52,7 +53,9 @@ class Request:
     """One prompt to run. Exactly one of ``prompt``, ``messages``, ``prompt_token_ids`` is set.
 
     ``prefix`` is shared leading text (a document) placed before ``prompt``; for chats the shared
-    leading messages play that role (everything but the last message).
+    leading messages play that role (everything but the last message). ``endpoint`` is the url
+    of the OpenAI batch line it came from (`body.ENDPOINTS`; None for a plain line) and ``model``
+    that line's ``body.model``: the output objects need them, the answer does not.
     """
 
     id: str
@@ -61,6 +64,8 @@ class Request:
     prompt_token_ids: list[int] | None = None
     prefix: str | list[int] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
+    endpoint: str | None = None
+    model: str | None = None
 
     @classmethod
     def from_json(
@@ -77,32 +82,19 @@ class Request:
         limits = {"max_chars": max_chars, "max_messages": max_messages}
         if not isinstance(obj, Mapping):
             raise ValidationError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-        if "custom_id" in obj or "body" in obj:
-            return cls._from_openai(obj, where, limits)
-        body = dict(obj)
-        rid = body.pop("id", None)
-        rid = str(index) if rid is None else rid
-        return cls._from_body(rid, body, where, limits)
+        if openai_body.is_openai_line(obj):
+            rid, body, url, model = openai_body.parse_line(obj, where)
+            req = cls._from_body(rid, body, where)
+            req.endpoint, req.model = url, model
+        else:
+            body = dict(obj)
+            rid = body.pop("id", None)
+            req = cls._from_body(str(index) if rid is None else rid, body, where)
+        req.validate(where=where, **limits)
+        return req
 
     @classmethod
-    def _from_openai(cls, obj: Mapping[str, Any], where: str, limits: dict[str, int]) -> Request:
-        body = obj.get("body")
-        if not isinstance(body, Mapping):
-            raise ValidationError(f"{where}: OpenAI batch line needs an object 'body'")
-        url = obj.get("url", "/v1/chat/completions")
-        if url not in ("/v1/chat/completions", "/v1/completions"):
-            raise ValidationError(f"{where}: unsupported url {url!r} (chat or completions only)")
-        if "custom_id" not in obj:
-            raise ValidationError(f"{where}: OpenAI batch line needs 'custom_id'")
-        body = {k: v for k, v in body.items() if k not in _IGNORED_BODY}
-        if "max_completion_tokens" in body:
-            body.setdefault("max_tokens", body.pop("max_completion_tokens"))
-        return cls._from_body(obj["custom_id"], body, where, limits)
-
-    @classmethod
-    def _from_body(
-        cls, rid: Any, body: dict[str, Any], where: str, limits: dict[str, int]
-    ) -> Request:
+    def _from_body(cls, rid: Any, body: dict[str, Any], where: str) -> Request:
         if not isinstance(rid, str | int) or isinstance(rid, bool):
             raise ValidationError(f"{where}: id must be a string or integer")
         req = cls(
@@ -118,8 +110,7 @@ class Request:
         sampling.update({k: body.pop(k) for k in list(body) if k in SAMPLING_FIELDS})
         if body:
             raise ValidationError(f"{where}: unknown fields: {', '.join(sorted(body))}")
-        req.sampling = sampling
-        req.validate(where=where, **limits)
+        req.sampling = normalize_sampling(sampling)
         return req
 
     def validate(
@@ -136,10 +127,17 @@ class Request:
         ]
         if len(given) != 1:
             raise ValidationError(w + "needs exactly one of prompt, messages, prompt_token_ids")
-        if not isinstance(self.id, str):
-            raise ValidationError(w + "id must be a string")
+        if not isinstance(self.id, str) or not self.id:
+            raise ValidationError(w + "id must be a non-empty string")
         if len(self.id) > 512:
             raise ValidationError(w + "id longer than 512 characters")
+        for name in ("endpoint", "model"):
+            if not isinstance(getattr(self, name), str | None):
+                raise ValidationError(w + f"{name} must be a string")
+        if self.endpoint is not None and self.endpoint not in openai_body.ENDPOINTS:
+            raise ValidationError(w + f"unsupported endpoint {self.endpoint!r}")
+        if (self.endpoint == openai_body.CHAT) != (self.messages is not None) and self.endpoint:
+            raise ValidationError(w + f"{self.endpoint} does not go with this kind of prompt")
         if self.prompt is not None and not isinstance(self.prompt, str):
             raise ValidationError(w + "prompt must be a string")
         if self.prefix is not None:
@@ -161,7 +159,9 @@ class Request:
             raise ValidationError(w + f"prompt is {self.chars()} characters, over {max_chars}")
         if self.prompt == "" and not self.prefix:
             raise ValidationError(w + "prompt is empty")
-        _check_sampling(self.sampling, w)
+        if not isinstance(self.sampling, dict):
+            raise ValidationError(w + "sampling must be a dict")
+        check_sampling(self.sampling, w)
         self._check_texts(w)
 
     def _check_texts(self, w: str) -> None:
@@ -219,38 +219,6 @@ def _check_messages(messages: Any, max_messages: int, w: str) -> None:
             raise ValidationError(w + f"message {i} content must be a string")
 
 
-def _check_sampling(s: dict[str, Any], w: str) -> None:
-    for key, value in s.items():
-        kinds = SAMPLING_FIELDS.get(key)
-        if kinds is None:
-            raise ValidationError(w + f"unknown sampling field {key!r}")
-        if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
-            raise ValidationError(w + f"{key} has the wrong type ({type(value).__name__})")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValidationError(w + f"{key} must be finite")
-    checks: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-        ("max_tokens", lambda v: 1 <= v <= 1 << 20, "between 1 and 1048576"),
-        ("min_tokens", lambda v: v >= 0, ">= 0"),
-        ("temperature", lambda v: 0 <= v <= 100, "between 0 and 100"),
-        ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
-        ("top_k", lambda v: v == -1 or v >= 0, "-1 or >= 0"),
-        ("min_p", lambda v: 0 <= v <= 1, "in [0, 1]"),
-        ("presence_penalty", lambda v: -2 <= v <= 2, "between -2 and 2"),
-        ("frequency_penalty", lambda v: -2 <= v <= 2, "between -2 and 2"),
-        ("repetition_penalty", lambda v: 0 < v <= 10, "in (0, 10]"),
-        ("seed", lambda v: -(1 << 63) <= v < 1 << 63, "a 64-bit integer"),
-    )
-    for key, ok, what in checks:
-        if key in s and not ok(s[key]):
-            raise ValidationError(w + f"{key}={s[key]!r} must be {what}")
-    stop = s.get("stop")
-    if isinstance(stop, list) and (len(stop) > 16 or not all(isinstance(x, str) for x in stop)):
-        raise ValidationError(w + "stop must be a string or a list of at most 16 strings")
-    ids = s.get("stop_token_ids")
-    if ids is not None and not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
-        raise ValidationError(w + "stop_token_ids must be a list of integers")
-
-
 @dataclass(slots=True)
 class Timings:
     """Epoch seconds of each stage of one request."""
@@ -285,66 +253,6 @@ def error_code_of(err: BaseException) -> str:
     if isinstance(err, EngineError):
         return "engine_error"
     return "internal_error"
-
-
-#: the logprob reported for a token the engine gives -inf (JSON has no infinity; vLLM's OpenAI
-#: server clamps the same way)
-MIN_LOGPROB = -9999.0
-
-
-@dataclass(slots=True)
-class TokenLogprob:
-    """One output token with its log probability and the most likely tokens at its position.
-
-    ``token`` is the token's text as the engine's tokenizer decodes it alone (None when the
-    engine runs without a tokenizer, ``skip_tokenizer_init``); ``top`` holds up to the requested
-    number of alternatives, most likely first, as ``(token id, text, logprob)``.
-    """
-
-    token_id: int
-    token: str | None
-    logprob: float
-    top: list[tuple[int, str | None, float]] = field(default_factory=list)
-
-    def to_wire(self) -> list[Any]:
-        return [self.token_id, self.token, self.logprob, [x for t in self.top for x in t]]
-
-    @classmethod
-    def from_wire(cls, d: list[Any]) -> TokenLogprob:
-        flat = d[3] or []
-        top = [(flat[i], flat[i + 1], flat[i + 2]) for i in range(0, len(flat) - 2, 3)]
-        return cls(token_id=d[0], token=d[1], logprob=d[2], top=top)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "token_id": self.token_id,
-            "token": self.token,
-            "logprob": self.logprob,
-            "top_logprobs": [{"token_id": i, "token": t, "logprob": lp} for i, t, lp in self.top],
-        }
-
-
-@dataclass(slots=True)
-class Choice:
-    """One of the ``n`` completions of a request; ``logprobs`` has one `TokenLogprob` per output
-    token when the request asked for logprobs, else None."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprob] | None = None
-
-    def to_json(self, *, token_ids: bool = False) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "index": self.index,
-            "text": self.text,
-            "finish_reason": self.finish_reason,
-            "logprobs": None if self.logprobs is None else [t.to_json() for t in self.logprobs],
-        }
-        if token_ids:
-            out["token_ids"] = self.token_ids
-        return out
 
 
 @dataclass(slots=True)

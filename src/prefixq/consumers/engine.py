@@ -53,7 +53,8 @@ class EngineOutput:
 
 class Engine(Protocol):
     """What the worker needs from an engine. Implementations raise `EngineError` for a failed
-    request and `EngineDead` when no further request can succeed."""
+    request (`EngineRefused` when the engine refuses it as invalid, `EngineAborted` when `abort`
+    stopped it) and `EngineDead` when no further request can succeed."""
 
     @property
     def max_num_seqs(self) -> int:
@@ -70,7 +71,13 @@ class Engine(Protocol):
         ...
 
     async def generate(self, request: EngineRequest) -> EngineOutput:
-        """Run one request to completion."""
+        """Run one request to completion; raises `EngineAborted` if `abort` stopped it."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request: its `generate` raises `EngineAborted` promptly (one not started yet
+        raises it when it starts). A request that finished first keeps its output; aborting an
+        unknown or finished request changes nothing."""
         ...
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
+from prefixq.choices import MIN_LOGPROB, Choice, TokenLogprob
 from prefixq.consumers.engine import EngineOutput, EngineRequest
-from prefixq.errors import EngineDead, EngineError, SetupError
+from prefixq.errors import EngineAborted, EngineDead, EngineError, EngineRefused, SetupError
+from prefixq.sampling import DEFAULT_MAX_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,49 @@ def cpu_defaults() -> dict[str, Any]:
     }
 
 
+#: ids of aborted requests remembered (for an abort that comes before its request starts)
+_ABORTED_KEPT = 4096
+
+
+def _refusal(err: BaseException) -> bool:
+    """Whether vLLM refused the request itself (bad input: too long a prompt, a token id outside
+    the vocabulary, sampling values it does not take) rather than failing it."""
+    names = {c.__name__ for c in type(err).__mro__}
+    return isinstance(err, ValueError | TypeError) or "VLLMClientError" in names
+
+
+def _logprobs(comp: Any, k: int) -> list[TokenLogprob]:
+    """vLLM's per-position logprobs (a list of ``{token id: Logprob}``, or FlatLogprobs, which
+    index the same way) -> one `TokenLogprob` per output token, with the ``k`` most likely
+    alternatives (vLLM's dict holds the sampled token, whatever its rank, plus ranks 1..k)."""
+    out: list[TokenLogprob] = []
+    lps = comp.logprobs
+    if lps is None:
+        return out
+    for pos, tid in enumerate(comp.token_ids):
+        if pos >= len(lps):
+            break
+        at = lps[pos] or {}
+        chosen = at.get(tid)
+        top = sorted(
+            (v.rank, t, v) for t, v in at.items() if v.rank is not None and 1 <= v.rank <= k
+        )
+        out.append(
+            TokenLogprob(
+                token_id=int(tid),
+                token=None if chosen is None else chosen.decoded_token,
+                logprob=_clamp(chosen.logprob) if chosen is not None else MIN_LOGPROB,
+                top=[(int(t), v.decoded_token, _clamp(v.logprob)) for _, t, v in top[:k]],
+            )
+        )
+    return out
+
+
+def _clamp(lp: float) -> float:
+    """-inf (and NaN) -> `MIN_LOGPROB`: JSON has neither."""
+    return float(lp) if lp > MIN_LOGPROB else MIN_LOGPROB
+
+
 class VllmEngine:
     """`Engine` over `vllm.v1.engine.async_llm.AsyncLLM`."""
 
@@ -68,6 +114,9 @@ class VllmEngine:
         self._max_num_seqs = 0
         self._block_size = 16
         self.max_model_len = 0
+        #: request ids aborted before or while they ran (bounded; see `abort`)
+        self._aborted: OrderedDict[str, None] = OrderedDict()
+        self._running: set[str] = set()
 
     @property
     def max_num_seqs(self) -> int:
@@ -104,23 +153,38 @@ class VllmEngine:
         )
 
     def _sampling(self, s: Mapping[str, Any]) -> Any:
+        """vLLM ``SamplingParams`` for a request's sampling dict (prefixq/sampling.py)."""
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         params = dict(s)
-        params.setdefault("max_tokens", 256)
-        if self._tokenizer is None:
-            params["detokenize"] = False
+        params.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
+        rf = params.pop("response_format", None) or {}
         try:
+            if rf.get("type") == "json_object":
+                params["structured_outputs"] = StructuredOutputsParams(json_object=True)
+            elif rf.get("type") == "json_schema":
+                schema = rf["json_schema"]["schema"]
+                params["structured_outputs"] = StructuredOutputsParams(json=schema)
+            if "logit_bias" in params:
+                params["logit_bias"] = {int(k): float(v) for k, v in params["logit_bias"].items()}
+            fields = getattr(SamplingParams, "__struct_fields__", ())
+            if params.get("logprobs") is not None and "flat_logprobs" in fields:
+                params["flat_logprobs"] = True  # a few lists per request, not a dict per token
+            if self._tokenizer is None:
+                params["detokenize"] = False
             return SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, **params)
-        except (ValueError, TypeError) as e:
-            raise EngineError(f"invalid sampling parameters: {e}") from None
+        except Exception as e:  # ValueError, TypeError, vLLM's validation errors
+            raise EngineRefused(f"invalid sampling parameters: {e}") from None
 
     async def generate(self, request: EngineRequest) -> EngineOutput:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         if self._llm is None:
             raise EngineDead("engine not started")
+        rid = request.request_id
+        if self._aborted.pop(rid, False) is None:
+            raise EngineAborted(f"request {rid} was aborted before it started")
         params = self._sampling(request.sampling)
         prompt: Any
         if request.prompt_token_ids is not None:
@@ -131,8 +195,9 @@ class VllmEngine:
         kwargs: dict[str, Any] = {}
         if request.chat:
             kwargs["tokenization_kwargs"] = {"add_special_tokens": False}
+        self._running.add(rid)
         try:
-            async for out in self._llm.generate(prompt, params, request.request_id, **kwargs):
+            async for out in self._llm.generate(prompt, params, rid, **kwargs):
                 final = out
         except EngineDeadError as e:
             raise EngineDead(f"vLLM engine died: {e}") from e
@@ -140,14 +205,43 @@ class VllmEngine:
             if self._llm.errored:
                 raise EngineDead(f"vLLM engine died: {e}") from e
             cause = e.__cause__ if type(e).__name__ == "EngineGenerateError" and e.__cause__ else e
-            raise EngineError(f"{type(cause).__name__}: {cause}") from e
+            kind = EngineRefused if _refusal(cause) else EngineError
+            raise kind(f"{type(cause).__name__}: {cause}") from e
+        finally:
+            self._running.discard(rid)
+            aborted = self._aborted.pop(rid, False) is None
+        # vLLM ends an aborted request with finish_reason "abort"; one that finished before
+        # the abort reached it keeps its answer
+        if final is not None and any(c.finish_reason == "abort" for c in final.outputs):
+            if aborted:
+                raise EngineAborted(f"request {rid} was aborted")
+            raise EngineError("vLLM aborted the request")
+        if final is None and aborted:
+            raise EngineAborted(f"request {rid} was aborted")
         if final is None or not final.outputs:
             raise EngineError("engine returned no output")
-        comp = final.outputs[0]
+        return self._output(final, request.sampling)
+
+    def _output(self, final: Any, s: Mapping[str, Any]) -> EngineOutput:
+        outs = sorted(final.outputs, key=lambda c: int(c.index))
+        comp = outs[0]
         first = 0.0
         m = final.metrics
         if m is not None and m.first_token_latency:
             first = float(m.arrival_time + m.first_token_latency)
+        k = s.get("logprobs")
+        choices = []
+        if s.get("n", 1) > 1 or k is not None:
+            choices = [
+                Choice(
+                    index=int(c.index),
+                    text=c.text or "",
+                    token_ids=list(c.token_ids),
+                    finish_reason=c.finish_reason,
+                    logprobs=None if k is None else _logprobs(c, k),
+                )
+                for c in outs
+            ]
         return EngineOutput(
             text=comp.text or "",
             token_ids=list(comp.token_ids),
@@ -155,7 +249,18 @@ class VllmEngine:
             prompt_tokens=len(final.prompt_token_ids or ()),
             cached_tokens=int(final.num_cached_tokens or 0),
             first_token=first,
+            choices=choices,
         )
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request: its `generate` raises `EngineAborted` (vLLM ends it with
+        finish_reason "abort"); one not started yet raises it as soon as it starts. Aborting a
+        finished or unknown request changes nothing."""
+        self._aborted[request_id] = None
+        while len(self._aborted) > _ABORTED_KEPT:
+            self._aborted.popitem(last=False)
+        if self._llm is not None and request_id in self._running:
+            await self._llm.abort(request_id)
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         if self._tokenizer is None:
