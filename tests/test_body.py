@@ -10,7 +10,9 @@ import pytest
 from prefixq import wire
 from prefixq.entries import Entry, split_prefix, to_wire
 from prefixq.errors import ValidationError
+from prefixq.inputs import normalize
 from prefixq.records import Request
+from prefixq.settings import Settings
 
 MSGS = [{"role": "user", "content": "hi"}]
 
@@ -121,7 +123,7 @@ def test_response_formats() -> None:
         deep = {"type": "object", "properties": {"a": deep}}
     refused(
         chat(response_format={"type": "json_schema", "json_schema": {"schema": deep}}),
-        "nests deeper than 20",
+        "nests deeper than 14",
     )
 
 
@@ -201,8 +203,9 @@ def test_item_10_value_checks() -> None:
     refused(chat(min_tokens=10, max_tokens=5), "min_tokens=10 is over max_tokens=5")
     refused(chat(min_tokens=300), r"min_tokens=300 is over max_tokens=256 \(the default\)")
     refused(chat(stop_token_ids=[2, -1]), "stop_token_ids must be a list of token ids")
-    refused({**chat(), "custom_id": ""}, "id must be a non-empty string")
-    refused({"id": "", "prompt": "x"}, "id must be a non-empty string")
+    for line in ({**chat(), "custom_id": ""}, {"id": "", "prompt": "x"}):
+        with pytest.raises(ValidationError, match=r"requests\[0\]: the id is empty"):
+            normalize([line], Settings())
     refused(chat(max_tokens=5, max_completion_tokens=6), "max_completion_tokens differ")
     assert parse(chat(max_tokens=5, max_completion_tokens=5)).sampling == {"max_tokens": 5}
 

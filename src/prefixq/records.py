@@ -127,8 +127,8 @@ class Request:
         ]
         if len(given) != 1:
             raise ValidationError(w + "needs exactly one of prompt, messages, prompt_token_ids")
-        if not isinstance(self.id, str) or not self.id:
-            raise ValidationError(w + "id must be a non-empty string")
+        if not isinstance(self.id, str):
+            raise ValidationError(w + "id must be a string")
         if len(self.id) > 512:
             raise ValidationError(w + "id longer than 512 characters")
         for name in ("endpoint", "model"):

@@ -48,8 +48,8 @@ MAX_N = 128
 #: vLLM's default ``max_logprobs``; an engine started with a lower one refuses more
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024
-#: nesting of a json_schema's schema (the entry decoder allows 32 levels in all)
-MAX_SCHEMA_DEPTH = 20
+#: nesting of a json_schema's schema (text_checks allows 16 levels below a sampling field)
+MAX_SCHEMA_DEPTH = 14
 _MAX_TOKEN_ID = 1 << 31
 
 _RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
