@@ -106,10 +106,9 @@ def snapshot_renderables(snap: dict[str, Any]) -> list[RenderableType]:
     cols = (
         "shard",
         "queued",
-        "pending",
+        "in flight (pending)",
         "oldest wait s",
         "workers",
-        "in flight",
         "prefill backlog tok",
         "dead",
         "cached tok (predicted) / prompt tok",
@@ -123,19 +122,37 @@ def snapshot_renderables(snap: dict[str, Any]) -> list[RenderableType]:
             str(s["pending"]),
             f"{s['oldest_waiting_s']:.1f}",
             str(s["workers"]),
-            str(s["inflight"]),
             str(s["outstanding_prefill_tokens"]),
             str(s["dead_letters"]),
             f"{s['cached_tokens']} ({s['predicted_cached_tokens']}) / {s['prompt_tokens']}",
         )
     out.append(t)
+    workers = [(s["shard"], w) for s in snap["shards"] for w in s.get("worker_detail", ())]
+    if workers:
+        wt = Table(title="workers")
+        for col in ("worker", "shard", "pending", "in engine at last beat", "beat age s"):
+            wt.add_column(col, justify="right")
+        for shard, w in workers:
+            wt.add_row(
+                w["name"],
+                str(shard),
+                str(w["pending"]),
+                str(w["inflight_at_beat"]),
+                f"{w['beat_age_s']:.1f}",
+            )
+        out.append(wt)
     for b in snap["bursts"]:
         out.append(
             f"[bold]burst {b['burst']}[/]: {b['status']}, {b['done']} ok + {b['failed']} "
             f"failed of {b['total']}, {b['requests_per_s']} req/s over {b['span_s']} s; "
             f"placement {b['placement']}, per shard {b['per_shard']}"
         )
-        bt = Table()
+        sampled = b["sampled"] < b["results"]
+        bt = Table(
+            caption=f"sampled {b['sampled']} of {b['results']} results, at random"
+            if sampled
+            else None
+        )
         for col in ("stage (s)", "p50", "p95", "p99", "max"):
             bt.add_column(col, justify="right")
         for name, key in (

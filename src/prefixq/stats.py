@@ -1,27 +1,40 @@
 """Queue and latency statistics: what `prefixq inspect` prints and the metrics exporter serves.
 
 Per shard: entries in the stream (undelivered + pending, since acked entries are deleted),
-pending (delivered, not acked), age of the oldest undelivered entry, live workers, in flight,
-estimated outstanding prefill tokens, dead letters, predicted vs actual cached prompt tokens.
-Per burst: progress and p50/p95/p99 of queue wait (enqueued -> admitted), admit -> first token,
-and end to end (enqueued -> finished); prompt tokens served from the prefix cache.
+pending = in flight (delivered, not acked: from the consumer group, so exact once results are
+acked), age of the oldest undelivered entry, live workers (each with its pending entries and the
+in-flight count of its last heartbeat), estimated outstanding prefill tokens, dead letters,
+predicted vs actual cached prompt tokens.
+
+Per burst: progress and token counters from its record (exact), and p50/p95/p99 of queue wait
+(enqueued -> admitted), admit -> first token and end to end (enqueued -> finished) from a uniform
+random sample of at most `SAMPLE` results (``HRANDFIELD``), so a call costs the same for a burst of
+10 results or of 100,000. Index entries of bursts whose record is gone are dropped as they are met
+(a bounded number per call).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import redis
+from redis.exceptions import ResponseError
 
 from prefixq import results as results_api
+from prefixq import wire
 from prefixq.deployment import resolve_shards_sync
-from prefixq.keys import GROUP
+from prefixq.keys import GROUP, Keys
 from prefixq.records import Result
 from prefixq.settings import Settings
 
 PERCENTILES = (50, 95, 99)
+#: results read per burst for its latency percentiles (a uniform random sample beyond that)
+SAMPLE = 1000
+#: index entries of the burst index checked per call for a record that is gone (oldest first)
+PRUNE = 100
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -39,27 +52,12 @@ def _dist(values: list[float]) -> dict[str, float]:
     return out
 
 
-def latency_summary(results: list[Result]) -> dict[str, Any]:
-    """Counts, per-stage latency percentiles (seconds), tokens and cache hits of some results."""
-    ok = [r for r in results if r.error is None]
+def _latencies(ok: list[Result]) -> dict[str, dict[str, float]]:
     t = [r.timings for r in ok]
-    prompt = sum(r.prompt_tokens for r in ok)
-    cached = sum(r.cached_tokens for r in ok)
-    span = (max(x.finished for x in t) - min(x.enqueued for x in t)) if t else 0.0
     return {
-        "results": len(results),
-        "ok": len(ok),
-        "failed": len(results) - len(ok),
         "queue_wait_s": _dist([x.admitted - x.enqueued for x in t]),
         "first_token_s": _dist([x.first_token - x.admitted for x in t if x.first_token]),
         "end_to_end_s": _dist([x.finished - x.enqueued for x in t]),
-        "prompt_tokens": prompt,
-        "cached_tokens": cached,
-        "predicted_cached_tokens": sum(r.predicted_cached_tokens for r in ok),
-        "cached_ratio": round(cached / prompt, 4) if prompt else 0.0,
-        "output_tokens": sum(r.output_tokens for r in ok),
-        "span_s": round(span, 3),
-        "requests_per_s": round(len(ok) / span, 3) if span > 0 else 0.0,
     }
 
 
@@ -103,17 +101,13 @@ def shard_stats(r: redis.Redis, settings: Settings, shards: int) -> list[dict[st
         pipe.zrange(keys.workers(k), 0, -1)
         length, first, dead, names = pipe.execute()
         groups = {g["name"].decode(): g for g in r.xinfo_groups(stream)} if length or names else {}
-        waiting, pending, start = queue_counts(length, groups.get(GROUP))
+        group = groups.get(GROUP)
+        waiting, pending, start = queue_counts(length, group)
         oldest_waiting = 0.0
         if start is not None:
             nxt = first if start == "-" else r.xrange(stream, min=start, count=1)
             oldest_waiting = entry_age(nxt[0][0] if nxt else None, now)
-        live, inflight = [], 0
-        for name in names:
-            hb = r.hgetall(keys.heartbeat(k, name.decode()))
-            if hb:
-                live.append(name.decode())
-                inflight += int(hb.get(b"inflight", 0))
+        workers = _workers(r, keys, k, [n.decode() for n in names], group is not None, now)
         out.append(
             {
                 "shard": k,
@@ -122,9 +116,10 @@ def shard_stats(r: redis.Redis, settings: Settings, shards: int) -> list[dict[st
                 "pending": pending,
                 "oldest_waiting_s": oldest_waiting,
                 "oldest_entry_age_s": entry_age(first[0][0] if first else None, now),
-                "workers": len(live),
-                "worker_names": live,
-                "inflight": inflight,
+                "workers": len(workers),
+                "worker_names": [w["name"] for w in workers],
+                "worker_detail": workers,
+                "inflight": pending,
                 "outstanding_prefill_tokens": load.get(str(k), 0),
                 "dead_letters": dead,
                 "prompt_tokens": sstats.get(f"{k}:prompt", 0),
@@ -135,12 +130,63 @@ def shard_stats(r: redis.Redis, settings: Settings, shards: int) -> list[dict[st
     return out
 
 
+def _workers(
+    r: redis.Redis, keys: Keys, shard: int, names: list[str], group: bool, now: float
+) -> list[dict[str, Any]]:
+    """The live workers of a shard (heartbeat present): their pending entries (consumer group,
+    exact) and what their last heartbeat said (``inflight_at_beat``, ``beat_age_s`` old)."""
+    pending: dict[str, int] = {}
+    if group:
+        summary = r.xpending(keys.stream(shard), GROUP)
+        pending = {c["name"].decode(): int(c["pending"]) for c in summary.get("consumers") or ()}
+    pipe = r.pipeline(transaction=False)
+    for name in names:
+        pipe.hmget(keys.heartbeat(shard, name), ["inflight", "beat"])
+    beats = pipe.execute() if names else []
+    out = []
+    for name, (inflight, beat) in zip(names, beats, strict=True):
+        if inflight is None and beat is None:  # heartbeat expired: not live
+            continue
+        out.append(
+            {
+                "name": name,
+                "pending": pending.get(name, 0),
+                "inflight_at_beat": int(inflight or 0),
+                "beat_age_s": round(max(0.0, now - float(beat or now)), 3),
+            }
+        )
+    return out
+
+
 def burst_stats(r: redis.Redis, settings: Settings, burst: str) -> dict[str, Any]:
-    """Progress, byte counts and latency summary of one burst."""
+    """Progress, byte counts and token counters of one burst (its record), and latency
+    percentiles from at most `SAMPLE` of its results, read at random."""
     st = results_api.status(burst, settings, client=r)
-    res = results_api.collect(burst, settings, client=r)
+    pipe = r.pipeline(transaction=False)
+    pipe.hlen(settings.keys.results(burst))
+    pipe.hrandfield(settings.keys.results(burst), SAMPLE, withvalues=True)
+    n, flat = pipe.execute()
+    limits = wire.Limits.from_settings(settings)
+    sample = [Result.from_wire(wire.decode(v, limits)) for v in (flat or [])[1::2]]
+    ok = [x for x in sample if x.error is None]
     m = st.meta
     raw, enc = int(m.get("raw_bytes", 0)), int(m.get("encoded_bytes", 0))
+    prompt, cached = int(m.get("prompt_tokens", 0)), int(m.get("cached_tokens", 0))
+    # throughput over the burst: from its first enqueue to its last finish (the record's time
+    # once finished; before that the latest finish in the sample)
+    t = [x.timings for x in ok]
+    end = (
+        st.finished_at
+        if st.finished and st.finished_at
+        else max((x.finished for x in t), default=0)
+    )
+    begin = min((x.enqueued for x in t), default=st.created)
+    span = max(0.0, end - begin) if end else 0.0
+    # output tokens are not counted in the record: summed when every result was read, else
+    # the sample's mean per successful request times the successful requests
+    out_tokens = sum(x.output_tokens for x in ok)
+    if len(sample) < n and ok:
+        out_tokens = round(out_tokens / len(ok) * st.done)
     return {
         "burst": burst,
         "status": "finished" if st.finished else st.status,
@@ -154,8 +200,36 @@ def burst_stats(r: redis.Redis, settings: Settings, burst: str) -> dict[str, Any
         "raw_bytes": raw,
         "encoded_bytes": enc,
         "compression": round(raw / enc, 2) if enc else 0.0,
-        **latency_summary(res),
+        "results": n,
+        "ok": st.done,
+        "sampled": len(sample),
+        **_latencies(ok),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "predicted_cached_tokens": int(m.get("predicted_cached_tokens", 0)),
+        "cached_ratio": round(cached / prompt, 4) if prompt else 0.0,
+        "output_tokens": out_tokens,
+        "span_s": round(span, 3),
+        "requests_per_s": round(st.done / span, 3) if span > 0 else 0.0,
     }
+
+
+def recent_bursts(r: redis.Redis, keys: Keys, recent: int) -> list[str]:
+    """The ``recent`` newest bursts of the index that still have a record. Index entries whose
+    record is gone (expired, evicted) are dropped as they are met: among the newest looked at and
+    the `PRUNE` oldest, so a call does bounded work however long the index has grown."""
+    newest = [b.decode() for b in r.zrevrange(keys.bursts, 0, recent + PRUNE - 1)]
+    oldest = [b.decode() for b in r.zrange(keys.bursts, 0, PRUNE - 1)]
+    seen = list(dict.fromkeys(newest + oldest))
+    pipe = r.pipeline(transaction=False)
+    for b in seen:
+        pipe.exists(keys.burst(b))
+    alive = dict(zip(seen, pipe.execute() if seen else [], strict=True))
+    gone = [b for b in seen if not alive[b]]
+    if gone:
+        with contextlib.suppress(ResponseError):  # a read-only user leaves it to the producers
+            r.zrem(keys.bursts, *gone)
+    return [b for b in newest if alive[b]][:recent]
 
 
 def snapshot(
@@ -170,16 +244,10 @@ def snapshot(
 
     r = client or sync_client(settings)
     shards = resolve_shards_sync(r, settings)
-    bursts = (
-        [burst] if burst else [b.decode() for b in r.zrevrange(settings.keys.bursts, 0, recent - 1)]
-    )
+    bursts = [burst] if burst else recent_bursts(r, settings.keys, recent)
     return {
         "namespace": settings.namespace,
         "shards": shard_stats(r, settings, shards),
-        "bursts": [
-            burst_stats(r, settings, b)
-            for b in bursts
-            if r.exists(settings.keys.burst(b)) or b == burst
-        ],
+        "bursts": [burst_stats(r, settings, b) for b in bursts],
         "at": time.time(),
     }

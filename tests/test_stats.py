@@ -1,0 +1,137 @@
+"""`prefixq inspect`'s numbers (prefixq/stats.py): bounded cost per burst, a self-pruning burst
+index, and in-flight counts that agree with the results (issue 11 items 8 and 15)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from prefixq import results, stats, wire
+from prefixq.connection import lua
+from prefixq.producer import Producer
+from prefixq.records import Result, Timings
+from prefixq.redis_server import RedisServer
+from prefixq.settings import Settings
+
+
+@pytest.fixture
+def quiet_server() -> Iterator[RedisServer]:
+    """A private redis-server whose traffic counters only this test moves."""
+    with RedisServer() as srv:
+        yield srv
+
+
+def recorded_burst(r: redis.Redis, s: Settings, n: int) -> str:
+    """A burst of ``n`` requests submitted by the Producer, each result recorded by the record
+    script as a worker's writer does (about 300 bytes of text each)."""
+    burst = Producer(s).submit([{"id": f"q{i}", "prompt": f"p {i}"} for i in range(n)])
+    script = r.register_script(lua("record_result"))
+    keys = s.keys
+    now = time.time()
+    pipe = r.pipeline(transaction=False)
+    for i in range(n):
+        res = Result(
+            id=f"q{i}",
+            index=i,
+            text="answer " * 40 + str(i),
+            prompt_tokens=10,
+            output_tokens=41,
+            timings=Timings(now - 3, now - 2 + i / n, now - 1.5, now - 1 + i / n),
+        )
+        args = [i, wire.encode(res.to_wire(), s.codec), 0, 3600, repr(now), 10, 4, 4]
+        script(
+            keys=[keys.results(burst), keys.burst(burst), keys.events(burst), keys.ids(burst)],
+            args=args,
+            client=pipe,
+        )
+    pipe.execute()
+    return burst
+
+
+def bytes_out(r: redis.Redis) -> int:
+    return int(r.info("stats")["total_net_output_bytes"])
+
+
+def test_inspect_reads_a_bounded_sample_of_a_large_burst(
+    quiet_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`snapshot` of a burst of 5,000 results decodes at most `SAMPLE` of them and Redis sends
+    about as many bytes as for a burst of 1,000; the JSON says how many were sampled, and the
+    counts and tokens still cover every result (the burst's record)."""
+    s = Settings(redis_url=quiet_server.url, namespace="big", shards=1)
+    r = redis.Redis.from_url(s.redis_url)
+    decoded: list[int] = []
+    real = Result.from_wire
+
+    def counting(d: Any) -> Result:
+        decoded.append(1)
+        return real(d)
+
+    monkeypatch.setattr(Result, "from_wire", staticmethod(counting))
+    try:
+        sent = {}
+        for n in (stats.SAMPLE, 5 * stats.SAMPLE):
+            burst = recorded_burst(r, s, n)
+            decoded.clear()
+            before = bytes_out(r)
+            snap = stats.snapshot(s, burst=burst, client=r)
+            sent[n] = bytes_out(r) - before
+            (b,) = snap["bursts"]
+            assert len(decoded) <= stats.SAMPLE
+            assert (b["results"], b["sampled"], b["done"]) == (n, stats.SAMPLE, n)
+            assert b["prompt_tokens"] == 10 * n and b["cached_tokens"] == 4 * n
+            assert b["status"] == "finished" and b["end_to_end_s"]["p50"] > 0
+        print(f"  bytes sent by Redis per snapshot: {sent}")
+        assert sent[5 * stats.SAMPLE] < 1.5 * sent[stats.SAMPLE]
+    finally:
+        r.close()
+
+
+def test_inspect_drops_index_entries_of_gone_bursts_a_bounded_number_per_call(
+    quiet_server: RedisServer,
+) -> None:
+    """With 1,000 index entries whose records are gone (expired) under one live burst, a snapshot
+    shows the live burst, drops the gone entries it met (the newest and the `PRUNE` oldest), and
+    checks no more than that; calls repeated drain the index to the live burst."""
+    s = Settings(redis_url=quiet_server.url, namespace="idx", shards=1)
+    r = redis.Redis.from_url(s.redis_url)
+    try:
+        r.zadd(s.keys.bursts, {f"gone{i:04d}": 1_000 + i for i in range(1_000)})
+        live = Producer(s).submit([{"id": "a", "prompt": "x"}])
+        r.config_resetstat()
+        snap = stats.snapshot(s, recent=5, client=r)
+        assert [b["burst"] for b in snap["bursts"]] == [live]
+        checked = int(r.info("commandstats")["cmdstat_exists"]["calls"])
+        left = r.zcard(s.keys.bursts)
+        print(f"  first call checked {checked} records; index {1_001} -> {left}")
+        assert checked <= 5 + 2 * stats.PRUNE
+        assert 1_001 - left == checked - 1  # every gone entry it checked, and only those
+        for _ in range(20):
+            stats.snapshot(s, recent=5, client=r)
+        assert r.zrange(s.keys.bursts, 0, -1) == [live.encode()]
+    finally:
+        r.close()
+
+
+def test_inspect_in_flight_is_the_consumer_groups_pending_not_a_stale_heartbeat(
+    settings: Settings, r: redis.Redis, fake_worker: Callable[..., Any]
+) -> None:
+    """Once a burst is done, inspect shows nothing in flight or pending for the shard, although
+    the worker's last heartbeat still says 3 requests were in its engine; that figure appears
+    only in the worker's own row."""
+    s = settings.replace(heartbeat_s=60.0)
+    with fake_worker(s, name="beat0"):
+        burst = Producer(s).submit([{"id": f"q{i}", "prompt": f"hi {i}"} for i in range(20)])
+        results.wait(burst, s, timeout=30)
+        r.hset(s.keys.heartbeat(0, "beat0"), "inflight", 3)  # what a beat mid-burst wrote
+        snap = stats.snapshot(s, burst=burst, client=r)
+    (b,) = snap["bursts"]
+    (shard,) = snap["shards"]
+    assert b["done"] == b["total"] == 20
+    assert (shard["inflight"], shard["pending"], shard["waiting"]) == (0, 0, 0)
+    (w,) = shard["worker_detail"]
+    assert (w["name"], w["pending"], w["inflight_at_beat"]) == ("beat0", 0, 3)
