@@ -4,5 +4,5 @@ FROM vllm/vllm-openai:v0.26.0
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY src ./src
-RUN pip install --no-cache-dir ".[gpu]"
+RUN pip install --no-cache-dir ".[gpu,serve]"
 ENTRYPOINT ["prefixq"]

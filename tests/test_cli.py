@@ -30,13 +30,23 @@ def openai_line(cid: str, content: str, max_tokens: int = 8) -> dict[str, Any]:
 def test_submit_wait_on_openai_batch_file_writes_results_in_order(
     cluster: Any, tmp_path: Path
 ) -> None:
-    """Given an OpenAI batch file, `submit --wait --out` prints the burst id last and writes one
-    result per line, in input order, keyed by custom_id."""
+    """Given an OpenAI batch file, `submit --wait --out --format prefixq` prints the burst id last
+    and writes one result line per request, in input order, keyed by custom_id."""
     lines = [openai_line(f"req-{i}", f"Say the number {i}.") for i in range(6)]
     src = tmp_path / "batch.jsonl"
     src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     out = tmp_path / "results.jsonl"
-    p = cli(cluster.settings, "submit", str(src), "--wait", "--out", str(out), timeout=900)
+    p = cli(
+        cluster.settings,
+        "submit",
+        str(src),
+        "--wait",
+        "--out",
+        str(out),
+        "--format",
+        "prefixq",
+        timeout=900,
+    )
     assert p.returncode == 0, p.stderr
     burst = p.stdout.strip().splitlines()[-1]
     assert burst and " " not in burst
@@ -55,7 +65,7 @@ def test_submit_wait_on_openai_batch_file_writes_results_in_order(
         "timings",
     }
 
-    again = cli(cluster.settings, "results", burst)
+    again = cli(cluster.settings, "results", burst, "--format", "prefixq")
     assert again.returncode == 0
     assert [json.loads(x)["id"] for x in again.stdout.splitlines()] == [g["id"] for g in got]
 

@@ -54,3 +54,28 @@ def test_compose_file_validates_with_gpu_reservations_and_aof() -> None:
         assert w["healthcheck"]["test"] == ["CMD", "prefixq", "check", "--shard", str(k)]
         assert w["environment"]["REDIS_URL"] == "redis://redis:6379/0"
     assert svc["producer"]["command"][0] == "submit"
+
+
+def test_compose_serve_service_listens_with_keys_and_shares_a_files_volume() -> None:
+    """The `serve` service runs `prefixq serve` on all interfaces (so it needs PREFIXQ_API_KEYS,
+    taken from the environment), keeps files on a named volume and checks /health."""
+    p = subprocess.run(
+        [*_compose(), "-f", str(ROOT / "docker-compose.yml"), "config"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=ROOT,
+        env={**os.environ, "PREFIXQ_API_KEYS": "k1,k2=team"},
+    )
+    assert p.returncode == 0, p.stderr
+    cfg = yaml.safe_load(p.stdout)
+    svc = cfg["services"]["serve"]
+    assert svc["command"][:3] == ["serve", "--host", "0.0.0.0"]
+    assert svc["environment"]["PREFIXQ_API_KEYS"] == "k1,k2=team"
+    assert svc["environment"]["PREFIXQ_FILES_DIR"] == "/files"
+    (vol,) = svc["volumes"]  # docker-compose v1 prints "source:target:mode", v2 a mapping
+    if isinstance(vol, str):
+        vol = dict(zip(("source", "target"), vol.split(":"), strict=False))
+    assert vol["target"] == "/files" and vol["source"] in cfg["volumes"]
+    assert "/health" in " ".join(svc["healthcheck"]["test"])
+    assert svc["depends_on"]["redis"]["condition"] == "service_healthy"

@@ -81,12 +81,36 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=None, help="with --wait: give up after S s")
     s.add_argument("--burst-id", default=None)
     s.add_argument("--token-ids", action="store_true", help="include output token ids")
+    s.add_argument(
+        "--format",
+        choices=("prefixq", "openai"),
+        default=None,
+        help="with --out: result lines (prefixq) or OpenAI batch output lines (openai); default "
+        "openai for an OpenAI batch file, else prefixq",
+    )
 
     r = sub.add_parser("results", parents=[common], help="write a burst's results (JSONL)")
     r.add_argument("burst")
     r.add_argument("--out", help="file (default: stdout)")
     r.add_argument("--timeout", type=float, default=None, help="wait at most S s for results")
     r.add_argument("--token-ids", action="store_true")
+    r.add_argument(
+        "--format",
+        choices=("prefixq", "openai"),
+        default=None,
+        help="result lines (prefixq) or OpenAI batch output lines (openai); default openai for "
+        "a burst submitted from OpenAI batch lines, else prefixq",
+    )
+
+    sv = sub.add_parser(
+        "serve", parents=[common], help="an OpenAI-compatible Batch API (/v1/files, /v1/batches)"
+    )
+    sv.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1; others need PREFIXQ_API_KEYS)",
+    )
+    sv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
 
     from prefixq.bench.command import add_parser as add_bench
 
@@ -188,18 +212,22 @@ def _strip_options(argv: Sequence[str], drop: set[str]) -> list[str]:
 def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     from prefixq import results
     from prefixq.inputs import read_requests
+    from prefixq.openai.outputs import input_metadata, write_results
     from prefixq.producer import Producer
     from prefixq.progress import BurstProgress, EnqueueProgress
 
     reqs = read_requests(args.file, settings)
+    meta = input_metadata(args.file)
     with EnqueueProgress(len(reqs)) as bar:
-        burst = Producer(settings).submit(reqs, burst_id=args.burst_id, progress=bar.update)
+        burst = Producer(settings).submit(
+            reqs, burst_id=args.burst_id, progress=bar.update, metadata=meta
+        )
     print(f"submitted {len(reqs)} requests as burst {burst}", file=sys.stderr)
     if args.wait:
         with BurstProgress(burst) as bar:
             st = results.wait(burst, settings, timeout=args.timeout, progress=bar.update)
         if args.out:
-            n = results.write_jsonl(burst, args.out, settings, token_ids=args.token_ids)
+            n = write_results(burst, args.out, settings, fmt=args.format, token_ids=args.token_ids)
             print(f"wrote {n} results to {args.out}", file=sys.stderr)
         print(f"{st.done} done, {st.failed} failed", file=sys.stderr)
     print(burst)
@@ -207,15 +235,27 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_results(args: argparse.Namespace, settings: Settings) -> int:
-    from prefixq import results
+    from prefixq.openai.outputs import write_results
 
     out = args.out or sys.stdout
-    n = results.write_jsonl(
-        args.burst, out, settings, timeout=args.timeout, token_ids=args.token_ids
+    n = write_results(
+        args.burst,
+        out,
+        settings,
+        fmt=args.format,
+        timeout=args.timeout,
+        token_ids=args.token_ids,
     )
     if args.out:
         print(f"wrote {n} results to {args.out}", file=sys.stderr)
     return 0
+
+
+def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
+    """The OpenAI-compatible Batch API (docs/openai.md), until SIGINT or SIGTERM."""
+    from prefixq.openai.serve import serve
+
+    return serve(settings, host=args.host, port=args.port)
 
 
 def cmd_inspect(args: argparse.Namespace, settings: Settings) -> int:
@@ -319,7 +359,7 @@ def cmd_dead(args: argparse.Namespace, settings: Settings) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    default_level = "INFO" if args.command in ("worker", "workers", "demo") else "WARNING"
+    default_level = "INFO" if args.command in ("worker", "workers", "demo", "serve") else "WARNING"
     configure_logging(args.log_level or default_level, args.log_format)
     try:
         settings = settings_from(args)
@@ -369,6 +409,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace, Settings], int]] = {
     "worker": cmd_worker,
     "submit": cmd_submit,
     "results": cmd_results,
+    "serve": cmd_serve,
     "inspect": cmd_inspect,
     "check": cmd_check,
     "reclaim": cmd_reclaim,

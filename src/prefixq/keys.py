@@ -117,3 +117,31 @@ class Keys:
     def events(self, burst: str) -> str:
         """Stream: one entry per finished request, for waiters (capped)."""
         return f"{self.ns}:{{b{burst}}}:events"
+
+    # OpenAI Batch API server (prefixq/openai/): one Cluster slot, hash tag {oai}, per namespace
+    @property
+    def oai_files(self) -> str:
+        """Sorted set: file id -> created (epoch ms), for listing files."""
+        return f"{self.ns}:{{oai}}:files"
+
+    def oai_file(self, file_id: str) -> str:
+        """Hash: one file's object (id, bytes, lines, created_at, filename, purpose)."""
+        return f"{self.ns}:{{oai}}:file:{file_id}"
+
+    @property
+    def oai_batches(self) -> str:
+        """Sorted set: batch id -> created (epoch ms), for listing batches."""
+        return f"{self.ns}:{{oai}}:batches"
+
+    def oai_batch(self, batch_id: str) -> str:
+        """Hash: one batch's record (status, timestamps, burst, file ids, errors, counts)."""
+        return f"{self.ns}:{{oai}}:batch:{batch_id}"
+
+    @property
+    def oai_open(self) -> str:
+        """Set: batches not yet in a final status, watched by every server's finalizer."""
+        return f"{self.ns}:{{oai}}:open"
+
+    def oai_lease(self, batch_id: str) -> str:
+        """String with TTL: the token of the server validating or finalizing the batch."""
+        return f"{self.ns}:{{oai}}:lease:{batch_id}"

@@ -103,6 +103,17 @@ class Settings:
     #: workers serve Prometheus metrics on this port (docs/operations.md); 0 = off
     metrics_port: int = 0
 
+    # OpenAI Batch API server (prefixq serve; docs/openai.md)
+    #: bearer API keys, comma-separated, each KEY or KEY=NAMESPACE; @PATH reads them from a file
+    #: (one a line); empty = no keys, and the server listens on loopback only
+    api_keys: str = ""
+    #: where uploaded and output files are kept; empty = <cache_dir>/files
+    files_dir: str = ""
+    #: largest uploaded file, bytes
+    max_file_bytes: int = 200 << 20
+    #: most lines (requests) in an uploaded file
+    max_file_lines: int = 50_000
+
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
             raise ConfigError(f"codec must be one of {', '.join(CODECS)}, not {self.codec!r}")
@@ -130,6 +141,8 @@ class Settings:
             "max_entry_bytes",
             "max_decoded_bytes",
             "max_prompt_chars",
+            "max_file_bytes",
+            "max_file_lines",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, not {getattr(self, name)}")

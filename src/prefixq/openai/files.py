@@ -1,0 +1,162 @@
+"""The files store: file contents in a directory, file objects in Redis.
+
+A file lives at ``<files_dir>/<namespace>/<file id>`` (``files_dir`` defaults to
+``<cache_dir>/files``); its object (id, bytes, lines, created_at, filename, purpose) is a Redis hash
+listed in a sorted set by creation time. Contents are written under a temporary name and renamed
+into place before the object is recorded, so a listed file is always complete. Several servers
+sharing a Redis must share ``files_dir`` too (one volume).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aredis
+
+from prefixq.keys import Keys
+from prefixq.model import default_cache_dir
+from prefixq.openai.apierror import bad_request, not_found
+from prefixq.openai.pages import Page, page
+from prefixq.openai.uploads import receive
+from prefixq.settings import Settings
+
+__all__ = ["FileStore", "files_root", "new_file_id"]
+
+log = logging.getLogger(__name__)
+
+#: purposes a client may upload with, and those the server writes
+UPLOAD_PURPOSES = frozenset({"batch"})
+PURPOSES = frozenset({"batch", "batch_output"})
+
+
+def new_file_id() -> str:
+    return "file-" + secrets.token_hex(12)
+
+
+def files_root(settings: Settings) -> Path:
+    """The ``files_dir`` setting, or ``<cache_dir>/files``."""
+    if settings.files_dir:
+        return Path(settings.files_dir).expanduser()
+    return default_cache_dir(settings.cache_dir) / "files"
+
+
+def file_object(h: dict[bytes, bytes]) -> dict[str, Any]:
+    """OpenAI's File object from its Redis hash."""
+    m = {k.decode(): v.decode() for k, v in h.items()}
+    return {
+        "id": m["id"],
+        "object": "file",
+        "bytes": int(m["bytes"]),
+        "created_at": int(m["created_at"]),
+        "filename": m["filename"],
+        "purpose": m["purpose"],
+        "status": "processed",
+        "status_details": None,
+        "expires_at": None,
+    }
+
+
+class FileStore:
+    """Files of one namespace; ``r`` is the server's shared asyncio Redis client."""
+
+    def __init__(self, r: aredis.Redis, settings: Settings, namespace: str) -> None:
+        self.r, self.settings, self.keys = r, settings, Keys(namespace)
+        self.dir = files_root(settings) / namespace
+
+    def path(self, file_id: str) -> Path:
+        return self.dir / file_id
+
+    async def upload(
+        self, chunks: AsyncIterator[bytes], content_type: str | None
+    ) -> dict[str, Any]:
+        """Receive a multipart upload (fields ``purpose`` and ``file``) and record it."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        file_id = new_file_id()
+        tmp = self.dir / f".upload-{file_id}"
+        s = self.settings
+        up = await receive(
+            chunks, content_type, tmp, max_bytes=s.max_file_bytes, max_lines=s.max_file_lines
+        )
+        try:
+            purpose = up.fields.get("purpose")
+            if not up.got_file:
+                raise bad_request("Missing required parameter: 'file'.", param="file")
+            if purpose is None:
+                raise bad_request("Missing required parameter: 'purpose'.", param="purpose")
+            if purpose not in UPLOAD_PURPOSES:
+                raise bad_request(
+                    f"Invalid value for 'purpose': {purpose!r}; this server takes 'batch' files.",
+                    param="purpose",
+                    code="invalid_value",
+                )
+            tmp.rename(self.path(file_id))
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return await self.record(
+            file_id, up.filename or "upload.jsonl", "batch", up.bytes, up.lines
+        )
+
+    async def record(
+        self, file_id: str, filename: str, purpose: str, size: int, lines: int
+    ) -> dict[str, Any]:
+        """Record the object of a file already in place; returns it."""
+        now = time.time()
+        h = {
+            "id": file_id,
+            "bytes": size,
+            "lines": lines,
+            "created_at": int(now),
+            "filename": filename,
+            "purpose": purpose,
+        }
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(self.keys.oai_file(file_id), mapping=h)
+        pipe.zadd(self.keys.oai_files, {file_id: int(now * 1000)})
+        await pipe.execute()
+        log.info("file %s: %s, %d bytes, %d lines (%s)", file_id, filename, size, lines, purpose)
+        return file_object({k.encode(): str(v).encode() for k, v in h.items()})
+
+    async def get(self, file_id: str) -> dict[str, Any]:
+        h = await self.r.hgetall(self.keys.oai_file(file_id))
+        if not h:
+            raise not_found("File", file_id)
+        return file_object(h)
+
+    async def content(self, file_id: str) -> Path:
+        """The path of an existing file's content (404 if unknown or gone from disk)."""
+        await self.get(file_id)
+        path = self.path(file_id)
+        if not path.is_file():
+            log.warning("file %s is recorded but missing from %s", file_id, self.dir)
+            raise not_found("File", file_id)
+        return path
+
+    async def delete(self, file_id: str) -> dict[str, Any]:
+        pipe = self.r.pipeline(transaction=True)
+        pipe.delete(self.keys.oai_file(file_id))
+        pipe.zrem(self.keys.oai_files, file_id)
+        deleted, _ = await pipe.execute()
+        if not deleted:
+            raise not_found("File", file_id)
+        self.path(file_id).unlink(missing_ok=True)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    async def list(self, *, after: str | None, limit: int, order: str, purpose: str | None) -> Page:
+        """Files newest first (``order="desc"``) or oldest first, after the cursor ``after``."""
+
+        async def fetch(ids: list[str]) -> list[dict[str, Any]]:
+            pipe = self.r.pipeline(transaction=False)
+            for i in ids:
+                pipe.hgetall(self.keys.oai_file(i))
+            return [file_object(h) for h in await pipe.execute() if h]
+
+        keep = None if purpose is None else (lambda o: o["purpose"] == purpose)
+        return await page(
+            self.r, self.keys.oai_files, fetch, after=after, limit=limit, order=order, keep=keep
+        )

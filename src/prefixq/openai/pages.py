@@ -1,0 +1,89 @@
+"""Cursor pagination over a sorted set of object ids (scored by creation time), as OpenAI's list
+endpoints page: ``after`` (the last id of the previous page), ``limit``, ``has_more``,
+``first_id``, ``last_id``."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aredis
+
+from prefixq.openai.apierror import bad_request
+
+__all__ = ["Page", "page", "parse_limit"]
+
+_CHUNK = 1000
+Fetch = Callable[[list[str]], Awaitable[list[dict[str, Any]]]]
+
+
+@dataclass(slots=True)
+class Page:
+    data: list[dict[str, Any]]
+    has_more: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": self.data,
+            "first_id": self.data[0]["id"] if self.data else None,
+            "last_id": self.data[-1]["id"] if self.data else None,
+            "has_more": self.has_more,
+        }
+
+
+def parse_limit(raw: str | None, *, default: int, most: int) -> int:
+    """The ``limit`` query parameter: an integer in 1..``most``; 400 otherwise."""
+    if raw is None:
+        return default
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= most:
+        raise bad_request(
+            f"Invalid 'limit': {raw!r}; expected an integer between 1 and {most}.",
+            param="limit",
+            code="invalid_value",
+        )
+    return n
+
+
+async def page(
+    r: aredis.Redis,
+    zkey: str,
+    fetch: Fetch,
+    *,
+    after: str | None,
+    limit: int,
+    order: str = "desc",
+    keep: Callable[[dict[str, Any]], bool] | None = None,
+) -> Page:
+    """Up to ``limit`` objects after the id ``after`` (newest first for ``order="desc"``), and
+    whether more follow. ``fetch`` turns ids into objects (dropping vanished ones); ``keep``
+    filters them. An ``after`` that is not in the set is a 400."""
+    if order not in ("asc", "desc"):
+        raise bad_request(f"Invalid 'order': {order!r}; expected 'asc' or 'desc'.", param="order")
+    desc = order == "desc"
+    start = 0
+    if after:
+        rank = await (r.zrevrank(zkey, after) if desc else r.zrank(zkey, after))
+        if rank is None:
+            raise bad_request(f"Invalid 'after': no object with id {after!r}.", param="after")
+        start = int(rank) + 1
+    out: list[dict[str, Any]] = []
+    chunk = min(_CHUNK, limit + 1)
+    while True:
+        end = start + chunk - 1
+        raw = await (r.zrevrange(zkey, start, end) if desc else r.zrange(zkey, start, end))
+        if not raw:
+            return Page(out, False)
+        for obj in await fetch([i.decode() for i in raw]):
+            if keep is not None and not keep(obj):
+                continue
+            if len(out) == limit:
+                return Page(out, True)
+            out.append(obj)
+        start += len(raw)
+        chunk = _CHUNK

@@ -1,0 +1,343 @@
+"""What moves a batch along without any client asking: validating and queueing its burst, and
+finalizing it (writing the output and error files) once every request has a result.
+
+Each server runs a `Sweeper` over the open batches of every namespace it serves. Work on a batch is
+done under its lease (lease.py), so with two servers on one Redis each step runs once, and a step a
+dead server left half done is redone by whichever server sweeps next (after the lease's TTL):
+
+- ``validating``: check the input file (validate.py), then ``Producer.asubmit`` the requests as the
+  batch's burst (``deadline`` = created + completion window). A burst an earlier attempt queued
+  completely is kept; one it queued partly is cancelled and the batch queued again under a new
+  burst id (``<batch id>-<attempt>``).
+- ``in_progress`` / ``cancelling`` with every result recorded: ``finalizing``, write both files
+  (formats.py), then ``completed``, ``expired`` (some request expired) or ``cancelled``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import importlib
+import json
+import logging
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+import anyio
+import redis.asyncio as aredis
+
+from prefixq import wire
+from prefixq.connection import TRANSIENT
+from prefixq.errors import PrefixqError, ValidationError
+from prefixq.openai import lease
+from prefixq.openai.apierror import ApiError
+from prefixq.openai.batches import BatchStore
+from prefixq.openai.files import new_file_id
+from prefixq.openai.formats import Line, Usage, format_result
+from prefixq.openai.validate import check_input
+from prefixq.producer import Producer
+from prefixq.records import Result
+from prefixq.settings import Settings
+
+__all__ = ["Sweeper", "cancel_burst", "check_cancel"]
+
+log = logging.getLogger(__name__)
+
+_FETCH = 512
+#: the burst record field the producer writes once every entry is queued
+_QUEUED_MARK = "encoded_bytes"
+
+
+def _bursts() -> Any:
+    try:
+        return importlib.import_module("prefixq.bursts")
+    except ImportError:
+        raise ApiError(
+            501,
+            "Cancelling needs prefixq.bursts, which this installation lacks.",
+            type="server_error",
+        ) from None
+
+
+def check_cancel() -> None:
+    """ApiError 501 when bursts cannot be cancelled here."""
+    _bursts()
+
+
+async def cancel_burst(settings: Settings, burst: str) -> None:
+    """Cancel the burst's unfinished requests (prefixq.bursts.cancel)."""
+    bursts = _bursts()
+    await anyio.to_thread.run_sync(lambda: bursts.cancel(burst, settings))
+
+
+def _failed(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"failed_at": time.time(), "errors": json.dumps(errors, ensure_ascii=False)}
+
+
+class _Files:
+    """The output and error files of one finalization, written under temporary names."""
+
+    def __init__(self, store: BatchStore, batch_id: str) -> None:
+        self.store, self.batch_id = store, batch_id
+        self.ids = {"output": new_file_id(), "error": new_file_id()}
+        self.lines = {"output": 0, "error": 0}
+        self.bytes = {"output": 0, "error": 0}
+        self.kinds: dict[str, int] = {}
+        self.usage = Usage()
+
+    def tmp(self, which: str) -> Path:
+        return self.store.files.dir / f".final-{self.ids[which]}"
+
+    async def write(self, lines: list[Line]) -> None:
+        out: dict[str, list[str]] = {"output": [], "error": []}
+        for ln in lines:
+            out["output" if ln.ok else "error"].append(ln.dumps())
+            self.kinds[ln.kind] = self.kinds.get(ln.kind, 0) + 1
+        for which, texts in out.items():
+            if texts:
+                data = "".join(texts).encode()
+                async with await anyio.open_file(self.tmp(which), "ab") as f:
+                    await f.write(data)
+                self.lines[which] += len(texts)
+                self.bytes[which] += len(data)
+
+    async def publish(self) -> dict[str, str]:
+        """Rename the non-empty files into place and record them; returns the file id fields."""
+        out = {"output_file_id": "", "error_file_id": ""}
+        for which in ("output", "error"):
+            if not self.lines[which]:
+                continue
+            fid = self.ids[which]
+            self.tmp(which).rename(self.store.files.path(fid))
+            name = f"{self.batch_id}_{which}.jsonl"
+            await self.store.files.record(
+                fid, name, "batch_output", self.bytes[which], self.lines[which]
+            )
+            out[f"{which}_file_id"] = fid
+        return out
+
+    def discard(self) -> None:
+        for which in ("output", "error"):
+            self.tmp(which).unlink(missing_ok=True)
+
+
+class Sweeper:
+    """Validates, queues and finalizes the open batches of the given namespaces."""
+
+    def __init__(self, r: aredis.Redis, settings: Settings, namespaces: list[str]) -> None:
+        self.r, self.settings = r, settings
+        self.stores = {ns: BatchStore(r, settings, ns) for ns in namespaces}
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.busy: set[tuple[str, str]] = set()
+
+    def spawn(self, store: BatchStore, batch_id: str, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` in the background (one task per batch at a time)."""
+        key = (store.keys.ns, batch_id)
+        self.busy.add(key)
+
+        async def run() -> None:
+            try:
+                await coro
+            except Exception:
+                log.exception(
+                    "batch %s: step failed; a sweep retries it once its lease expires", batch_id
+                )
+            finally:
+                self.busy.discard(key)
+
+        task = asyncio.create_task(run())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def start(self, store: BatchStore, batch_id: str, token: str) -> None:
+        """Validate the input file and queue the burst (under the lease ``token``)."""
+        async with lease.held(self.r, store.keys.oai_lease(batch_id), token):
+            await self._start(store, batch_id, token)
+
+    async def _start(self, store: BatchStore, batch_id: str, token: str) -> None:
+        m = await store.record(batch_id)
+        burst = m["burst"]
+        exists = await self.r.hmget(store.keys.burst(burst), ["total", _QUEUED_MARK])
+        if m["status"] == "cancelling":  # cancelled while validating
+            if exists[0] is None:
+                done = {"cancelled_at": time.time(), "total": 0, "completed": 0, "failed": 0}
+                await store.move(batch_id, ("cancelling",), "cancelled", done, token=token)
+            else:  # queued (in part) by an attempt that died: cancel it, then finalize it
+                await cancel_burst(store.settings, burst)
+                await self.r.hset(store.keys.oai_batch(batch_id), "total", int(exists[0]))
+            return
+        if m["status"] != "validating":
+            return
+        if exists[0] is not None:
+            if exists[1] is not None:  # an earlier attempt queued all of it
+                await self._queued(
+                    store, batch_id, burst, int(exists[0]), m.get("model", ""), token
+                )
+                return
+            await cancel_burst(store.settings, burst)  # partly queued: none of it may run
+            attempt = await self.r.hincrby(store.keys.oai_batch(batch_id), "attempts", 1)
+            burst = f"{batch_id}-{attempt}"
+            await self.r.hset(store.keys.oai_batch(batch_id), "burst", burst)
+            log.warning(
+                "batch %s: an earlier attempt queued part of it; queueing as %s", batch_id, burst
+            )
+        path = store.files.path(m["input_file_id"])
+        if not path.is_file():
+            err = {
+                "code": "invalid_request",
+                "message": f"The input file {m['input_file_id']!r} no longer exists.",
+                "param": "input_file_id",
+                "line": None,
+            }
+            await store.move(batch_id, ("validating",), "failed", _failed([err]), token=token)
+            return
+        checked = await anyio.to_thread.run_sync(check_input, path, m["endpoint"], store.settings)
+        if checked.errors:
+            log.info("batch %s: %d errors in its input file", batch_id, checked.error_count)
+            await store.move(
+                batch_id, ("validating",), "failed", _failed(checked.errors), token=token
+            )
+            return
+        meta = {"input_format": "openai", "endpoint": m["endpoint"], "openai_batch": batch_id}
+        if checked.model:
+            meta["model"] = checked.model
+        try:
+            await Producer(store.settings).asubmit(
+                checked.requests,
+                burst_id=burst,
+                deadline=float(m["created_at"]) + int(m["window_s"]),
+                metadata=meta,
+            )
+        except ValidationError as e:
+            err = {"code": "invalid_request", "message": str(e), "param": None, "line": None}
+            await store.move(batch_id, ("validating",), "failed", _failed([err]), token=token)
+            return
+        log.info("batch %s: %d requests queued as burst %s", batch_id, len(checked.requests), burst)
+        await self._queued(
+            store, batch_id, burst, len(checked.requests), checked.model or "", token
+        )
+
+    async def _queued(
+        self, store: BatchStore, batch_id: str, burst: str, total: int, model: str, token: str
+    ) -> None:
+        await self.r.hset(store.keys.oai_batch(batch_id), mapping={"total": total, "model": model})
+        moved = await store.move(
+            batch_id, ("validating",), "in_progress", {"in_progress_at": time.time()}, token=token
+        )
+        if moved == 0 and (await store.record(batch_id))["status"] == "cancelling":
+            await cancel_burst(store.settings, burst)
+
+    async def finalize(self, store: BatchStore, batch_id: str, token: str) -> None:
+        """Write the output and error files of a batch whose burst has every result."""
+        async with lease.held(self.r, store.keys.oai_lease(batch_id), token):
+            m = await store.record(batch_id)
+            if m["status"] == "in_progress":
+                fields = {"finalizing_at": time.time()}
+                if (
+                    await store.move(batch_id, ("in_progress",), "finalizing", fields, token=token)
+                    != 1
+                ):
+                    return
+                m = await store.record(batch_id)
+            if m["status"] not in ("finalizing", "cancelling"):
+                return
+            files = _Files(store, batch_id)
+            try:
+                await self._write(store, m, files)
+                final = "cancelled" if m["status"] == "cancelling" else "completed"
+                if final == "completed" and files.kinds.get("expired"):
+                    final = "expired"
+                ids = await files.publish()
+            finally:
+                files.discard()
+            done = files.kinds.get("completed", 0)
+            fields2: dict[str, Any] = {
+                f"{final}_at": time.time(),
+                **ids,
+                "total": sum(files.kinds.values()),
+                "completed": done,
+                "failed": sum(files.kinds.values()) - done,
+                "usage": json.dumps(files.usage.to_json()),
+            }
+            moved = await store.move(batch_id, (m["status"],), final, fields2, token=token)
+            if moved != 1:
+                for fid in ids.values():
+                    if fid:
+                        await store.files.delete(fid)
+                return
+            log.info("batch %s: %s (%s)", batch_id, final, files.kinds)
+
+    async def _write(self, store: BatchStore, m: dict[str, str], files: _Files) -> None:
+        burst = m["burst"]
+        limits = wire.Limits.from_settings(store.settings)
+        total = int(await self.r.hget(store.keys.burst(burst), "total") or 0)
+        for start in builtins.range(0, total, _FETCH):
+            idx = list(builtins.range(start, min(total, start + _FETCH)))
+            raw = await self.r.hmget(store.keys.results(burst), idx)
+            lines = []
+            for i, v in zip(idx, raw, strict=True):
+                if v is None:  # not expected once the burst is finished; say so in its line
+                    rid = await self.r.lindex(store.keys.ids(burst), i)
+                    res = Result(id=(rid or b"").decode(), index=i, error="no result was recorded")
+                else:
+                    res = Result.from_wire(wire.decode(v, limits))
+                files.usage.add(res)
+                lines.append(
+                    format_result(
+                        res, burst=burst, endpoint=m["endpoint"], model=m.get("model", "")
+                    )
+                )
+            await files.write(lines)
+
+    async def sweep(self) -> None:
+        """One pass over every open batch of every namespace."""
+        for store in self.stores.values():
+            ids = sorted(i.decode() for i in await self.r.smembers(store.keys.oai_open))
+            for batch_id in ids:
+                if (store.keys.ns, batch_id) not in self.busy:
+                    await self._visit(store, batch_id)
+
+    async def _visit(self, store: BatchStore, batch_id: str) -> None:
+        m = {
+            k.decode(): v.decode()
+            for k, v in (await self.r.hgetall(store.keys.oai_batch(batch_id))).items()
+        }
+        status = m.get("status")
+        if status is None or status in ("failed", "completed", "expired", "cancelled"):
+            await self.r.srem(store.keys.oai_open, batch_id)
+            return
+        if status == "validating" or (status == "cancelling" and "total" not in m):
+            step = self.start
+        else:
+            st = await self.r.hmget(store.keys.burst(m["burst"]), ["total", "done", "failed"])
+            if st[0] is None:
+                err = {
+                    "code": "internal_error",
+                    "message": f"The burst {m['burst']} is gone.",
+                    "param": None,
+                    "line": None,
+                }
+                await store.move(batch_id, (status,), "failed", _failed([err]))
+                return
+            if int(st[1] or 0) + int(st[2] or 0) < int(st[0]):
+                return
+            step = self.finalize
+        token = await lease.acquire(self.r, store.keys.oai_lease(batch_id))
+        if token is not None:
+            self.spawn(store, batch_id, step(store, batch_id, token))
+
+    async def run(self, interval: float = 0.5) -> None:
+        """Sweep for ever (until cancelled), riding out Redis outages."""
+        while True:
+            try:
+                await self.sweep()
+            except (*TRANSIENT, PrefixqError) as e:
+                log.warning("sweeping batches failed: %s", e)
+            await asyncio.sleep(interval)
+
+    async def close(self) -> None:
+        for t in list(self.tasks):
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)

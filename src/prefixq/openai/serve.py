@@ -1,0 +1,67 @@
+"""``prefixq serve``: the OpenAI-compatible Batch API on uvicorn.
+
+Without API keys the server refuses any address but a loopback one: anyone who can reach it could
+run batches on the GPUs and read every file.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prefixq.connection import sync_client
+from prefixq.errors import ConfigError
+from prefixq.openai.auth import KeyRing, is_loopback
+from prefixq.openai.files import files_root
+from prefixq.settings import Settings
+
+__all__ = ["serve"]
+
+log = logging.getLogger(__name__)
+
+
+def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8000) -> int:
+    """Check the settings and Redis, then serve until SIGINT/SIGTERM; returns the exit code."""
+    import uvicorn
+
+    from prefixq.openai.app import create_app
+
+    keyring = KeyRing.from_settings(settings)
+    if keyring.open and not is_loopback(host):
+        raise ConfigError(
+            f"no API keys are configured, so the server listens on a loopback address only, not "
+            f"{host!r}: set PREFIXQ_API_KEYS (KEY or KEY=NAMESPACE, comma-separated) or use "
+            "--host 127.0.0.1"
+        )
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port must be 0 to 65535, not {port}")
+    root = files_root(settings)
+    root.mkdir(parents=True, exist_ok=True)
+    r = sync_client(settings)
+    try:
+        r.ping()
+    finally:
+        r.close()
+    if keyring.open:
+        log.warning(
+            "no API keys configured (PREFIXQ_API_KEYS): any caller is accepted; listening on "
+            "%s only",
+            host,
+        )
+    else:
+        log.info("%d API keys; namespaces %s", len(keyring.keys), ", ".join(keyring.namespaces))
+    log.info(
+        "OpenAI Batch API on http://%s:%d/v1 (namespace %s, files in %s)",
+        host,
+        port,
+        settings.namespace,
+        root,
+    )
+    uvicorn.run(
+        create_app(settings),
+        host=host,
+        port=port,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=10,
+    )
+    return 0

@@ -1,0 +1,143 @@
+"""Check a batch input file line by line, as OpenAI does while a batch is ``validating``.
+
+Each problem is a batch error ``{"code", "message", "param", "line"}`` (1-based line numbers):
+``invalid_json_line``, ``missing_required_parameter``, ``invalid_request`` (wrong types, a method
+other than POST, a body prefixq refuses: the message says why), ``url_mismatch`` (the line's url
+is not the batch's endpoint), ``model_mismatch`` (one batch, one model), ``duplicate_custom_id``,
+``empty_file``. Any error fails the whole batch; at most `MAX_ERRORS` are listed. The file is read
+line by line, never whole; blank lines are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prefixq.errors import ValidationError
+from prefixq.records import Request
+from prefixq.settings import Settings
+
+__all__ = ["MAX_ERRORS", "Checked", "check_input"]
+
+MAX_ERRORS = 100
+_WHERE = re.compile(r"^line \d+: ")
+
+
+@dataclass(slots=True)
+class Checked:
+    """The valid requests in file order, the batch's model (None if no line names one), and the
+    errors found (empty when the batch may run)."""
+
+    requests: list[Request] = field(default_factory=list)
+    model: str | None = None
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    error_count: int = 0
+
+    def add(self, line: int, code: str, message: str, param: str | None = None) -> None:
+        self.error_count += 1
+        if len(self.errors) < MAX_ERRORS:
+            self.errors.append({"code": code, "message": message, "param": param, "line": line})
+
+
+_REQUIRED = (("custom_id", str, "a string"), ("method", str, "a string"), ("url", str, "a string"))
+
+
+def _check_line(
+    obj: Any, n: int, endpoint: str, settings: Settings, seen: set[str], out: Checked
+) -> Request | None:
+    if not isinstance(obj, dict):
+        out.add(n, "invalid_request", "Each line must be a JSON object.")
+        return None
+    bad = False
+    for name, kind, what in (*_REQUIRED, ("body", dict, "an object")):
+        if name not in obj:
+            out.add(n, "missing_required_parameter", f"Missing required parameter: '{name}'.", name)
+            bad = True
+        elif not isinstance(obj[name], kind):
+            out.add(n, "invalid_request", f"'{name}' must be {what}.", name)
+            bad = True
+    if bad:
+        return None
+    if obj["method"].upper() != "POST":
+        out.add(n, "invalid_request", "The method must be 'POST'.", "method")
+        return None
+    if obj["url"] != endpoint:
+        out.add(
+            n,
+            "url_mismatch",
+            f"The url {obj['url']!r} does not match the batch's endpoint {endpoint!r}.",
+            "url",
+        )
+        return None
+    body = obj["body"]
+    if body.get("stream"):
+        out.add(n, "invalid_request", "Streaming is not supported in a batch.", "body.stream")
+        return None
+    model = body.get("model")
+    if model is not None:
+        if not isinstance(model, str):
+            out.add(n, "invalid_request", "'model' must be a string.", "body.model")
+            return None
+        if out.model is None:
+            out.model = model
+        elif model != out.model:
+            out.add(
+                n,
+                "model_mismatch",
+                f"The model {model!r} differs from {out.model!r}: a batch uses one model.",
+                "body.model",
+            )
+            return None
+    cid = obj["custom_id"]
+    if cid in seen:
+        out.add(
+            n,
+            "duplicate_custom_id",
+            f"The custom_id {cid!r} is a duplicate of another request's; custom_id values must "
+            "be unique within a batch.",
+            "custom_id",
+        )
+        return None
+    seen.add(cid)
+    try:
+        return Request.from_json(
+            obj,
+            index=n - 1,
+            max_chars=settings.max_prompt_chars,
+            max_messages=settings.max_messages,
+        )
+    except ValidationError as e:
+        out.add(n, "invalid_request", _WHERE.sub("", str(e)), "body")
+        return None
+
+
+def check_input(path: Path, endpoint: str, settings: Settings) -> Checked:
+    """Read and check the input file at ``path`` for a batch on ``endpoint``."""
+    out = Checked()
+    seen: set[str] = set()
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                out.add(n, "invalid_json_line", "This line is not parseable as valid JSON.")
+                continue
+            req = _check_line(obj, n, endpoint, settings, seen, out)
+            if req is not None and not out.error_count:
+                out.requests.append(req)
+    if not out.error_count and not out.requests:
+        out.add(
+            0,
+            "empty_file",
+            "The batch input file is empty: it needs at least one request.",
+            "input_file_id",
+        )
+        out.errors[-1]["line"] = None
+    if out.error_count:
+        out.requests.clear()
+    return out
