@@ -112,6 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
 
+    ca = sub.add_parser(
+        "cancel",
+        parents=[common],
+        help="cancel a burst: its unfinished requests get cancelled results",
+    )
+    ca.add_argument("burst")
+    ca.add_argument("--json", action="store_true")
+
     from prefixq.bench.command import add_parser as add_bench
 
     add_bench(sub, common)
@@ -256,6 +264,23 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     from prefixq.openai.serve import serve
 
     return serve(settings, host=args.host, port=args.port)
+
+
+def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
+    """Cancel a burst (prefixq.bursts.cancel); exit 0 also when it had finished already."""
+    from prefixq.bursts import cancel
+
+    rep = cancel(args.burst, settings)
+    if args.json:
+        print(json.dumps(rep.to_json(), indent=2))
+    elif rep.already_finished:
+        print(f"burst {rep.burst} had already ended ({rep.status}); nothing changed")
+    else:
+        print(
+            f"burst {rep.burst} {rep.status}: {rep.cancelled} requests cancelled, "
+            f"{rep.done} done, {rep.failed} failed of {rep.total}"
+        )
+    return 0
 
 
 def cmd_inspect(args: argparse.Namespace, settings: Settings) -> int:
@@ -410,6 +435,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace, Settings], int]] = {
     "submit": cmd_submit,
     "results": cmd_results,
     "serve": cmd_serve,
+    "cancel": cmd_cancel,
     "inspect": cmd_inspect,
     "check": cmd_check,
     "reclaim": cmd_reclaim,

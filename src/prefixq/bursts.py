@@ -1,0 +1,259 @@
+"""A burst's end before all its requests ran: `cancel` (an operator, the HTTP server, the CLI) and
+`expire_due` (its deadline passed; every worker calls it periodically).
+
+Both fail every request of the burst that has no result yet, with ``error_code`` ``cancelled`` or
+``expired``, through lua/finish_missing.lua: ``HSETNX`` per input index, exactly once, so a
+worker that records one of them afterwards gets "already recorded" and only acks its entry, and
+a result recorded before stays. The indexes are taken 1,000 at a time (one round trip to learn
+which have no result and read their request ids from `Keys.ids`, one script call to record them),
+so Redis is never blocked long. The burst record counts them as ``failed`` and per reason
+(``cancelled`` / ``expired``); its status is ``cancelling`` / ``expiring`` meanwhile and
+``cancelled`` / ``expired`` once nothing is missing. The call that completes the burst enqueues
+its ``on_complete`` RQ job (once per burst, as a worker does when its result completes one).
+
+`cancel` also posts ``{b: burst}`` to `Keys.cancels` (``{b: burst, r: expired}`` for an expiry),
+on which workers abort that burst's requests in their engine and skip its queued entries.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import redis
+import redis.asyncio as aredis
+
+from prefixq import wire
+from prefixq.connection import TRANSIENT, describe, lua, sync_client
+from prefixq.errors import BurstNotFound
+from prefixq.keys import Keys
+from prefixq.records import Result
+from prefixq.settings import Settings
+
+__all__ = ["CHUNK", "CancelReport", "acancel", "cancel", "expire_due"]
+
+log = logging.getLogger(__name__)
+
+#: indexes per finish_missing call
+CHUNK = 1000
+#: cancel notices kept in `Keys.cancels` (workers read new ones only)
+_NOTICES_KEPT = 10_000
+#: bursts `expire_due` takes per call
+_DUE_PER_CALL = 100
+_STILL_MISSING, _COMPLETED, _WAS_COMPLETE, _NO_RECORD = 1, 2, 3, -2
+_WHY = {
+    "cancelled": "cancelled: the burst was cancelled before this request finished",
+    "expired": "expired: the burst's deadline passed before this request finished",
+}
+#: the worker name failed results carry
+_WRITER = {"cancelled": "prefixq-cancel", "expired": "prefixq-expire"}
+
+
+@dataclass(slots=True)
+class CancelReport:
+    """What `cancel` found and did. ``already_finished``: the burst had no request left to
+    cancel (nothing was changed); ``cancelled``: requests this call failed as cancelled;
+    ``ended``: this call recorded the burst's last result (and enqueued its ``on_complete``)."""
+
+    burst: str
+    status: str
+    total: int
+    done: int
+    failed: int
+    cancelled: int
+    already_finished: bool
+    ended: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Finisher:
+    """The I/O-free part of finishing a burst's missing results, shared by the sync and async
+    drivers below: which commands to send for a chunk, and what to make of the replies."""
+
+    def __init__(self, keys: Keys, settings: Settings, burst: str, reason: str) -> None:
+        self.keys, self.settings, self.burst, self.reason = keys, settings, burst, reason
+        self.now = time.time()
+        self.recorded = 0
+        self.completed = False
+        self.state = _STILL_MISSING
+
+    @property
+    def script_keys(self) -> list[str]:
+        k, b = self.keys, self.burst
+        return [k.results(b), k.burst(b), k.events(b), k.ids(b)]
+
+    def chunks(self, total: int) -> Iterator[range]:
+        for start in range(0, total, CHUNK):
+            if self.state in (_WAS_COMPLETE, _NO_RECORD) or self.completed:
+                return
+            yield range(start, min(total, start + CHUNK))
+
+    def args(self, chunk: range, exists: list[Any], ids: list[bytes]) -> list[Any] | None:
+        """The script's ARGV for the indexes of ``chunk`` without a result (None: none)."""
+        missing = [i for i, there in zip(chunk, exists, strict=True) if not there]
+        if not missing:
+            return None
+        out: list[Any] = [self.reason, self.settings.result_ttl_s, repr(self.now)]
+        for i in missing:
+            at = i - chunk.start
+            rid = ids[at].decode("utf-8", "replace") if at < len(ids) else str(i)
+            res = Result(
+                id=rid,
+                index=i,
+                error=_WHY[self.reason],
+                error_code=self.reason,
+                worker=_WRITER[self.reason],
+            )
+            res.timings.finished = self.now
+            out += [i, wire.encode(res.to_wire(), self.settings.codec)]
+        return out
+
+    def absorb(self, reply: Any) -> None:
+        recorded, state = int(reply[0]), int(reply[1])
+        self.recorded += recorded
+        self.state = state
+        self.completed = self.completed or state == _COMPLETED
+
+
+def _no_index(f: _Finisher) -> list[Any]:
+    """ARGV for a call with no index: it marks the burst ``cancelling``/``expiring`` (first
+    call), or completes it if every result is in by now (last call)."""
+    return [f.reason, f.settings.result_ttl_s, repr(f.now)]
+
+
+# ---- sync -------------------------------------------------------------------------------------
+def cancel(burst: str, settings: Settings, *, client: redis.Redis | None = None) -> CancelReport:
+    """Cancel ``burst``: queued requests are not run, requests in an engine are aborted, every
+    request without a result gets one with ``error_code`` ``cancelled``; finished results stay.
+    Idempotent; a burst with nothing left to cancel is reported as such and left unchanged.
+    BurstNotFound for an unknown (or expired) burst."""
+    r = client or sync_client(settings)
+    try:
+        return _cancel(r, settings, burst)
+    except TRANSIENT as e:
+        raise describe(settings, e) from e
+    finally:
+        if client is None:
+            r.close()
+
+
+def _cancel(r: redis.Redis, settings: Settings, burst: str) -> CancelReport:
+    keys = Keys(settings.namespace)
+    before = _counts(r.hmget(keys.burst(burst), "total", "done", "failed", "status"))
+    if before is None:
+        raise BurstNotFound(f"no burst {burst!r} in namespace {settings.namespace!r}")
+    total, done, failed, status = before
+    if done + failed >= total:
+        return CancelReport(burst, status, total, done, failed, 0, True)
+    r.xadd(keys.cancels, {"b": burst}, maxlen=_NOTICES_KEPT, approximate=True)
+    f = _Finisher(keys, settings, burst, "cancelled")
+    _finish_sync(r, f, total)
+    r.zrem(keys.deadlines, burst)
+    if f.completed:
+        from prefixq.rq_jobs import enqueue_on_complete_sync
+
+        enqueue_on_complete_sync(r, settings, burst)
+    after = _counts(r.hmget(keys.burst(burst), "total", "done", "failed", "status"))
+    total, done, failed, status = after or before
+    log.info("burst %s cancelled: %d requests failed as cancelled", burst, f.recorded)
+    return CancelReport(burst, status, total, done, failed, f.recorded, False, f.completed)
+
+
+def _finish_sync(r: redis.Redis, f: _Finisher, total: int) -> None:
+    script = r.register_script(lua("finish_missing"))
+    f.absorb(script(keys=f.script_keys, args=_no_index(f)))
+    for chunk in f.chunks(total):
+        pipe = r.pipeline(transaction=False)
+        for i in chunk:
+            pipe.hexists(f.keys.results(f.burst), str(i))
+        pipe.lrange(f.keys.ids(f.burst), chunk.start, chunk.stop - 1)
+        *exists, ids = pipe.execute()
+        args = f.args(chunk, exists, ids)
+        if args is not None:
+            f.absorb(script(keys=f.script_keys, args=args))
+    if not f.completed and f.state == _STILL_MISSING:
+        f.absorb(script(keys=f.script_keys, args=_no_index(f)))
+
+
+# ---- async ------------------------------------------------------------------------------------
+async def acancel(burst: str, settings: Settings, r: aredis.Redis) -> CancelReport:
+    """`cancel` inside an event loop, on the caller's client."""
+    keys = Keys(settings.namespace)
+    before = _counts(await r.hmget(keys.burst(burst), "total", "done", "failed", "status"))
+    if before is None:
+        raise BurstNotFound(f"no burst {burst!r} in namespace {settings.namespace!r}")
+    total, done, failed, status = before
+    if done + failed >= total:
+        return CancelReport(burst, status, total, done, failed, 0, True)
+    await r.xadd(keys.cancels, {"b": burst}, maxlen=_NOTICES_KEPT, approximate=True)
+    f = _Finisher(keys, settings, burst, "cancelled")
+    await _finish_async(r, f, total)
+    await r.zrem(keys.deadlines, burst)
+    if f.completed:
+        from prefixq.rq_jobs import enqueue_on_complete
+
+        await enqueue_on_complete(r, settings, burst)
+    after = _counts(await r.hmget(keys.burst(burst), "total", "done", "failed", "status"))
+    total, done, failed, status = after or before
+    log.info("burst %s cancelled: %d requests failed as cancelled", burst, f.recorded)
+    return CancelReport(burst, status, total, done, failed, f.recorded, False, f.completed)
+
+
+async def expire_due(r: aredis.Redis, settings: Settings, now: float | None = None) -> list[str]:
+    """Expire every burst whose deadline is at or before ``now``: its requests without a result
+    get one with ``error_code`` ``expired``, its status becomes ``expired`` (finished results
+    stay), and it leaves `Keys.deadlines`. Safe to run from several workers at once (each index
+    is recorded once); returns the bursts this call expired. Bursts that had finished anyway,
+    or whose record is gone, only leave the index."""
+    keys = Keys(settings.namespace)
+    now = time.time() if now is None else now
+    due = await r.zrangebyscore(keys.deadlines, "-inf", now, start=0, num=_DUE_PER_CALL)
+    expired: list[str] = []
+    for raw in due:
+        burst = raw.decode() if isinstance(raw, bytes) else str(raw)
+        before = _counts(await r.hmget(keys.burst(burst), "total", "done", "failed", "status"))
+        if before is not None and before[1] + before[2] < before[0]:
+            await r.xadd(
+                keys.cancels, {"b": burst, "r": "expired"}, maxlen=_NOTICES_KEPT, approximate=True
+            )
+            f = _Finisher(keys, settings, burst, "expired")
+            await _finish_async(r, f, before[0])
+            if f.completed:
+                from prefixq.rq_jobs import enqueue_on_complete
+
+                await enqueue_on_complete(r, settings, burst)
+            if f.recorded:
+                expired.append(burst)
+                log.info("burst %s expired: %d requests failed as expired", burst, f.recorded)
+        await r.zrem(keys.deadlines, burst)
+    return expired
+
+
+async def _finish_async(r: aredis.Redis, f: _Finisher, total: int) -> None:
+    script = r.register_script(lua("finish_missing"))
+    f.absorb(await script(keys=f.script_keys, args=_no_index(f)))
+    for chunk in f.chunks(total):
+        pipe = r.pipeline(transaction=False)
+        for i in chunk:
+            pipe.hexists(f.keys.results(f.burst), str(i))
+        pipe.lrange(f.keys.ids(f.burst), chunk.start, chunk.stop - 1)
+        *exists, ids = await pipe.execute()
+        args = f.args(chunk, exists, ids)
+        if args is not None:
+            f.absorb(await script(keys=f.script_keys, args=args))
+    if not f.completed and f.state == _STILL_MISSING:
+        f.absorb(await script(keys=f.script_keys, args=_no_index(f)))
+
+
+def _counts(raw: list[Any]) -> tuple[int, int, int, str] | None:
+    """(total, done, failed, status) of a burst record, None if there is none (or no total)."""
+    total, done, failed, status = raw
+    if total is None:
+        return None
+    text = status.decode() if isinstance(status, bytes) else (status or "queued")
+    return int(total), int(done or 0), int(failed or 0), text
