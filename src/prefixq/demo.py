@@ -4,6 +4,10 @@ Redis from REDIS_URL if it answers, else a private redis-server; the embedded Sm
 prepared once; one CPU worker process; a burst of chat questions about a few documents (Python's
 own reference pages, bundled with Python) plus one general question; answers and the per-stage
 latency summary printed at the end.
+
+On a Redis it found, the demo works in a namespace of its own (``<namespace>-demo-<random>``) and
+deletes every key of that namespace when it ends, also on Ctrl-C, SIGTERM or an error, once its
+worker has stopped: it leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ import secrets
 import signal
 import subprocess
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +28,11 @@ import redis
 from rich.console import Console
 
 from prefixq import results
-from prefixq.connection import redact, sync_client
+from prefixq.connection import error_text, redact, sync_client
 from prefixq.consumers.run import worker_command
 from prefixq.errors import SetupError
 from prefixq.keys import Keys
+from prefixq.redis_server import RedisServer
 from prefixq.settings import Settings
 
 DOCUMENTS = ("while", "assert", "return", "global")
@@ -100,10 +107,10 @@ def run_demo(
     from prefixq.model import default_cache_dir, resolve_model
     from prefixq.producer import Producer
     from prefixq.progress import BurstProgress, render_snapshot
-    from prefixq.redis_server import RedisServer
     from prefixq.stats import snapshot
 
     con = Console(stderr=True)
+    srv: RedisServer | None = None
     with contextlib.ExitStack() as stack:
         if _redis_answers(settings.redis_url):
             con.print(f"[green]redis[/] {redact(settings.redis_url)} answers; using it")
@@ -117,6 +124,9 @@ def run_demo(
         settings = settings.replace(
             namespace=f"{settings.namespace}-demo-{secrets.token_hex(3)}", shards=1
         )
+        if srv is None:  # registered before the worker starts, so it runs after the worker stopped
+            stack.callback(_forget, settings, con)
+        stack.enter_context(_sigterm_interrupts())
         con.print("[bold]model[/] preparing the embedded SmolLM2-135M-Instruct (once)...")
         path = resolve_model(model, default_cache_dir(settings.cache_dir))
         con.print(f"[bold]model[/] {path}")
@@ -132,7 +142,7 @@ def run_demo(
             f"[bold]worker[/] pid {proc.pid} starting its vLLM engine (about 1-2 min on "
             f"2 CPU cores); log: {log}"
         )
-        r = sync_client(settings)
+        r = stack.enter_context(sync_client(settings))
         t0 = time.monotonic()
         _wait_engine_up(r, settings.keys, proc, log, timeout=900)
         con.print(f"[bold]worker[/] serving after {time.monotonic() - t0:.0f}s")
@@ -154,6 +164,50 @@ def run_demo(
         render_snapshot(snapshot(settings, burst=burst, client=r), c)
         failed = sum(1 for a in answers if a.error)
     return 1 if failed else 0
+
+
+def forget_namespace(r: redis.Redis, namespace: str) -> int:
+    """Delete every key of ``namespace`` (the pattern ``<namespace>:*`` matches no other
+    namespace's key: settings.py); returns how many."""
+    n, batch = 0, []
+    for key in r.scan_iter(match=f"{namespace}:*", count=1000):
+        batch.append(key)
+        if len(batch) >= 500:
+            n += r.unlink(*batch)
+            batch.clear()
+    return n + (r.unlink(*batch) if batch else 0)
+
+
+def _forget(settings: Settings, con: Console) -> None:
+    r = sync_client(settings)
+    try:
+        n = forget_namespace(r, settings.namespace)
+        con.print(f"[dim]removed the demo's {n} keys (namespace {settings.namespace})[/]")
+    except (redis.RedisError, OSError) as e:
+        con.print(
+            f"[red]could not remove the demo's keys[/] ({error_text(e)}): remove them with "
+            f"redis-cli --scan --pattern '{settings.namespace}:*' | xargs redis-cli unlink"
+        )
+    finally:
+        r.close()
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """While inside, SIGTERM raises KeyboardInterrupt (as Ctrl-C does), so the demo stops its
+    worker and removes its keys (main thread only; elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:

@@ -1,0 +1,74 @@
+"""`prefixq demo` on a Redis it finds leaves none of its keys there (issue 11 item 14): at the end
+of a run, and when it is interrupted. The real engine (the demo's own worker process)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from helpers import cli_argv, wait_until
+from prefixq.redis_server import RedisServer
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture
+def found() -> Iterator[tuple[RedisServer, redis.Redis]]:
+    """A Redis at the URL the demo is given (so it uses it rather than start its own), with one
+    key of somebody else's that must survive."""
+    with RedisServer() as srv:
+        r = redis.Redis.from_url(srv.url)
+        r.set("other:keep", "1")
+        yield srv, r
+        r.close()
+
+
+def test_a_demo_run_leaves_no_keys_in_the_redis_it_found(
+    found: tuple[RedisServer, redis.Redis],
+) -> None:
+    """A whole demo run (2 output tokens per answer) against a Redis it found deletes every key it
+    wrote there when it ends; other keys stay."""
+    srv, r = found
+    p = subprocess.run(
+        [*cli_argv(None, "demo", "--max-tokens", "2", url=srv.url)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "answers; using it" in p.stderr and "removed the demo's" in p.stderr
+    assert sorted(r.keys("*")) == [b"other:keep"]
+
+
+def test_an_interrupted_demo_leaves_no_keys_in_the_redis_it_found(
+    found: tuple[RedisServer, redis.Redis],
+) -> None:
+    """Ctrl-C (SIGINT to the demo) once its worker has written its first keys: the demo stops
+    the worker, deletes every key of its namespace, and exits 130."""
+    srv, r = found
+    p = subprocess.Popen(
+        cli_argv(None, "demo", "--max-tokens", "2", url=srv.url),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until(lambda: r.dbsize() > 1 or p.poll() is not None, 600, "the demo's first keys")
+        written = sorted(k.decode() for k in r.keys("*") if k != b"other:keep")
+        assert written and all("-demo-" in k.split(":")[0] for k in written), written
+        time.sleep(0.5)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=180)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    print(f"  the demo had written {written}")
+    assert p.returncode == 130, err[-3000:]
+    assert sorted(r.keys("*")) == [b"other:keep"]
