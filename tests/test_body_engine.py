@@ -52,7 +52,8 @@ def run(cluster: Any, lines: list[dict[str, Any]]) -> dict[str, Result]:
 def test_n_logprobs_json_and_seed_through_the_workers(cluster: Any) -> None:
     """n=3 gives 3 choices; logprobs with top_logprobs=2 give each token's logprob and 2
     alternatives; json_schema output validates against its schema; json_object output parses;
-    the same seed at temperature 1 gives the same tokens."""
+    a logit_bias of +100 forces its token; the same seed at temperature 1 gives the same
+    tokens."""
     seeded: dict[str, Any] = {"temperature": 1.0, "seed": 1234, "max_tokens": 16}
     lines = [
         chat("n3", "Name a colour.", n=3, temperature=1.0, max_tokens=8),
@@ -81,6 +82,7 @@ def test_n_logprobs_json_and_seed_through_the_workers(cluster: Any) -> None:
             temperature=0.0,
             response_format={"type": "json_object"},
         ),
+        chat("bias", "Say something.", logit_bias={"28": 100}, max_tokens=3, temperature=0.0),
     ]
     got = run(cluster, lines)
     # on the CPU backend vLLM ignores seeds in a batch that also holds an unseeded request
@@ -106,6 +108,7 @@ def test_n_logprobs_json_and_seed_through_the_workers(cluster: Any) -> None:
     jsonschema.validate(doc, SCHEMA)
     assert got["object"].finish_reason == "stop"
     assert isinstance(json.loads(got["object"].text), dict)
+    assert got["bias"].token_ids == [28, 28, 28]
     assert got["seed-a"].token_ids == got["seed-b"].token_ids
     print("n=3:", [c.text for c in n3.choices], "| schema:", doc, "| seed:", got["seed-a"].text)
 

@@ -265,6 +265,27 @@ def test_acancel_is_the_same_inside_an_event_loop(settings: Settings, r: redis.R
     assert asyncio.run(go()).already_finished
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="the lead's enqueue_on_complete_sync enqueues only for status 'finished' so far",
+)
+def test_the_cancel_that_ends_a_burst_enqueues_its_on_complete_job_once(
+    settings: Settings, r: redis.Redis
+) -> None:
+    """A burst with an RQ callback, cancelled twice: one RQ job, whose id is the burst's
+    callback job id."""
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from prefixq.rq_jobs import callback_job_id
+
+    q = Queue(f"rq-{settings.namespace}", connection=r, serializer=JSONSerializer)
+    burst = submit(settings, 3, on_complete="rq_targets:mark_done", rq_queue=q.name)
+    assert bursts.cancel(burst, settings).ended
+    bursts.cancel(burst, settings)
+    assert q.job_ids == [callback_job_id(settings.namespace, burst)]
+
+
 def test_prefixq_cancel_command(settings: Settings, r: redis.Redis) -> None:
     """`prefixq cancel BURST` cancels and says what it did; again, it says the burst had ended;
     an unknown burst exits 1 with the reason."""
