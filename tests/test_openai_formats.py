@@ -162,6 +162,10 @@ def test_input_check_reports_each_bad_line_with_its_number_and_code(tmp_path: Pa
         "[1, 2]",
         "",
         _chat("f"),
+        _chat("g", body={"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 0}),
+        _chat(
+            "h", body={"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+        ),
     ]
     got = check_input(_write(tmp_path, lines), "/v1/chat/completions", Settings())
     assert got.requests == []
@@ -174,6 +178,8 @@ def test_input_check_reports_each_bad_line_with_its_number_and_code(tmp_path: Pa
         (7, "invalid_request", "body"),
         (8, "invalid_request", "method"),
         (9, "invalid_request", None),
+        (12, "invalid_request", "body.n"),
+        (13, "invalid_request", "body.stream"),
     ]
     assert "robot" in got.errors[5]["message"] and not got.errors[5]["message"].startswith("line")
 

@@ -22,6 +22,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from prefixq.body import CHAT, COMPLETIONS, ENDPOINTS
 from prefixq.records import Choice, Result, TokenLogprob
 
 __all__ = [
@@ -34,9 +35,6 @@ __all__ = [
     "format_result",
 ]
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-ENDPOINTS = (CHAT, COMPLETIONS)
 
 #: the messages OpenAI writes for requests that never ran
 EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."

@@ -33,7 +33,7 @@ from prefixq.connection import TRANSIENT
 from prefixq.errors import PrefixqError, ValidationError
 from prefixq.openai import lease
 from prefixq.openai.apierror import ApiError
-from prefixq.openai.batches import BatchStore
+from prefixq.openai.batches import FINAL, BatchStore
 from prefixq.openai.files import new_file_id
 from prefixq.openai.formats import Line, Usage, format_result
 from prefixq.openai.validate import check_input
@@ -70,6 +70,10 @@ async def cancel_burst(settings: Settings, burst: str) -> None:
     """Cancel the burst's unfinished requests (prefixq.bursts.cancel)."""
     bursts = _bursts()
     await anyio.to_thread.run_sync(lambda: bursts.cancel(burst, settings))
+
+
+def _decode(h: dict[bytes, bytes]) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in h.items()}
 
 
 def _failed(errors: list[dict[str, Any]]) -> dict[str, Any]:
@@ -292,37 +296,50 @@ class Sweeper:
             await files.write(lines)
 
     async def sweep(self) -> None:
-        """One pass over every open batch of every namespace."""
+        """One pass over every open batch of every namespace: two pipelined reads per namespace
+        (the batch records, then their bursts' counters), then a step for each batch that needs
+        one and whose lease is free."""
         for store in self.stores.values():
-            ids = sorted(i.decode() for i in await self.r.smembers(store.keys.oai_open))
+            ns = store.keys.ns
+            ids = sorted(
+                i
+                for i in (x.decode() for x in await self.r.smembers(store.keys.oai_open))
+                if (ns, i) not in self.busy
+            )
+            if not ids:
+                continue
+            pipe = self.r.pipeline(transaction=False)
             for batch_id in ids:
-                if (store.keys.ns, batch_id) not in self.busy:
-                    await self._visit(store, batch_id)
+                pipe.hgetall(store.keys.oai_batch(batch_id))
+            records = [_decode(h) for h in await pipe.execute()]
+            pipe = self.r.pipeline(transaction=False)
+            for m in records:
+                pipe.hmget(store.keys.burst(m.get("burst") or "-"), ["total", "done", "failed"])
+            counters = await pipe.execute()
+            for batch_id, m, st in zip(ids, records, counters, strict=True):
+                await self._visit(store, batch_id, m, st)
 
-    async def _visit(self, store: BatchStore, batch_id: str) -> None:
-        m = {
-            k.decode(): v.decode()
-            for k, v in (await self.r.hgetall(store.keys.oai_batch(batch_id))).items()
-        }
+    async def _visit(
+        self, store: BatchStore, batch_id: str, m: dict[str, str], st: list[bytes | None]
+    ) -> None:
         status = m.get("status")
-        if status is None or status in ("failed", "completed", "expired", "cancelled"):
+        if status is None or status in FINAL:
             await self.r.srem(store.keys.oai_open, batch_id)
             return
         if status == "validating" or (status == "cancelling" and "total" not in m):
             step = self.start
+        elif st[0] is None:
+            err = {
+                "code": "internal_error",
+                "message": f"The burst {m['burst']} is gone (expired or deleted).",
+                "param": None,
+                "line": None,
+            }
+            await store.move(batch_id, (status,), "failed", _failed([err]))
+            return
+        elif int(st[1] or 0) + int(st[2] or 0) < int(st[0]):
+            return  # still running
         else:
-            st = await self.r.hmget(store.keys.burst(m["burst"]), ["total", "done", "failed"])
-            if st[0] is None:
-                err = {
-                    "code": "internal_error",
-                    "message": f"The burst {m['burst']} is gone.",
-                    "param": None,
-                    "line": None,
-                }
-                await store.move(batch_id, (status,), "failed", _failed([err]))
-                return
-            if int(st[1] or 0) + int(st[2] or 0) < int(st[0]):
-                return
             step = self.finalize
         token = await lease.acquire(self.r, store.keys.oai_lease(batch_id))
         if token is not None:

@@ -2,7 +2,8 @@
 
 Each problem is a batch error ``{"code", "message", "param", "line"}`` (1-based line numbers):
 ``invalid_json_line``, ``missing_required_parameter``, ``invalid_request`` (wrong types, a method
-other than POST, a body prefixq refuses: the message says why), ``url_mismatch`` (the line's url
+other than POST, a body prefixq refuses: the message says why, ``param`` names the body field when
+the refusal does), ``url_mismatch`` (the line's url
 is not the batch's endpoint), ``model_mismatch`` (one batch, one model), ``duplicate_custom_id``,
 ``empty_file``. Any error fails the whole batch; at most `MAX_ERRORS` are listed. The file is read
 line by line, never whole; blank lines are skipped.
@@ -24,6 +25,9 @@ __all__ = ["MAX_ERRORS", "Checked", "check_input"]
 
 MAX_ERRORS = 100
 _WHERE = re.compile(r"^line \d+: ")
+#: the body field a refusal names ("body.top_logprobs needs ...", "n=0 must be ..."), for the
+#: error's param
+_FIELD = re.compile(r"\bbody\.([a-z_]+)|^([a-z_]+)=")
 
 
 @dataclass(slots=True)
@@ -73,9 +77,6 @@ def _check_line(
         )
         return None
     body = obj["body"]
-    if body.get("stream"):
-        out.add(n, "invalid_request", "Streaming is not supported in a batch.", "body.stream")
-        return None
     model = body.get("model")
     if model is not None:
         if not isinstance(model, str):
@@ -110,7 +111,10 @@ def _check_line(
             max_messages=settings.max_messages,
         )
     except ValidationError as e:
-        out.add(n, "invalid_request", _WHERE.sub("", str(e)), "body")
+        message = _WHERE.sub("", str(e))
+        field = _FIELD.search(message)
+        param = f"body.{field.group(1) or field.group(2)}" if field else "body"
+        out.add(n, "invalid_request", message, param)
         return None
 
 
