@@ -363,28 +363,71 @@ def test_two_servers_finalize_each_batch_once(
         assert len(on_disk) == 12 and not [n for n in on_disk if n.startswith(".")]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs deadline expiry (helper 'body') and the worker-side sweeper (lead)",
-)
-def test_short_completion_window_expires_requests_not_admitted(
+def test_short_completion_window_expires_what_had_no_result(
     settings: Settings, tmp_path: Path, fake_worker: Callable[..., Any]
 ) -> None:
-    """Given a 1 s completion window that passes before any worker runs, the batch ends `expired`
-    once a worker appears: every request has a batch_expired line in the error file, none ran."""
-    with Server(settings, tmp_path / "files") as srv:
+    """Given a 3 s window, two quick requests and ten that take 8 s each (eight of them in the
+    engine, two queued), the batch ends `expired` at the deadline, without waiting for the slow
+    ones: the quick ones are in the output file, the ten have batch_expired lines, in order."""
+    quick = [completion_line(f"q{i}", "a b c") for i in range(2)]
+    slow = [completion_line(f"s{i}", "sleep:8 a b") for i in range(10)]
+    with Server(settings, tmp_path / "files") as srv, fake_worker(settings):
         c = OpenAI(base_url=srv.url, api_key="k", max_retries=0)
-        lines = [completion_line(f"e{i}", "a b c") for i in range(4)]
-        f = c.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
-        b = c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="1s")
-        assert b.expires_at == b.created_at + 1
-        time.sleep(2.5)
-        with fake_worker(settings):
-            b = wait_batch(c, b.id, {"expired", "completed", "failed", "cancelled"})
-        assert b.status == "expired" and b.expired_at is not None and b.output_file_id is None
+        f = c.files.create(file=("in.jsonl", jsonl(quick + slow)), purpose="batch")
+        b = c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="3s")
+        assert b.expires_at == b.created_at + 3
+        b = wait_batch(c, b.id, {"expired", "completed", "failed", "cancelled"}, timeout=15)
+        assert b.status == "expired" and b.expired_at is not None, srv.tail()
+        assert b.expired_at - b.created_at < 10
+        assert b.request_counts is not None
+        assert (b.request_counts.completed, b.request_counts.failed) == (2, 10)
+        out = [json.loads(x) for x in c.files.content(b.output_file_id or "").text.splitlines()]
         err = [json.loads(x) for x in c.files.content(b.error_file_id or "").text.splitlines()]
-        assert [x["custom_id"] for x in err] == ["e0", "e1", "e2", "e3"]
-        assert all(x["error"]["code"] == "batch_expired" and x["response"] is None for x in err)
+    assert [x["custom_id"] for x in out] == ["q0", "q1"]
+    assert [x["custom_id"] for x in err] == [f"s{i}" for i in range(10)]
+    assert all(x["error"]["code"] == "batch_expired" and x["response"] is None for x in err)
+
+
+def test_cancel_mid_way_keeps_finished_lines_and_cancels_the_rest(
+    settings: Settings, tmp_path: Path, fake_worker: Callable[..., Any]
+) -> None:
+    """Given two quick requests and ten slow ones, a cancel once the quick ones are done ends
+    `cancelled` without waiting for the slow ones: output has the quick ones, every other request
+    a batch_cancelled line; a second cancel returns the batch unchanged."""
+    quick = [completion_line(f"q{i}", "a b c") for i in range(2)]
+    slow = [completion_line(f"s{i}", "sleep:8 a b") for i in range(10)]
+    with Server(settings, tmp_path / "files") as srv, fake_worker(settings):
+        c = OpenAI(base_url=srv.url, api_key="k", max_retries=0)
+        f = c.files.create(file=("in.jsonl", jsonl(quick + slow)), purpose="batch")
+        b = c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="1h")
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            counts = c.batches.retrieve(b.id).request_counts
+            if counts is not None and counts.completed >= 2:
+                break
+            time.sleep(0.1)
+        cancelling = c.batches.cancel(b.id)
+        assert cancelling.status in ("cancelling", "cancelled")
+        assert cancelling.cancelling_at is not None
+        b = wait_batch(c, b.id, {"cancelled", "completed", "failed", "expired"}, timeout=15)
+        assert b.status == "cancelled" and b.cancelled_at is not None, srv.tail()
+        assert c.batches.cancel(b.id).status == "cancelled"
+        out = [json.loads(x) for x in c.files.content(b.output_file_id or "").text.splitlines()]
+        err = [json.loads(x) for x in c.files.content(b.error_file_id or "").text.splitlines()]
+    assert [x["custom_id"] for x in out] == ["q0", "q1"]
+    assert [x["custom_id"] for x in err] == [f"s{i}" for i in range(10)]
+    assert all(x["error"]["code"] == "batch_cancelled" and x["response"] is None for x in err)
+
+
+def test_cancel_of_a_finished_batch_is_a_409(client: OpenAI) -> None:
+    f = client.files.create(file=("bad.jsonl", b"not json\n"), purpose="batch")
+    b = client.batches.create(
+        input_file_id=f.id, endpoint="/v1/completions", completion_window="1h"
+    )
+    assert wait_batch(client, b.id, {"failed"}).status == "failed"
+    with pytest.raises(openai.ConflictError) as e:
+        client.batches.cancel(b.id)
+    assert "failed" in e.value.message
 
 
 def test_health_answers_without_a_key(keyed: Server) -> None:

@@ -18,6 +18,7 @@ written with the final status.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import secrets
 import time
@@ -25,7 +26,9 @@ from typing import Any
 
 import redis.asyncio as aredis
 
+from prefixq import bursts
 from prefixq.connection import lua
+from prefixq.errors import BurstNotFound
 from prefixq.keys import Keys
 from prefixq.openai.apierror import ApiError, bad_request, not_found
 from prefixq.openai.files import FileStore
@@ -34,7 +37,9 @@ from prefixq.openai.lease import TTL_MS
 from prefixq.openai.pages import Page, page
 from prefixq.settings import Settings
 
-__all__ = ["FINAL", "BatchStore", "batch_object", "window_seconds"]
+__all__ = ["FINAL", "BatchStore", "batch_object", "cancel_burst", "window_seconds"]
+
+log = logging.getLogger(__name__)
 
 #: statuses a batch never leaves
 FINAL = frozenset({"failed", "completed", "expired", "cancelled"})
@@ -126,6 +131,15 @@ def batch_object(m: dict[str, str], live: dict[str, str] | None = None) -> dict[
         "usage": json.loads(m["usage"]) if m.get("usage") else None,
         "metadata": json.loads(m["metadata"]) if m.get("metadata") else None,
     }
+
+
+async def cancel_burst(r: aredis.Redis, settings: Settings, burst: str) -> None:
+    """Cancel the burst's unfinished requests (`prefixq.bursts.acancel`); a burst that is gone has
+    nothing left to cancel."""
+    try:
+        await bursts.acancel(burst, settings, r)
+    except BurstNotFound:
+        log.warning("burst %s: nothing to cancel, its record is gone", burst)
 
 
 def _decode(h: dict[bytes, bytes]) -> dict[str, str]:
@@ -256,10 +270,7 @@ class BatchStore:
     async def cancel(self, batch_id: str) -> dict[str, Any]:
         """Ask for a cancel: ``validating`` and ``in_progress`` batches go to ``cancelling``;
         the burst's unfinished requests are cancelled and the sweeper finishes the job."""
-        from prefixq.openai.runner import cancel_burst, check_cancel
-
         m = await self.record(batch_id)
-        check_cancel()
         if m["status"] in ("cancelling", "cancelled"):
             return batch_object(m, await self.live(m))
         moved = await self.move(
@@ -276,5 +287,5 @@ class BatchStore:
         # meanwhile); the runner also cancels a burst it queued for a batch found cancelling
         m = await self.record(batch_id)
         if await self.r.exists(self.keys.burst(m["burst"])):
-            await cancel_burst(self.settings, m["burst"])
+            await cancel_burst(self.r, self.settings, m["burst"])
         return batch_object(m, await self.live(m))

@@ -11,13 +11,15 @@ dead server left half done is redone by whichever server sweeps next (after the 
   burst id (``<batch id>-<attempt>``).
 - ``in_progress`` / ``cancelling`` with every result recorded: ``finalizing``, write both files
   (formats.py), then ``completed``, ``expired`` (some request expired) or ``cancelled``.
+
+Every pass also runs `prefixq.bursts.expire_due` for each namespace, so a batch's window ends on
+time even while no worker serves it (workers run it too; each request is expired once).
 """
 
 from __future__ import annotations
 
 import asyncio
 import builtins
-import importlib
 import json
 import logging
 import time
@@ -28,12 +30,11 @@ from typing import Any
 import anyio
 import redis.asyncio as aredis
 
-from prefixq import wire
+from prefixq import bursts, wire
 from prefixq.connection import TRANSIENT
 from prefixq.errors import PrefixqError, ValidationError
 from prefixq.openai import lease
-from prefixq.openai.apierror import ApiError
-from prefixq.openai.batches import FINAL, BatchStore
+from prefixq.openai.batches import FINAL, BatchStore, cancel_burst
 from prefixq.openai.files import new_file_id
 from prefixq.openai.formats import Line, Usage, format_result
 from prefixq.openai.validate import check_input
@@ -41,35 +42,13 @@ from prefixq.producer import Producer
 from prefixq.records import Result
 from prefixq.settings import Settings
 
-__all__ = ["Sweeper", "cancel_burst", "check_cancel"]
+__all__ = ["Sweeper"]
 
 log = logging.getLogger(__name__)
 
 _FETCH = 512
 #: the burst record field the producer writes once every entry is queued
 _QUEUED_MARK = "encoded_bytes"
-
-
-def _bursts() -> Any:
-    try:
-        return importlib.import_module("prefixq.bursts")
-    except ImportError:
-        raise ApiError(
-            501,
-            "Cancelling needs prefixq.bursts, which this installation lacks.",
-            type="server_error",
-        ) from None
-
-
-def check_cancel() -> None:
-    """ApiError 501 when bursts cannot be cancelled here."""
-    _bursts()
-
-
-async def cancel_burst(settings: Settings, burst: str) -> None:
-    """Cancel the burst's unfinished requests (prefixq.bursts.cancel)."""
-    bursts = _bursts()
-    await anyio.to_thread.run_sync(lambda: bursts.cancel(burst, settings))
 
 
 def _decode(h: dict[bytes, bytes]) -> dict[str, str]:
@@ -169,7 +148,7 @@ class Sweeper:
                 done = {"cancelled_at": time.time(), "total": 0, "completed": 0, "failed": 0}
                 await store.move(batch_id, ("cancelling",), "cancelled", done, token=token)
             else:  # queued (in part) by an attempt that died: cancel it, then finalize it
-                await cancel_burst(store.settings, burst)
+                await cancel_burst(self.r, store.settings, burst)
                 await self.r.hset(store.keys.oai_batch(batch_id), "total", int(exists[0]))
             return
         if m["status"] != "validating":
@@ -180,7 +159,7 @@ class Sweeper:
                     store, batch_id, burst, int(exists[0]), m.get("model", ""), token
                 )
                 return
-            await cancel_burst(store.settings, burst)  # partly queued: none of it may run
+            await cancel_burst(self.r, store.settings, burst)  # partly queued: none of it may run
             attempt = await self.r.hincrby(store.keys.oai_batch(batch_id), "attempts", 1)
             burst = f"{batch_id}-{attempt}"
             await self.r.hset(store.keys.oai_batch(batch_id), "burst", burst)
@@ -231,7 +210,7 @@ class Sweeper:
             batch_id, ("validating",), "in_progress", {"in_progress_at": time.time()}, token=token
         )
         if moved == 0 and (await store.record(batch_id))["status"] == "cancelling":
-            await cancel_burst(store.settings, burst)
+            await cancel_burst(self.r, store.settings, burst)
 
     async def finalize(self, store: BatchStore, batch_id: str, token: str) -> None:
         """Write the output and error files of a batch whose burst has every result."""
@@ -301,6 +280,7 @@ class Sweeper:
         one and whose lease is free."""
         for store in self.stores.values():
             ns = store.keys.ns
+            await bursts.expire_due(self.r, store.settings)  # batches past their window
             ids = sorted(
                 i
                 for i in (x.decode() for x in await self.r.smembers(store.keys.oai_open))
