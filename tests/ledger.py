@@ -1,7 +1,9 @@
 """The fault suite's ledger: faults injected, requests lost or duplicated, summed over the session.
 
-Every fault test adds the faults it saw land (`Ledger.fault`) and measures each burst it ran
-(`account`); conftest.py prints one line from it at the end of the session:
+Every fault test counts a fault (`Ledger.fault`) only after it has checked that the fault landed
+where it claims (a process killed with work in flight, Redis gone mid-burst, a hostile entry
+handled); refused input is not a fault. It measures each burst it ran (`account`); conftest.py
+prints one line from the ledger at the end of the session:
 ``faults injected: N, requests lost: L, duplicated: D``.
 """
 

@@ -4,12 +4,7 @@ cache hits on real vLLM CPU engines, and prefix dedup on the wire."""
 from __future__ import annotations
 
 import asyncio
-import json
 import random
-import subprocess
-import sys
-import textwrap
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from pydoc_data.topics import topics
@@ -69,73 +64,81 @@ def placements(r: redis.Redis, s: Settings) -> dict[str, int]:
     return out
 
 
-PRODUCER = textwrap.dedent("""
-    import json, random, sys, time
-    from prefixq.producer import Producer
-    from prefixq.settings import Settings
-    cfg = json.loads(sys.argv[1])
-    s = Settings(**cfg["settings"])
-    rng = random.Random(cfg["seed"])
-    while time.time() < cfg["start_at"]:
-        time.sleep(0.001)
-    for b in range(3):
-        reqs = []
-        for d, doc in enumerate(cfg["docs"]):
-            for q in range(2):
-                reqs.append({"id": f"{cfg['name']}-b{b}-d{d}-q{q}", "max_tokens": 4,
-                             "messages": [{"role": "system", "content": doc},
-                                          {"role": "user", "content": f"question {q} {b}"}]})
-        rng.shuffle(reqs)
-        Producer(s).submit(reqs)
-""")
+class RacingPlacer:
+    """The affinity placement of one of two racing producers, with the race made certain: each
+    producer sees load counters that send a new prefix to its own shard (``favour``), and reads
+    the shared map before the other claims anything (both wait at ``barrier`` between reading
+    and claiming). Without an atomic claim, the producers would split every document."""
+
+    def __init__(self, s: Settings, favour: int, barrier: asyncio.Barrier) -> None:
+        self.placer = AffinityPlacer(s)
+        self.load_key = Keys(s.namespace).load
+        self.view = {str(k).encode(): b"0" if k == favour else b"1000000000" for k in range(2)}
+        self.barrier = barrier
+        self.read = False
+
+    async def place(self, r: Any, items: list[Item], shards: int) -> list[Placed]:
+        return await self.placer.place(_RacingClient(r, self), items, shards)
 
 
-def test_two_producer_processes_put_each_documents_questions_on_one_shard(
+class _RacingClient:
+    """The producer's Redis client, but the load counters read as the racer's view, and only
+    once both producers have read the shared map (HMGET comes first, then the load)."""
+
+    def __init__(self, r: Any, racer: RacingPlacer) -> None:
+        self.r, self.racer = r, racer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.r, name)
+
+    async def hgetall(self, key: str) -> Any:
+        if key != self.racer.load_key:
+            return await self.r.hgetall(key)
+        self.racer.read = True
+        await asyncio.wait_for(self.racer.barrier.wait(), 30)
+        return self.racer.view
+
+
+def test_two_producers_racing_on_the_same_documents_agree_on_one_shard_each(
     make_settings: Callable[..., Settings], r: redis.Redis
 ) -> None:
-    """Two producer processes racing with interleaved questions on the same 8 documents: every
-    document's questions land on one shard, and the shared map names that shard for both."""
+    """Two producers submit questions on the same 8 new documents at the same moment: both read
+    the shared map before either claims (a barrier), and each would start every document on a
+    different shard. The atomic claim makes the second follow the first: every document's
+    questions land on one shard, and the shared map names that shard."""
     s = make_settings(shards=2)
     ds = docs(8, 1500)
-    start_at = time.time() + 3
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                PRODUCER,
-                json.dumps(
-                    {
-                        "settings": {
-                            "redis_url": s.redis_url,
-                            "namespace": s.namespace,
-                            "shards": 2,
-                        },
-                        "docs": ds,
-                        "seed": seed,
-                        "name": name,
-                        "start_at": start_at,
-                    }
-                ),
-            ]
-        )
-        for seed, name in ((1, "A"), (2, "B"))
-    ]
-    assert [p.wait(120) for p in procs] == [0, 0]
 
+    def burst(name: str) -> list[dict[str, Any]]:
+        return [
+            chat(d, doc, f"question {q} from {name}", f"{name}-d{d}-q{q}", max_tokens=4)
+            for d, doc in enumerate(ds)
+            for q in range(2)
+        ]
+
+    async def race() -> list[RacingPlacer]:
+        barrier = asyncio.Barrier(2)
+        racers = [RacingPlacer(s, favour, barrier) for favour in (0, 1)]
+        await asyncio.gather(
+            *(
+                Producer(s).asubmit(burst(name), placement=racer)
+                for name, racer in zip("AB", racers, strict=True)
+            )
+        )
+        return racers
+
+    racers = asyncio.run(race())
+    assert all(x.read for x in racers), "both read the map before either claimed"
     by_doc: dict[int, set[int]] = defaultdict(set)
     for rid, shard in placements(r, s).items():
         by_doc[int(rid.split("-d")[1].split("-")[0])].add(shard)
     print("shards per document:", dict(sorted(by_doc.items())))
     assert len(by_doc) == 8
     assert all(len(v) == 1 for v in by_doc.values()), by_doc
-    assert {next(iter(v)) for v in by_doc.values()} == {0, 1}, "both shards used"
 
     builder, placer = ItemBuilder(s), AffinityPlacer(s)
     for d, doc in enumerate(ds):
-        req = Request(
-            id="x", messages=[{"role": "system", "content": doc}, {"role": "user", "content": "?"}]
-        )
+        req = Request(id="x", messages=chat(d, doc, "?", "x")["messages"])
         item = builder.build(req, {"m": req.messages[:-1]})
         anchor = dict(placer.checkpoints(item))[item.prefix_blocks - 1]
         assert int(r.hget(Keys(s.namespace).prefix_map, anchor)) == next(iter(by_doc[d]))
@@ -161,6 +164,30 @@ def test_unknown_prefixes_spread_by_prefill_tokens_not_count(
     print(f"prefill tokens per shard {load}, requests per shard {counts}")
     assert abs(load[0] - load[1]) <= 0.10 * max(load.values())
     assert abs(counts[0] - counts[1]) >= 4, "balanced by tokens, so counts should differ"
+
+
+def test_hash_placement_puts_a_document_on_its_first_blocks_shard_whatever_the_load(
+    make_settings: Callable[..., Settings], r: redis.Redis
+) -> None:
+    """placement="hash": every question on a document goes to the shard its first block hashes
+    to (first block hash mod shards), even when that shard is far more loaded than the others."""
+    s = make_settings(shards=4)
+    ds = docs(8, 1500)
+    builder = ItemBuilder(s)
+    expected = {}
+    for d, doc in enumerate(ds):
+        req = Request(id="x", messages=chat(d, doc, "?", "x")["messages"])
+        expected[d] = builder.build(req, {"m": req.messages[:-1]}).blocks[0] % 4
+    assert len(set(expected.values())) >= 2, "the documents hash to more than one shard"
+    busy = max(set(expected.values()), key=list(expected.values()).count)
+    r.hset(Keys(s.namespace).load, mapping={str(busy): 10**9})
+    reqs = [
+        chat(d, doc, QUESTIONS[q], f"h-d{d}-q{q}") for d, doc in enumerate(ds) for q in range(3)
+    ]
+    random.Random(5).shuffle(reqs)
+    Producer(s).submit(reqs, placement="hash")
+    got = placements(r, s)
+    assert got == {q["id"]: expected[int(q["id"].split("-d")[1].split("-")[0])] for q in reqs}
 
 
 def test_load_guard_moves_a_hot_prefix_group_and_later_questions_follow(

@@ -12,16 +12,18 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import redis
 
 from fake_engine import FakeEngine
-from helpers import FakeWorker, queue_empty, requests, wait_burst, wait_until
+from helpers import FakeWorker, cli, queue_empty, requests, wait_burst, wait_until
 from ledger import LEDGER, account
+from prefixq.errors import RedisUnavailable
 from prefixq.keys import GROUP, Keys
 from prefixq.producer import Producer
-from prefixq.redis_server import RedisServer
+from prefixq.redis_server import RedisServer, free_port
 from prefixq.settings import Settings
 
 pytestmark = pytest.mark.slow
@@ -33,9 +35,11 @@ def test_redis_kill_9_mid_burst_with_aof_burst_completes(
     r: redis.Redis, fake_worker: MakeWorker
 ) -> None:
     """Given a burst enqueued on a redis-server with AOF (appendfsync everysec) and given time to
-    fsync (>1 s; Redis 7.0 has no WAITAOF), when redis-server is killed with SIGKILL mid-burst and
-    restarted on the same port, the worker and the waiter reconnect and every request ends with
-    exactly one result."""
+    fsync (>1 s; Redis 7.0 has no WAITAOF), when redis-server is killed with SIGKILL mid-burst
+    (checked: results still missing right before the kill, and served after it) and restarted on
+    the same port, nothing it had recorded is lost, the worker and the waiter reconnect and every
+    request ends with exactly one result."""
+    total = 200  # 5 s of work at 4 in flight: the kill lands after ~1.5 s
     with RedisServer(appendonly=True) as srv:
         s = Settings(
             redis_url=srv.url,
@@ -45,29 +49,52 @@ def test_redis_kill_9_mid_burst_with_aof_burst_completes(
             heartbeat_s=0.5,
             claim_idle_s=3.0,
         )
+        keys = Keys(s.namespace)
         rr = redis.Redis.from_url(srv.url)
         try:
             with fake_worker(s, name="aofw"):
-                burst = Producer(s).submit(requests(120, lambda i: f"sleep:0.05 aof {i}"))
+                burst = Producer(s).submit(requests(total, lambda i: f"sleep:0.1 aof {i}"))
                 time.sleep(1.5)  # everysec: the whole enqueued burst is on disk now
-                done = wait_until(
-                    lambda: int(rr.hget(Keys(s.namespace).burst(burst), "done") or 0) >= 20,
-                    30,
-                    "20 results",
-                )
-                assert done
-                before = rr.hlen(Keys(s.namespace).results(burst))
+                wait_until(lambda: rr.hlen(keys.results(burst)) >= 20, 30, "20 results")
+                before = rr.hlen(keys.results(burst))
+                assert before <= total - 40, f"the burst is nearly done ({before}/{total})"
                 srv.kill()
-                LEDGER.fault(f"kill -9 redis-server mid-burst ({before}/120 results recorded)")
+                killed_at = time.time()
                 time.sleep(1.0)
                 srv.start()
                 print("  redis-server restarted on the same port from its AOF")
+                kept = wait_until(lambda: _hlen(rr, keys.results(burst)), 30, "Redis back")
                 wait_burst(rr, s, burst, 90)
-                out = account(rr, s, burst, 120)
+                out = account(rr, s, burst, total)
+            after = sum(1 for x in out.results.values() if x.timings.finished > killed_at)
+            print(f"  {before}/{total} recorded before the kill, {after} finished after it")
+            assert kept >= before, "the AOF kept every result recorded before the kill"
+            assert after >= total - before - 8, "the burst ran on after Redis came back"
+            LEDGER.fault(f"kill -9 redis-server mid-burst ({before}/{total} results recorded)")
             assert (out.lost, out.duplicated, out.failed) == (0, 0, 0)
             assert queue_empty(rr, s) == (0, 0)
         finally:
             rr.close()
+
+
+def _hlen(r: redis.Redis, key: str) -> int:
+    """HLEN, or 0 while Redis is unreachable or still loading its AOF."""
+    try:
+        return int(r.hlen(key))
+    except (redis.ConnectionError, redis.BusyLoadingError):
+        return 0
+
+
+def redis_down(url: str) -> bool:
+    """True when nothing answers at ``url`` (one try, no retries)."""
+    c = redis.Redis.from_url(url, retry_on_error=[], socket_connect_timeout=1)
+    try:
+        c.ping()
+    except redis.ConnectionError:
+        return True
+    finally:
+        c.close()
+    return False
 
 
 def test_producer_and_worker_retry_while_redis_restarts(fake_worker: MakeWorker) -> None:
@@ -80,7 +107,7 @@ def test_producer_and_worker_retry_while_redis_restarts(fake_worker: MakeWorker)
         try:
             with fake_worker(s, name="rw"):
                 srv.kill()
-                LEDGER.fault("kill -9 redis-server; restarted 1.5 s later, during a submit")
+                assert redis_down(srv.url)
                 restart = threading.Timer(1.5, srv.start)
                 restart.start()
                 t0 = time.monotonic()
@@ -90,7 +117,8 @@ def test_producer_and_worker_retry_while_redis_restarts(fake_worker: MakeWorker)
                 print(f"  submit went through after {took:.1f}s of retries")
                 wait_burst(rr, s, burst, 60)
                 out = account(rr, s, burst, 10)
-            assert took >= 1.0
+            assert took >= 1.0, "the submit waited for Redis to come back"
+            LEDGER.fault("kill -9 redis-server; restarted 1.5 s later, during a submit")
             assert (out.lost, out.duplicated, out.done) == (0, 0, 10)
         finally:
             rr.close()
@@ -102,14 +130,21 @@ def test_lost_consumer_group_is_recreated_and_nothing_is_lost(
     """Given a worker mid-burst, when its consumer group disappears (XGROUP DESTROY: what a Redis
     restart without persistence does to it), the worker joins again (NOGROUP), is delivered the
     entries not yet done, and the burst completes with one result per request."""
-    s = make_settings(max_inflight=2)
+    s, total = make_settings(max_inflight=2), 60
+    keys = Keys(s.namespace)
     with fake_worker(s, name="ng"):
-        burst = Producer(s).submit(requests(30, lambda i: f"sleep:0.05 group {i}"))
-        wait_until(lambda: r.hlen(Keys(s.namespace).results(burst)) >= 6, 30, "6 results")
-        r.xgroup_destroy(Keys(s.namespace).stream(0), GROUP)
-        LEDGER.fault("XGROUP DESTROY of the shard's consumer group mid-burst")
+        burst = Producer(s).submit(requests(total, lambda i: f"sleep:0.05 group {i}"))
+        wait_until(lambda: r.hlen(keys.results(burst)) >= 6, 30, "6 results")
+        before = r.hlen(keys.results(burst))
+        assert r.xgroup_destroy(keys.stream(0), GROUP) == 1, "the group existed"
+        destroyed_at = time.time()
+        assert before <= total - 20, f"the burst is nearly done ({before}/{total})"
         wait_burst(r, s, burst, 60)
-        out = account(r, s, burst, 30)
+        out = account(r, s, burst, total)
+    after = sum(1 for x in out.results.values() if x.timings.admitted > destroyed_at)
+    print(f"  {before}/{total} recorded before the group was lost, {after} admitted after")
+    assert after >= total - before - 4, "served after the worker joined again"
+    LEDGER.fault("XGROUP DESTROY of the shard's consumer group mid-burst")
     assert (out.lost, out.duplicated, out.failed) == (0, 0, 0)
     assert queue_empty(r, s) == (0, 0)
 
@@ -122,17 +157,20 @@ def test_group_lost_while_the_engine_starts_worker_rejoins(
     instead of failing, and it serves a burst."""
     s = make_settings()
     keys = Keys(s.namespace)
+    deleted: list[int] = []
 
     class SlowStart(FakeEngine):
         async def start(self) -> None:
             await asyncio.to_thread(
                 wait_until, lambda: r.exists(keys.stream(0)) == 1, 30, "the group joined"
             )
-            r.delete(keys.stream(0))  # the stream and its group, as an empty restart leaves them
-            LEDGER.fault("stream and group deleted while the engine starts")
+            # the stream and its group, as an empty restart leaves them
+            deleted.append(r.delete(keys.stream(0)))
             await super().start()
 
     with fake_worker(s, name="gl", engine=SlowStart(lethal=False)):
+        assert deleted == [1], "the group was deleted before the worker served"
+        LEDGER.fault("stream and group deleted while the engine starts")
         burst = Producer(s).submit(requests(5))
         wait_burst(r, s, burst, 60)
         out = account(r, s, burst, 5)
@@ -147,13 +185,37 @@ def test_redis_restart_without_persistence_worker_rejoins(fake_worker: MakeWorke
         rr = redis.Redis.from_url(srv.url)
         try:
             with fake_worker(s, name="ew"):
+                assert rr.exists(s.keys.stream(0)) == 1
                 srv.kill()
-                LEDGER.fault("kill -9 redis-server without persistence (restarts empty)")
                 time.sleep(0.5)
                 srv.start()
+                assert rr.exists(s.keys.stream(0)) == 0, "Redis came back empty"
+                LEDGER.fault("kill -9 redis-server without persistence (restarts empty)")
                 burst = Producer(s).submit(requests(5))
                 wait_burst(rr, s, burst, 60)
                 out = account(rr, s, burst, 5)
             assert (out.lost, out.duplicated, out.done) == (0, 0, 5)
         finally:
             rr.close()
+
+
+def test_producer_gives_up_with_redis_unavailable_and_the_cli_exits_1(tmp_path: Path) -> None:
+    """Given no Redis at the URL, a producer retries with backoff (8 times, capped at 2 s: about
+    7 s) and then raises RedisUnavailable saying it cannot reach Redis; `prefixq submit` exits 1
+    with that message."""
+    s = Settings(redis_url=f"redis://127.0.0.1:{free_port()}/0", namespace="gone", shards=1)
+    assert redis_down(s.redis_url)
+    t0 = time.monotonic()
+    with pytest.raises(RedisUnavailable, match=r"cannot reach Redis at redis://127\.0\.0\.1"):
+        Producer(s).submit(requests(1))
+    took = time.monotonic() - t0
+    print(f"  producer gave up after {took:.1f}s")
+    assert took >= 5.0, "it retried before giving up"
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": "a", "prompt": "hi"}\n')
+    t0 = time.monotonic()
+    p = cli(s, "submit", str(src))
+    print(f"  prefixq submit: exit {p.returncode} after {time.monotonic() - t0:.1f}s")
+    assert p.returncode == 1, p.stderr
+    assert "prefixq: error: cannot reach Redis at" in p.stderr
+    assert time.monotonic() - t0 >= 5.0

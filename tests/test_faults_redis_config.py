@@ -90,6 +90,7 @@ def test_allow_eviction_accepts_an_evicting_redis_with_a_warning_at_every_check(
     """With allow_eviction, `prefixq check` against a volatile-lru Redis passes (a worker serves)
     and logs a WARNING naming the policy, at every run."""
     admin.config_set("maxmemory-policy", "volatile-lru")
+    assert admin.config_get("maxmemory-policy")["maxmemory-policy"] == "volatile-lru"
     LEDGER.fault("Redis evicts keys (volatile-lru), allowed")
     s = Settings(redis_url=server.url, namespace="allowed", shards=1, allow_eviction=True)
     with FakeWorker(s, name="ev0"):

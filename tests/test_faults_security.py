@@ -133,7 +133,6 @@ def test_denied_user_gets_a_clear_error_at_once(
     if not ca:
         url = f"rediss://{user}:{password}@127.0.0.1:{srv.port}/0"
     s = Settings(redis_url=url, namespace="tls", shards=1)
-    LEDGER.fault(f"denied connection: {says}", 3)
     t0 = time.monotonic()
     with pytest.raises(ConfigError, match=says) as err:
         Producer(s).submit(requests(1))
@@ -152,3 +151,4 @@ def test_denied_user_gets_a_clear_error_at_once(
     rc = proc.wait(30)
     print(f"  worker: exit {rc}")
     assert rc == 2 and says in (tmp_path / "denied.log").read_text()
+    LEDGER.fault(f"denied connection: {says}")

@@ -27,8 +27,9 @@ from rq.serializers import JSONSerializer
 
 from helpers import FakeWorker, queue_empty, wait_until
 from prefixq import results
+from prefixq.consumers.deadletters import Recovery
 from prefixq.errors import ValidationError
-from prefixq.keys import Keys
+from prefixq.keys import GROUP, Keys
 from prefixq.producer import Producer
 from prefixq.rq_jobs import (
     _too_many_failed,
@@ -220,6 +221,37 @@ def test_on_complete_job_runs_once_even_when_the_last_result_is_redelivered(
     rq_worker(s.redis_url, q.name)
     assert r.get(calls_key(burst)) == b"1"
     assert r.hget(keys.burst(burst), "callback_job") == callback_job_id(s.namespace, burst).encode()
+
+
+def test_on_complete_is_not_enqueued_again_when_a_requeued_dead_letter_completes_the_burst(
+    s: Settings, r: redis.Redis, fake_worker: MakeWorker
+) -> None:
+    """A burst whose last outstanding request is dead-lettered finishes (one failed) and
+    enqueues its callback; `dead --requeue` takes the failure back, the request runs again and
+    completes the burst a second time, which enqueues nothing more: the callback runs once."""
+    s = s.replace(max_attempts=2, claim_idle_s=0.5)
+    q = queue(r, s)
+    keys = Keys(s.namespace)
+    burst = Producer(s).submit(THREE[::2], on_complete=MARK_DONE, rq_queue=q.name)
+    stream = keys.stream(0)
+    r.xgroup_create(stream, GROUP, id="0")  # a worker read both entries and died, the second
+    ids = [i for i, _ in r.xreadgroup(GROUP, "ghost", {stream: ">"}, count=2)[0][1]]
+    r.xclaim(stream, GROUP, "ghost", 0, [ids[1]])  # ... after its max_attempts-th delivery
+    fw = fake_worker(s)
+    first = results.wait(burst, s, timeout=30, client=r)
+    assert (first.done, first.failed) == (1, 1)
+    wait_until(lambda: q.count == 1, 10, "the callback enqueued")
+    job = r.hget(keys.burst(burst), "callback_job")
+
+    rep = Recovery(s).requeue()
+    assert (rep.requeued, rep.cleared) == (1, 1)
+    wait_until(lambda: r.hget(keys.burst(burst), "done") == b"2", 30, "the requeued request")
+    assert r.hget(keys.burst(burst), "status") == b"finished"
+    fw.stop()  # its burst-done hooks have run
+    assert q.count == 1
+    assert r.hget(keys.burst(burst), "callback_job") == job
+    rq_worker(s.redis_url, q.name)
+    assert r.get(calls_key(burst)) == b"1"
 
 
 def test_concurrent_enqueue_on_complete_enqueues_one_job(s: Settings, r: redis.Redis) -> None:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
+from helpers import cli
 from prefixq.errors import ConfigError
 from prefixq.settings import Settings
 
@@ -29,11 +27,5 @@ def test_namespaces_of_letters_digits_dot_dash_underscore_are_accepted() -> None
 
 def test_cli_refuses_a_namespace_with_a_colon_as_a_usage_error() -> None:
     """`prefixq check --namespace nsA:team2` exits 2 naming the rule, before touching Redis."""
-    p = subprocess.run(
-        [sys.executable, "-m", "prefixq", "check", "--namespace", "nsA:team2"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    p = cli(None, "check", "--namespace", "nsA:team2", timeout=60)
     assert p.returncode == 2 and "namespace 'nsA:team2' is not allowed" in p.stderr

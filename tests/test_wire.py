@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import tracemalloc
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -285,6 +287,43 @@ def test_zstd_bomb_without_declared_size_is_refused_at_the_cap() -> None:
     assert zstandard.frame_content_size(bomb[1:]) == -1
     with pytest.raises(LimitExceeded, match=f"zstd entry inflates past {CAP} bytes"):
         wire.decode(bomb)
+
+
+def peak_bytes(fn: Callable[[], object]) -> int:
+    """The most memory Python allocations held while ``fn`` ran (tracemalloc counts every
+    allocation through Python's allocators: bytes objects, zlib's buffers and state)."""
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        with contextlib.suppress(WireError):
+            fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize(
+    "bomb",
+    [
+        lambda: zlib_zeros(GiB // MiB),
+        lambda: zstd_zeros(GiB, declare=False),
+        lambda: zstd_zeros(GiB, declare=True),
+    ],
+    ids=["zlib", "zstd-streamed", "zstd-declared"],
+)
+def test_a_1_gib_bomb_never_takes_more_memory_than_the_cap_allows(
+    bomb: Callable[[], bytes],
+) -> None:
+    """The decode bound is a bound on memory, not only on the answer: refusing a 1 GiB bomb with
+    an 8 MiB cap allocates at most a small multiple of the cap (zlib's output buffer may double
+    once), never the bomb's size (inflating it whole and checking after peaks at 1-2 GiB)."""
+    data, cap = bomb(), 8 * MiB
+    limits = wire.Limits(max_decoded_bytes=cap, max_str_len=cap)
+    with pytest.raises(LimitExceeded):
+        wire.decode(data, limits)
+    peak = peak_bytes(lambda: wire.decode(data, limits))
+    print(f"peak {peak / MiB:.1f} MiB decoding a 1 GiB bomb ({len(data)} bytes) with an 8 MiB cap")
+    assert peak < 3 * cap
 
 
 @pytest.mark.parametrize("codec", CODECS)

@@ -1,0 +1,70 @@
+"""A REDIS_URL that cannot work is a ConfigError when the client is made, not a failure at the
+first command (docs/delivery.md, "Untrusted peers"): an unknown option, an ``ssl_*`` option on a
+``redis://`` URL, a certificate file that does not exist. The CLI exits 2 (configuration)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from helpers import cli
+from prefixq.connection import async_client, sync_client
+from prefixq.errors import ConfigError
+from prefixq.producer import Producer
+from prefixq.redis_server import free_port
+from prefixq.settings import Settings
+
+HOST = "127.0.0.1"
+
+
+def bad_urls(tmp: Path) -> list[tuple[str, str]]:
+    """(url, what the ConfigError says) for each way a URL can be wrong. Nothing listens on the
+    port: an error about the URL must come before any attempt to connect."""
+    port = free_port()
+    missing = tmp / "no-such-ca.crt"
+    return [
+        (
+            f"redis://{HOST}:{port}/0?sokcet_timeout=5",
+            "REDIS_URL option 'sokcet_timeout' is unknown",
+        ),
+        (
+            f"redis://{HOST}:{port}/0?ssl_ca_certs={missing}",
+            "REDIS_URL option 'ssl_ca_certs' needs a rediss:// (TLS) URL",
+        ),
+        (
+            f"rediss://{HOST}:{port}/0?ssl_ca_certs={missing}",
+            f"REDIS_URL option ssl_ca_certs='{missing}': no such file",
+        ),
+        (
+            f"rediss://{HOST}:{port}/0?ssl_certfile={missing}&ssl_keyfile={missing}",
+            f"REDIS_URL option ssl_certfile='{missing}': no such file",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("case", range(4), ids=["unknown", "ssl-on-redis", "no-ca", "no-cert"])
+def test_a_bad_redis_url_is_a_config_error_when_the_client_is_made(
+    case: int, tmp_path: Path
+) -> None:
+    """Making a client (blocking or asyncio) or submitting through a producer raises
+    ConfigError at once, naming the option; `prefixq check` exits 2 with the same words."""
+    url, says = bad_urls(tmp_path)[case]
+    s = Settings(redis_url=url, namespace="badurl", shards=1)
+    makers: list[Callable[[], object]] = [
+        lambda: sync_client(s),
+        lambda: async_client(s),
+        lambda: Producer(s).submit([{"id": "a", "prompt": "hi"}]),
+    ]
+    for make in makers:
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError) as err:
+            make()
+        assert says in str(err.value)
+        assert time.monotonic() - t0 < 3.0, "refused at once, not after ~7 s of retries"
+    p = cli(s, "check", timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert says in p.stderr
+    assert "cannot reach" not in p.stderr
