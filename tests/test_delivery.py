@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import pytest
 import redis
 
 from helpers import FakeWorker, pending_on, queue_empty, requests, wait_burst, wait_until
@@ -53,11 +52,6 @@ def test_a_long_request_stays_leased_and_a_peer_never_takes_it(
     assert (res.error, res.worker) == (None, "a")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect (issue 11 item 1): the writer sends XACK/XDEL in the same non-transactional "
-    "pipeline as the record script, so Redis acks an entry whose record it refused",
-)
 def test_a_result_redis_refuses_to_record_leaves_its_entry_pending_until_recorded(
     settings: Settings, fake_worker: MakeWorker, r: redis.Redis
 ) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import redis
 
 from helpers import FakeWorker, cli, requests, wait_burst, wait_until
-from prefixq.consumers.deadletters import Recovery, RequeueReport
+from prefixq.consumers.recovery import Recovery, RequeueReport
 from prefixq.keys import FIELD, GROUP, Keys
 from prefixq.producer import Producer
 from prefixq.settings import Settings

@@ -27,7 +27,7 @@ from rq.serializers import JSONSerializer
 
 from helpers import FakeWorker, queue_empty, wait_until
 from prefixq import results
-from prefixq.consumers.deadletters import Recovery
+from prefixq.consumers.recovery import Recovery
 from prefixq.errors import ValidationError
 from prefixq.keys import GROUP, Keys
 from prefixq.producer import Producer

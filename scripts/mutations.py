@@ -1,0 +1,302 @@
+"""Break each central guarantee of prefixq, one at a time, and show that a fast test catches it.
+
+For every mutation: copy src/prefixq to a temporary directory, apply ONE textual replacement in a
+named file of the copy (the script stops if the target text is not found exactly once, so a
+mutation can never silently test nothing), run the chosen fast tests against the copy
+(``PYTHONPATH`` points at it first, ahead of the editable install; checked before any test runs)
+and record which tests failed. The unmutated copy is run first: its tests must all pass.
+
+    python scripts/mutations.py                 # every mutation; exit 1 if one is not caught
+    python scripts/mutations.py --list          # the mutations, without running anything
+    python scripts/mutations.py --only zlib-inflate-whole --only lease-not-renewed
+    python scripts/mutations.py --tests tests/test_delivery.py
+
+Tests start their own redis-server (tests/conftest.py); the whole run takes a few minutes.
+docs/testing.md holds the table this prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "src" / "prefixq"
+
+#: the fast tests every mutation is run against
+FAST_TESTS = (
+    "tests/test_wire.py",
+    "tests/test_delivery.py",
+    "tests/test_worker_loop.py",
+    "tests/test_affinity.py::test_two_producers_racing_on_the_same_documents_agree_on_one_shard_each",
+)
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """Replace ``old`` (found exactly once) by ``new`` in ``path`` (relative to the package)."""
+
+    name: str
+    guarantee: str
+    path: str
+    old: str
+    new: str
+
+
+MUTATIONS = (
+    Mutation(
+        "ack-before-record",
+        "record-then-ack",
+        "consumers/writer.py",
+        "                replies = await self.shard.record(todo)\n",
+        "                await self.shard.ack(todo)\n"
+        "                replies = await self.shard.record(todo)\n",
+    ),
+    Mutation(
+        "ack-refused-records",
+        "record-then-ack",
+        "consumers/writer.py",
+        "            await self._ack([w for w, _ in done])\n",
+        "            await self._ack(todo)\n",
+    ),
+    Mutation(
+        "record-overwrites",
+        "exactly-once recording (HSETNX)",
+        "lua/record_result.lua",
+        "if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then",
+        "if redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) == 0 then",
+    ),
+    Mutation(
+        "record-counts-redeliveries",
+        "exactly-once recording (HSETNX)",
+        "lua/record_result.lua",
+        "if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then",
+        "redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])\nif false then",
+    ),
+    Mutation(
+        "zlib-inflate-whole",
+        "decode bounds (zlib)",
+        "wire.py",
+        "    out = d.decompress(payload, cap + 1)\n",
+        "    out = d.decompress(payload)\n",
+    ),
+    Mutation(
+        "zstd-read-whole",
+        "decode bounds (zstd, size not declared)",
+        "wire.py",
+        "    while chunk := reader.read(min(cap + 1 - total, 1 << 20)):\n",
+        "    while chunk := reader.read():\n",
+    ),
+    Mutation(
+        "zstd-trust-declared",
+        "decode bounds (zstd, size declared)",
+        "wire.py",
+        '    if declared > cap:\n        raise LimitExceeded(f"zstd entry declares',
+        '    if False:\n        raise LimitExceeded(f"zstd entry declares',
+    ),
+    Mutation(
+        "lease-not-renewed",
+        "lease renewal (heartbeat re-claims held entries)",
+        "consumers/heartbeat.py",
+        "        await self.shard.renew(self.holding())\n",
+        "        await self.shard.renew([])\n",
+    ),
+    Mutation(
+        "reclaimer-ignores-deliveries",
+        "dead-lettering by delivery count (reclaimer)",
+        "consumers/reclaim.py",
+        "            if p.deliveries >= self.max_attempts:\n"
+        "                await self._dead(p)\n"
+        "            elif",
+        "            if False:\n                await self._dead(p)\n            elif",
+    ),
+    Mutation(
+        "reclaimer-off-by-one",
+        "dead-lettering by delivery count (reclaimer)",
+        "consumers/reclaim.py",
+        "            if p.deliveries >= self.max_attempts:\n"
+        "                await self._dead(p)\n"
+        "            elif",
+        "            if p.deliveries > self.max_attempts:\n"
+        "                await self._dead(p)\n"
+        "            elif",
+    ),
+    Mutation(
+        "restart-ignores-deliveries",
+        "dead-lettering by delivery count (restart)",
+        "consumers/reclaim.py",
+        "        for p in rows:\n"
+        "            if p.deliveries >= self.max_attempts:\n"
+        "                await self._dead(p)\n\n",
+        "        for p in rows:\n            if False:\n                await self._dead(p)\n\n",
+    ),
+    Mutation(
+        "claim-last-writer-wins",
+        "atomic prefix claims (Lua HSETNX)",
+        "lua/claim_prefixes.lua",
+        "  if mode == 'm' or redis.call('HSETNX', KEYS[1], cp, shard) == 1 then",
+        "  if true then redis.call('HSET', KEYS[1], cp, shard)",
+    ),
+    Mutation(
+        "claim-loser-keeps-its-shard",
+        "atomic prefix claims (the loser follows the winner)",
+        "affinity/prefix_map.py",
+        "        lost = {cp: v for cp, v in stored.items()"
+        ' if modes.get(cp) == "n" and v != local[cp]}\n',
+        "        lost: dict[bytes, int] = {}\n",
+    ),
+)
+
+
+class MutationError(Exception):
+    """Raised when a mutation cannot be applied or the unmutated tests do not pass."""
+
+
+def apply(mutation: Mutation, package: Path) -> None:
+    """Apply ``mutation`` to the package copy at ``package``; refuse if its target text is not
+    there exactly once."""
+    path = package / mutation.path
+    if not path.is_file():
+        raise MutationError(f"{mutation.name}: {mutation.path} does not exist")
+    text = path.read_text()
+    found = text.count(mutation.old)
+    if found != 1:
+        raise MutationError(
+            f"{mutation.name}: target text found {found} times in {mutation.path} "
+            f"(expected exactly once):\n{mutation.old}"
+        )
+    path.write_text(text.replace(mutation.old, mutation.new))
+
+
+def copy_package(into: Path) -> Path:
+    """A copy of src/prefixq under ``into`` (``into`` goes on PYTHONPATH); returns the copy."""
+    target = into / "prefixq"
+    shutil.copytree(PACKAGE, target, ignore=shutil.ignore_patterns("__pycache__"))
+    return target
+
+
+def environment(root: Path) -> dict[str, str]:
+    """The environment that makes ``import prefixq`` find the copy under ``root`` first."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def check_imported_from(root: Path, env: dict[str, str]) -> None:
+    """Refuse to run unless ``import prefixq`` resolves to the copy (not the editable install)."""
+    got = subprocess.run(
+        [sys.executable, "-c", "import prefixq; print(prefixq.__file__)"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    if not Path(got).resolve().is_relative_to(root.resolve()):
+        raise MutationError(f"prefixq is imported from {got}, not from the copy in {root}")
+
+
+def run_tests(root: Path, tests: list[str], report: Path, timeout: float) -> list[str]:
+    """Run ``tests`` against the copy under ``root``; the node ids that failed or errored."""
+    env = environment(root)
+    check_imported_from(root, env)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "not slow and not engine",
+        f"--junit-xml={report}",
+        "-o",
+        "junit_family=xunit2",
+        *tests,
+    ]
+    try:
+        subprocess.run(
+            cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return [f"(the tests ran past {timeout:.0f}s)"]
+    if not report.is_file():
+        return ["(pytest wrote no report)"]
+    failed = []
+    for case in ET.parse(report).getroot().iter("testcase"):
+        if case.find("failure") is not None or case.find("error") is not None:
+            failed.append(f"{case.get('classname', '')}::{case.get('name', '')}")
+    return [_node_id(x) for x in failed]
+
+
+def _node_id(junit_name: str) -> str:
+    """``tests.test_wire::test_x[zlib]`` -> ``test_wire.py::test_x[zlib]``."""
+    module, _, test = junit_name.partition("::")
+    return f"{module.rsplit('.', 1)[-1]}.py::{test}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--list", action="store_true", help="print the mutations and exit")
+    p.add_argument("--only", action="append", default=[], metavar="NAME", help="repeatable")
+    p.add_argument("--tests", action="append", default=[], metavar="PATH", help="repeatable")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per test run")
+    args = p.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    unknown = set(args.only) - {m.name for m in MUTATIONS}
+    if unknown:
+        p.error(f"unknown mutations: {', '.join(sorted(unknown))}")
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:30} {m.guarantee:50} {m.path}")
+        return 0
+    tests = args.tests or list(FAST_TESTS)
+    rows: list[tuple[Mutation, list[str], float]] = []
+    with tempfile.TemporaryDirectory(prefix="prefixq-mutants-") as tmp:
+        base = Path(tmp) / "baseline"
+        for m in chosen:  # every target text is checked before anything runs
+            probe = Path(tmp) / f"probe-{m.name}"
+            apply(m, copy_package(probe))
+        copy_package(base)
+        t0 = time.monotonic()
+        broken = run_tests(base, tests, Path(tmp) / "baseline.xml", args.timeout)
+        if broken:
+            raise MutationError("the unmutated tests fail: " + ", ".join(broken))
+        print(f"baseline: every test passes ({time.monotonic() - t0:.0f}s)", flush=True)
+        for m in chosen:
+            root = Path(tmp) / m.name
+            apply(m, copy_package(root))
+            t0 = time.monotonic()
+            failed = run_tests(root, tests, Path(tmp) / f"{m.name}.xml", args.timeout)
+            took = time.monotonic() - t0
+            rows.append((m, failed, took))
+            print(f"{m.name}: {', '.join(failed) or 'NOT CAUGHT'} ({took:.0f}s)", flush=True)
+    print()
+    print("| mutation | guarantee | caught by (tests that failed) |")
+    print("|---|---|---|")
+    for m, failed, _ in rows:
+        caught = "<br>".join(f"`{x}`" for x in failed) if failed else "**NOT CAUGHT**"
+        print(f"| `{m.name}` ({m.path}) | {m.guarantee} | {caught} |")
+    missed = [m.name for m, failed, _ in rows if not failed]
+    if missed:
+        print(f"\nNOT CAUGHT: {', '.join(missed)}")
+        return 1
+    print(f"\nall {len(rows)} mutations caught")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except MutationError as e:
+        print(f"mutations: error: {e}", file=sys.stderr)
+        sys.exit(2)
