@@ -17,8 +17,10 @@ from typing import Any
 
 import xxhash
 
-from prefixq.errors import WireError
+from prefixq import wire
+from prefixq.errors import ValidationError, WireError
 from prefixq.records import Request
+from prefixq.settings import Settings
 
 VERSION = 1
 
@@ -207,3 +209,42 @@ def _is_prefix(p: Any) -> bool:
     return (key == "x" and isinstance(value, str)) or (
         key in ("m", "t") and isinstance(value, list)
     )
+
+
+def size_bound(req: Request) -> int:
+    """An upper bound of the encoded size of ``req``'s entry with its prefix inline (UTF-8 is at
+    most 4 bytes a character, msgpack at most 9 bytes an integer, and compression adds at most
+    a few bytes per 16 KB), in microseconds for any request."""
+    text = len(req.prompt or "") + (len(req.prefix) if isinstance(req.prefix, str) else 0)
+    ids = len(req.prompt_token_ids or ()) + (len(req.prefix) if isinstance(req.prefix, list) else 0)
+    chat = sum(4 * len(str(m.get("content") or "")) + 64 for m in req.messages or ())
+    raw = 4 * text + 9 * ids + chat + 4 * len(req.id) + 16 * len(req.sampling) + 1024
+    return raw + raw // 1000 + 64
+
+
+def check_size(req: Request, settings: Settings, where: str) -> None:
+    """ValidationError if ``req``'s entry (prefix inline, compressed with the settings' codec)
+    would be over ``max_entry_bytes``, which a worker refuses to decode. Only requests whose
+    `size_bound` is over the limit are encoded to find out."""
+    limit = settings.max_entry_bytes
+    if size_bound(req) <= limit:
+        return
+    prefix, own = split_prefix(req)
+    entry = to_wire(
+        req,
+        burst="",
+        index=0,
+        shard=0,
+        enqueued=0.0,
+        work=0,
+        predicted_cached=0,
+        prefix=prefix,
+        prefix_ref=None,
+        own=own,
+    )
+    n = len(wire.compress(wire.pack(entry), settings.codec, settings.codec_level))
+    if n > limit:
+        raise ValidationError(
+            f"{where}: encodes to {n} bytes, over max_entry_bytes={limit} (a worker would refuse "
+            "it); shorten it or raise PREFIXQ_MAX_ENTRY_BYTES on producers and workers alike"
+        )

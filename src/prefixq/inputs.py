@@ -13,11 +13,12 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from prefixq.entries import check_size
 from prefixq.errors import ValidationError
 from prefixq.records import Request
 from prefixq.settings import Settings
 
-__all__ = ["normalize", "parse_line", "read_requests"]
+__all__ = ["IdCheck", "normalize", "normalize_one", "parse_line", "read_requests"]
 
 
 def read_requests(path: str, settings: Settings | None = None) -> list[Request]:
@@ -42,6 +43,7 @@ def read_requests(path: str, settings: Settings | None = None) -> list[Request]:
                 req = Request.from_json(
                     obj, index=n - 1, max_chars=s.max_prompt_chars, max_messages=s.max_messages
                 )
+                check_size(req, s, f"line {n}")
             except ValidationError as e:  # it names the line; add the file
                 raise ValidationError(f"{name}: {e}") from None
             out.append(req)
@@ -78,18 +80,46 @@ def parse_line(raw: bytes, n: int, name: str = "input") -> Any:
 def normalize(requests: Iterable[Request | Mapping[str, Any]], settings: Settings) -> list[Request]:
     """Requests from dicts (plain or OpenAI batch lines), validated; empty and duplicate ids
     refused, naming positions as ``requests[i]``."""
-    out: list[Request] = []
-    limits = {"max_chars": settings.max_prompt_chars, "max_messages": settings.max_messages}
-    for i, r in enumerate(requests):
-        if isinstance(r, Request):
-            r.validate(where=f"requests[{i}] ({r.id!r})", **limits)
-            out.append(r)
-        else:  # parsed and validated once, against the settings' limits
-            out.append(Request.from_json(r, index=i, **limits))
+    out = [normalize_one(r, i, settings) for i, r in enumerate(requests)]
     if not out:
         raise ValidationError("the burst is empty")
     _check_ids([r.id for r in out], lambda i: f"requests[{i}]")
     return out
+
+
+def normalize_one(r: Request | Mapping[str, Any], i: int, settings: Settings) -> Request:
+    """Request ``i`` of a burst (a `Request` or a dict), validated against the settings'
+    limits; the error names it as ``requests[i]``. Ids are checked across the burst by
+    `IdCheck` (or `normalize`, which does both)."""
+    limits = {"max_chars": settings.max_prompt_chars, "max_messages": settings.max_messages}
+    if isinstance(r, Request):
+        where = f"requests[{i}] ({r.id!r})"
+        r.validate(where=where, **limits)
+    else:
+        where = f"requests[{i}]"
+        r = Request.from_json(r, index=i, **limits)  # parsed and validated once
+    check_size(r, settings, where)
+    return r
+
+
+class IdCheck:
+    """Empty and duplicate ids across a burst checked piece by piece, as `normalize` does."""
+
+    def __init__(self) -> None:
+        self._first: dict[str, int] = {}
+
+    def add(self, start: int, ids: list[str]) -> None:
+        """Ids of requests ``start``, ``start + 1``, ...; ValidationError as `normalize`."""
+        first = self._first
+        for k, rid in enumerate(ids):
+            i = start + k
+            if rid == "":
+                raise ValidationError(f"requests[{i}]: the id is empty")
+            j = first.setdefault(rid, i)
+            if j != i:
+                raise ValidationError(
+                    f"duplicate request ids: requests[{i}] and requests[{j}] both have id {rid!r}"
+                )
 
 
 def _check_ids(ids: list[str], label: Callable[[int], str], head: str = "") -> None:

@@ -1,9 +1,9 @@
 """Placement strategies: which shard each request of a burst goes to.
 
 Every strategy sees the same `Item` per request (its chained block hashes and token estimate) and
-returns a `Placed` (shard, estimated uncached prompt tokens, predicted cached tokens). ``affinity``
-(the default, in `affinity.map`) shares a prefix map in Redis; the others are baselines for the
-benchmark: ``hash`` (first block), ``random`` and ``round-robin``.
+returns a `Placed` (shard, estimated uncached prompt tokens, predicted cached tokens).
+``affinity`` (the default, in affinity/prefix_map.py) shares a prefix map in Redis; the others are
+baselines for the benchmark: ``hash`` (first block), ``random`` and ``round-robin``.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ class Placer(Protocol):
     """A placement strategy."""
 
     async def place(self, r: aredis.Redis, items: list[Item], shards: int) -> list[Placed]:
-        """One `Placed` per item, in order."""
+        """One `Placed` per item, in order. A burst is placed in chunks, in enqueue order: one
+        call per chunk, on the same placer (it may carry state from one chunk to the next)."""
         ...
 
 
@@ -66,7 +67,11 @@ class RandomPlacer:
 
 
 class RoundRobinPlacer:
-    """Shards in turn, by input order."""
+    """Shards in turn, by enqueue order (across the chunks of a burst)."""
+
+    def __init__(self) -> None:
+        self.next = 0
 
     async def place(self, r: aredis.Redis, items: list[Item], shards: int) -> list[Placed]:
-        return [Placed(i % shards, it.tokens) for i, it in enumerate(items)]
+        start, self.next = self.next, self.next + len(items)
+        return [Placed((start + i) % shards, it.tokens) for i, it in enumerate(items)]

@@ -1,4 +1,6 @@
-"""Affinity placement over a prefix map shared in Redis by every producer (DESIGN decision 4).
+"""Affinity placement over a prefix map shared in Redis by every producer.
+
+docs/architecture.md ("Affinity") has the design and its measured costs.
 
 For each request: its checkpoints (every ``checkpoint_every``-th chained block hash, the last block
 of its shared prefix, and its last block) are looked up; the deepest one the map knows (or this
@@ -56,6 +58,7 @@ class AffinityPlacer:
         #: the engine's KV block in tokens: predicted hits are rounded down to it
         self.engine_block = engine_block or settings.block_size
         self.moves: list[dict[str, float | int | str]] = []
+        self._recorded = 0
 
     def checkpoints(self, item: Item) -> list[tuple[int, bytes]]:
         n = len(item.blocks)
@@ -195,9 +198,12 @@ class AffinityPlacer:
         return stored
 
     async def _record(self, r: aredis.Redis) -> None:
-        if not self.moves:
+        """Add the moves decided since the last call to the moves stream (a burst is placed in
+        chunks; each move is recorded once)."""
+        if len(self.moves) <= self._recorded:
             return
         pipe = r.pipeline(transaction=False)
-        for m in self.moves:
+        for m in self.moves[self._recorded :]:
             pipe.xadd(self.keys.moves, m, maxlen=10_000, approximate=True)
         await pipe.execute()
+        self._recorded = len(self.moves)

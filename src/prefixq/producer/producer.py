@@ -1,8 +1,24 @@
-"""`Producer`: validate a burst, place each request on a shard, enqueue it in pipelined XADDs.
+"""`Producer`: a burst in, entries on the shards' streams out — its head first.
 
-A burst is written in this order: shared prefixes (content-addressed, ``SET NX`` + TTL), the burst
-record (total, settings, byte counts), then the entries, shard by shard, in pipelines of
-``_CHUNK`` commands, each pipeline also raising the shard's outstanding-prefill counter.
+The order is chosen so that the engines start within milliseconds of ``submit``, whatever the
+burst's size (docs/BENCHMARKS.md measures it):
+
+1. the burst's head (its first `HEAD` requests in enqueue order) is validated, placed and encoded,
+   its prefixes inline;
+2. the burst record is created atomically (lua/create_burst.lua: a burst id is taken once, so two
+   producers racing for one id cannot both write under it), and the head's entries go out in the
+   same round trip's successor, with the request ids (`Keys.ids`) and the burst index entries;
+3. the rest is validated (ids checked across the whole burst), the uses of each shared prefix are
+   counted (encoding.py), and it is placed, encoded and sent in growing chunks, each in one
+   pipeline with the prefixes it is first to refer to (``SET NX`` with TTL, before its entries)
+   and the shards' load counters.
+
+A request refused in step 1 leaves nothing behind. A request refused in step 3, or a Redis failure
+there, cancels the burst as a whole (prefixq.bursts): what the head started may finish, every
+other request gets a cancelled result, and the error says so.
+
+``order`` (`ORDERS`) chooses the enqueue order; each request keeps its input index, and results
+are always read back in input order.
 """
 
 from __future__ import annotations
@@ -13,15 +29,13 @@ import logging
 import math
 import secrets
 import time
-from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aredis
-from redis.exceptions import NoPermissionError
+from redis.exceptions import NoPermissionError, RedisError
 
-from prefixq import wire
 from prefixq.affinity.placement import (
     HashPlacer,
     Placed,
@@ -30,23 +44,27 @@ from prefixq.affinity.placement import (
     RoundRobinPlacer,
 )
 from prefixq.affinity.prefix_map import AffinityPlacer
-from prefixq.connection import TRANSIENT, async_client, describe
+from prefixq.connection import TRANSIENT, async_client, describe, lua
 from prefixq.deployment import resolve_shards
-from prefixq.entries import digest, prefix_size, split_prefix, to_wire
-from prefixq.errors import ValidationError
-from prefixq.inputs import normalize
+from prefixq.entries import split_prefix
+from prefixq.errors import PrefixqError, ValidationError
+from prefixq.inputs import IdCheck, normalize_one
 from prefixq.keys import FIELD, Keys
+from prefixq.producer.encoding import Encoded, EntryEncoder, Parts
 from prefixq.producer.items import ItemBuilder
+from prefixq.producer.order import ORDERS, enqueue_order
 from prefixq.records import Request
 from prefixq.settings import Settings
 
 log = logging.getLogger(__name__)
 
+#: requests sent before the rest of the burst is even validated: a few, so that the engines
+#: have a first step's work within milliseconds (each engine then reads the rest as it comes)
+HEAD = 4
+#: requests per chunk after the head grow 4x per chunk up to this
 _CHUNK = 1024
 #: request ids per RPUSH of the burst's id list
 _IDS_CHUNK = 10_000
-#: the first chunk is small, so the engines start while the rest is encoded
-_FIRST_CHUNK = 16
 #: called with (requests enqueued so far, total)
 Progress = Callable[[int, int], None]
 
@@ -54,14 +72,6 @@ Progress = Callable[[int, int], None]
 def new_burst_id() -> str:
     """Sortable and unique: UTC time plus 6 random hex digits."""
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(3)
-
-
-@dataclass(slots=True)
-class _Encoded:
-    now: float
-    deadline: float | None = None
-    raw_bytes: int = 0
-    entry_bytes: int = 0
 
 
 class Producer:
@@ -73,6 +83,11 @@ class Producer:
         self.settings = settings or Settings.from_env()
         self.keys = Keys(self.settings.namespace)
         self.items = ItemBuilder(self.settings, tokenizer=tokenizer, model=model)
+        #: the connection kept inside ``async with``; the deployment's shard count and engine block
+        #: size as Redis recorded them (they never change once recorded)
+        self._kept: aredis.Redis | None = None
+        self._shards = 0
+        self._block = 0
 
     def submit(self, requests: Iterable[Request | Mapping[str, Any]], **options: Any) -> str:
         """Enqueue a burst; returns its id. Options as for `asubmit`."""
@@ -83,13 +98,14 @@ class Producer:
         requests: Iterable[Request | Mapping[str, Any]],
         *,
         burst_id: str | None = None,
-        placement: str | None = None,
+        placement: str | Placer | None = None,
         on_complete: str | None = None,
         rq_queue: str | None = None,
         progress: Progress | None = None,
         seed: int | None = None,
         deadline: float | None = None,
         metadata: Mapping[str, str] | None = None,
+        order: str = "input",
     ) -> str:
         """Validate, place and enqueue ``requests``; returns the burst id.
 
@@ -97,220 +113,64 @@ class Producer:
         ``on_complete`` ("pkg.module:func") is enqueued as an RQ job on ``rq_queue`` with the
         burst id once the burst's last request is recorded. ``deadline`` (epoch seconds): requests
         not admitted by then get an expired result. ``metadata``: string pairs kept on the burst
-        record (field ``metadata``, JSON).
+        record (field ``metadata``, JSON). ``order``: the enqueue order (`ORDERS`).
         """
         s = self.settings
-        reqs = normalize(requests, s)
-        burst = burst_id or new_burst_id()
-        extra: dict[str, Any] = {}
+        raw = list(requests)
+        if not raw:
+            raise ValidationError("the burst is empty")
+        if order not in ORDERS:
+            raise ValidationError(f"order must be one of {', '.join(ORDERS)}, not {order!r}")
+        if on_complete is not None and ":" not in on_complete:
+            raise ValidationError("on_complete must look like 'package.module:function'")
+        meta: dict[str, Any] = {}
         if deadline is not None:
             if not math.isfinite(deadline):
                 raise ValidationError(f"deadline must be finite epoch seconds, not {deadline!r}")
-            extra["deadline"] = deadline
+            meta["deadline"] = deadline
         if metadata:
             if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
                 raise ValidationError("metadata must map strings to strings")
-            extra["metadata"] = json.dumps(dict(metadata), ensure_ascii=False)
-        r = async_client(s)
-        try:
-            return await self._submit(
-                r,
-                reqs,
-                burst,
-                placement or s.placement,
-                on_complete,
-                rq_queue,
-                progress,
-                seed,
-                extra,
-            )
-        except (*TRANSIENT, NoPermissionError) as e:  # ACL refusals become ConfigError too
-            raise describe(s, e) from e
-        finally:
-            await r.aclose()
-
-    async def _submit(
-        self,
-        r: aredis.Redis,
-        reqs: list[Request],
-        burst: str,
-        placement: str | Placer,
-        on_complete: str | None,
-        rq_queue: str | None,
-        progress: Progress | None,
-        seed: int | None,
-        extra: dict[str, Any],
-    ) -> str:
-        s, keys = self.settings, self.keys
-        if on_complete is not None and ":" not in on_complete:
-            raise ValidationError("on_complete must look like 'package.module:function'")
-        shards = await resolve_shards(r, s)
-        if await r.exists(keys.burst(burst)):
-            raise ValidationError(f"burst {burst!r} already exists")
-        parts = [split_prefix(q) for q in reqs]
-        items = [self.items.build(q, p) for q, (p, _) in zip(reqs, parts, strict=True)]
-        placer = await self._placer(r, placement, seed)
-        placed = await placer.place(r, items, shards)
-        prefixes, refs = self._prefixes(parts)
-        new_bytes = await self._store_prefixes(r, prefixes)
-        enc = _Encoded(now=time.time())
-        per_shard = Counter(p.shard for p in placed)
-        meta: dict[str, Any] = {
-            "total": len(reqs),
-            "done": 0,
-            "failed": 0,
-            "created": enc.now,
-            "status": "queued",
-            "shards": shards,
-            "codec": s.codec,
-            "placement": placement if isinstance(placement, str) else type(placement).__name__,
-            "per_shard": ",".join(str(per_shard[k]) for k in range(shards)),
-            "prefixes": len(prefixes),
-            "prefix_bytes": new_bytes,
-            "prefix_bytes_reused": sum(len(v) for v, _ in prefixes.values()) - new_bytes,
-        }
+            meta["metadata"] = json.dumps(dict(metadata), ensure_ascii=False)
         if on_complete:
             meta["on_complete"] = on_complete
             meta["rq_queue"] = rq_queue or "default"
-        meta.update(extra)
-        pipe = r.pipeline(transaction=False)
-        pipe.hset(keys.burst(burst), mapping=meta)
-        pipe.expire(keys.burst(burst), s.result_ttl_s)
-        pipe.zadd(keys.bursts, {burst: enc.now})
-        for start in range(0, len(reqs), _IDS_CHUNK):  # request ids in input order
-            pipe.rpush(keys.ids(burst), *(q.id for q in reqs[start : start + _IDS_CHUNK]))
-        pipe.expire(keys.ids(burst), s.result_ttl_s)
-        if "deadline" in extra:
-            pipe.zadd(keys.deadlines, {burst: extra["deadline"]})
-        await pipe.execute()
-        enc.deadline = extra.get("deadline")
-        # encode and send in growing chunks, so the first requests reach the workers while the
-        # rest are still being encoded
-        start, size = 0, _FIRST_CHUNK
-        while start < len(reqs):
-            end = min(len(reqs), start + size)
-            by_shard = self._encode(reqs, parts, placed, refs, burst, prefixes, enc, start, end)
-            await self._enqueue(r, by_shard)
-            if progress:
-                progress(end, len(reqs))
-            start, size = end, min(size * 4, _CHUNK)
-        sizes = {
-            "raw_bytes": enc.raw_bytes,
-            "entry_bytes": enc.entry_bytes,
-            "encoded_bytes": enc.entry_bytes + new_bytes,
-        }
-        await r.hset(keys.burst(burst), mapping=sizes)
-        log.info(
-            "burst %s: %d requests on %d shards (%s), %d -> %d bytes",
-            burst,
-            len(reqs),
-            shards,
-            meta["per_shard"],
-            enc.raw_bytes,
-            sizes["encoded_bytes"],
-        )
-        return burst
+        kept = self._kept
+        r = kept if kept is not None else async_client(s)
+        try:
+            sub = _Submission(self, r, raw, burst_id or new_burst_id(), meta, progress)
+            return await sub.run(placement or s.placement, seed, order)
+        except (*TRANSIENT, NoPermissionError) as e:  # ACL refusals become ConfigError too
+            raise describe(s, e) from e
+        finally:
+            if kept is None:
+                await r.aclose()
 
-    def _prefixes(
-        self, parts: list[tuple[dict[str, Any] | None, dict[str, Any]]]
-    ) -> tuple[dict[str, tuple[bytes, int]], list[str | None]]:
-        """Prefixes worth storing once (digest -> (encoded, packed size)) and each request's
-        reference. A prefix is stored once when at least two requests of the burst share it and
-        it is long enough; a prefix used once travels inline (a separate key would only add a
-        write and a read)."""
-        s = self.settings
-        packed = [
-            wire.pack(p) if p is not None and prefix_size(p) >= s.prefix_store_min_chars else None
-            for p, _ in parts
-        ]
-        uses = Counter(b for b in packed if b is not None)
-        stored: dict[str, tuple[bytes, int]] = {}
-        refs: list[str | None] = []
-        for b in packed:
-            ref = None
-            if b is not None and uses[b] > 1:
-                ref = digest(b)
-                if ref not in stored:
-                    stored[ref] = (wire.compress(b, s.codec, s.codec_level), len(b))
-            refs.append(ref)
-        return stored, refs
+    async def __aenter__(self) -> Producer:
+        """``async with Producer(s) as p:`` keeps one connection for every `asubmit` inside,
+        so a burst starts without connecting first (an upstream service, the benchmark)."""
+        self._kept = async_client(self.settings)
+        return self
 
-    def _encode(
-        self,
-        reqs: list[Request],
-        parts: list[tuple[dict[str, Any] | None, dict[str, Any]]],
-        placed: list[Placed],
-        refs: list[str | None],
-        burst: str,
-        prefixes: dict[str, tuple[bytes, int]],
-        enc: _Encoded,
-        start: int,
-        end: int,
-    ) -> dict[int, list[tuple[bytes, int]]]:
-        """Encode requests [start, end); returns shard -> [(entry, work)] and counts bytes."""
-        s = self.settings
-        by_shard: dict[int, list[tuple[bytes, int]]] = defaultdict(list)
-        inline_key, ref_key = len(wire.pack("x")), len(wire.pack("xr"))
-        for i in range(start, end):
-            q, (prefix, own), pl, ref = reqs[i], parts[i], placed[i], refs[i]
-            entry = to_wire(
-                q,
-                prefix=prefix,
-                prefix_ref=ref,
-                burst=burst,
-                index=i,
-                shard=pl.shard,
-                enqueued=enc.now,
-                work=pl.work,
-                predicted_cached=pl.predicted_cached,
-                own=own,
-                deadline=enc.deadline,
-            )
-            packed = wire.pack(entry)
-            data = wire.compress(packed, s.codec, s.codec_level)
-            if len(data) > s.max_entry_bytes:
-                raise ValidationError(
-                    f"request {i} ({q.id!r}) encodes to {len(data)} bytes, "
-                    f"over max_entry_bytes={s.max_entry_bytes}"
-                )
-            # raw = the same entry with its prefix inline, without packing it twice
-            raw = len(packed)
-            if ref is not None:
-                raw += inline_key + prefixes[ref][1] - ref_key - len(wire.pack(ref))
-            enc.raw_bytes += raw
-            enc.entry_bytes += len(data)
-            by_shard[pl.shard].append((data, pl.work))
-        return by_shard
+    async def __aexit__(self, *exc: object) -> None:
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            await kept.aclose()
 
-    async def _store_prefixes(self, r: aredis.Redis, prefixes: dict[str, tuple[bytes, int]]) -> int:
-        """SET NX each prefix (refreshing its TTL); returns the bytes newly stored."""
-        if not prefixes:
-            return 0
-        ttl = self.settings.prefix_ttl_s
-        pipe = r.pipeline(transaction=False)
-        for ref, (value, _) in prefixes.items():
-            pipe.set(self.keys.prefix(ref), value, nx=True, ex=ttl)
-            pipe.expire(self.keys.prefix(ref), ttl)
-        done = await pipe.execute()
-        sizes = [len(v) for v, _ in prefixes.values()]
-        return sum(n for n, new in zip(sizes, done[::2], strict=True) if new)
+    async def shards(self, r: aredis.Redis) -> int:
+        """The deployment's shard count (read once)."""
+        if not self._shards:
+            self._shards = await resolve_shards(r, self.settings)
+        return self._shards
 
-    async def _enqueue(self, r: aredis.Redis, by_shard: dict[int, list[tuple[bytes, int]]]) -> None:
-        """XADD a chunk of entries in one pipeline that also raises each shard's load counter."""
-        pipe = r.pipeline(transaction=False)
-        for shard, datas in sorted(by_shard.items()):
-            stream = self.keys.stream(shard)
-            for data, _ in datas:
-                pipe.xadd(stream, {FIELD: data})
-            pipe.hincrby(self.keys.load, str(shard), sum(w for _, w in datas))
-        await pipe.execute()
-
-    async def _placer(self, r: aredis.Redis, name: str | Placer, seed: int | None) -> Placer:
+    async def placer(self, r: aredis.Redis, name: str | Placer, seed: int | None) -> Placer:
+        """The placement strategy ``name`` (or ``name`` itself, a `Placer`)."""
         if not isinstance(name, str):
             return name
         if name == "affinity":
-            block = await r.hget(self.keys.config, "block_size")
-            return AffinityPlacer(self.settings, engine_block=int(block or 0))
+            if not self._block:
+                self._block = int(await r.hget(self.keys.config, "block_size") or 0)
+            return AffinityPlacer(self.settings, engine_block=self._block)
         if name == "random":
             return RandomPlacer(seed)
         if name == "round-robin":
@@ -318,3 +178,197 @@ class Producer:
         if name == "hash":
             return HashPlacer()
         raise ValidationError(f"unknown placement {name!r} (affinity, hash, random, round-robin)")
+
+
+class _Submission:
+    """One burst on its way in (`Producer.asubmit`)."""
+
+    def __init__(
+        self,
+        producer: Producer,
+        r: aredis.Redis,
+        raw: list[Request | Mapping[str, Any]],
+        burst: str,
+        meta: dict[str, Any],
+        progress: Progress | None,
+    ) -> None:
+        self.p, self.s, self.keys, self.r = producer, producer.settings, producer.keys, r
+        self.raw, self.burst, self.meta, self.progress = raw, burst, meta, progress
+        self.n = len(raw)
+        self.reqs: list[Request | None] = [None] * self.n
+        self.parts: list[Parts | None] = [None] * self.n
+        self.ids = IdCheck()
+        self.enc = EntryEncoder(self.s, burst=burst, enqueued=time.time())
+        self.enc.deadline = meta.get("deadline")
+        self.per_shard: Counter[int] = Counter()
+        self.sent = 0
+        self.created = False
+
+    async def run(self, placement: str | Placer, seed: int | None, order: str) -> str:
+        shards = await self.p.shards(self.r)
+        placer = await self.p.placer(self.r, placement, seed)
+        if order == "input":
+            perm = list(range(self.n))
+        else:  # needs every request's prefix before the head: validate all first
+            self._validate(list(range(self.n)))
+            perm = enqueue_order(order, self._validated(range(self.n))[1])
+        head, rest = perm[:HEAD], perm[HEAD:]
+        self._validate(head)
+        head_chunk = await self._encode(head, placer, shards, inline=True)
+        await self._create(shards, placement, order)
+        try:
+            await self._send(head, head_chunk, first=True)
+            self._validate(rest)
+            self.enc.count(self._validated(range(self.n))[1])
+            size, start = 4 * HEAD, 0
+            while start < len(rest):
+                chunk = rest[start : start + size]
+                await self._send(chunk, await self._encode(chunk, placer, shards))
+                start, size = start + len(chunk), min(4 * size, _CHUNK)
+        except (PrefixqError, RedisError, *TRANSIENT) as e:
+            await self._abandon(e)
+            raise
+        await self._finish(shards)
+        return self.burst
+
+    # ---- steps -------------------------------------------------------------------------------
+    def _validate(self, idx: Sequence[int]) -> None:
+        """Validate (and parse) requests ``idx`` not validated yet: each on its own (its entry's
+        size included: `entries.check_size`), and its id across the burst."""
+        for i in idx:
+            if self.reqs[i] is not None:
+                continue
+            q = normalize_one(self.raw[i], i, self.s)  # its entry's size too
+            self.ids.add(i, [q.id])
+            self.reqs[i], self.parts[i] = q, split_prefix(q)
+
+    async def _encode(
+        self, idx: Sequence[int], placer: Placer, shards: int, *, inline: bool = False
+    ) -> tuple[Encoded, list[Placed]]:
+        """Place and encode requests ``idx`` (validated)."""
+        reqs, parts = self._validated(idx)
+        items = [self.p.items.build(q, p[0]) for q, p in zip(reqs, parts, strict=True)]
+        placed = await placer.place(self.r, items, shards)
+        encoded = Encoded()
+        for q, part, pl, i in zip(reqs, parts, placed, idx, strict=True):
+            one = self.enc.encode([q], [part], [pl], i, inline=inline)  # indexes need not touch
+            encoded.new_prefixes.update(one.new_prefixes)
+            for shard, rows in one.by_shard.items():
+                encoded.by_shard.setdefault(shard, []).extend(rows)
+        return encoded, placed
+
+    def _validated(self, idx: Sequence[int]) -> tuple[list[Request], list[Parts]]:
+        reqs, parts = [], []
+        for i in idx:
+            q, p = self.reqs[i], self.parts[i]
+            assert q is not None and p is not None, f"request {i} not validated"
+            reqs.append(q)
+            parts.append(p)
+        return reqs, parts
+
+    async def _create(self, shards: int, placement: str | Placer, order: str) -> None:
+        """The burst record, once (ValidationError if the id is taken)."""
+        meta = {
+            "total": self.n,
+            "done": 0,
+            "failed": 0,
+            "created": self.enc.enqueued,
+            "status": "queued",
+            "shards": shards,
+            "codec": self.s.codec,
+            "placement": placement if isinstance(placement, str) else type(placement).__name__,
+            "order": order,
+            **self.meta,
+        }
+        flat = [x for kv in meta.items() for x in kv]
+        created = await self.r.eval(
+            lua("create_burst"), 1, self.keys.burst(self.burst), len(meta), *flat
+        )
+        if not created:
+            raise ValidationError(f"burst {self.burst!r} already exists")
+        self.created = True
+
+    async def _send(
+        self, idx: Sequence[int], chunk: tuple[Encoded, list[Placed]], *, first: bool = False
+    ) -> None:
+        """One pipeline: new prefixes (SET NX + TTL, before the entries that refer to them), the
+        entries, the shards' load counters; with the head, the ids and the burst indexes."""
+        encoded, placed = chunk
+        keys, ttl = self.keys, self.s.prefix_ttl_s
+        pipe = self.r.pipeline(transaction=False)
+        for ref, value in encoded.new_prefixes.items():
+            pipe.set(keys.prefix(ref), value, nx=True, ex=ttl)
+            pipe.expire(keys.prefix(ref), ttl)
+        for shard, rows in sorted(encoded.by_shard.items()):
+            stream = keys.stream(shard)
+            for data, _ in rows:
+                pipe.xadd(stream, {FIELD: data})
+            pipe.hincrby(keys.load, str(shard), sum(w for _, w in rows))
+        if first:
+            self._ids(pipe)
+            pipe.zadd(keys.bursts, {self.burst: self.enc.enqueued})
+            if "deadline" in self.meta:
+                pipe.zadd(keys.deadlines, {self.burst: self.meta["deadline"]})
+        replies = await pipe.execute()
+        fresh = [bool(x) for x in replies[: 2 * len(encoded.new_prefixes) : 2]]
+        self.enc.stored(encoded.new_prefixes, fresh)
+        self.per_shard.update(p.shard for p in placed)
+        self.sent += len(idx)
+        if self.progress:
+            self.progress(self.sent, self.n)
+
+    def _ids(self, pipe: Any) -> None:
+        """The burst's request ids in input order (known for every request already parsed; the
+        others by their raw value, since a cancel may need them before they are validated)."""
+        ids = []
+        for i, q in enumerate(self.reqs):
+            if q is not None:
+                ids.append(q.id)
+                continue
+            raw = self.raw[i]
+            rid = raw.id if isinstance(raw, Request) else raw.get("id", raw.get("custom_id", i))
+            ids.append(str(rid))
+        for start in range(0, len(ids), _IDS_CHUNK):
+            pipe.rpush(self.keys.ids(self.burst), *ids[start : start + _IDS_CHUNK])
+
+    async def _finish(self, shards: int) -> None:
+        sz = self.enc.sizes
+        fields = {
+            "per_shard": ",".join(str(self.per_shard[k]) for k in range(shards)),
+            "prefixes": sz.prefixes,
+            "prefix_bytes": sz.prefixes_new,
+            "prefix_bytes_reused": sz.prefixes_reused,
+            "raw_bytes": sz.raw,
+            "entry_bytes": sz.entries,
+            "encoded_bytes": sz.entries + sz.prefixes_new,
+        }
+        await self.r.hset(self.keys.burst(self.burst), mapping=fields)
+        log.info(
+            "burst %s: %d requests on %d shards (%s), %d -> %d bytes",
+            self.burst,
+            self.n,
+            shards,
+            fields["per_shard"],
+            sz.raw,
+            fields["encoded_bytes"],
+        )
+
+    async def _abandon(self, err: BaseException) -> None:
+        """A request refused, or Redis failed, after the head was sent: cancel the burst as a
+        whole (its remaining requests get cancelled results) and say so in the error."""
+        if not self.created:
+            return
+        why = f"submit failed after {self.sent} of {self.n} requests were enqueued: {err}"
+        try:
+            from prefixq.bursts import cancel_async  # type: ignore[import-not-found]
+
+            await cancel_async(self.burst, self.s, client=self.r, reason=why)
+            note = f"; burst {self.burst} was cancelled as a whole"
+        except Exception as e:  # Redis itself may be what failed
+            log.error("could not cancel burst %s: %s", self.burst, e)
+            note = (
+                f"; burst {self.burst} is partly enqueued ({self.sent} of {self.n}) and could "
+                f"not be cancelled: run `prefixq cancel {self.burst}`"
+            )
+        if err.args:
+            err.args = (f"{err.args[0]}{note}", *err.args[1:])

@@ -1,0 +1,140 @@
+"""The producer against a real redis-server: burst integrity (a refused request, a racing second
+producer), the head sent first, enqueue orders, the ids list."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from helpers import cli
+from prefixq import wire
+from prefixq.entries import Entry
+from prefixq.errors import ValidationError
+from prefixq.keys import Keys
+from prefixq.producer import Producer
+from prefixq.producer.producer import HEAD
+from prefixq.settings import Settings
+
+
+def entries(r: redis.Redis, s: Settings, shard: int = 0) -> list[Entry]:
+    rows = r.xrange(Keys(s.namespace).stream(shard))
+    return [Entry.from_wire(wire.decode(f[b"d"])) for _, f in rows]
+
+
+def namespace_keys(r: redis.Redis, s: Settings) -> list[bytes]:
+    return [k for k in r.scan_iter(match=f"{s.namespace}:*") if not k.endswith(b":config")]
+
+
+def test_a_line_too_big_to_encode_is_refused_before_anything_is_enqueued(
+    make_settings: Callable[..., Settings], r: redis.Redis, tmp_path: Path
+) -> None:
+    """Given a file whose line 51 (3.5M CJK characters) encodes over max_entry_bytes, `prefixq
+    submit` names line 51, exits 1 and leaves no entry, record or prefix in Redis."""
+    s = make_settings()
+    r.hset(Keys(s.namespace).config, "shards", 1)
+    lines = [json.dumps({"id": f"q{i}", "prompt": f"hello {i}"}) for i in range(100)]
+    lines[50] = json.dumps(
+        {"id": "big", "prompt": "".join(chr(0x4E00 + i % 20000) for i in range(3_500_000))}
+    )
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    p = cli(s, "submit", str(src))
+    assert p.returncode == 1, p.stderr
+    assert "line 51" in p.stderr and "max_entry_bytes" in p.stderr and "Traceback" not in p.stderr
+    assert namespace_keys(r, s) == []
+
+
+def test_a_bad_request_in_the_head_leaves_nothing_behind(
+    make_settings: Callable[..., Settings], r: redis.Redis
+) -> None:
+    """Given a burst whose second request is invalid, the Python API raises ValidationError
+    naming it, and nothing at all was written."""
+    s = make_settings()
+    reqs: list[dict[str, Any]] = [{"id": f"q{i}", "prompt": "x"} for i in range(50)]
+    reqs[1]["temperature"] = -1
+    with pytest.raises(ValidationError, match=r"requests\[1\]|line 2\b"):
+        Producer(s).submit(reqs)
+    assert namespace_keys(r, s) == []
+
+
+def test_two_producers_racing_for_one_burst_id_only_one_writes(
+    make_settings: Callable[..., Settings], r: redis.Redis
+) -> None:
+    """Given two producers released at a barrier with the same burst id, exactly one burst is
+    created: its record says its own total, the stream holds exactly its entries, and the other
+    producer gets a ValidationError saying the id exists, having written nothing."""
+    s = make_settings()
+    barrier = threading.Barrier(2)
+    outcome: dict[str, Any] = {}
+
+    def submit(tag: str, n: int) -> None:
+        reqs = [{"id": f"{tag}{i}", "prompt": f"{tag} {i}"} for i in range(n)]
+        barrier.wait()
+        try:
+            outcome[tag] = Producer(s).submit(reqs, burst_id="same")
+        except ValidationError as e:
+            outcome[tag] = e
+
+    threads = [threading.Thread(target=submit, args=a) for a in (("a", 1000), ("b", 500))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    won = [tag for tag, o in outcome.items() if o == "same"]
+    lost = [o for o in outcome.values() if isinstance(o, ValidationError)]
+    assert len(won) == 1 and len(lost) == 1 and "already exists" in str(lost[0])
+    total = {"a": 1000, "b": 500}[won[0]]
+    meta = r.hgetall(Keys(s.namespace).burst("same"))
+    got = entries(r, s)
+    assert int(meta[b"total"]) == total == len(got)
+    assert {e.id[0] for e in got} == {won[0]}
+    assert r.llen(Keys(s.namespace).ids("same")) == total
+
+
+def test_the_head_is_uncompressed_and_the_rest_uses_the_codec(
+    make_settings: Callable[..., Settings], r: redis.Redis
+) -> None:
+    """The first HEAD entries go out uncompressed (read at once, deleted once acked); the rest
+    are compressed with the settings' codec; every index appears once, ids list in input order."""
+    s = make_settings(codec="zlib")
+    reqs = [{"id": f"q{i}", "prompt": f"question {i} " * 50} for i in range(40)]
+    burst = Producer(s).submit(reqs)
+    rows = r.xrange(Keys(s.namespace).stream(0))
+    tags = [f[b"d"][0] for _, f in rows]
+    assert tags[:HEAD] == [wire.CODEC_TAGS["none"]] * HEAD
+    assert set(tags[HEAD:]) == {wire.CODEC_TAGS["zlib"]}
+    assert sorted(e.index for e in entries(r, s)) == list(range(40))
+    ids = [x.decode() for x in r.lrange(Keys(s.namespace).ids(burst), 0, -1)]
+    assert ids == [q["id"] for q in reqs]
+
+
+@pytest.mark.parametrize(
+    ("order", "expect"),
+    [
+        ("input", ["d0q0", "d1q0", "d0q1", "d1q1", "d2q0", "d0q2"]),
+        ("leaders-first", ["d0q0", "d1q0", "d2q0", "d0q1", "d1q1", "d0q2"]),
+        ("grouped", ["d0q0", "d0q1", "d0q2", "d1q0", "d1q1", "d2q0"]),
+    ],
+)
+def test_enqueue_order_puts_each_prefix_group_as_asked(
+    make_settings: Callable[..., Settings], r: redis.Redis, order: str, expect: list[str]
+) -> None:
+    """Requests on three shared documents are enqueued in the asked order; each keeps its
+    input index, and the ids list stays in input order."""
+    s = make_settings(prefix_store_min_chars=16)
+    docs = [f"document {d} " * 40 for d in range(3)]
+    names = ["d0q0", "d1q0", "d0q1", "d1q1", "d2q0", "d0q2"]
+    reqs = [{"id": n, "prefix": docs[int(n[1])], "prompt": f" {n}?"} for n in names]
+    burst = asyncio.run(Producer(s).asubmit(reqs, order=order))
+    got = entries(r, s)
+    assert [e.id for e in got] == expect
+    assert all(names[e.index] == e.id for e in got)
+    ids = [x.decode() for x in r.lrange(Keys(s.namespace).ids(burst), 0, -1)]
+    assert ids == names
