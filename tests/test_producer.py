@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from helpers import cli
-from prefixq import wire
+from prefixq import results, wire
 from prefixq.entries import Entry
 from prefixq.errors import ValidationError
 from prefixq.keys import Keys
@@ -62,6 +62,24 @@ def test_a_bad_request_in_the_head_leaves_nothing_behind(
     with pytest.raises(ValidationError, match=r"requests\[1\]|line 2\b"):
         Producer(s).submit(reqs)
     assert namespace_keys(r, s) == []
+
+
+def test_a_bad_request_after_the_head_cancels_the_burst_as_a_whole(
+    make_settings: Callable[..., Settings], r: redis.Redis
+) -> None:
+    """Given a burst whose request 30 is invalid (found after the head was sent), the Python API
+    raises ValidationError naming it and saying the burst was cancelled; the burst is ended:
+    every request has exactly one result, cancelled, and waiters see it finished."""
+    s = make_settings()
+    reqs: list[dict[str, Any]] = [{"id": f"q{i}", "prompt": "x"} for i in range(50)]
+    reqs[30]["top_p"] = 7
+    with pytest.raises(ValidationError, match=r"(requests\[30\]|line 31\b).*cancelled") as e:
+        Producer(s).submit(reqs, burst_id="half")
+    assert "4 of its 50" in str(e.value)
+    got = results.collect("half", s)
+    assert len(got) == 50 and {g.error_code for g in got} == {"cancelled"}
+    st = results.status("half", s)
+    assert st.finished and st.status == "cancelled" and st.failed == 50
 
 
 def test_two_producers_racing_for_one_burst_id_only_one_writes(

@@ -44,6 +44,7 @@ from prefixq.affinity.placement import (
     RoundRobinPlacer,
 )
 from prefixq.affinity.prefix_map import AffinityPlacer
+from prefixq.bursts import acancel
 from prefixq.connection import TRANSIENT, async_client, describe, lua
 from prefixq.deployment import resolve_shards
 from prefixq.entries import split_prefix
@@ -358,12 +359,19 @@ class _Submission:
         whole (its remaining requests get cancelled results) and say so in the error."""
         if not self.created:
             return
-        why = f"submit failed after {self.sent} of {self.n} requests were enqueued: {err}"
+        log.error(
+            "burst %s: submit failed after %d of %d requests: %s",
+            self.burst,
+            self.sent,
+            self.n,
+            err,
+        )
         try:
-            from prefixq.bursts import cancel_async  # type: ignore[import-not-found]
-
-            await cancel_async(self.burst, self.s, client=self.r, reason=why)
-            note = f"; burst {self.burst} was cancelled as a whole"
+            await acancel(self.burst, self.s, self.r)
+            note = (
+                f"; {self.sent} of its {self.n} requests had been enqueued, so burst {self.burst} "
+                "was cancelled as a whole (what already finished keeps its result)"
+            )
         except Exception as e:  # Redis itself may be what failed
             log.error("could not cancel burst %s: %s", self.burst, e)
             note = (
