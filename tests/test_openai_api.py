@@ -135,6 +135,10 @@ def test_malformed_multipart_and_missing_fields_are_400(server: Server) -> None:
 def test_unknown_routes_and_objects_are_openai_shaped_404s(server: Server, client: OpenAI) -> None:
     r = httpx.get(f"{server.url}/models")
     assert r.status_code == 404 and r.json()["error"]["message"] == "Invalid URL (GET /v1/models)"
+    for bad in ("..", "%2e%2e", "file-..", "..%2F..%2Fetc%2Fpasswd"):
+        r = httpx.get(f"{server.url}/files/{bad}/content")
+        assert r.status_code == 404, bad
+        assert httpx.delete(f"{server.url}/files/{bad}").status_code == 404
     with pytest.raises(openai.NotFoundError):
         client.batches.retrieve("batch_nope")
     with pytest.raises(openai.NotFoundError):

@@ -10,6 +10,7 @@ sharing a Redis must share ``files_dir`` too (one volume).
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 #: purposes a client may upload with, and those the server writes
 UPLOAD_PURPOSES = frozenset({"batch"})
 PURPOSES = frozenset({"batch", "batch_output"})
+
+
+_ID = re.compile(r"file-[0-9a-f]{24}")
 
 
 def new_file_id() -> str:
@@ -69,6 +73,10 @@ class FileStore:
         self.dir = files_root(settings) / namespace
 
     def path(self, file_id: str) -> Path:
+        """Where a file's content lives; ids are the server's own (``file-`` + hex), and anything
+        else (``..``, slashes) never names a path."""
+        if not _ID.fullmatch(file_id):
+            raise not_found("File", file_id)
         return self.dir / file_id
 
     async def upload(
@@ -123,6 +131,7 @@ class FileStore:
         return file_object({k.encode(): str(v).encode() for k, v in h.items()})
 
     async def get(self, file_id: str) -> dict[str, Any]:
+        self.path(file_id)  # 404 for what cannot be an id
         h = await self.r.hgetall(self.keys.oai_file(file_id))
         if not h:
             raise not_found("File", file_id)
@@ -138,13 +147,14 @@ class FileStore:
         return path
 
     async def delete(self, file_id: str) -> dict[str, Any]:
+        path = self.path(file_id)
         pipe = self.r.pipeline(transaction=True)
         pipe.delete(self.keys.oai_file(file_id))
         pipe.zrem(self.keys.oai_files, file_id)
         deleted, _ = await pipe.execute()
         if not deleted:
             raise not_found("File", file_id)
-        self.path(file_id).unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
         return {"id": file_id, "object": "file", "deleted": True}
 
     async def list(self, *, after: str | None, limit: int, order: str, purpose: str | None) -> Page:
