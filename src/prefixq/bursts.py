@@ -11,8 +11,10 @@ so Redis is never blocked long. The burst record counts them as ``failed`` and p
 ``cancelled`` / ``expired`` once nothing is missing. The call that completes the burst enqueues
 its ``on_complete`` RQ job (once per burst, as a worker does when its result completes one).
 
-`cancel` also posts ``{b: burst}`` to `Keys.cancels` (``{b: burst, r: expired}`` for an expiry),
-on which workers abort that burst's requests in their engine and skip its queued entries.
+Then (once every missing result is recorded, so that the counters and the final status are
+this module's) `cancel` posts ``{b: burst}`` to `Keys.cancels` (``{b: burst, r: expired}`` for an
+expiry), on which workers abort that burst's requests in their engine and skip its queued
+entries; whatever they record for them is "already recorded" and only acked.
 """
 
 from __future__ import annotations
@@ -150,9 +152,9 @@ def _cancel(r: redis.Redis, settings: Settings, burst: str) -> CancelReport:
     total, done, failed, status = before
     if done + failed >= total:
         return CancelReport(burst, status, total, done, failed, 0, True)
-    r.xadd(keys.cancels, {"b": burst}, maxlen=_NOTICES_KEPT, approximate=True)
     f = _Finisher(keys, settings, burst, "cancelled")
     _finish_sync(r, f, total)
+    r.xadd(keys.cancels, {"b": burst}, maxlen=_NOTICES_KEPT, approximate=True)
     r.zrem(keys.deadlines, burst)
     if f.completed:
         from prefixq.rq_jobs import enqueue_on_complete_sync
@@ -190,9 +192,9 @@ async def acancel(burst: str, settings: Settings, r: aredis.Redis) -> CancelRepo
     total, done, failed, status = before
     if done + failed >= total:
         return CancelReport(burst, status, total, done, failed, 0, True)
-    await r.xadd(keys.cancels, {"b": burst}, maxlen=_NOTICES_KEPT, approximate=True)
     f = _Finisher(keys, settings, burst, "cancelled")
     await _finish_async(r, f, total)
+    await r.xadd(keys.cancels, {"b": burst}, maxlen=_NOTICES_KEPT, approximate=True)
     await r.zrem(keys.deadlines, burst)
     if f.completed:
         from prefixq.rq_jobs import enqueue_on_complete
@@ -218,11 +220,11 @@ async def expire_due(r: aredis.Redis, settings: Settings, now: float | None = No
         burst = raw.decode() if isinstance(raw, bytes) else str(raw)
         before = _counts(await r.hmget(keys.burst(burst), "total", "done", "failed", "status"))
         if before is not None and before[1] + before[2] < before[0]:
+            f = _Finisher(keys, settings, burst, "expired")
+            await _finish_async(r, f, before[0])
             await r.xadd(
                 keys.cancels, {"b": burst, "r": "expired"}, maxlen=_NOTICES_KEPT, approximate=True
             )
-            f = _Finisher(keys, settings, burst, "expired")
-            await _finish_async(r, f, before[0])
             if f.completed:
                 from prefixq.rq_jobs import enqueue_on_complete
 
