@@ -12,6 +12,7 @@ import redis
 
 from prefixq import results, stats, wire
 from prefixq.connection import lua
+from prefixq.errors import BurstRecordLost
 from prefixq.producer import Producer
 from prefixq.records import Result, Timings
 from prefixq.redis_server import RedisServer
@@ -135,3 +136,21 @@ def test_inspect_in_flight_is_the_consumer_groups_pending_not_a_stale_heartbeat(
     assert (shard["inflight"], shard["pending"], shard["waiting"]) == (0, 0, 0)
     (w,) = shard["worker_detail"]
     assert (w["name"], w["pending"], w["inflight_at_beat"]) == ("beat0", 0, 3)
+
+
+def test_inspect_shows_a_burst_with_a_lost_record_as_lost_and_the_others_as_usual(
+    settings: Settings, r: redis.Redis
+) -> None:
+    """A recent burst whose record is incomplete is listed as lost, with why, next to a healthy
+    one; asked for by id, it is an error (BurstRecordLost), not a finished burst."""
+    s = settings
+    lost = Producer(s).submit([{"id": "a", "prompt": "x"}])
+    ok = Producer(s).submit([{"id": "b", "prompt": "y"}])
+    r.delete(s.keys.burst(lost))
+    r.hset(s.keys.burst(lost), "done", 1)
+    snap = stats.snapshot(s, recent=5, client=r)
+    by_id = {b["burst"]: b for b in snap["bursts"]}
+    assert by_id[lost]["status"] == "lost" and "record is incomplete" in by_id[lost]["error"]
+    assert by_id[ok]["total"] == 1 and by_id[ok]["status"] != "lost"
+    with pytest.raises(BurstRecordLost):
+        stats.snapshot(s, burst=lost, client=r)

@@ -17,6 +17,7 @@ from typing import Any, Self
 from redis.exceptions import RedisError
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -142,6 +143,9 @@ def snapshot_renderables(snap: dict[str, Any]) -> list[RenderableType]:
             )
         out.append(wt)
     for b in snap["bursts"]:
+        if "error" in b:
+            out.append(f"[bold]burst {b['burst']}[/]: [red]{escape(b['error'])}[/]")
+            continue
         out.append(
             f"[bold]burst {b['burst']}[/]: {b['status']}, {b['done']} ok + {b['failed']} "
             f"failed of {b['total']}, {b['requests_per_s']} req/s over {b['span_s']} s; "

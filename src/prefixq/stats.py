@@ -26,6 +26,7 @@ from redis.exceptions import ResponseError
 from prefixq import results as results_api
 from prefixq import wire
 from prefixq.deployment import resolve_shards_sync
+from prefixq.errors import BurstNotFound
 from prefixq.keys import GROUP, Keys
 from prefixq.records import Result
 from prefixq.settings import Settings
@@ -232,6 +233,17 @@ def recent_bursts(r: redis.Redis, keys: Keys, recent: int) -> list[str]:
     return [b for b in newest if alive[b]][:recent]
 
 
+def _burst_or_why(r: redis.Redis, settings: Settings, burst: str, asked: bool) -> dict[str, Any]:
+    """`burst_stats`; for a recent burst whose record is incomplete or went away meanwhile, what
+    happened (``{"burst", "status": "lost", "error"}``) instead of failing the whole snapshot."""
+    try:
+        return burst_stats(r, settings, burst)
+    except BurstNotFound as e:  # BurstRecordLost too
+        if asked:
+            raise
+        return {"burst": burst, "status": "lost", "error": str(e)}
+
+
 def snapshot(
     settings: Settings,
     *,
@@ -248,6 +260,6 @@ def snapshot(
     return {
         "namespace": settings.namespace,
         "shards": shard_stats(r, settings, shards),
-        "bursts": [burst_stats(r, settings, b) for b in bursts],
+        "bursts": [_burst_or_why(r, settings, b, b == burst) for b in bursts],
         "at": time.time(),
     }
