@@ -503,3 +503,33 @@ def test_a_burst_queued_by_a_dead_server_is_not_queued_twice(
         assert b.request_counts.total == 3
         assert r.xlen(keys.stream(0)) == queued == 3
         assert r.hget(keys.oai_batch(batch_id), "burst") == batch_id.encode()
+
+
+def test_a_result_that_does_not_decode_becomes_an_error_line(
+    client: OpenAI, settings: Settings, r: redis.Redis
+) -> None:
+    """Given a finished burst whose second result is garbage (anything with write access to Redis
+    could put it there), the batch still completes: the good result in the output file, a 500
+    internal_error line for the garbage one, instead of a finalizer failing for ever."""
+    from prefixq import wire
+    from prefixq.records import Result
+
+    lines = [completion_line("good", "a b"), completion_line("bad", "c d")]
+    f = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    b = client.batches.create(
+        input_file_id=f.id, endpoint="/v1/completions", completion_window="1h"
+    )
+    assert wait_batch(client, b.id, {"in_progress"}).status == "in_progress"
+    keys = Keys(settings.namespace)
+    ok = Result(id="good", index=0, text="b a", finish_reason="stop", output_tokens=2)
+    r.hset(keys.results(b.id), mapping={0: wire.encode(ok.to_wire()), 1: b"\x07garbage"})
+    r.hset(keys.burst(b.id), mapping={"done": 1, "failed": 1})
+    b = wait_batch(client, b.id, {"completed", "failed"})
+    assert b.status == "completed"
+    (good,) = [
+        json.loads(x) for x in client.files.content(b.output_file_id or "").text.splitlines()
+    ]
+    (bad,) = [json.loads(x) for x in client.files.content(b.error_file_id or "").text.splitlines()]
+    assert good["custom_id"] == "good" and good["response"]["body"]["choices"][0]["text"] == "b a"
+    assert bad["custom_id"] == "bad" and bad["response"]["status_code"] == 500
+    assert "does not decode" in bad["response"]["body"]["error"]["message"]

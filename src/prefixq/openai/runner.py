@@ -32,7 +32,7 @@ import redis.asyncio as aredis
 
 from prefixq import bursts, wire
 from prefixq.connection import TRANSIENT
-from prefixq.errors import PrefixqError, ValidationError
+from prefixq.errors import PrefixqError, ValidationError, WireError
 from prefixq.openai import lease
 from prefixq.openai.batches import FINAL, BatchStore, cancel_burst
 from prefixq.openai.files import new_file_id
@@ -114,6 +114,8 @@ class Sweeper:
         self.stores = {ns: BatchStore(r, settings, ns) for ns in namespaces}
         self.tasks: set[asyncio.Task[None]] = set()
         self.busy: set[tuple[str, str]] = set()
+        #: batches whose last step failed: (not before, last delay), doubling up to a minute
+        self.retry: dict[tuple[str, str], tuple[float, float]] = {}
 
     def spawn(self, store: BatchStore, batch_id: str, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` in the background (one task per batch at a time)."""
@@ -123,10 +125,11 @@ class Sweeper:
         async def run() -> None:
             try:
                 await coro
+                self.retry.pop(key, None)
             except Exception:
-                log.exception(
-                    "batch %s: step failed; a sweep retries it once its lease expires", batch_id
-                )
+                delay = min(60.0, 2 * self.retry.get(key, (0.0, 0.5))[1])
+                self.retry[key] = (time.monotonic() + delay, delay)
+                log.exception("batch %s: step failed; retried in %.0f s", batch_id, delay)
             finally:
                 self.busy.discard(key)
 
@@ -261,11 +264,22 @@ class Sweeper:
             raw = await self.r.hmget(store.keys.results(burst), idx)
             lines = []
             for i, v in zip(idx, raw, strict=True):
-                if v is None:  # not expected once the burst is finished; say so in its line
+                why = "no result was recorded"  # not expected once the burst is finished
+                if v is not None:
+                    try:
+                        res = Result.from_wire(wire.decode(v, limits))
+                    except (WireError, KeyError, TypeError, ValueError) as e:
+                        why = f"its recorded result does not decode: {e}"
+                    else:
+                        why = ""
+                if why:  # a line that says so, rather than no files at all
                     rid = await self.r.lindex(store.keys.ids(burst), i)
-                    res = Result(id=(rid or b"").decode(), index=i, error="no result was recorded")
-                else:
-                    res = Result.from_wire(wire.decode(v, limits))
+                    res = Result(
+                        id=(rid or b"").decode("utf-8", "replace"),
+                        index=i,
+                        error=why,
+                        error_code="internal_error",
+                    )
                 files.usage.add(res)
                 lines.append(
                     format_result(
@@ -281,10 +295,14 @@ class Sweeper:
         for store in self.stores.values():
             ns = store.keys.ns
             await bursts.expire_due(self.r, store.settings)  # batches past their window
+            open_ids = {x.decode() for x in await self.r.smembers(store.keys.oai_open)}
+            for key in [k for k in self.retry if k[0] == ns and k[1] not in open_ids]:
+                del self.retry[key]  # finished elsewhere meanwhile
+            now = time.monotonic()
             ids = sorted(
                 i
-                for i in (x.decode() for x in await self.r.smembers(store.keys.oai_open))
-                if (ns, i) not in self.busy
+                for i in open_ids
+                if (ns, i) not in self.busy and self.retry.get((ns, i), (0.0, 0.0))[0] <= now
             )
             if not ids:
                 continue
