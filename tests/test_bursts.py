@@ -265,10 +265,6 @@ def test_acancel_is_the_same_inside_an_event_loop(settings: Settings, r: redis.R
     assert asyncio.run(go()).already_finished
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the lead's enqueue_on_complete_sync enqueues only for status 'finished' so far",
-)
 def test_the_cancel_that_ends_a_burst_enqueues_its_on_complete_job_once(
     settings: Settings, r: redis.Redis
 ) -> None:

@@ -35,7 +35,7 @@ from prefixq.keys import Keys
 from prefixq.records import Result
 from prefixq.settings import Settings
 
-__all__ = ["CHUNK", "CancelReport", "acancel", "cancel", "expire_due"]
+__all__ = ["CHUNK", "CancelReport", "acancel", "cancel", "ended_result", "expire_due"]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,15 @@ class CancelReport:
         return asdict(self)
 
 
+def ended_result(reason: str, request_id: str, index: int, worker: str, now: float) -> Result:
+    """The failed result of a request that its burst's end (``reason``: ``cancelled`` or
+    ``expired``) stopped before it finished; workers build the same for queued entries of such a
+    burst."""
+    res = Result(id=request_id, index=index, error=_WHY[reason], error_code=reason, worker=worker)
+    res.timings.finished = now
+    return res
+
+
 class _Finisher:
     """The I/O-free part of finishing a burst's missing results, shared by the sync and async
     drivers below: which commands to send for a chunk, and what to make of the replies."""
@@ -104,14 +113,7 @@ class _Finisher:
         for i in missing:
             at = i - chunk.start
             rid = ids[at].decode("utf-8", "replace") if at < len(ids) else str(i)
-            res = Result(
-                id=rid,
-                index=i,
-                error=_WHY[self.reason],
-                error_code=self.reason,
-                worker=_WRITER[self.reason],
-            )
-            res.timings.finished = self.now
+            res = ended_result(self.reason, rid, i, _WRITER[self.reason], self.now)
             out += [i, wire.encode(res.to_wire(), self.settings.codec)]
         return out
 

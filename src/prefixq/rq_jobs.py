@@ -262,6 +262,11 @@ def callback_path(spec: str) -> str:
     return f"{m[1]}.{m[2]}"
 
 
+#: statuses of a burst that has ended: its callback may run (a cancel or a deadline ends a burst
+#: as surely as its last result does)
+ENDED = (b"finished", b"cancelled", b"expired")
+
+
 def callback_job_id(namespace: str, burst: str) -> str:
     """The RQ job id of a burst's callback: fixed per (namespace, burst), in RQ's id alphabet."""
     digest = hashlib.blake2b(f"{namespace}\0{burst}".encode(), digest_size=6).hexdigest()
@@ -271,7 +276,8 @@ def callback_job_id(namespace: str, burst: str) -> str:
 def enqueue_on_complete_sync(client: redis.Redis, settings: Settings, burst: str) -> str | None:
     """Enqueue the burst's ``on_complete`` RQ job unless it was already; returns the new job's id.
 
-    Returns None when the burst has no callback, is not finished, or its callback was already
+    Returns None when the burst has no callback, has not ended (finished, cancelled or
+    expired), or its callback was already
     enqueued (``callback_job`` is set). The claim and RQ's enqueue commands run in one MULTI/EXEC
     under WATCH of the burst record, so concurrent calls enqueue one job between them.
     """
@@ -288,8 +294,8 @@ def enqueue_on_complete_sync(client: redis.Redis, settings: Settings, burst: str
                 if claimed is not None:
                     log.debug("burst %s: callback already enqueued as %s", burst, claimed)
                     return None
-                if status != b"finished":
-                    log.info("burst %s is %s, not finished: no callback yet", burst, status)
+                if status not in ENDED:
+                    log.info("burst %s is %s, not ended: no callback yet", burst, status)
                     return None
                 func = callback_path(spec.decode())
                 job_id = callback_job_id(settings.namespace, burst)

@@ -110,6 +110,8 @@ def failed_result(entry: Entry, shard: int, worker: str, reason: str) -> Result:
         worker=worker,
         error=f"dead-lettered: {reason}",
         error_code="dead_lettered",
+        endpoint=entry.endpoint,
+        model=entry.model,
     )
     res.timings.enqueued = entry.enqueued
     res.timings.finished = time.time()

@@ -11,7 +11,8 @@
 -- ARGV[6]  prompt tokens   ARGV[7] cached prompt tokens   ARGV[8] predicted cached tokens
 -- Returns
 --   1  recorded
---   2  recorded, and it was the burst's last outstanding request (status "finished"; the four
+--   2  recorded, and it was the burst's last outstanding request (status "finished", or
+--      "cancelled"/"expired" when a cancel or an expiry was under way; the four
 --      keys then expire ARGV[4] seconds later: a running burst's keys never expire)
 --   0  a result for this index existed already (a redelivery: only ack it)
 --   3  a result existed already and the burst has finished (ack; completion hooks may run again)
@@ -39,7 +40,15 @@ redis.call('HINCRBY', KEYS[2], 'predicted_cached_tokens', ARGV[8])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', 100000, '*', 'i', ARGV[1])
 local other = ARGV[3] == '1' and rec[2] or rec[3]
 if done + tonumber(other or 0) >= total then
-  redis.call('HSET', KEYS[2], 'status', 'finished', 'finished_at', ARGV[5])
+  -- a burst whose cancel or expiry was under way ends as such (prefixq.bursts)
+  local status = redis.call('HGET', KEYS[2], 'status')
+  local ended = 'finished'
+  if status == 'cancelling' then
+    ended = 'cancelled'
+  elseif status == 'expiring' then
+    ended = 'expired'
+  end
+  redis.call('HSET', KEYS[2], 'status', ended, 'finished_at', ARGV[5])
   local ttl = tonumber(ARGV[4])
   for i = 1, 4 do
     redis.call('EXPIRE', KEYS[i], ttl)

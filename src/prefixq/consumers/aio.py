@@ -1,0 +1,30 @@
+"""Two asyncio helpers the worker's lifecycle needs."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+
+async def cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
+    """Cancel ``tasks`` and wait until they are done, cancelling again while any runs on: on
+    Python 3.11 a cancel can be lost (asyncio.wait_for returns the result when the awaited
+    operation completes in the same loop step as the cancel, gh-86296), and redis-py sends every
+    command through wait_for, so one cancel may leave a task blocked in Redis calls for ever."""
+    while pending := [t for t in tasks if not t.done()]:
+        for t in pending:
+            t.cancel()
+        await asyncio.wait(pending, timeout=1.0)
+    for t in tasks:  # retrieve their exceptions: nothing is logged as "never retrieved"
+        if not t.cancelled():
+            t.exception()
+
+
+async def first_of(*aws: Any) -> None:
+    """Until the first of ``aws`` is done; the others are cancelled."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()

@@ -1,0 +1,105 @@
+"""Bursts that ended before all their requests ran: cancelled, or past their deadline.
+
+prefixq.bursts ends them (their missing results are recorded as ``cancelled``/``expired``) and
+posts a notice to `Keys.cancels`. A worker keeps the recent notices (`BurstEnds`): entries of an
+ended burst it reads later are not run (their requests get the same ended result, recorded once:
+usually the burst's end recorded it already, and the worker only acks the entry), and on a new
+notice it aborts that burst's requests inside its engine. Every worker also looks for bursts past
+their deadline once a second (`bursts.expire_due`: each index is failed once, however many
+workers look).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+
+import redis.asyncio as aredis
+from redis.exceptions import ResponseError
+
+from prefixq.bursts import expire_due
+from prefixq.connection import TRANSIENT, Backoff
+from prefixq.entries import Entry
+from prefixq.keys import Keys
+from prefixq.settings import Settings
+
+log = logging.getLogger(__name__)
+
+#: seconds between two looks for bursts past their deadline
+EXPIRY_EVERY_S = 1.0
+#: ended bursts remembered (as many as prefixq.bursts keeps notices of)
+KEPT = 10_000
+
+
+class BurstEnds:
+    """One worker's view of ended bursts."""
+
+    def __init__(self, r: aredis.Redis, settings: Settings) -> None:
+        self.r = r
+        self.settings = settings
+        self.keys = Keys(settings.namespace)
+        #: burst -> "cancelled" or "expired"
+        self.ended: OrderedDict[str, str] = OrderedDict()
+        self._seen = "0-0"
+        #: entry id -> (burst, engine request id), while the request is inside the engine
+        self._running: dict[bytes, tuple[str, str]] = {}
+
+    def running(self, entry_id: bytes, burst: str, request_id: str) -> None:
+        """The request of ``entry_id`` is now inside the engine as ``request_id``."""
+        self._running[entry_id] = (burst, request_id)
+
+    def done(self, entry_id: bytes) -> None:
+        self._running.pop(entry_id, None)
+
+    def reason(self, e: Entry, now: float) -> str | None:
+        """Why ``e`` must not run (its burst ended, or its deadline passed), or None."""
+        reason = self.ended.get(e.burst)
+        if reason is None and e.deadline is not None and now > e.deadline:
+            return "expired"
+        return reason
+
+    async def load(self) -> None:
+        """The notices posted before this worker started."""
+        for entry_id, fields in await self.r.xrange(self.keys.cancels):
+            self._note(entry_id, fields)
+
+    async def watch(self, abort: Callable[[str], Awaitable[None]]) -> None:
+        """For every burst ended from now on, ``abort(request_id)`` each of its requests inside
+        the engine (runs as a task)."""
+        backoff = Backoff()
+        while True:
+            try:
+                resp = await self.r.xread({self.keys.cancels: self._seen}, count=100, block=1000)
+                backoff.reset()
+            except (*TRANSIENT, ResponseError) as e:
+                await backoff.wait("reading burst-end notices", e)
+                continue
+            for entry_id, fields in resp[0][1] if resp else []:
+                burst = self._note(entry_id, fields)
+                rids = [rid for b, rid in self._running.values() if b == burst]
+                if rids:
+                    log.info("burst %s ended: aborting its %d requests", burst, len(rids))
+                for rid in rids:
+                    await abort(rid)
+
+    async def expire(self) -> None:
+        """End bursts whose deadline passed, once a second (runs as a task)."""
+        while True:
+            await asyncio.sleep(EXPIRY_EVERY_S)
+            try:
+                await expire_due(self.r, self.settings)
+            except (*TRANSIENT, ResponseError) as e:
+                log.warning("expiring bursts failed: %s", e)
+
+    def _note(self, entry_id: bytes, fields: dict[bytes, bytes]) -> str | None:
+        self._seen = entry_id.decode()
+        burst = fields.get(b"b", b"").decode(errors="replace")
+        if not burst:
+            return None
+        self.ended[burst] = fields.get(b"r", b"cancelled").decode(errors="replace")
+        self.ended.move_to_end(burst)
+        while len(self.ended) > KEPT:
+            self.ended.popitem(last=False)
+        return burst

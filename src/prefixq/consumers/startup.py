@@ -1,0 +1,79 @@
+"""A worker's start: what it checks and records in Redis before it serves, and the engine's
+warm-up. Every Redis step is retried until Redis takes it (unreachable, out of memory, loading:
+a worker started too early waits instead of dying); refused credentials or permissions are a
+`ConfigError` at once (exit 2: a restart cannot fix them)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from redis.exceptions import ResponseError
+
+from prefixq.connection import TRANSIENT, Backoff, describe, refused
+from prefixq.consumers.engine import Engine, EngineRequest
+from prefixq.consumers.shard import ShardStream
+from prefixq.errors import ConfigError
+from prefixq.redis_policy import check_policy
+from prefixq.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+async def retry(settings: Settings, what: str, call: Callable[[], Awaitable[Any]]) -> None:
+    """``await call()`` until Redis takes it."""
+    backoff = Backoff()
+    while True:
+        try:
+            await call()
+            return
+        except (*TRANSIENT, ResponseError) as e:
+            if refused(e):  # wrong credentials, an ACL, an untrusted certificate
+                raise describe(settings, e) from e
+            await backoff.wait(what, e)
+
+
+async def register(stream: ShardStream, settings: Settings) -> None:
+    """Check the server's eviction policy (redis_policy.py), join the shard's group, and make
+    sure the deployment's shard count is recorded: a worker without ``--shards`` on a Redis that
+    has none is a ConfigError (producers and `check` could not see what it serves)."""
+    r, keys = stream.r, stream.keys
+    await retry(settings, "reading the eviction policy", lambda: check_policy(r, settings))
+    await stream.join()
+
+    async def shards() -> None:
+        if settings.shards:
+            await r.hsetnx(keys.config, "shards", settings.shards)
+            return
+        if await r.hget(keys.config, "shards") is None:
+            raise ConfigError(
+                f"no shard count in Redis for namespace {settings.namespace!r}: start the "
+                "first worker of a deployment with --shards N (or PREFIXQ_SHARDS)"
+            )
+
+    await retry(settings, "recording the shard count", shards)
+
+
+async def record_engine(stream: ShardStream, settings: Settings, engine: Engine) -> None:
+    """Tell producers the engine's KV block size (predicted hits are rounded to it)."""
+    await retry(
+        settings,
+        "recording the engine's block size",
+        lambda: stream.r.hset(stream.keys.config, "block_size", engine.block_size),
+    )
+
+
+async def warm_up(engine: Engine, request_id: str) -> float:
+    """One tiny request through the engine, then an empty prefix cache; returns seconds."""
+    t0 = time.perf_counter()
+    await engine.generate(
+        EngineRequest(
+            request_id=request_id,
+            prompt_token_ids=[1] * 8,
+            sampling={"max_tokens": 2, "ignore_eos": True},
+        )
+    )
+    await engine.reset_prefix_cache()
+    return time.perf_counter() - t0
