@@ -15,6 +15,7 @@ import redis.asyncio as aredis
 
 from prefixq import bursts, results, wire
 from prefixq.connection import lua
+from prefixq.consumers.shard import record_call
 from prefixq.errors import BurstNotFound
 from prefixq.keys import Keys
 from prefixq.producer import Producer
@@ -38,12 +39,8 @@ class FakeRecorder:
     def record(self, index: int) -> int:
         k, b = Keys(self.settings.namespace), self.burst
         res = Result(id=f"q{index}", index=index, text="answer", finish_reason="stop")
-        reply = int(
-            self.script(
-                keys=[k.results(b), k.burst(b), k.events(b), k.ids(b)],
-                args=[index, wire.encode(res.to_wire(), "zlib"), 0, 3600, time.time(), 1, 0, 0],
-            )
-        )
+        keys, args = record_call(k, b, res, self.settings, repr(time.time()))
+        reply = int(self.script(keys=keys, args=args))
         self.replies[index] = reply
         return reply
 

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import redis
 
-from prefixq import results, stats, wire
+from prefixq import results, stats
 from prefixq.connection import lua
+from prefixq.consumers.shard import record_call
 from prefixq.errors import BurstRecordLost
 from prefixq.producer import Producer
 from prefixq.records import Result, Timings
@@ -43,12 +44,9 @@ def recorded_burst(r: redis.Redis, s: Settings, n: int) -> str:
             output_tokens=41,
             timings=Timings(now - 3, now - 2 + i / n, now - 1.5, now - 1 + i / n),
         )
-        args = [i, wire.encode(res.to_wire(), s.codec), 0, 3600, repr(now), 10, 4, 4]
-        script(
-            keys=[keys.results(burst), keys.burst(burst), keys.events(burst), keys.ids(burst)],
-            args=args,
-            client=pipe,
-        )
+        res.cached_tokens = res.predicted_cached_tokens = 4
+        rkeys, args = record_call(keys, burst, res, s, repr(now))
+        script(keys=rkeys, args=args, client=pipe)
     pipe.execute()
     return burst
 

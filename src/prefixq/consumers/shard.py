@@ -87,21 +87,16 @@ def group_lost(err: BaseException) -> bool:
 
 
 def record_call(
-    keys: Keys, entry: Entry, result: Result, settings: Settings, now: str
+    keys: Keys, burst: str, result: Result, settings: Settings, now: str
 ) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of lua/record_result.lua for one result (the writer's and `prefixq reclaim`'s
-    one way to record)."""
+    """KEYS and ARGV of lua/record_result.lua for ``result`` of ``burst`` (the one way to record:
+    the writer's, `prefixq reclaim`'s and the tests')."""
     return (
+        [keys.results(burst), keys.burst(burst), keys.events(burst), keys.ids(burst)],
         [
-            keys.results(entry.burst),
-            keys.burst(entry.burst),
-            keys.events(entry.burst),
-            keys.ids(entry.burst),
-        ],
-        [
-            entry.index,
+            result.index,
             wire.encode(result.to_wire(), settings.codec),
-            int(result.error is not None),
+            "" if result.error is None else (result.error_code or "internal_error"),
             settings.result_ttl_s,
             now,
             result.prompt_tokens,
@@ -265,7 +260,7 @@ class ShardStream:
         pipe = self.r.pipeline(transaction=False)
         now = repr(time.time())
         for w in batch:
-            keys, args = record_call(self.keys, w.entry, w.result, self.settings, now)
+            keys, args = record_call(self.keys, w.entry.burst, w.result, self.settings, now)
             pipe.evalsha(self._record_sha, len(keys), *keys, *args)
         replies: list[Any] = await pipe.execute(raise_on_error=False)
         if any(isinstance(x, NoScriptError) for x in replies):

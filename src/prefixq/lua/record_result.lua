@@ -5,14 +5,15 @@
 -- KEYS[4]  the burst's request-id list (only given a TTL here)
 -- ARGV[1]  input index
 -- ARGV[2]  wire-encoded result
--- ARGV[3]  "1" if the request failed, else "0"
+-- ARGV[3]  the result's error code ("" for a success; "cancelled" and "expired" are also
+--          counted per reason, as prefixq.bursts counts the results it records)
 -- ARGV[4]  TTL in seconds the burst's keys get once it has finished
 -- ARGV[5]  now (epoch seconds, as a string)
 -- ARGV[6]  prompt tokens   ARGV[7] cached prompt tokens   ARGV[8] predicted cached tokens
 -- Returns
 --   1  recorded
 --   2  recorded, and it was the burst's last outstanding request (status "finished", or
---      "cancelled"/"expired" when a cancel or an expiry was under way; the four
+--      "cancelled"/"expired" when a cancel or an expiry ended some of it; the four
 --      keys then expire ARGV[4] seconds later: a running burst's keys never expire)
 --   0  a result for this index existed already (a redelivery: only ack it)
 --   3  a result existed already and the burst has finished (ack; completion hooks may run again)
@@ -33,19 +34,24 @@ if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then
   end
   return 0
 end
-local done = redis.call('HINCRBY', KEYS[2], ARGV[3] == '1' and 'failed' or 'done', 1)
+local failed = ARGV[3] ~= ''
+local done = redis.call('HINCRBY', KEYS[2], failed and 'failed' or 'done', 1)
+if ARGV[3] == 'cancelled' or ARGV[3] == 'expired' then
+  redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
+end
 redis.call('HINCRBY', KEYS[2], 'prompt_tokens', ARGV[6])
 redis.call('HINCRBY', KEYS[2], 'cached_tokens', ARGV[7])
 redis.call('HINCRBY', KEYS[2], 'predicted_cached_tokens', ARGV[8])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', 100000, '*', 'i', ARGV[1])
-local other = ARGV[3] == '1' and rec[2] or rec[3]
+local other = failed and rec[2] or rec[3]
 if done + tonumber(other or 0) >= total then
-  -- a burst whose cancel or expiry was under way ends as such (prefixq.bursts)
-  local status = redis.call('HGET', KEYS[2], 'status')
+  -- a burst whose cancel or expiry was under way (prefixq.bursts), or some of whose requests
+  -- a worker found past their deadline, ends as such
+  local s = redis.call('HMGET', KEYS[2], 'status', 'expired')
   local ended = 'finished'
-  if status == 'cancelling' then
+  if s[1] == 'cancelling' then
     ended = 'cancelled'
-  elseif status == 'expiring' then
+  elseif s[1] == 'expiring' or tonumber(s[2] or 0) > 0 then
     ended = 'expired'
   end
   redis.call('HSET', KEYS[2], 'status', ended, 'finished_at', ARGV[5])

@@ -1,0 +1,109 @@
+"""Cancel and deadlines through the real worker loop (FakeEngine, real redis-server): queued
+entries of an ended burst are not run, requests inside the engine are aborted, finished results
+stay, every request has exactly one result, and the worker goes on serving."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from helpers import FakeWorker, queue_empty, wait_burst, wait_until
+from ledger import LEDGER, account
+from prefixq import bursts, results
+from prefixq.keys import Keys
+from prefixq.producer import Producer
+from prefixq.settings import Settings
+
+
+def slow(n: int, secs: float, tag: str = "q") -> list[dict[str, Any]]:
+    return [
+        {"id": f"{tag}{i}", "prompt": f"sleep:{secs} {tag} {i}", "max_tokens": 4} for i in range(n)
+    ]
+
+
+def ran(fw: FakeWorker, burst: str) -> int:
+    """Requests of ``burst`` the engine was asked to run."""
+    return sum(1 for rid in fw.engine.seen if rid.startswith(f"{burst}:"))
+
+
+def test_cancel_mid_burst_aborts_in_flight_skips_queued_keeps_finished(
+    make_settings: Callable[..., Settings],
+    r: redis.Redis,
+    fake_worker: Callable[..., FakeWorker],
+) -> None:
+    """Given a worker halfway through 60 slow requests, when the burst is cancelled, then the
+    requests inside the engine end at once (aborted), the queued ones never reach the engine,
+    the finished ones keep their results, every request has exactly one result, the queue is
+    empty, and the next burst is served."""
+    s = make_settings(max_inflight=4)
+    fw = fake_worker(s)
+    burst = Producer(s).submit(slow(60, 0.3))
+    wait_until(lambda: int(results.status(burst, s).done) >= 8, 30, "8 results before the cancel")
+    assert fw.engine.active > 0, "nothing in the engine: the abort would test nothing"
+    rep = bursts.cancel(burst, s)
+    LEDGER.fault(f"cancel of a running burst ({rep.cancelled} requests cancelled)")
+    st = wait_burst(r, s, burst, 10)
+    assert len(st) == 60
+    got = {x.index: x for x in results.collect(burst, s)}
+    codes = [got[i].error_code for i in range(60)]
+    assert codes.count(None) >= 8 and codes.count("cancelled") >= 40
+    assert set(codes) <= {None, "cancelled"}
+    assert ran(fw, burst) <= 60 - codes.count("cancelled") + 4  # at most the window was aborted
+    assert results.status(burst, s).status == "cancelled"
+    wait_until(lambda: queue_empty(r, s) == (0, 0), 10, "the stream drained")
+    out = account(r, s, burst, 60, what="cancelled mid-way")
+    assert out.lost == 0 and out.duplicated == 0
+    nxt = Producer(s).submit(slow(5, 0.0, "n"))
+    assert len(wait_burst(r, s, nxt, 10)) == 5
+
+
+def test_a_worker_started_after_a_cancel_runs_none_of_its_entries(
+    make_settings: Callable[..., Settings],
+    r: redis.Redis,
+    fake_worker: Callable[..., FakeWorker],
+) -> None:
+    """Given a burst cancelled while no worker ran, when a worker starts, then it acks the
+    burst's queued entries without running any, and the burst stays cancelled."""
+    s = make_settings()
+    r.hset(Keys(s.namespace).config, "shards", 1)
+    burst = Producer(s).submit(slow(20, 0.1))
+    bursts.cancel(burst, s)
+    assert r.xlen(Keys(s.namespace).stream(0)) == 20, "the entries were not queued"
+    fw = fake_worker(s)
+    wait_until(lambda: queue_empty(r, s) == (0, 0), 10, "the cancelled entries acked")
+    assert ran(fw, burst) == 0
+    assert results.status(burst, s).status == "cancelled"
+    out = account(r, s, burst, 20, what="cancelled before any worker")
+    assert out.lost == 0 and out.duplicated == 0
+
+
+def test_a_deadline_expires_the_requests_not_admitted_and_the_worker_serves_on(
+    make_settings: Callable[..., Settings],
+    r: redis.Redis,
+    fake_worker: Callable[..., FakeWorker],
+) -> None:
+    """Given a burst of 40 requests of 0.2 s with a deadline 1 s away on one worker (4 at a
+    time), then some finish before the deadline, the rest get an expired result without
+    running, the burst ends as expired within a few seconds of its deadline, and the worker
+    serves the next burst."""
+    s = make_settings(max_inflight=4)
+    fw = fake_worker(s)
+    deadline = time.time() + 1.0
+    burst = Producer(s).submit(slow(40, 0.2), deadline=deadline)
+    wait_burst(r, s, burst, 15)
+    ended = time.time()
+    got = results.collect(burst, s)
+    codes = [g.error_code for g in got]
+    assert len(got) == 40 and 0 < codes.count(None) < 40
+    assert set(codes) <= {None, "expired"}
+    assert results.status(burst, s).status == "expired"
+    assert ended - deadline < 5
+    assert ran(fw, burst) <= codes.count(None) + 4
+    LEDGER.fault(f"a deadline passed with {codes.count('expired')} requests not run")
+    out = account(r, s, burst, 40, what="expired")
+    assert out.lost == 0 and out.duplicated == 0
+    nxt = Producer(s).submit(slow(5, 0.0, "n"))
+    assert len(wait_burst(r, s, nxt, 10)) == 5
