@@ -1,5 +1,5 @@
 """What expires, and when: stored prefixes live ``prefix_ttl_s`` from the last submit that used
-them; a burst's record, results and events live ``result_ttl_s`` after its last write
+them; a finished burst's record, results and events live ``result_ttl_s`` after its last write
 (README's settings table; docs/architecture.md, "Keys")."""
 
 from __future__ import annotations
@@ -11,13 +11,15 @@ import redis
 
 from helpers import FakeWorker, wait_burst, wait_until
 from prefixq.producer import Producer
+from prefixq.producer.producer import HEAD
 from prefixq.settings import Settings
 
 DOC = "A shared document about the subject at hand, long enough to be stored once. " * 12
 
 
-def questions(tag: str, n: int = 2) -> list[dict[str, Any]]:
-    """``n`` requests sharing DOC as their prefix (stored once, referenced by hash)."""
+def questions(tag: str, n: int = HEAD + 2) -> list[dict[str, Any]]:
+    """``n`` requests sharing DOC as their prefix (stored once, referenced by hash, by the
+    requests after the burst's head, which carries it inline)."""
     return [
         {"id": f"{tag}{i}", "prefix": DOC, "prompt": f" question {i}", "max_tokens": 4}
         for i in range(n)
@@ -27,7 +29,7 @@ def questions(tag: str, n: int = 2) -> list[dict[str, Any]]:
 def test_a_stored_prefix_lives_prefix_ttl_s_from_the_last_submit_that_used_it(
     make_settings: Callable[..., Settings], r: redis.Redis
 ) -> None:
-    """A prefix used by two requests is stored once with a prefix_ttl_s TTL; a later submit that
+    """A prefix used by several requests is stored once with a prefix_ttl_s TTL; a later submit that
     uses it again (the value already stored) sets its TTL back to prefix_ttl_s."""
     s = make_settings(prefix_ttl_s=100)
     Producer(s).submit(questions("a"))

@@ -10,7 +10,7 @@ import dataclasses
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
 
 from prefixq.errors import ConfigError
@@ -106,7 +106,7 @@ class Settings:
     # OpenAI Batch API server (prefixq serve; docs/openai.md)
     #: bearer API keys, comma-separated, each KEY or KEY=NAMESPACE; @PATH reads them from a file
     #: (one a line); empty = no keys, and the server listens on loopback only
-    api_keys: str = ""
+    api_keys: str = field(default="", repr=False)  # secrets stay out of logs and tracebacks
     #: where uploaded and output files are kept; empty = <cache_dir>/files
     files_dir: str = ""
     #: largest uploaded file, bytes
