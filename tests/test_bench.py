@@ -18,7 +18,9 @@ def test_quick_bench_writes_a_complete_report_and_plot(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
     """Given --quick on one CPU shard, the report holds every workload and placement with paired
-    runs of both modes, ratios, byte counts and GC pauses, and a PNG plot is written."""
+    runs of both modes, ratios, byte counts, GC pauses and each run's timeline; the pipeline's
+    requests landed on the shards the standalone engines were given; the asked enqueue order
+    was measured too; and a PNG plot is written."""
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     p = cli(
         None,
@@ -26,6 +28,8 @@ def test_quick_bench_writes_a_complete_report_and_plot(
         "--quick",
         "--cpu",
         "1",
+        "--orders",
+        "leaders-first",
         "--json",
         str(out),
         "--plot",
@@ -41,12 +45,24 @@ def test_quick_bench_writes_a_complete_report_and_plot(
     assert set(report["workloads"]) == {"no-reuse", "reuse"}
     assert set(report["workloads"]["reuse"]["placements"]) == {"affinity", "random"}
     assert "pipeline" in report["workloads"]["reuse"]["affinity_gain"]
+    orders = report["workloads"]["reuse"]["orders"]
+    assert set(orders) == {"input", "leaders-first"}
+    assert all(len(o["ratios"]) == 1 and o["median_ratio"] > 0 for o in orders.values())
     for w in report["workloads"].values():
         assert w["gc_unfrozen"]["throughput"] > 0
         for pl in w["placements"].values():
             modes = sorted(r["mode"] for r in pl["runs"])
             assert modes == ["pipeline", "standalone"]
             assert all(r["throughput"] > 0 and r["seconds"] > 0 for r in pl["runs"])
+            for run in pl["runs"]:
+                tl = run["timeline"]
+                assert 0 <= tl["first_add"] <= tl["last_add"] <= tl["last_finish"] <= tl["end"]
+                assert tl["prompt_tokens"] > 0 and 0 <= tl["cached_tokens"] <= tl["prompt_tokens"]
+                if run["mode"] == "pipeline":
+                    assert run["placement_mismatches"] == 0
+                    assert tl["last_finish"] <= tl["last_recorded"] + 0.002
+                    assert tl["read_to_engine_p50_ms"] > 0 and tl["loop_lag_max_ms"] >= 0
+            assert set(pl["timeline"]) == {"standalone", "pipeline", "gap_ms"}
             assert len(pl["ratios"]) == 1 and pl["median_ratio"] == pl["ratios"][0] > 0
             assert pl["raw_bytes"] > 0 and pl["stored_bytes"] > 0
             assert len(pl["gc_max_pause_ms_frozen"]) == 1

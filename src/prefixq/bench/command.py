@@ -30,6 +30,11 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     b.add_argument("--workloads", default="no-reuse,reuse")
     b.add_argument("--bench-placements", default="affinity,random")
     b.add_argument("--pairs", type=int, default=5)
+    b.add_argument(
+        "--orders",
+        default="input",
+        help="enqueue orders to measure on the reuse workload (input,leaders-first,grouped)",
+    )
     b.add_argument("--random-pairs", type=int, default=None, help="pairs for random placement")
     b.add_argument("--requests", type=int, default=64, help="no-reuse requests")
     b.add_argument("--documents", type=int, default=64, help="reuse documents")
@@ -83,6 +88,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         questions=args.questions,
         shape=shape,
         layout=args.layout,
+        orders=_orders(args.orders),
     )
     if args.quick:
         cfg.random_pairs = 1
@@ -102,3 +108,14 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     if not args.json_out:
         print(json.dumps(report, indent=1))
     return 0
+
+
+def _orders(raw: str) -> list[str]:
+    from prefixq.errors import ConfigError
+    from prefixq.producer.order import ORDERS
+
+    orders = [o.strip() for o in raw.split(",") if o.strip()]
+    bad = [o for o in orders if o not in ORDERS]
+    if bad:
+        raise ConfigError(f"--orders: unknown {', '.join(bad)} (known: {', '.join(ORDERS)})")
+    return ["input", *[o for o in orders if o != "input"]]

@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from prefixq.consumers.engine import EngineRequest
+from prefixq.bench.timeline import Stamp
+from prefixq.consumers.engine import EngineOutput, EngineRequest
 from prefixq.consumers.run import worker_command
 from prefixq.consumers.vllm_engine import VllmEngine
 from prefixq.errors import SetupError
@@ -64,23 +65,33 @@ class Standalone:
             with _visible(gpu):
                 await engine.start()
 
-    async def run(self, requests: list[Request], shards: list[int]) -> tuple[float, float]:
-        """Hand every request to its shard's engine at once; (start, end) wall-clock times."""
+    async def run(
+        self, requests: list[Request], shards: list[int]
+    ) -> tuple[float, float, list[Stamp]]:
+        """Hand every request to its shard's engine at once; (start, end, per-request stamps)."""
         self._runs += 1
         ereqs = [engine_request(q, f"sa{self._runs}-{i}") for i, q in enumerate(requests)]
+
+        async def one(er: EngineRequest, k: int) -> tuple[float, EngineOutput, float]:
+            added = time.time()
+            out = await self.engines[k].generate(er)
+            return added, out, time.time()
+
         t0 = time.time()
-        outs = await asyncio.gather(
-            *(self.engines[k].generate(er) for er, k in zip(ereqs, shards, strict=True))
-        )
+        got = await asyncio.gather(*(one(er, k) for er, k in zip(ereqs, shards, strict=True)))
         t1 = time.time()
         short = sum(
             1
-            for o, q in zip(outs, requests, strict=True)
+            for (_, o, _), q in zip(got, requests, strict=True)
             if len(o.token_ids) != q.sampling.get("max_tokens")
         )
         if short:
             raise SetupError(f"standalone: {short} requests returned fewer tokens than asked")
-        return t0, t1
+        stamps = [
+            Stamp(added, o.first_token, done, o.prompt_tokens, o.cached_tokens)
+            for added, o, done in got
+        ]
+        return t0, t1, stamps
 
     async def reset_prefix_cache(self) -> None:
         for e in self.engines:

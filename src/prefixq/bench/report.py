@@ -8,6 +8,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from prefixq.bench.timeline import POINTS
+
 
 def table(report: dict[str, Any], console: Console | None = None) -> None:
     c = console or Console()
@@ -45,7 +47,13 @@ def table(report: dict[str, Any], console: Console | None = None) -> None:
                 ", ".join(f"{x:.2f}" for x in p["gc_max_pause_ms_frozen"]),
             )
     c.print(t)
+    c.print(_timelines(report))
     for wl, w in report["workloads"].items():
+        for order, o in w.get("orders", {}).items():
+            c.print(
+                f"{wl} / order {order}: median ratio {o['median_ratio']:.4f} "
+                f"(pairs {' '.join(f'{x:.3f}' for x in o['ratios'])})"
+            )
         if "affinity_gain" in w:
             g = w["affinity_gain"]
             c.print(
@@ -58,6 +66,46 @@ def table(report: dict[str, Any], console: Console | None = None) -> None:
                 f"{wl}: without gc.freeze: max GC pause ms {u['gc_max_pause_ms']} "
                 f"({u['gc_pauses']} collections)"
             )
+
+
+def _timelines(report: dict[str, Any]) -> Table:
+    """Median timeline of each case and mode (seconds from the run's start), the pipeline's gap
+    at each point (ms), cache hits, and the workers' read-to-engine and loop lag."""
+    t = Table(title="where the time goes (median s from the start; gap = pipeline - standalone)")
+    for col in (
+        "case",
+        "mode",
+        *POINTS,
+        "cached / prompt tok",
+        "read->engine p99 ms",
+        "loop lag max ms",
+    ):
+        t.add_column(col, justify="right")
+    for wl, w in report["workloads"].items():
+        for pl, p in w["placements"].items():
+            tl = p.get("timeline")
+            if not tl:
+                continue
+            for mode in ("standalone", "pipeline"):
+                m = tl[mode]
+                worst = [x["timeline"] for x in p["runs"] if x["mode"] == mode]
+                lag = max((x.get("loop_lag_max_ms", 0.0) for x in worst), default=0.0)
+                r2e = max((x.get("read_to_engine_p99_ms", 0.0) for x in worst), default=0.0)
+                t.add_row(
+                    f"{wl}/{pl}",
+                    mode,
+                    *(_s(m.get(x)) for x in POINTS),
+                    f"{m.get('cached_tokens')} / {m.get('prompt_tokens')}",
+                    f"{r2e:.2f}" if mode == "pipeline" else "",
+                    f"{lag:.2f}" if mode == "pipeline" else "",
+                )
+            gap = tl["gap_ms"]
+            t.add_row(f"{wl}/{pl}", "gap ms", *(_s(gap.get(x), 1) for x in POINTS), "", "", "")
+    return t
+
+
+def _s(v: float | None, digits: int = 3) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
 
 
 def plot(report: dict[str, Any], path: str | Path) -> None:

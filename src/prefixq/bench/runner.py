@@ -3,9 +3,13 @@
 Engines start once and stay warm. Before every run the prefix caches are reset (standalone:
 directly; workers: through the control stream) and the pipeline's placement state (prefix map,
 load counters, stored prefixes) is cleared, so each run is a cold, identical burst. Standalone
-engines get the very shard assignment that the pipeline's placement computes on an empty map
-(the same `Placer` code, on a scratch namespace). Pairs alternate which mode goes first.
-Throughput = requests / seconds from the first enqueue (or engine call) to the last result.
+engines get the very shard assignment that the pipeline's producer computes on an empty map (the
+same `Producer`, run into a scratch namespace, entries read back); each pipeline run checks that
+its requests landed there. Pairs alternate which mode goes first. One `Producer` submits every
+pipeline run over one kept connection, as an upstream service would. Throughput = requests /
+seconds from the first enqueue (or engine call) to the last result; every run also records a
+timeline (bench/timeline.py). ``orders`` measures enqueue orders (producer/order.py) on the
+reuse workload against standalone engines given the same placement.
 """
 
 from __future__ import annotations
@@ -25,13 +29,16 @@ from typing import Any
 import redis.asyncio as aredis
 
 from prefixq import results as results_api
+from prefixq import wire
 from prefixq.bench.engines import Standalone, Workers
+from prefixq.bench.timeline import Stamp, gaps, medians, timeline, worker_stats
 from prefixq.bench.workloads import Shape, build
 from prefixq.connection import async_client
 from prefixq.consumers import control
+from prefixq.entries import Entry
 from prefixq.errors import SetupError
 from prefixq.inputs import normalize
-from prefixq.keys import Keys
+from prefixq.keys import FIELD, Keys
 from prefixq.producer import Producer
 from prefixq.records import Request
 from prefixq.settings import Settings
@@ -57,6 +64,8 @@ class BenchConfig:
     shape: Shape = field(default_factory=Shape)
     layout: str = ""
     start_timeout: float = 1200.0
+    #: enqueue orders measured on the reuse workload with affinity placement (input first)
+    orders: list[str] = field(default_factory=lambda: ["input"])
 
 
 Step = Callable[[str], None]
@@ -69,7 +78,7 @@ async def run_bench(
     from prefixq.consumers.vllm_engine import cpu_defaults, parse_engine_args
 
     say = step or (lambda _msg: None)
-    ns = f"{settings.namespace}-bench-{secrets.token_hex(3)}"
+    ns = f"{settings.namespace[:40]}-bench-{secrets.token_hex(3)}"  # within the 64-char limit
     shards = len(cfg.gpus)
     s = settings.replace(namespace=ns, shards=shards)
     cpu = all(g is None for g in cfg.gpus)
@@ -91,8 +100,10 @@ async def run_bench(
         say("standalone engines up; starting the workers")
         await workers.start(r, cfg.start_timeout)
         report["environment"]["engine_start_s"] = round(time.monotonic() - t0, 1)
-        for wl in cfg.workloads:
-            report["workloads"][wl] = await _workload(cfg, s, r, wl, standalone, workers, say)
+        async with Producer(s) as producer:
+            env = _Env(s, r, standalone, workers, producer, say)
+            for wl in cfg.workloads:
+                report["workloads"][wl] = await _workload(cfg, env, wl)
     finally:
         workers.stop()
         await standalone.close()
@@ -100,50 +111,38 @@ async def run_bench(
     return report
 
 
-async def _workload(
-    cfg: BenchConfig,
-    s: Settings,
-    r: aredis.Redis,
-    wl: str,
-    standalone: Standalone,
-    workers: Workers,
-    say: Step,
-) -> dict[str, Any]:
+@dataclass
+class _Env:
+    """What every run needs."""
+
+    s: Settings
+    r: aredis.Redis
+    standalone: Standalone
+    workers: Workers
+    producer: Producer
+    say: Step
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.s.namespace)
+
+
+async def _workload(cfg: BenchConfig, env: _Env, wl: str) -> dict[str, Any]:
     n = cfg.no_reuse_requests if wl == "no-reuse" else cfg.reuse_documents * cfg.questions
     dicts, _ = build(wl, requests=n, questions=cfg.questions, shape=cfg.shape)
-    reqs = normalize(dicts, s)
+    reqs = normalize(dicts, env.s)
     placements = ["affinity"] if wl == "no-reuse" else cfg.placements
     out: dict[str, Any] = {"requests": len(reqs), "placements": {}}
     for placement in placements:
-        shards = await _assignment(s, reqs, placement)
-        runs: list[dict[str, Any]] = []
-        await control.send(r, Keys(s.namespace), "reset_stats", workers.names)
-        for pair in range(cfg.random_pairs if placement == "random" else cfg.pairs):
-            order = ("standalone", "pipeline") if pair % 2 == 0 else ("pipeline", "standalone")
-            for mode in order:
-                say(f"{wl} / {placement} / pair {pair + 1}/{cfg.pairs}: {mode}")
-                await _reset(s, r, standalone, workers)
-                if mode == "standalone":
-                    t0, t1 = await standalone.run(reqs, shards)
-                    run: dict[str, Any] = {}
-                else:
-                    t0, t1, run = await _pipeline(s, reqs, placement)
-                runs.append(
-                    {
-                        "pair": pair,
-                        "mode": mode,
-                        "seconds": round(t1 - t0, 4),
-                        "throughput": round(len(reqs) / (t1 - t0), 4),
-                        **run,
-                    }
-                )
-        stats = await control.send(r, Keys(s.namespace), "stats", workers.names)
-        out["placements"][placement] = {
-            **_summarise(runs),
-            "gc_max_pause_ms_frozen": [stats[n]["gc_max_pause_ms"] for n in workers.names],
-            "gc_frozen_by_gen": _by_gen(stats, workers.names),
-        }
-    if cfg.placements and "affinity" in out["placements"] and "random" in out["placements"]:
+        pairs = cfg.random_pairs if placement == "random" else cfg.pairs
+        out["placements"][placement] = await _case(env, wl, reqs, placement, "input", pairs)
+    others = [o for o in cfg.orders if o != "input"]
+    if wl == "reuse" and others and "affinity" in placements:
+        out["orders"] = {"input": _order_view(out["placements"]["affinity"])}
+        for order in others:
+            case = await _case(env, wl, reqs, "affinity", order, cfg.pairs)
+            out["orders"][order] = _order_view(case)
+    if "affinity" in out["placements"] and "random" in out["placements"]:
         p = out["placements"]
         out["affinity_gain"] = {
             m: round(
@@ -151,33 +150,68 @@ async def _workload(
             )
             for m in ("pipeline", "standalone")
         }
-    out["gc_unfrozen"] = await _gc_without_freeze(s, r, reqs, standalone, workers, say, wl)
+    out["gc_unfrozen"] = await _gc_without_freeze(env, reqs, wl)
     return out
 
 
-async def _gc_without_freeze(
-    s: Settings,
-    r: aredis.Redis,
-    reqs: list[Request],
-    standalone: Standalone,
-    workers: Workers,
-    say: Step,
-    wl: str,
+def _order_view(case: dict[str, Any]) -> dict[str, Any]:
+    keep = ("median_ratio", "min_ratio", "ratios", "standalone", "pipeline", "timeline")
+    return {k: case[k] for k in keep}
+
+
+async def _case(
+    env: _Env, wl: str, reqs: list[Request], placement: str, order: str, pairs: int
 ) -> dict[str, Any]:
+    """``pairs`` paired runs of one workload, placement and enqueue order."""
+    shards = await _assignment(env.s, reqs, placement, order)
+    runs: list[dict[str, Any]] = []
+    gc_max: dict[str, float] = {}
+    stats: dict[str, dict[str, Any]] = {}
+    for pair in range(pairs):
+        modes = ("standalone", "pipeline") if pair % 2 == 0 else ("pipeline", "standalone")
+        for mode in modes:
+            env.say(f"{wl} / {placement} / {order} / pair {pair + 1}/{pairs}: {mode}")
+            await _reset(env)
+            if mode == "standalone":
+                t0, t1, stamps = await env.standalone.run(reqs, shards)
+                run: dict[str, Any] = {"timeline": timeline(t0, t1, stamps)}
+            else:
+                t0, t1, run, stats = await _pipeline(env, reqs, placement, order, shards)
+                for name, st in stats.items():
+                    gc_max[name] = max(gc_max.get(name, 0.0), float(st["gc_max_pause_ms"]))
+            runs.append(
+                {
+                    "pair": pair,
+                    "mode": mode,
+                    "seconds": round(t1 - t0, 4),
+                    "throughput": round(len(reqs) / (t1 - t0), 4),
+                    **run,
+                }
+            )
+    names = env.workers.names
+    summary = _summarise(runs)
+    sa, pl = medians(runs, "standalone"), medians(runs, "pipeline")
+    summary["timeline"] = {"standalone": sa, "pipeline": pl, "gap_ms": gaps(pl, sa)}
+    summary["order"] = order
+    summary["gc_max_pause_ms_frozen"] = [gc_max.get(n, 0.0) for n in names]
+    summary["gc_frozen_by_gen"] = _by_gen(stats, names) if stats else []
+    return summary
+
+
+async def _gc_without_freeze(env: _Env, reqs: list[Request], wl: str) -> dict[str, Any]:
     """One pipeline run with the workers' heaps unfrozen: the GC pauses gc.freeze avoids."""
-    keys = Keys(s.namespace)
-    say(f"{wl}: one pipeline run without gc.freeze")
-    await control.send(r, keys, "gc_unfreeze", workers.names)
-    await control.send(r, keys, "reset_stats", workers.names)
-    await _reset(s, r, standalone, workers)
-    t0, t1, _ = await _pipeline(s, reqs, "affinity")
-    stats = await control.send(r, keys, "stats", workers.names)
-    await control.send(r, keys, "gc_freeze", workers.names)
+    names = env.workers.names
+    env.say(f"{wl}: one pipeline run without gc.freeze")
+    await control.send(env.r, env.keys, "gc_unfreeze", names)
+    await _reset(env)
+    shards = await _assignment(env.s, reqs, "affinity", "input")
+    t0, t1, _, stats = await _pipeline(env, reqs, "affinity", "input", shards)
+    await control.send(env.r, env.keys, "gc_freeze", names)
     return {
         "throughput": round(len(reqs) / (t1 - t0), 4),
-        "gc_max_pause_ms": [stats[n]["gc_max_pause_ms"] for n in workers.names],
-        "gc_pauses": [stats[n]["gc_pauses"] for n in workers.names],
-        "gc_by_gen": _by_gen(stats, workers.names),
+        "gc_max_pause_ms": [stats[n]["gc_max_pause_ms"] for n in names],
+        "gc_pauses": [stats[n]["gc_pauses"] for n in names],
+        "gc_by_gen": _by_gen(stats, names),
     }
 
 
@@ -196,61 +230,68 @@ def _by_gen(stats: dict[str, dict[str, Any]], names: list[str]) -> list[dict[str
 
 
 async def _pipeline(
-    s: Settings, reqs: list[Request], placement: str
-) -> tuple[float, float, dict[str, Any]]:
+    env: _Env, reqs: list[Request], placement: str, order: str, expected: list[int]
+) -> tuple[float, float, dict[str, Any], dict[str, dict[str, Any]]]:
+    """One pipeline run: (start, end, its record, the workers' stats of it)."""
+    s, names = env.s, env.workers.names
+    await control.send(env.r, env.keys, "reset_stats", names)
     t0 = time.time()
-    burst = await Producer(s).asubmit(reqs, placement=placement, seed=1)
+    burst = await env.producer.asubmit(reqs, placement=placement, seed=1, order=order)
     st = await asyncio.to_thread(results_api.wait, burst, s, timeout=3600)
     t1 = time.time()
     if st.failed:
         raise SetupError(f"pipeline run: {st.failed} of {st.total} requests failed")
+    got = await asyncio.to_thread(results_api.collect, burst, s)
+    last = await env.r.xrevrange(env.keys.events(burst), count=1)
+    recorded = int(last[0][0].split(b"-")[0]) / 1000 if last else None
+    stats = await control.send(env.r, env.keys, "stats", names)
+    stamps = [
+        Stamp(x.timings.admitted, x.timings.first_token, x.timings.finished, x.prompt_tokens,
+              x.cached_tokens)
+        for x in got
+    ]  # fmt: skip
     m = st.meta
-    raw, stored = int(m["raw_bytes"]), int(m["encoded_bytes"])
-    return (
-        t0,
-        t1,
-        {
-            "failed": st.failed,
-            "raw_bytes": raw,
-            "stored_bytes": stored,
-            "entry_bytes": int(m["entry_bytes"]),
-            "per_shard": m.get("per_shard", ""),
-        },
-    )
+    record = {
+        "failed": st.failed,
+        "raw_bytes": int(m["raw_bytes"]),
+        "stored_bytes": int(m["encoded_bytes"]),
+        "entry_bytes": int(m["entry_bytes"]),
+        "per_shard": m.get("per_shard", ""),
+        "placement_mismatches": sum(1 for x in got if x.shard != expected[x.index]),
+        "timeline": timeline(t0, t1, stamps, recorded) | worker_stats(stats),
+    }
+    return t0, t1, record, stats
 
 
-async def _reset(s: Settings, r: aredis.Redis, standalone: Standalone, workers: Workers) -> None:
+async def _reset(env: _Env) -> None:
     """Cold caches and a fresh placement state before every run."""
-    keys = Keys(s.namespace)
-    await standalone.reset_prefix_cache()
-    await control.send(r, keys, "reset_prefix_cache", workers.names)
-    stale = [k async for k in r.scan_iter(match=keys.prefix("*"), count=1000)]
-    await r.delete(keys.prefix_map, keys.prefix_lru, keys.load, *stale)
+    keys = env.keys
+    await env.standalone.reset_prefix_cache()
+    await control.send(env.r, keys, "reset_prefix_cache", env.workers.names)
+    stale = [k async for k in env.r.scan_iter(match=keys.prefix("*"), count=1000)]
+    await env.r.delete(keys.prefix_map, keys.prefix_lru, keys.load, *stale)
 
 
-async def _assignment(s: Settings, reqs: list[Request], placement: str) -> list[int]:
-    """The shard of each request under ``placement`` on an empty map (scratch namespace)."""
-    from prefixq.affinity.placement import RandomPlacer
-    from prefixq.affinity.prefix_map import AffinityPlacer
-    from prefixq.entries import split_prefix
-    from prefixq.producer.items import ItemBuilder
-
-    scratch = s.replace(namespace=f"{s.namespace}-scratch-{secrets.token_hex(3)}")
-    items = [ItemBuilder(scratch).build(q, split_prefix(q)[0]) for q in reqs]
+async def _assignment(s: Settings, reqs: list[Request], placement: str, order: str) -> list[int]:
+    """The shard of each request as the pipeline's producer places it on an empty map: the real
+    `Producer`, into a scratch namespace (same shard count and engine block), entries read back."""
+    scratch = s.replace(namespace=f"{s.namespace}-scr{secrets.token_hex(3)}")
+    keys, real = Keys(scratch.namespace), Keys(s.namespace)
     r = async_client(scratch)
     try:
-        block = int(await r.hget(Keys(s.namespace).config, "block_size") or 0)
-        placer: Any = (
-            AffinityPlacer(scratch, engine_block=block)
-            if placement == "affinity"
-            else RandomPlacer(1)
-        )
-        placed = await placer.place(r, items, s.shards)
-        keys = Keys(scratch.namespace)
-        await r.delete(keys.prefix_map, keys.prefix_lru, keys.load, keys.moves)
+        block = await r.hget(real.config, "block_size")
+        await r.hset(keys.config, mapping={"shards": s.shards, "block_size": block or 0})
+        await Producer(scratch).asubmit(reqs, placement=placement, seed=1, order=order)
+        shards = [-1] * len(reqs)
+        for k in range(s.shards):
+            for _, fields in await r.xrange(keys.stream(k)):
+                shards[Entry.from_wire(wire.decode(fields[FIELD])).index] = k
+        stale = [x async for x in r.scan_iter(match=f"{scratch.namespace}:*", count=1000)]
+        if stale:
+            await r.delete(*stale)
     finally:
         await r.aclose()
-    return [p.shard for p in placed]
+    return shards
 
 
 def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aredis
-from redis.exceptions import NoPermissionError, RedisError
+from redis.exceptions import NoPermissionError, OutOfMemoryError, RedisError
 
 from prefixq.affinity.placement import (
     HashPlacer,
@@ -45,7 +45,7 @@ from prefixq.affinity.placement import (
 )
 from prefixq.affinity.prefix_map import AffinityPlacer
 from prefixq.bursts import acancel
-from prefixq.connection import TRANSIENT, async_client, describe, lua
+from prefixq.connection import TRANSIENT, async_client, describe_async, lua
 from prefixq.deployment import resolve_shards
 from prefixq.entries import split_prefix
 from prefixq.errors import PrefixqError, ValidationError
@@ -141,8 +141,8 @@ class Producer:
         try:
             sub = _Submission(self, r, raw, burst_id or new_burst_id(), meta, progress)
             return await sub.run(placement or s.placement, seed, order)
-        except (*TRANSIENT, NoPermissionError) as e:  # ACL refusals become ConfigError too
-            raise describe(s, e) from e
+        except (*TRANSIENT, NoPermissionError, OutOfMemoryError) as e:  # ours, with a hint
+            raise await describe_async(s, e, r) from e
         finally:
             if kept is None:
                 await r.aclose()
