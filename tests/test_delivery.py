@@ -40,7 +40,9 @@ def test_a_long_request_stays_leased_and_a_peer_never_takes_it(
     wait_until(lambda: pending_on(r, s, "a") == 1, 10, "the request in flight on a")
     fake_worker(s, name="b")  # its reclaimer looks every 0.5 s for entries idle past 1 s
     seen: list[tuple[bytes, int, int]] = []
+    deadline = time.monotonic() + 15
     while r.hlen(Keys(s.namespace).results(burst)) == 0:
+        assert time.monotonic() < deadline, f"no result after 15 s; pending seen: {seen[-3:]}"
         for p in pending_rows(r, s):
             seen.append((p["consumer"], p["time_since_delivered"], p["times_delivered"]))
         time.sleep(0.05)

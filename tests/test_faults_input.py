@@ -204,9 +204,9 @@ BAD_ENTRIES: list[tuple[str, Callable[[str], dict[bytes, bytes]], str, str]] = [
     ),
     (
         "unknown-sampling-field",
-        lambda b: _d(_packed(_entry(b, s={"logit_bias": {}}))),
+        lambda b: _d(_packed(_entry(b, s={"colour": "red"}))),
         "failed",
-        "unknown sampling field 'logit_bias'",
+        "unknown sampling field 'colour'",
     ),
     (
         "bad-message-role",
