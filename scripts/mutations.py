@@ -8,6 +8,7 @@ and record which tests failed. The unmutated copy is run first: its tests must a
 
     python scripts/mutations.py                 # every mutation; exit 1 if one is not caught
     python scripts/mutations.py --list          # the mutations, without running anything
+    python scripts/mutations.py --check         # every target text still there? (no tests)
     python scripts/mutations.py --only zlib-inflate-whole --only lease-not-renewed
     python scripts/mutations.py --tests tests/test_delivery.py
 
@@ -247,6 +248,9 @@ def _node_id(junit_name: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--list", action="store_true", help="print the mutations and exit")
+    p.add_argument(
+        "--check", action="store_true", help="apply each mutation to a copy, run no tests"
+    )
     p.add_argument("--only", action="append", default=[], metavar="NAME", help="repeatable")
     p.add_argument("--tests", action="append", default=[], metavar="PATH", help="repeatable")
     p.add_argument("--timeout", type=float, default=600, help="seconds per test run")
@@ -266,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         for m in chosen:  # every target text is checked before anything runs
             probe = Path(tmp) / f"probe-{m.name}"
             apply(m, copy_package(probe))
+        if args.check:
+            print(f"all {len(chosen)} mutations apply")
+            return 0
         copy_package(base)
         t0 = time.monotonic()
         broken = run_tests(base, tests, Path(tmp) / "baseline.xml", args.timeout)
