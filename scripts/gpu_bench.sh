@@ -28,7 +28,7 @@ case "$1" in
     ;;
   wait)
     end=$((SECONDS + ${2:-500}))
-    while [ $SECONDS -lt $end ] && ! [ -s $B/bench.json ] && running; do
+    while [ $SECONDS -lt $end ] && running; do  # the plot is written after the JSON
       sleep 5
     done
     tail -c 6000 $B/bench.log

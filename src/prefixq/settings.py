@@ -18,6 +18,8 @@ from prefixq.keys import Keys
 
 CODECS = ("zlib", "zstd", "none")
 PLACEMENTS = ("affinity", "hash", "random", "round-robin")
+#: enqueue orders (prefixq.producer.order)
+ORDERS = ("input", "leaders-first", "grouped")
 #: a namespace: every key starts with ``<namespace>:``, and ':' never occurs inside one, so the
 #: ACL pattern ``~<namespace>:*`` covers exactly one namespace (docs/delivery.md)
 _NAMESPACE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -76,6 +78,9 @@ class Settings:
     guard_margin_tokens: int = 262_144
     #: and by this factor (both must hold)
     guard_factor: float = 2.0
+    #: order a burst is enqueued in: grouped (each shared prefix's requests together), input,
+    #: leaders-first (producer/order.py)
+    enqueue_order: str = "grouped"
     #: producer-side tokenizer (HF folder) for token block hashes; empty = character blocks
     tokenizer: str = ""
 
@@ -120,6 +125,10 @@ class Settings:
         if self.placement not in PLACEMENTS:
             raise ConfigError(
                 f"placement must be one of {', '.join(PLACEMENTS)}, not {self.placement!r}"
+            )
+        if self.enqueue_order not in ORDERS:
+            raise ConfigError(
+                f"enqueue_order must be one of {', '.join(ORDERS)}, not {self.enqueue_order!r}"
             )
         if self.shards < 0:
             raise ConfigError(f"shards must be >= 0, not {self.shards}")

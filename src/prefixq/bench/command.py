@@ -32,8 +32,15 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     b.add_argument("--pairs", type=int, default=5)
     b.add_argument(
         "--orders",
-        default="input",
-        help="enqueue orders to measure on the reuse workload (input,leaders-first,grouped)",
+        default="",
+        help="other enqueue orders to measure on the reuse workload, e.g. input,leaders-first "
+        "(every case runs in the enqueue_order setting's order)",
+    )
+    b.add_argument(
+        "--standalone",
+        choices=("process", "inline"),
+        default="process",
+        help="standalone engines each in a process of its own (default), or all in this one",
     )
     b.add_argument("--random-pairs", type=int, default=None, help="pairs for random placement")
     b.add_argument("--requests", type=int, default=64, help="no-reuse requests")
@@ -53,6 +60,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     from prefixq.bench.report import plot, table
     from prefixq.bench.runner import BenchConfig, run_bench
     from prefixq.bench.workloads import Shape
+    from prefixq.consumers.reaper import start_reaper, stop_reaper
     from prefixq.model import default_cache_dir, resolve_model
 
     gpus: list[str | None] = (
@@ -88,7 +96,9 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         questions=args.questions,
         shape=shape,
         layout=args.layout,
+        order=settings.enqueue_order,
         orders=_orders(args.orders),
+        standalone=args.standalone,
     )
     if args.quick:
         cfg.random_pairs = 1
@@ -98,7 +108,11 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         )
     err = Console(stderr=True)
     with err.status("benchmark") as status:
-        report = asyncio.run(run_bench(cfg, settings, step=lambda m: status.update(m)))
+        reaper = start_reaper()  # engines die with the benchmark, even after kill -9
+        try:
+            report = asyncio.run(run_bench(cfg, settings, step=lambda m: status.update(m)))
+        finally:
+            stop_reaper(reaper)
     table(report, Console(file=sys.stderr, width=None if err.is_terminal else 160))
     if args.json_out:
         with open(args.json_out, "w") as f:
@@ -118,4 +132,4 @@ def _orders(raw: str) -> list[str]:
     bad = [o for o in orders if o not in ORDERS]
     if bad:
         raise ConfigError(f"--orders: unknown {', '.join(bad)} (known: {', '.join(ORDERS)})")
-    return ["input", *[o for o in orders if o != "input"]]
+    return orders

@@ -31,6 +31,7 @@ import redis.asyncio as aredis
 from prefixq import results as results_api
 from prefixq import wire
 from prefixq.bench.engines import Standalone, Workers
+from prefixq.bench.standalone import ProcessStandalone
 from prefixq.bench.timeline import Stamp, gaps, medians, timeline, worker_stats
 from prefixq.bench.workloads import Shape, build
 from prefixq.connection import async_client
@@ -64,8 +65,12 @@ class BenchConfig:
     shape: Shape = field(default_factory=Shape)
     layout: str = ""
     start_timeout: float = 1200.0
-    #: enqueue orders measured on the reuse workload with affinity placement (input first)
-    orders: list[str] = field(default_factory=lambda: ["input"])
+    #: the enqueue order of every case (the producer's default: settings' enqueue_order)
+    order: str = "grouped"
+    #: other enqueue orders measured on the reuse workload with affinity placement
+    orders: list[str] = field(default_factory=list)
+    #: standalone engines in processes of their own ("process") or in this one ("inline")
+    standalone: str = "process"
 
 
 Step = Callable[[str], None]
@@ -80,7 +85,7 @@ async def run_bench(
     say = step or (lambda _msg: None)
     ns = f"{settings.namespace[:40]}-bench-{secrets.token_hex(3)}"  # within the 64-char limit
     shards = len(cfg.gpus)
-    s = settings.replace(namespace=ns, shards=shards)
+    s = settings.replace(namespace=ns, shards=shards, enqueue_order=cfg.order)
     cpu = all(g is None for g in cfg.gpus)
     args = (cpu_defaults() if cpu else {}) | parse_engine_args(cfg.engine_args)
     worker_args = [f"{k}={v}" for k, v in args.items()]
@@ -88,7 +93,11 @@ async def run_bench(
     logdir = Path(tempfile.mkdtemp(prefix="prefixq-bench-"))
     say(f"starting {shards} workers and {shards} standalone engines (logs in {logdir})")
     workers = Workers(s, cfg.model, worker_args, cfg.gpus, logdir)
-    standalone = Standalone(cfg.model, args, cfg.gpus)
+    standalone: Standalone | ProcessStandalone = (
+        ProcessStandalone(cfg.model, args, cfg.gpus)
+        if cfg.standalone == "process"
+        else Standalone(cfg.model, args, cfg.gpus)
+    )
     report: dict[str, Any] = {
         "config": _config(cfg, args),
         "environment": _environment(cfg),
@@ -117,7 +126,7 @@ class _Env:
 
     s: Settings
     r: aredis.Redis
-    standalone: Standalone
+    standalone: Standalone | ProcessStandalone
     workers: Workers
     producer: Producer
     say: Step
@@ -135,10 +144,10 @@ async def _workload(cfg: BenchConfig, env: _Env, wl: str) -> dict[str, Any]:
     out: dict[str, Any] = {"requests": len(reqs), "placements": {}}
     for placement in placements:
         pairs = cfg.random_pairs if placement == "random" else cfg.pairs
-        out["placements"][placement] = await _case(env, wl, reqs, placement, "input", pairs)
-    others = [o for o in cfg.orders if o != "input"]
+        out["placements"][placement] = await _case(env, wl, reqs, placement, cfg.order, pairs)
+    others = [o for o in cfg.orders if o != cfg.order]
     if wl == "reuse" and others and "affinity" in placements:
-        out["orders"] = {"input": _order_view(out["placements"]["affinity"])}
+        out["orders"] = {cfg.order: _order_view(out["placements"]["affinity"])}
         for order in others:
             case = await _case(env, wl, reqs, "affinity", order, cfg.pairs)
             out["orders"][order] = _order_view(case)
@@ -204,8 +213,9 @@ async def _gc_without_freeze(env: _Env, reqs: list[Request], wl: str) -> dict[st
     env.say(f"{wl}: one pipeline run without gc.freeze")
     await control.send(env.r, env.keys, "gc_unfreeze", names)
     await _reset(env)
-    shards = await _assignment(env.s, reqs, "affinity", "input")
-    t0, t1, _, stats = await _pipeline(env, reqs, "affinity", "input", shards)
+    order = env.s.enqueue_order
+    shards = await _assignment(env.s, reqs, "affinity", order)
+    t0, t1, _, stats = await _pipeline(env, reqs, "affinity", order, shards)
     await control.send(env.r, env.keys, "gc_freeze", names)
     return {
         "throughput": round(len(reqs) / (t1 - t0), 4),

@@ -53,7 +53,7 @@ from prefixq.inputs import IdCheck, normalize_one
 from prefixq.keys import FIELD, Keys
 from prefixq.producer.encoding import Encoded, EntryEncoder, Parts
 from prefixq.producer.items import ItemBuilder
-from prefixq.producer.order import ORDERS, enqueue_order
+from prefixq.producer.order import ORDERS, enqueue_order, peek_prefix
 from prefixq.records import Request
 from prefixq.settings import Settings
 
@@ -106,7 +106,7 @@ class Producer:
         seed: int | None = None,
         deadline: float | None = None,
         metadata: Mapping[str, str] | None = None,
-        order: str = "input",
+        order: str | None = None,
     ) -> str:
         """Validate, place and enqueue ``requests``; returns the burst id.
 
@@ -114,9 +114,11 @@ class Producer:
         ``on_complete`` ("pkg.module:func") is enqueued as an RQ job on ``rq_queue`` with the
         burst id once the burst's last request is recorded. ``deadline`` (epoch seconds): requests
         not admitted by then get an expired result. ``metadata``: string pairs kept on the burst
-        record (field ``metadata``, JSON). ``order``: the enqueue order (`ORDERS`).
+        record (field ``metadata``, JSON). ``order``: the enqueue order (`ORDERS`; default the
+        ``enqueue_order`` setting).
         """
         s = self.settings
+        order = order or s.enqueue_order
         raw = list(requests)
         if not raw:
             raise ValidationError("the burst is empty")
@@ -208,11 +210,9 @@ class _Submission:
     async def run(self, placement: str | Placer, seed: int | None, order: str) -> str:
         shards = await self.p.shards(self.r)
         placer = await self.p.placer(self.r, placement, seed)
-        if order == "input":
-            perm = list(range(self.n))
-        else:  # needs every request's prefix before the head: validate all first
-            self._validate(list(range(self.n)))
-            perm = enqueue_order(order, self._validated(range(self.n))[1])
+        perm = enqueue_order(
+            order, [peek_prefix(x) for x in self.raw] if order != "input" else [None] * self.n
+        )
         head, rest = perm[:HEAD], perm[HEAD:]
         self._validate(head)
         head_chunk = await self._encode(head, placer, shards, inline=True)
