@@ -6,7 +6,8 @@
 - `wait_burst`: wait until a burst has all its results, or fail saying what is missing;
 - `wait_until`: poll a condition, or fail naming what never happened;
 - `fault_worker`: tests/fault_worker.py as a process (what kill -9 and SIGTERM tests need);
-- `pending_on`, `queue_empty`, `requests`: Redis state and bursts the fault tests share.
+- `pending_on`, `queue_empty`, `wait_settled`, `requests`: Redis state and bursts the fault
+  tests share.
 """
 
 from __future__ import annotations
@@ -250,6 +251,17 @@ def queue_empty(r: redis.Redis, s: Settings, shard: int = 0) -> tuple[int, int]:
         return r.xlen(stream), r.xpending(stream, GROUP)["pending"]
     except redis.ResponseError:  # NOGROUP: no worker has joined
         return r.xlen(stream), 0
+
+
+def wait_settled(r: redis.Redis, s: Settings, shard: int = 0, timeout: float = 10) -> None:
+    """Until the shard's stream is empty and nothing is pending, while a worker still runs (it
+    acknowledges an entry in a second round trip, just after recording its result: a result can
+    be visible a moment before its entry is acked)."""
+    deadline = time.monotonic() + timeout
+    while (state := queue_empty(r, s, shard)) != (0, 0):
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"shard {shard} not settled: (stream length, pending) = {state}")
+        time.sleep(0.02)
 
 
 def pending_on(r: redis.Redis, s: Settings, consumer: str, shard: int = 0) -> int:

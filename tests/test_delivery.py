@@ -14,7 +14,15 @@ from typing import Any
 
 import redis
 
-from helpers import FakeWorker, pending_on, queue_empty, requests, wait_burst, wait_until
+from helpers import (
+    FakeWorker,
+    pending_on,
+    queue_empty,
+    requests,
+    wait_burst,
+    wait_settled,
+    wait_until,
+)
 from prefixq.keys import GROUP, Keys
 from prefixq.producer import Producer
 from prefixq.settings import Settings
@@ -76,7 +84,7 @@ def test_a_result_redis_refuses_to_record_leaves_its_entry_pending_until_recorde
         r.delete(keys.results(burst))  # the record goes through (and the worker can stop)
     (res,) = wait_burst(r, s, burst, 15)
     assert res.error is None and res.text == "refused sleep:0.3"
-    assert queue_empty(r, s) == (0, 0)
+    wait_settled(r, s)
     assert r.hget(keys.burst(burst), "done") == b"1"
 
 
@@ -115,7 +123,7 @@ def test_an_entry_delivered_max_attempts_times_to_a_dead_worker_is_dead_lettered
     assert not [x for x in fw.engine.seen if ids[1].decode() in x], "the dead letter never ran"
     (letter,) = [f for _, f in r.xrange(keys.dead(0))]
     assert (letter[b"entry"], letter[b"index"], letter[b"delivered"]) == (ids[1], b"1", b"3")
-    assert queue_empty(r, s) == (0, 0)
+    wait_settled(r, s)
 
 
 def test_a_restarted_worker_dead_letters_its_own_over_limit_entries_before_serving(
@@ -136,4 +144,4 @@ def test_a_restarted_worker_dead_letters_its_own_over_limit_entries_before_servi
     ]
     assert not [x for x in fw.engine.seen if ids[1].decode() in x], "the dead letter never ran"
     assert r.xlen(Keys(s.namespace).dead(0)) == 1
-    assert queue_empty(r, s) == (0, 0)
+    wait_settled(r, s)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import redis
 
-from helpers import FakeWorker, cli, requests, wait_burst, wait_until
+from helpers import FakeWorker, cli, requests, wait_burst, wait_settled, wait_until
 from prefixq.consumers.recovery import Recovery, RequeueReport
 from prefixq.keys import FIELD, GROUP, Keys
 from prefixq.producer import Producer
@@ -53,6 +53,7 @@ def test_requeue_only_deletes_a_dead_letter_whose_request_has_succeeded(
     ((entry_id, fields),) = r.xrange(keys.stream(0))
     fake_worker(s)
     wait_burst(r, s, burst, 20)
+    wait_settled(r, s)
     before = r.hgetall(keys.results(burst))
     dead_letter(r, s, fields[FIELD], entry=entry_id, burst=burst, index=0)
 

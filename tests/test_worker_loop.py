@@ -8,7 +8,7 @@ from typing import Any
 import redis
 
 from fake_engine import FakeEngine
-from helpers import FakeWorker, pending_on, wait_burst, wait_until
+from helpers import FakeWorker, pending_on, wait_burst, wait_settled, wait_until
 from prefixq import wire
 from prefixq.consumers.worker import EXIT_ENGINE_DEAD, EXIT_OK
 from prefixq.keys import FIELD, GROUP, Keys
@@ -72,7 +72,7 @@ def test_undecodable_entries_go_to_dead_letters_and_the_worker_keeps_serving(
     reasons = [f[b"reason"].decode() for _, f in r.xrange(keys.dead(0))]
     assert len(reasons) == 4, reasons
     assert all(x.startswith("undecodable") or "no 'd' field" in x for x in reasons)
-    assert r.xpending(keys.stream(0), GROUP)["pending"] == 0
+    wait_settled(r, s)
     assert fw.stop() == EXIT_OK
 
 
