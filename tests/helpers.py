@@ -6,13 +6,15 @@
 - `wait_burst`: wait until a burst has all its results, or fail saying what is missing;
 - `wait_until`: poll a condition, or fail naming what never happened;
 - `fault_worker`: tests/fault_worker.py as a process (what kill -9 and SIGTERM tests need);
-- `pending_on`, `queue_empty`, `wait_settled`, `requests`: Redis state and bursts the fault
-  tests share.
+- `pending_on`, `queue_empty`, `queue_keys`, `queued_entries`, `wait_settled`, `requests`: Redis
+  state (a shard's queues are its intakes and its bursts' lanes: prefixq.lanes) and bursts the
+  fault tests share.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import threading
@@ -29,6 +31,7 @@ from fake_engine import FakeEngine, serve
 from prefixq import wire
 from prefixq.consumers.worker import Worker
 from prefixq.keys import GROUP, Keys
+from prefixq.lanes import PRIORITIES
 from prefixq.records import Result
 from prefixq.settings import Settings
 
@@ -242,15 +245,30 @@ def _state(r: redis.Redis, s: Settings, burst: str, got: int, total: int) -> str
 
 
 # ---- Redis state the fault tests look at ----------------------------------------------------
+def queue_keys(r: redis.Redis, s: Settings, shard: int = 0) -> list[str]:
+    """Every stream of a shard's queues: its intakes (one per priority), then its lanes."""
+    keys = Keys(s.namespace)
+    lanes = sorted(b.decode() for b in r.hkeys(keys.lanes(shard)))
+    return [*(keys.intake(shard, p) for p in PRIORITIES), *(keys.lane(shard, b) for b in lanes)]
+
+
+def queued_entries(
+    r: redis.Redis, s: Settings, shard: int = 0
+) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """Every entry in a shard's queues (waiting or pending), intakes first."""
+    return [row for key in queue_keys(r, s, shard) for row in r.xrange(key)]
+
+
 def queue_empty(r: redis.Redis, s: Settings, shard: int = 0) -> tuple[int, int]:
-    """(entries in the stream, entries pending) of one shard."""
-    stream = Keys(s.namespace).stream(shard)
-    if not r.exists(stream):
-        return 0, 0
-    try:
-        return r.xlen(stream), r.xpending(stream, GROUP)["pending"]
-    except redis.ResponseError:  # NOGROUP: no worker has joined
-        return r.xlen(stream), 0
+    """(entries in the shard's queues, entries pending) of one shard."""
+    length = pending = 0
+    for key in queue_keys(r, s, shard):
+        if not r.exists(key):
+            continue
+        length += r.xlen(key)
+        with contextlib.suppress(redis.ResponseError):  # NOGROUP: no worker has joined
+            pending += r.xpending(key, GROUP)["pending"]
+    return length, pending
 
 
 def wait_settled(r: redis.Redis, s: Settings, shard: int = 0, timeout: float = 10) -> None:
@@ -265,12 +283,12 @@ def wait_settled(r: redis.Redis, s: Settings, shard: int = 0, timeout: float = 1
 
 
 def pending_on(r: redis.Redis, s: Settings, consumer: str, shard: int = 0) -> int:
-    """Entries pending on one consumer of the shard's group."""
-    stream = Keys(s.namespace).stream(shard)
-    try:
-        return len(r.xpending_range(stream, GROUP, "-", "+", 10_000, consumername=consumer))
-    except redis.ResponseError:  # NOGROUP: that worker has not joined yet
-        return 0
+    """Entries pending on one consumer of the shard's group, in any of its queues."""
+    n = 0
+    for key in queue_keys(r, s, shard):
+        with contextlib.suppress(redis.ResponseError):  # NOGROUP: that worker has not joined
+            n += len(r.xpending_range(key, GROUP, "-", "+", 10_000, consumername=consumer))
+    return n
 
 
 def requests(n: int, prompt: Callable[[int], str] = lambda i: f"hello {i}") -> list[dict[str, Any]]:

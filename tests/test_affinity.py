@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import redis
 
+from helpers import queued_entries
 from prefixq import results, wire
 from prefixq.affinity.placement import Item, Placed
 from prefixq.affinity.prefix_map import AffinityPlacer
@@ -56,10 +57,10 @@ def chat(doc_i: int, doc: str, q: str, rid: str, **sampling: Any) -> dict[str, A
 
 
 def placements(r: redis.Redis, s: Settings) -> dict[str, int]:
-    """request id -> shard, read back from the shard streams."""
-    keys, out = Keys(s.namespace), {}
+    """request id -> shard, read back from the shards' queues."""
+    out = {}
     for k in range(s.shards):
-        for _, fields in r.xrange(keys.stream(k)):
+        for _, fields in queued_entries(r, s, k):
             e = Entry.from_wire(wire.decode(fields[b"d"]))
             out[e.id] = k
     return out

@@ -71,7 +71,7 @@ def test_a_worker_started_after_a_cancel_runs_none_of_its_entries(
     r.hset(Keys(s.namespace).config, "shards", 1)
     burst = Producer(s).submit(slow(20, 0.1))
     bursts.cancel(burst, s)
-    assert r.xlen(Keys(s.namespace).stream(0)) == 20, "the entries were not queued"
+    assert queue_empty(r, s)[0] == 20, "the entries were not queued"
     fw = fake_worker(s)
     wait_until(lambda: queue_empty(r, s) == (0, 0), 10, "the cancelled entries acked")
     assert ran(fw, burst) == 0

@@ -10,9 +10,11 @@ from collections.abc import Callable
 import pytest
 import redis
 
-from helpers import FakeWorker, cli, pending_on, queue_empty, requests, wait_burst
+from helpers import FakeWorker, cli, pending_on, queue_empty, queue_keys, requests, wait_burst
 from ledger import LEDGER, account
-from prefixq.keys import CARRIED, GROUP, Keys
+from prefixq import wire
+from prefixq.entries import Entry
+from prefixq.keys import CARRIED, FIELD, GROUP, Keys
 from prefixq.producer import Producer
 from prefixq.settings import Settings
 
@@ -25,8 +27,9 @@ MakeWorker = Callable[..., FakeWorker]
 def test_prefixq_reclaim_and_dead_requeue(
     make_settings: Callable[..., Settings], r: redis.Redis, fake_worker: MakeWorker
 ) -> None:
-    """Given entries pending on consumers that died (no heartbeat), `prefixq reclaim` moves the
-    ones under max_attempts back to the stream (carrying their delivery count) and dead-letters
+    """Given entries pending on consumers that died (no heartbeat), in the shard's intake and in
+    the burst's lane, `prefixq reclaim` moves the ones under max_attempts back to the intake
+    (carrying their delivery count) and dead-letters
     the one past it (failing its request once); an entry on a live consumer is left alone; a
     worker then serves the moved ones, and dead-letters a moved entry whose carried count reaches
     the limit. `prefixq dead` lists the dead letters; `prefixq dead --requeue` takes their failed
@@ -35,13 +38,25 @@ def test_prefixq_reclaim_and_dead_requeue(
     keys = Keys(s.namespace)
     stream = keys.stream(0)
     burst = Producer(s).submit(requests(8))
-    r.xgroup_create(stream, GROUP, id="0")
-    got = r.xreadgroup(GROUP, "ghost", {stream: ">"}, count=8)
-    ids = [entry_id for entry_id, _ in got[0][1]]
-    r.xclaim(stream, GROUP, "ghost", 0, [ids[5]])  # delivered 3 times: past max_attempts
-    r.xclaim(stream, GROUP, "ghost", 0, [ids[5]])
-    r.xclaim(stream, GROUP, "ghost", 0, [ids[6]])  # delivered 2 times
-    r.xclaim(stream, GROUP, "busy", 0, [ids[7]], justid=True)  # on a live consumer
+    queues = queue_keys(r, s)  # its head and doorbell in the intake, the rest in its lane
+    for key in queues[:-1]:  # the lane has its group since the producer made it
+        r.xgroup_create(key, GROUP, id="0", mkstream=True)
+    got = r.xreadgroup(GROUP, "ghost", dict.fromkeys(queues, ">"), count=8)
+    where = {  # input index -> (stream, entry id)
+        Entry.from_wire(wire.decode(f[FIELD])).index: (key.decode(), entry_id)
+        for key, rows in got
+        for entry_id, f in rows
+    }
+    assert sorted(where) == list(range(8)) and len({k for k, _ in where.values()}) == 2
+
+    def claim(i: int, consumer: str = "ghost", **kw: bool) -> None:
+        key, entry_id = where[i]
+        r.xclaim(key, GROUP, consumer, 0, [entry_id], **kw)
+
+    claim(5)  # delivered 3 times: past max_attempts
+    claim(5)
+    claim(6)  # delivered 2 times
+    claim(7, "busy", justid=True)  # on a live consumer
     r.set(keys.heartbeat(0, "busy"), "1", ex=60)
     assert (pending_on(r, s, "ghost"), pending_on(r, s, "busy")) == (7, 1)
     LEDGER.fault("a consumer died with 7 entries pending")

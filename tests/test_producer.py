@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import redis
 
-from helpers import cli
+from helpers import cli, queued_entries
 from prefixq import results, wire
 from prefixq.entries import Entry
 from prefixq.errors import ValidationError
@@ -24,8 +24,27 @@ from prefixq.settings import Settings
 
 
 def entries(r: redis.Redis, s: Settings, shard: int = 0) -> list[Entry]:
-    rows = r.xrange(Keys(s.namespace).stream(shard))
-    return [Entry.from_wire(wire.decode(f[b"d"])) for _, f in rows]
+    """The entries queued on a shard (its intakes, then its lanes)."""
+    return [Entry.from_wire(wire.decode(f[b"d"])) for _, f in queued_entries(r, s, shard)]
+
+
+def enqueued(r: redis.Redis, s: Settings, burst: str) -> list[Entry]:
+    """A one-shard burst's entries in the order the producer sent them: the head (intake), then
+    per chunk its lane part and its doorbell (intake) sent after it."""
+    keys = Keys(s.namespace)
+    intake = [f for _, f in r.xrange(keys.stream(0))]
+    lane = [f for _, f in r.xrange(keys.lane(0, burst))]
+    total = len(intake) + len(lane)
+    out, rest, size = intake[:HEAD], total - min(HEAD, total), 4 * HEAD
+    bells, at = iter(intake[HEAD:]), 0
+    while rest > 0:
+        n = min(size, rest)
+        if n > 1:
+            out += lane[at : at + n - 1]
+            at += n - 1
+        out.append(next(bells))
+        rest, size = rest - n, min(4 * size, 1024)
+    return [Entry.from_wire(wire.decode(f[b"d"])) for f in out]
 
 
 def namespace_keys(r: redis.Redis, s: Settings) -> list[bytes]:
@@ -124,7 +143,7 @@ def test_the_head_is_uncompressed_and_the_rest_uses_the_codec(
     s = make_settings(codec="zlib")
     reqs = [{"id": f"q{i}", "prompt": f"question {i} " * 50} for i in range(40)]
     burst = Producer(s).submit(reqs)
-    rows = r.xrange(Keys(s.namespace).stream(0))
+    rows = queued_entries(r, s)
     tags = [f[b"d"][0] for _, f in rows]
     assert tags[:HEAD] == [wire.CODEC_TAGS["none"]] * HEAD
     assert set(tags[HEAD:]) == {wire.CODEC_TAGS["zlib"]}
@@ -151,7 +170,7 @@ def test_enqueue_order_puts_each_prefix_group_as_asked(
     names = ["d0q0", "d1q0", "d0q1", "d1q1", "d2q0", "d0q2"]
     reqs = [{"id": n, "prefix": docs[int(n[1])], "prompt": f" {n}?"} for n in names]
     burst = asyncio.run(Producer(s).asubmit(reqs, order=order))
-    got = entries(r, s)
+    got = enqueued(r, s, burst)
     assert [e.id for e in got] == expect
     assert all(names[e.index] == e.id for e in got)
     ids = [x.decode() for x in r.lrange(Keys(s.namespace).ids(burst), 0, -1)]

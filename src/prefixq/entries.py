@@ -7,7 +7,9 @@ prefix stored once, content-addressed, under `Keys.prefix`). A prefix object is 
 ``i`` input index, ``id`` request id, ``s`` sampling, ``e`` enqueued (epoch s), ``k`` shard,
 ``w`` estimated uncached prompt tokens (the placement's load unit), ``pc`` predicted cached tokens,
 ``dl`` the burst's deadline (epoch s; absent = none), ``u`` the OpenAI url of the line (absent for
-a plain line) and ``md`` its body's model (absent when none): both only for the output objects.
+a plain line) and ``md`` its body's model (absent when none): both only for the output objects;
+``pr`` the burst's priority and ``tn`` its tenant (absent: ``normal`` and ``default``, so that the
+default path's entries carry no extra byte; prefixq.lanes).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import xxhash
 
 from prefixq import wire
 from prefixq.errors import ValidationError, WireError
-from prefixq.records import Request
+from prefixq.lanes import DEFAULT_PRIORITY, DEFAULT_TENANT, PRIORITIES, valid_tenant
+from prefixq.records import Request, Result
 from prefixq.settings import Settings
 
 VERSION = 1
@@ -73,6 +76,9 @@ class Entry:
     endpoint: str | None = None
     #: the body's ``model`` of an OpenAI line (None if it named none)
     model: str | None = None
+    #: the burst's priority (prefixq.lanes.PRIORITIES) and tenant
+    priority: str = DEFAULT_PRIORITY
+    tenant: str = DEFAULT_TENANT
 
     @classmethod
     def from_wire(cls, d: Any) -> Entry:
@@ -97,9 +103,15 @@ class Entry:
                 deadline=None if d.get("dl") is None else float(d["dl"]),
                 endpoint=_optional_str(d, "u"),
                 model=_optional_str(d, "md"),
+                priority=_optional_str(d, "pr") or DEFAULT_PRIORITY,
+                tenant=_optional_str(d, "tn") or DEFAULT_TENANT,
             )
         except (TypeError, ValueError, OverflowError) as err:
             raise WireError(f"malformed entry: {err}") from None
+        if e.priority not in PRIORITIES:
+            raise WireError(f"entry priority {e.priority!r} is not one of {', '.join(PRIORITIES)}")
+        if not valid_tenant(e.tenant):
+            raise WireError(f"entry tenant {e.tenant[:80]!r} is not a tenant name")
         if not 0 <= e.index < _MAX_COUNT:
             raise WireError(f"entry index {e.index} out of range")
         if len(e.own) != 1:
@@ -111,6 +123,20 @@ class Entry:
         if e.prefix_ref is not None and not isinstance(e.prefix_ref, str):
             raise WireError("entry prefix reference is not a string")
         return e
+
+    def result(self, shard: int, worker: str) -> Result:
+        """An empty result for this entry's request, as served by ``worker`` of ``shard``."""
+        res = Result(
+            id=self.id,
+            index=self.index,
+            shard=shard,
+            worker=worker,
+            predicted_cached_tokens=self.predicted_cached,
+            endpoint=self.endpoint,
+            model=self.model,
+        )
+        res.timings.enqueued = self.enqueued
+        return res
 
     def to_request(self, prefix: dict[str, Any] | None) -> Request:
         """The full request, given the resolved prefix object (inline or fetched)."""
@@ -148,6 +174,8 @@ def to_wire(
     prefix_ref: str | None,
     own: dict[str, Any],
     deadline: float | None = None,
+    priority: str = DEFAULT_PRIORITY,
+    tenant: str = DEFAULT_TENANT,
 ) -> dict[str, Any]:
     """The entry map for one request (prefix inline or by reference, never both)."""
     d: dict[str, Any] = {
@@ -169,6 +197,10 @@ def to_wire(
         d["u"] = req.endpoint
     if req.model is not None:
         d["md"] = req.model
+    if priority != DEFAULT_PRIORITY:
+        d["pr"] = priority
+    if tenant != DEFAULT_TENANT:
+        d["tn"] = tenant
     if prefix_ref is not None:
         d["xr"] = prefix_ref
     elif prefix is not None:

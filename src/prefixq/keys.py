@@ -1,7 +1,8 @@
 """Every Redis key prefixq uses, in one place.
 
 Per-shard keys carry the Cluster hash tag ``{s<k>}`` and per-burst keys ``{b<id>}``, so that the
-keys one Lua script touches always share a slot.
+keys one Lua script touches always share a slot. A shard's request queues are its intake streams
+(one per priority) and its lanes (one per burst with more than its head there): prefixq.lanes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ FIELD = b"d"
 #: field of an entry that `prefixq reclaim` moved off a dead consumer: the deliveries it had
 #: before the move, which count towards ``max_attempts`` (consumers/letters.py)
 CARRIED = b"n"
+#: field of an intake entry saying that its burst's lane on that shard has new entries (a lane's
+#: doorbell: the producer adds it after them; docs/architecture.md)
+LANE = b"l"
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,8 +45,24 @@ class Keys:
 
     # per shard
     def stream(self, shard: int) -> str:
-        """Stream of request entries for one shard (consumer group `GROUP`)."""
+        """The shard's intake stream of priority ``normal`` (consumer group `GROUP`): the heads of
+        bursts, lane doorbells, and requeued entries (`intake`)."""
         return f"{self.ns}:{{s{shard}}}:requests"
+
+    def intake(self, shard: int, priority: str) -> str:
+        """The shard's intake stream of one priority (consumer group `GROUP`)."""
+        if priority == "normal":
+            return self.stream(shard)
+        return f"{self.ns}:{{s{shard}}}:requests:{priority}"
+
+    def lane(self, shard: int, burst: str) -> str:
+        """Stream of one burst's entries on one shard after its head (consumer group `GROUP`,
+        created by the producer with the stream)."""
+        return f"{self.ns}:{{s{shard}}}:lane:{burst}"
+
+    def lanes(self, shard: int) -> str:
+        """Hash: burst -> its lane's priority, tenant and sealed flag (prefixq.lanes.LaneInfo)."""
+        return f"{self.ns}:{{s{shard}}}:lanes"
 
     def dead(self, shard: int) -> str:
         """Stream of dead letters: the original entry plus reason and delivery count."""

@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
 
-from prefixq.errors import ConfigError
+from prefixq.errors import ConfigError, ValidationError
 from prefixq.keys import Keys
+from prefixq.lanes import check_priority, check_tenant, parse_caps, parse_weights
 
 CODECS = ("zlib", "zstd", "none")
 PLACEMENTS = ("affinity", "hash", "random", "round-robin")
@@ -84,6 +85,16 @@ class Settings:
     #: producer-side tokenizer (HF folder) for token block hashes; empty = character blocks
     tokenizer: str = ""
 
+    # sharing the shards between bursts (prefixq.lanes, docs/architecture.md)
+    #: priority of the bursts this process submits: high, normal, low (workers admit higher first)
+    priority: str = "normal"
+    #: tenant of the bursts this process submits (1-64 of A-Z a-z 0-9 _ . -)
+    tenant: str = "default"
+    #: workers: each tenant's share of a shard within a priority, TENANT=WEIGHT,... (unlisted: 1)
+    tenant_weights: str = ""
+    #: workers: at most N requests of a tenant in one worker's engine, TENANT=N,... (unlisted: none)
+    tenant_caps: str = ""
+
     # consumer (decisions 5 and 6)
     #: requests kept inside the engine; 0 = twice the engine's max_num_seqs
     max_inflight: int = 0
@@ -132,6 +143,13 @@ class Settings:
             )
         if self.shards < 0:
             raise ConfigError(f"shards must be >= 0, not {self.shards}")
+        try:  # the same checks producers and workers make (prefixq.lanes)
+            check_priority(self.priority)
+            check_tenant(self.tenant)
+            parse_weights(self.tenant_weights)
+            parse_caps(self.tenant_caps)
+        except ValidationError as e:
+            raise ConfigError(str(e)) from None
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be 0 (off) to 65535, not {self.metrics_port}")
         if not _NAMESPACE.fullmatch(self.namespace):

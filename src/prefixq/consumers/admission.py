@@ -1,16 +1,16 @@
 """The narrow interface the worker's helpers admit work through (`Admission`).
 
 The reclaimer (reclaim.py) and the backlog replay (backlog.py) hand entries to the worker's
-engine through this protocol and nothing else of the `Worker`: how much room the in-flight window
-has, whether an entry is already held, admitting deliveries, waiting for room or for one entry,
-and dead-lettering.
+engine through this protocol and nothing else of the `Worker`: the shard's queue keys, how much
+room the in-flight window has, whether an entry is already held, admitting deliveries (or handing
+over entries taken from dead workers), waiting for room or for one entry, and dead-lettering.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from prefixq.consumers.shard import Delivery
+from prefixq.consumers.deliveries import Delivery, Ref
 from prefixq.consumers.solo import SoloGate
 
 
@@ -35,20 +35,29 @@ class Admission(Protocol):
         """A request is inside the engine."""
         ...
 
-    def holds(self, entry_id: bytes) -> bool:
-        """The entry is in flight or its result is being written by this worker."""
+    def holds(self, ref: Ref) -> bool:
+        """The entry is read and waiting, in flight, or its result is being written by this
+        worker."""
+        ...
+
+    def queue_keys(self) -> list[str]:
+        """The streams of the shard: its intakes, then the lanes this worker knows."""
         ...
 
     async def admit(self, deliveries: list[Delivery]) -> None:
         """Decode the entries and hand each to the engine; bad ones are dead-lettered."""
         ...
 
+    async def take_over(self, deliveries: list[Delivery]) -> None:
+        """Decode entries claimed from a dead worker; they are admitted before anything else."""
+        ...
+
     async def wait_room(self) -> None:
         """Until room frees up (a request finished, results were written), or stopping."""
         ...
 
-    async def wait_done(self, entry_id: bytes) -> None:
-        """Until the request of ``entry_id`` has left the engine, or stopping."""
+    async def wait_done(self, ref: Ref) -> None:
+        """Until the request of entry ``ref`` has left the engine, or stopping."""
         ...
 
     async def dead_letter(self, delivery: Delivery, reason: str) -> None:

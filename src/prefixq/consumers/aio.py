@@ -1,9 +1,12 @@
-"""Two asyncio helpers the worker's lifecycle needs."""
+"""Three asyncio helpers the worker's lifecycle needs."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 async def cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
@@ -28,3 +31,16 @@ async def first_of(*aws: Any) -> None:
     finally:
         for t in tasks:
             t.cancel()
+
+
+async def drain(tasks: list[asyncio.Task[Any]], grace_s: float) -> None:
+    """Let ``tasks`` (requests in flight) finish within ``grace_s``; cancel the late ones."""
+    if not tasks:
+        return
+    log.info("draining %d in-flight requests", len(tasks))
+    _, late = await asyncio.wait(tasks, timeout=grace_s)
+    for t in late:
+        t.cancel()
+    await asyncio.gather(*late, return_exceptions=True)
+    if late:
+        log.warning("%d requests did not finish in the grace period; left pending", len(late))

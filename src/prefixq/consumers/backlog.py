@@ -21,25 +21,26 @@ log = logging.getLogger(__name__)
 async def replay_backlog(
     shard: ShardStream, work: Admission, *, page: int, max_attempts: int
 ) -> None:
-    """Serve ``shard.consumer``'s own pending entries, oldest first, until none is left or the
-    worker stops."""
-    start, backoff = "-", Backoff()
-    while not work.stopping:
-        try:
-            rows = await shard.pending(count=page, start=start, consumer=shard.consumer)
-            if not rows:
-                return
-            for p in rows:
-                await _replay_one(shard, work, p, max_attempts)
-                start = "(" + p.entry_id.decode()
-                if work.stopping:
-                    return
-        except (*TRANSIENT, ResponseError) as e:
-            await backoff.wait("replaying the backlog", e)
+    """Serve ``shard.consumer``'s own pending entries, oldest first in each of the shard's
+    streams, until none is left or the worker stops."""
+    for key in work.queue_keys():
+        start, backoff = "-", Backoff()
+        while not work.stopping:
+            try:
+                rows = await shard.pending([key], count=page, start=start, consumer=shard.consumer)
+                if not rows:
+                    break
+                for p in rows:
+                    await _replay_one(shard, work, p, max_attempts)
+                    start = "(" + p.entry_id.decode()
+                    if work.stopping:
+                        return
+            except (*TRANSIENT, ResponseError) as e:
+                await backoff.wait("replaying the backlog", e)
 
 
 async def _replay_one(shard: ShardStream, work: Admission, p: Pending, max_attempts: int) -> None:
-    if work.holds(p.entry_id):
+    if work.holds(p.ref):
         return
     last = last_allowed(p.deliveries + 1, max_attempts)
     while (work.busy() if last else work.room() <= 0) and not work.stopping:
@@ -51,4 +52,4 @@ async def _replay_one(shard: ShardStream, work: Admission, p: Pending, max_attem
         return
     await work.admit(got)
     if last_allowed(got[0].deliveries, max_attempts):
-        await work.wait_done(p.entry_id)
+        await work.wait_done(p.ref)

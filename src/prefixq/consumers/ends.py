@@ -43,15 +43,15 @@ class BurstEnds:
         #: burst -> "cancelled" or "expired"
         self.ended: OrderedDict[str, str] = OrderedDict()
         self._seen = "0-0"
-        #: entry id -> (burst, engine request id), while the request is inside the engine
-        self._running: dict[bytes, tuple[str, str]] = {}
+        #: entry -> (burst, engine request id), while the request is inside the engine
+        self._running: dict[tuple[str, bytes], tuple[str, str]] = {}
 
-    def running(self, entry_id: bytes, burst: str, request_id: str) -> None:
-        """The request of ``entry_id`` is now inside the engine as ``request_id``."""
-        self._running[entry_id] = (burst, request_id)
+    def running(self, ref: tuple[str, bytes], burst: str, request_id: str) -> None:
+        """The request of entry ``ref`` is now inside the engine as ``request_id``."""
+        self._running[ref] = (burst, request_id)
 
-    def done(self, entry_id: bytes) -> None:
-        self._running.pop(entry_id, None)
+    def done(self, ref: tuple[str, bytes]) -> None:
+        self._running.pop(ref, None)
 
     def reason(self, e: Entry, now: float) -> str | None:
         """Why ``e`` must not run (its burst ended, or its deadline passed), or None."""

@@ -2,11 +2,12 @@
 
 Every ``heartbeat_s``: the health hash (pid, host, GPU, in flight, counters, GC pauses) is
 rewritten with a ``heartbeat_ttl_s`` TTL and the worker's score in the shard's worker set is
-refreshed (`inspect`, `check`); the lease on the entries the worker holds — in flight, or finished
-with their results not yet acked — is renewed (`ShardStream.renew`), so no other worker's
-reclaimer takes them while they are served or written. After a burst, once nothing has been in
-flight for a second, the heap is collected and frozen again (consumers/gc_policy.py), so objects
-that survived the burst leave the generations the next burst collects.
+refreshed (`inspect`, `check`); the lease on the entries the worker holds — read and waiting for a
+slot, in flight, or finished with their results not yet acked — is renewed (`ShardStream.renew`),
+so no other worker's reclaimer takes them while they are served or written. After a burst, once
+nothing has been in flight for a second, the heap is collected and frozen again
+(consumers/gc_policy.py), so objects that survived the burst leave the generations the next burst
+collects.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from prefixq.connection import TRANSIENT
+from prefixq.consumers.deliveries import Ref
 from prefixq.consumers.gc_policy import GcPolicy
 from prefixq.consumers.shard import ShardStream
 
@@ -40,7 +42,7 @@ class Heartbeat:
         every_s: float,
         ttl_s: float,
         health: Callable[[float], dict[str, Any]],
-        holding: Callable[[], list[bytes]],
+        holding: Callable[[], list[Ref]],
         busy: Callable[[], bool],
         gc_policy: GcPolicy,
     ) -> None:

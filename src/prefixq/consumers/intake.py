@@ -1,10 +1,11 @@
 """Entries in, requests out: what a worker does with a delivery before its engine sees it.
 
-`Intake.take` decodes each delivered entry (bounded: wire.py), dead-letters what cannot run
+`Intake.decode` decodes each delivered entry (bounded: wire.py), dead-letters what cannot run
 (no payload, undecodable), gives the requests of cancelled or expired bursts their ended result
-without running them (consumers/ends.py), acks entries already deleted (their result is
-recorded), and resolves the stored prefixes the rest refer to, with one MGET per read
-(consumers/prefixes.py). The worker launches what is left.
+without running them (consumers/ends.py), and acks entries already deleted (their result is
+recorded). `Intake.take` also resolves the stored prefixes the rest refer to, with one MGET per
+read (consumers/prefixes.py); the reader resolves them when it admits what it read
+(consumers/reader.py). The worker launches what is left.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from redis.exceptions import ResponseError
 from prefixq import wire
 from prefixq.bursts import ended_result
 from prefixq.connection import TRANSIENT
+from prefixq.consumers.deliveries import Delivery, Ref
 from prefixq.consumers.ends import BurstEnds
 from prefixq.consumers.letters import failed_result
 from prefixq.consumers.prefixes import PrefixCache, Resolved
-from prefixq.consumers.shard import Delivery, ShardStream
+from prefixq.consumers.shard import ShardStream
 from prefixq.consumers.writer import ResultWriter
 from prefixq.entries import Entry
 from prefixq.errors import PrefixqError
@@ -55,13 +57,18 @@ class Intake:
     ) -> tuple[list[tuple[Delivery, Entry]], dict[str, Resolved]]:
         """The deliveries to run with their decoded entries, and the stored prefixes they need
         (digest -> prefix, or why it is unavailable)."""
+        ready = await self.decode(deliveries)
+        return ready, await self.prefixes.resolve([e for _, e in ready])
+
+    async def decode(self, deliveries: list[Delivery]) -> list[tuple[Delivery, Entry]]:
+        """The deliveries to run, with their decoded entries (the rest is taken care of)."""
         decoded: list[tuple[Delivery, Entry]] = []
-        empty: list[bytes] = []
+        empty: list[Ref] = []
         for d in deliveries:
             data = d.fields.get(FIELD)
             if data is None:
                 if not d.fields:  # deleted after its result was recorded: only ack it
-                    empty.append(d.entry_id)
+                    empty.append(d.ref)
                 else:
                     await self.dead_letter(d, "entry has no 'd' field")
                 continue
@@ -73,12 +80,11 @@ class Intake:
                 log.exception("unexpected error decoding entry %s", d.entry_id.decode())
                 await self.dead_letter(d, f"undecodable: {type(err).__name__}: {err}")
         if empty:
-            await self.retry("acking deleted entries", lambda: self.stream.ack_ids(empty))
+            await self.retry("acking deleted entries", lambda: self.stream.ack_refs(empty))
         now = time.time()
-        ready = [(d, e) for d, e in decoded if not self._ended(d, e, now)]
-        return ready, await self.prefixes.resolve([e for _, e in ready])
+        return [(d, e) for d, e in decoded if not self.ended(d, e, now)]
 
-    def _ended(self, d: Delivery, e: Entry, now: float) -> bool:
+    def ended(self, d: Delivery, e: Entry, now: float) -> bool:
         """An entry of a cancelled or expired burst, or past its deadline, is not run: its
         request gets the ended result (recorded once: the burst's end usually recorded it
         already, and this then only acks the entry)."""
@@ -90,7 +96,7 @@ class Intake:
         res.predicted_cached_tokens = e.predicted_cached
         res.endpoint, res.model = e.endpoint, e.model
         self.counts["failed"] += 1
-        self.writer.put(d.entry_id, e, res)
+        self.writer.put(d.ref, e, res)
         return True
 
     async def dead_letter(self, delivery: Delivery, reason: str) -> None:
@@ -110,4 +116,4 @@ class Intake:
         if entry is not None:
             self.counts["failed"] += 1
             res = failed_result(entry, shard.shard, shard.consumer, reason)
-            await self.writer.write_now(delivery.entry_id, entry, res)
+            await self.writer.write_now(delivery.ref, entry, res)

@@ -6,6 +6,11 @@ workers go idle past ``claim_idle_s``; the reclaimer of any live worker of that 
 `prefixq reclaim`) takes them over with XCLAIM, which counts a delivery. An entry delivered
 ``max_attempts`` times goes to the shard's dead-letter stream with the reason, and its request
 gets a failed result.
+
+It looks in every stream of the shard (intakes and lanes, whatever their priority) and takes the
+oldest idle entries first, up to ``read_count`` per round whatever the worker's free room: what it
+takes is admitted before anything else (consumers/scheduler.py), since it was admitted once
+already. So a busy worker still reclaims, and no priority waits behind another to be reclaimed.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from redis.exceptions import ResponseError
 
 from prefixq.connection import TRANSIENT, Backoff
 from prefixq.consumers.admission import Admission
-from prefixq.consumers.shard import Delivery, Pending, ShardStream, last_allowed
+from prefixq.consumers.deliveries import Delivery, Pending, last_allowed
+from prefixq.consumers.shard import ShardStream
 from prefixq.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -37,6 +43,8 @@ class Reclaimer:
         self.max_attempts = settings.max_attempts
         self.idle_ms = int(settings.claim_idle_s * 1000)
         self.period = max(settings.claim_idle_s / 2, 0.5)
+        #: most entries taken over per round
+        self.batch = settings.read_count
         #: entries this worker took over from others
         self.reclaimed = 0
 
@@ -49,11 +57,12 @@ class Reclaimer:
                 log.warning("reclaim failed: %s", e)
 
     async def reclaim_once(self) -> int:
-        """Claim entries idle past ``claim_idle_s`` (room permitting); returns how many."""
+        """Claim entries idle past ``claim_idle_s``, oldest first; returns how many."""
         work = self.work
-        room = max(work.room(), 0)
-        rows = await self.shard.pending(count=room + 100, min_idle_ms=self.idle_ms)
-        rows = [p for p in rows if not work.holds(p.entry_id)]
+        rows = await self.shard.pending(
+            work.queue_keys(), count=self.batch, min_idle_ms=self.idle_ms
+        )
+        rows = sorted((p for p in rows if not work.holds(p.ref)), key=_age)
         claim: list[Pending] = []
         last: list[Pending] = []  # entries whose next delivery is their last allowed one
         for p in rows:
@@ -61,7 +70,7 @@ class Reclaimer:
                 await self._dead(p)
             elif last_allowed(p.deliveries + 1, self.max_attempts):
                 last.append(p)
-            elif len(claim) < room:
+            elif len(claim) < self.batch:
                 claim.append(p)
         if last and not (work.gate.waiting or work.gate.solo):
             # one per round, run alone (consumers/solo.py): a poison entry among them takes
@@ -71,7 +80,7 @@ class Reclaimer:
         if got:
             log.info("reclaimed %d idle entries on shard %d", len(got), self.shard.shard)
             self.reclaimed += len(got)
-            await work.admit(got)
+            await work.take_over(got)
         return len(got)
 
     async def dead_letter_over_limit(self) -> None:
@@ -82,7 +91,9 @@ class Reclaimer:
         backoff = Backoff()
         while True:
             try:
-                rows = await self.shard.pending(count=10_000, consumer=self.shard.consumer)
+                rows = await self.shard.pending(
+                    self.work.queue_keys(), count=10_000, consumer=self.shard.consumer
+                )
                 break
             except (*TRANSIENT, ResponseError) as e:
                 await backoff.wait("reading this worker's pending entries", e)
@@ -92,6 +103,12 @@ class Reclaimer:
 
     async def _dead(self, p: Pending) -> None:
         await self.work.dead_letter(
-            Delivery(p.entry_id, p.fields, p.deliveries),
+            Delivery(p.key, p.entry_id, p.fields, p.deliveries),
             over_limit(p.deliveries, self.max_attempts),
         )
+
+
+def _age(p: Pending) -> tuple[int, int]:
+    """Sort key: the entry's id (its time of addition), comparable across streams."""
+    ms, _, seq = p.entry_id.partition(b"-")
+    return int(ms or 0), int(seq or 0)

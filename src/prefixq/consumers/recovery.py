@@ -10,11 +10,14 @@ delivery). Instead, for each entry idle past ``--idle-s`` on a consumer without 
 
 * delivered ``max_attempts`` times or more -> the dead-letter stream, with a failed result for its
   request (exactly once: the result is recorded by the same Lua script the writer uses);
-* otherwise -> re-added at the stream's tail as a new, undelivered entry whose ``n`` field
-  (`CARRIED`) holds the deliveries it had, and the old entry acked and deleted, in one Lua script
-  (lua/reclaim_entry.lua) that first checks that the entry is still idle on that consumer. Any
-  live worker of the shard then reads it like a new entry; workers add ``n`` to the stream's
-  delivery count wherever they compare it with ``max_attempts``, so the limit still holds.
+* otherwise -> re-added at the tail of the shard's intake stream of its priority as a new,
+  undelivered entry whose ``n`` field (`CARRIED`) holds the deliveries it had, and the old entry
+  acked and deleted, in one Lua script (lua/reclaim_entry.lua) that first checks that the entry is
+  still idle on that consumer. Any live worker of the shard then reads it like a new entry;
+  workers add ``n`` to the stream's delivery count wherever they compare it with
+  ``max_attempts``, so the limit still holds.
+
+It looks at every stream of the shard: the intakes and every lane in the shard's lane index.
 
 Entries pending on a consumer with a live heartbeat are left alone (that worker's own reclaimer
 handles its strays).
@@ -23,7 +26,8 @@ handles its strays).
 dead-lettering recorded (compare-and-delete of that exact result, lowering the burst's ``failed``
 count: lua/unrecord_result.lua), then re-adds the original payload to its shard's stream and
 deletes the dead letter in one step (lua/requeue_dead.lua), so the request runs again and its new
-outcome is the one result recorded. The two steps touch different Cluster slots, so they cannot be
+outcome is the one result recorded (it goes to the intake stream of its burst's priority). The
+two steps touch different Cluster slots, so they cannot be
 one script; in this order a crash between them leaves the dead letter in place and a re-run
 finishes the job. A requeued entry starts its delivery count afresh. A dead letter whose request
 already has a successful result is only deleted; one without a decodable payload is skipped.
@@ -46,13 +50,15 @@ from prefixq.consumers.letters import (
     carried,
     dead_letter_record,
     failed_result,
+    identify,
 )
 from prefixq.consumers.reclaim import over_limit
 from prefixq.consumers.shard import BURST_DONE, FINISHED_DUPLICATE, group_lost, record_call
 from prefixq.deployment import resolve_shards_sync
 from prefixq.entries import Entry
 from prefixq.errors import ConfigError, PrefixqError
-from prefixq.keys import CARRIED, FIELD, GROUP, Keys
+from prefixq.keys import CARRIED, FIELD, GROUP, LANE, Keys
+from prefixq.lanes import DEFAULT_PRIORITY, PRIORITIES
 from prefixq.records import Result
 from prefixq.settings import Settings
 
@@ -138,51 +144,64 @@ class Recovery:
         idle_ms = int((self.s.claim_idle_s if idle_s is None else idle_s) * 1000)
         return [self._reclaim_shard(k, idle_ms) for k in self.shards(shard)]
 
+    def queue_keys(self, k: int) -> list[str]:
+        """Every stream of shard ``k``: its intakes, then the lanes of its lane index."""
+        lanes = sorted(b.decode(errors="replace") for b in self.r.hkeys(self.keys.lanes(k)))
+        return [
+            *(self.keys.intake(k, p) for p in PRIORITIES),
+            *(self.keys.lane(k, b) for b in lanes),
+        ]
+
     def _reclaim_shard(self, k: int, idle_ms: int) -> ReclaimReport:
         rep = ReclaimReport(shard=k)
-        stream = self.keys.stream(k)
         alive: dict[bytes, bool] = {}
-        start = "-"
-        while True:
-            try:
-                page = self.r.xpending_range(
-                    stream, GROUP, min=start, max="+", count=_PAGE, idle=idle_ms
-                )
-            except redis.ResponseError as e:
-                if group_lost(e):  # no worker ever joined: nothing was delivered
-                    return rep
-                raise
-            for p in page:
-                consumer: bytes = p["consumer"]
-                if consumer not in alive:
-                    hb = self.keys.heartbeat(k, consumer.decode(errors="replace"))
-                    alive[consumer] = bool(self.r.exists(hb))
-                if alive[consumer]:
-                    rep.live += 1
-                else:
-                    self._reclaim_one(
-                        k, p["message_id"], consumer, p["times_delivered"], idle_ms, rep
+        for key in self.queue_keys(k):
+            start = "-"
+            while True:
+                try:
+                    page = self.r.xpending_range(
+                        key, GROUP, min=start, max="+", count=_PAGE, idle=idle_ms
                     )
-            if len(page) < _PAGE:
-                return rep
-            start = "(" + page[-1]["message_id"].decode()
+                except redis.ResponseError as e:
+                    if group_lost(e):  # no worker ever joined, or the lane is gone
+                        break
+                    raise
+                for p in page:
+                    consumer: bytes = p["consumer"]
+                    if consumer not in alive:
+                        hb = self.keys.heartbeat(k, consumer.decode(errors="replace"))
+                        alive[consumer] = bool(self.r.exists(hb))
+                    if alive[consumer]:
+                        rep.live += 1
+                    else:
+                        where = (k, key)
+                        self._reclaim_one(
+                            where, p["message_id"], consumer, p["times_delivered"], idle_ms, rep
+                        )
+                if len(page) < _PAGE:
+                    break
+                start = "(" + page[-1]["message_id"].decode()
+        return rep
 
     def _reclaim_one(
         self,
-        k: int,
+        where: tuple[int, str],
         entry_id: bytes,
         consumer: bytes,
         delivered: int,
         idle_ms: int,
         rep: ReclaimReport,
     ) -> None:
-        stream = self.keys.stream(k)
-        found = self.r.xrange(stream, entry_id, entry_id)
+        k, key = where
+        found = self.r.xrange(key, entry_id, entry_id)
         fields: dict[bytes, bytes] = found[0][1] if found else {}
         attempts = carried(fields) + delivered
         head = [GROUP, entry_id, consumer, idle_ms]
         if attempts < self.s.max_attempts:
-            got = self._move(keys=[stream, stream], args=[*head, "requeue", CARRIED, attempts])
+            entry = identify(fields.get(FIELD), self.limits)
+            intake = self.keys.intake(k, entry.priority if entry else DEFAULT_PRIORITY)
+            args = [*head, "requeue", CARRIED, attempts, LANE]
+            got = self._move(keys=[key, intake], args=args)
             if got is None:
                 rep.raced += 1
             elif got == 0:
@@ -194,8 +213,9 @@ class Recovery:
         record, entry = dead_letter_record(
             entry_id, k, fields, reason, attempts, CLI_WORKER, self.limits
         )
+        record["queue"] = key
         flat = [x for kv in record.items() for x in kv]
-        got = self._move(keys=[stream, self.keys.dead(k)], args=[*head, "dead", *flat])
+        got = self._move(keys=[key, self.keys.dead(k)], args=[*head, "dead", *flat])
         if got is None:
             rep.raced += 1
             return
@@ -266,7 +286,8 @@ class Recovery:
             burst_keys = [results, meta, self.keys.events(entry.burst), self.keys.ids(entry.burst)]
             rep.cleared += int(self._unrecord(keys=burst_keys, args=[entry.index, raw]))
         new = self._requeue(
-            keys=[self.keys.stream(k), self.keys.dead(k)], args=[dead_id, FIELD, data]
+            keys=[self.keys.intake(k, entry.priority), self.keys.dead(k)],
+            args=[dead_id, FIELD, data],
         )
         if new is None:
             rep.skipped.append((did, "already requeued by another call"))

@@ -1,10 +1,14 @@
 """One shard's stream protocol, owned by one object: `ShardStream`.
 
-It holds the shard's stream (`Keys.stream`), its consumer group (`GROUP`), this worker's consumer
-name and its Redis client, and sends every command a worker sends about entries: join the group,
-read new entries, claim idle ones, renew the lease on the entries it holds, page through pending
-entries with their delivery counts, record results and acknowledge their entries, dead-letter.
-The writer, the reclaimer, the heartbeat and the backlog replay all go through it.
+A shard's requests wait in several streams, all read through one consumer group (`GROUP`): its
+intake streams (one per priority, `Keys.intake`) and the lanes of its bursts (`Keys.lane`;
+prefixq.lanes and docs/architecture.md say why). `ShardStream` holds the keys' names, this
+worker's consumer name and its Redis client, and sends every command a worker sends about entries:
+join the group, read new entries from several streams in one round trip, claim idle ones, renew
+the lease on the entries it holds, page through pending entries with their delivery counts, record
+results and acknowledge their entries, dead-letter, close a drained lane. An entry is named by its
+stream and its id together (`Ref`: two streams may hand out the same id). The reader, the writer,
+the reclaimer, the heartbeat and the backlog replay all go through it.
 
 **Record, then acknowledge.** Results are recorded by lua/record_result.lua (exactly once per
 request index) in one pipeline; only the entries whose record succeeded are then acknowledged and
@@ -24,7 +28,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aredis
@@ -32,9 +35,20 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from prefixq import wire
 from prefixq.connection import TRANSIENT, Backoff, describe, lua, refused
+from prefixq.consumers.deliveries import (
+    Delivery,
+    GroupLost,
+    Pending,
+    Ref,
+    Written,
+    by_key,
+    group_lost,
+    last_allowed,
+)
 from prefixq.consumers.letters import DEAD_MAXLEN, carried, dead_letter_record
 from prefixq.entries import Entry
-from prefixq.keys import GROUP, Keys
+from prefixq.keys import CARRIED, GROUP, Keys
+from prefixq.lanes import PRIORITIES
 from prefixq.records import Result
 from prefixq.settings import Settings
 
@@ -46,7 +60,9 @@ __all__ = [
     "RECORDED",
     "RECORD_LOST",
     "Delivery",
+    "GroupLost",
     "Pending",
+    "Ref",
     "ShardStream",
     "Written",
     "group_lost",
@@ -72,20 +88,6 @@ OUT_OF_RANGE = -1
 RECORD_LOST = -2
 
 
-def last_allowed(deliveries: int, max_attempts: int) -> bool:
-    """Whether delivery number ``deliveries`` is an entry's last allowed one (consumers/solo.py)."""
-    return 1 < max_attempts <= deliveries
-
-
-def group_lost(err: BaseException) -> bool:
-    """A reply saying the consumer group or the stream is gone (Redis restarted empty, the group
-    was destroyed, the key deleted or flushed while a read blocked on it)."""
-    text = str(err)
-    return isinstance(err, ResponseError) and (
-        "NOGROUP" in text or "no longer exists" in text or "UNBLOCKED" in text
-    )
-
-
 def record_call(
     keys: Keys, burst: str, result: Result, settings: Settings, now: str
 ) -> tuple[list[str], list[Any]]:
@@ -106,37 +108,6 @@ def record_call(
     )
 
 
-@dataclass(slots=True)
-class Delivery:
-    """One delivery of an entry to this consumer."""
-
-    entry_id: bytes
-    #: the entry's fields; empty when the entry was deleted (its result is recorded: only ack)
-    fields: dict[bytes, bytes]
-    #: which delivery this is, counting deliveries carried over a `prefixq reclaim` move
-    deliveries: int = 1
-
-
-@dataclass(slots=True)
-class Pending:
-    """One row of the pending entries list."""
-
-    entry_id: bytes
-    consumer: bytes
-    #: deliveries so far (the stream's count plus any carried over a move)
-    deliveries: int
-    fields: dict[bytes, bytes] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class Written:
-    """A finished request on its way to Redis: its entry, the decoded entry and its result."""
-
-    entry_id: bytes
-    entry: Entry
-    result: Result
-
-
 class ShardStream:
     """The stream protocol of shard ``shard`` for consumer ``consumer``."""
 
@@ -146,25 +117,26 @@ class ShardStream:
         self.shard = shard
         self.consumer = consumer
         self.keys = Keys(settings.namespace)
+        #: the intake stream of each priority, highest first (`Keys.stream` is ``normal``'s)
+        self.intakes = [self.keys.intake(shard, p) for p in PRIORITIES]
         self.stream = self.keys.stream(shard)
         self.dead = self.keys.dead(shard)
+        self.index = self.keys.lanes(shard)
         self.limits = wire.Limits.from_settings(settings)
         self._record_lua = lua("record_result")
         self._record_sha = ""
+        self._close = r.register_script(lua("close_lane"))
+        self._move = r.register_script(lua("reclaim_entry"))
 
     # ---- the group ---------------------------------------------------------------------------
     async def join(self) -> None:
-        """Create the consumer group (and the stream) if missing and load the record script.
-        Retried while Redis is unreachable, out of memory or loading; refused credentials or
-        permissions raise ConfigError at once."""
+        """Create the consumer group on each intake stream (and the stream) if missing and load
+        the record script. Retried while Redis is unreachable, out of memory or loading; refused
+        credentials or permissions raise ConfigError at once."""
         backoff = Backoff()
         while True:
             try:
-                try:
-                    await self.r.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
-                except ResponseError as e:
-                    if "BUSYGROUP" not in str(e):
-                        raise
+                await self.create_groups(self.intakes, mkstream=True)
                 self._record_sha = await self.r.script_load(self._record_lua)
                 return
             except (*TRANSIENT, ResponseError) as e:
@@ -172,54 +144,118 @@ class ShardStream:
                     raise describe(self.settings, e) from e
                 await backoff.wait(f"joining the consumer group of {self.stream}", e)
 
+    async def create_groups(self, keys: Sequence[str], *, mkstream: bool) -> list[str]:
+        """Create the group on ``keys`` where it is missing (from id 0: acked entries are deleted,
+        so exactly the unfinished ones are delivered); returns the keys that do not exist
+        (without ``mkstream``: a lane closed meanwhile)."""
+        pipe = self.r.pipeline(transaction=False)
+        for key in keys:
+            pipe.xgroup_create(key, GROUP, id="0", mkstream=mkstream)
+        replies = await pipe.execute(raise_on_error=False)
+        gone = []
+        for key, reply in zip(keys, replies, strict=True):
+            if not isinstance(reply, Exception) or "BUSYGROUP" in str(reply):
+                continue
+            if "requires the key to exist" not in str(reply):
+                raise reply
+            gone.append(key)
+        return gone
+
     # ---- reading -----------------------------------------------------------------------------
-    async def read(self, count: int, block_ms: int) -> list[Delivery]:
-        """New entries for this consumer (XREADGROUP ``>``). When the group or the stream is
-        gone, the group is joined again and nothing is returned this time: acked entries are
-        deleted, so only unfinished ones come back."""
-        try:
-            resp = await self.r.xreadgroup(
-                GROUP, self.consumer, {self.stream: ">"}, count=count, block=block_ms
-            )
-        except ResponseError as e:
-            if not group_lost(e):
+    async def read(
+        self, reads: Sequence[tuple[Sequence[str], int]], block_ms: int | None = None
+    ) -> dict[str, list[Delivery]]:
+        """New entries for this consumer (XREADGROUP ``>``), in one round trip: each item of
+        ``reads`` is one XREADGROUP over its keys with its COUNT (per key); ``block_ms`` blocks
+        (only with a single read). Returns the deliveries by key (keys without any left out).
+        A stream or group that is gone raises `GroupLost`."""
+        if len(reads) == 1:
+            keys, count = reads[0]
+            try:
+                resp = await self.r.xreadgroup(
+                    GROUP, self.consumer, dict.fromkeys(keys, ">"), count=count, block=block_ms
+                )
+            except ResponseError as e:
+                if group_lost(e):
+                    raise GroupLost(e) from e
                 raise
-            log.warning("consumer group of %s gone (%s); joining again", self.stream, e)
-            await self.join()
-            return []
-        rows = resp[0][1] if resp else []
-        return [Delivery(eid, f or {}, 1 + carried(f)) for eid, f in rows]
+            return self._deliveries(resp)
+        pipe = self.r.pipeline(transaction=False)
+        for keys, count in reads:
+            pipe.xreadgroup(GROUP, self.consumer, dict.fromkeys(keys, ">"), count=count)
+        replies = await pipe.execute(raise_on_error=False)
+        out: dict[str, list[Delivery]] = {}
+        lost: GroupLost | None = None
+        for reply in replies:
+            if isinstance(reply, ResponseError) and group_lost(reply):
+                lost = GroupLost(reply)
+            elif isinstance(reply, Exception):
+                raise reply
+            else:
+                out.update(self._deliveries(reply))
+        if lost is not None:
+            lost.got = out  # the other reads' deliveries are still ours to serve
+            raise lost
+        return out
+
+    @staticmethod
+    def _deliveries(resp: Any) -> dict[str, list[Delivery]]:
+        out: dict[str, list[Delivery]] = {}
+        for raw_key, rows in resp or ():
+            key = raw_key.decode() if isinstance(raw_key, bytes) else str(raw_key)
+            out[key] = [Delivery(key, eid, f or {}, 1 + carried(f)) for eid, f in rows]
+        return out
 
     async def claim(self, rows: Sequence[Pending], min_idle_ms: int) -> list[Delivery]:
         """Take pending entries over (XCLAIM, which counts a delivery); those claimed meanwhile
         by someone else (idle time reset) or acked are left out."""
         if not rows:
             return []
-        got = await self.r.xclaim(
-            self.stream, GROUP, self.consumer, min_idle_ms, [p.entry_id for p in rows]
-        )
-        before = {p.entry_id: p.deliveries for p in rows}
-        return [Delivery(eid, f or {}, before.get(eid, 0) + 1) for eid, f in got]
+        groups = by_key(p.ref for p in rows)
+        pipe = self.r.pipeline(transaction=False)
+        for key, ids in groups.items():
+            pipe.xclaim(key, GROUP, self.consumer, min_idle_ms, ids)
+        replies = await pipe.execute(raise_on_error=False)
+        before = {p.ref: p.deliveries for p in rows}
+        out = []
+        for key, got in zip(groups, replies, strict=True):
+            if isinstance(got, Exception):
+                if isinstance(got, ResponseError) and group_lost(got):
+                    continue  # the stream went away: nothing left to claim there
+                raise got
+            out += [Delivery(key, eid, f or {}, before.get((key, eid), 0) + 1) for eid, f in got]
+        return out
 
-    async def renew(self, ids: Sequence[bytes]) -> None:
+    async def renew(self, refs: Sequence[Ref]) -> None:
         """Reset the idle time of entries this consumer holds (XCLAIM JUSTID: no delivery is
         counted), so that no reclaimer takes them while they are served or written."""
-        if ids:
-            await self.r.xclaim(self.stream, GROUP, self.consumer, 0, list(ids), justid=True)
+        if not refs:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for key, ids in by_key(refs).items():
+            pipe.xclaim(key, GROUP, self.consumer, 0, ids, justid=True)
+        for reply in await pipe.execute(raise_on_error=False):
+            if isinstance(reply, Exception) and not group_lost(reply):
+                raise reply
 
     async def pending(
         self,
+        keys: Sequence[str],
         *,
         count: int,
         start: str = "-",
         consumer: str | None = None,
         min_idle_ms: int | None = None,
     ) -> list[Pending]:
-        """One page of pending entries (of ``consumer``, idle at least ``min_idle_ms``), oldest
-        first, each with its fields and deliveries; none when the group is gone."""
-        try:
-            rows = await self.r.xpending_range(
-                self.stream,
+        """One page (up to ``count`` per key) of pending entries of ``keys`` (of ``consumer``,
+        idle at least ``min_idle_ms``), oldest first per key, each with its fields and
+        deliveries; streams or groups that are gone have none."""
+        if not keys:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for key in keys:
+            pipe.xpending_range(
+                key,
                 GROUP,
                 min=start,
                 max="+",
@@ -227,21 +263,25 @@ class ShardStream:
                 consumername=consumer,
                 idle=min_idle_ms,
             )
-        except ResponseError as e:
-            if group_lost(e):
-                return []
-            raise
+        rows: list[tuple[str, Any]] = []
+        for key, reply in zip(keys, await pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(reply, Exception):
+                if isinstance(reply, ResponseError) and group_lost(reply):
+                    continue
+                raise reply
+            rows += [(key, p) for p in reply]
         if not rows:
             return []
         pipe = self.r.pipeline(transaction=False)
-        for p in rows:
-            pipe.xrange(self.stream, p["message_id"], p["message_id"])
+        for key, p in rows:
+            pipe.xrange(key, p["message_id"], p["message_id"])
         found = await pipe.execute()
         out = []
-        for p, f in zip(rows, found, strict=True):
+        for (key, p), f in zip(rows, found, strict=True):
             fields = f[0][1] if f else {}
             out.append(
                 Pending(
+                    key=key,
                     entry_id=p["message_id"],
                     consumer=p["consumer"],
                     deliveries=p["times_delivered"] + carried(fields),
@@ -249,6 +289,36 @@ class ShardStream:
                 )
             )
         return out
+
+    async def lane_index(self) -> dict[bytes, bytes]:
+        """The shard's lane index (`Keys.lanes`): burst -> encoded `LaneInfo`."""
+        got: dict[bytes, bytes] = await self.r.hgetall(self.index)
+        return got
+
+    async def close_lanes(self, lanes: Sequence[tuple[str, str, bool]]) -> list[int]:
+        """Delete each drained lane ``(key, burst, ended)`` with its index entry, if it is empty
+        and sealed (or its burst ended and nothing was added for a while): lua/close_lane.lua.
+        Per lane: 1 closed, 0 left (entries pending, or it may grow), -1 it holds undelivered
+        entries (read it again)."""
+        if not lanes:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for key, burst, ended in lanes:
+            args = [burst, "ended" if ended else "sealed", _ENDED_IDLE_MS, GROUP]
+            await self._close(keys=[key, self.index], args=args, client=pipe)
+        return [x if isinstance(x, int) else 0 for x in await pipe.execute(raise_on_error=False)]
+
+    async def release(self, items: Sequence[tuple[Delivery, str]]) -> None:
+        """Give back entries read but never started (a stopping worker's stock): each is re-added
+        to the tail of its intake stream (``(delivery, intake)``) with the deliveries it had
+        before this one, and acked and deleted here, atomically (lua/reclaim_entry.lua)."""
+        if not items:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for d, intake in items:
+            args = [GROUP, d.entry_id, self.consumer, 0, "requeue", CARRIED, d.deliveries - 1, ""]
+            await self._move(keys=[d.key, intake], args=args, client=pipe)
+        await pipe.execute(raise_on_error=False)
 
     # ---- results -----------------------------------------------------------------------------
     async def record(self, batch: Sequence[Written]) -> list[int | RedisError]:
@@ -274,30 +344,33 @@ class ShardStream:
         refused counter update is only logged."""
         if not batch:
             return
-        ids = [w.entry_id for w in batch]
         k, keys = self.shard, self.keys
         pipe = self.r.pipeline(transaction=False)
-        pipe.xack(self.stream, GROUP, *ids)
-        pipe.xdel(self.stream, *ids)
+        groups = by_key((w.key, w.entry_id) for w in batch)
+        for key, ids in groups.items():
+            pipe.xack(key, GROUP, *ids)
+            pipe.xdel(key, *ids)
         pipe.hincrby(keys.load, str(k), -sum(w.entry.work for w in batch))
         stats = keys.shard_stats
         pipe.hincrby(stats, f"{k}:prompt", sum(w.result.prompt_tokens for w in batch))
         pipe.hincrby(stats, f"{k}:cached", sum(w.result.cached_tokens for w in batch))
         pipe.hincrby(stats, f"{k}:predicted", sum(w.result.predicted_cached_tokens for w in batch))
         replies = await pipe.execute(raise_on_error=False)
-        for reply in replies[:2]:
+        acks = 2 * len(groups)
+        for reply in replies[:acks]:
             if isinstance(reply, Exception):
                 raise reply
-        if any(isinstance(x, Exception) for x in replies[2:]):
-            log.debug("shard counters not updated: %s", replies[2:])
+        if any(isinstance(x, Exception) for x in replies[acks:]):
+            log.debug("shard counters not updated: %s", replies[acks:])
 
-    async def ack_ids(self, ids: Sequence[bytes]) -> None:
+    async def ack_refs(self, refs: Sequence[Ref]) -> None:
         """Acknowledge and delete entries that carry nothing to record (already deleted, or
         dead-lettered without an identifiable request)."""
-        if ids:
+        if refs:
             pipe = self.r.pipeline(transaction=False)
-            pipe.xack(self.stream, GROUP, *ids)
-            pipe.xdel(self.stream, *ids)
+            for key, ids in by_key(refs).items():
+                pipe.xack(key, GROUP, *ids)
+                pipe.xdel(key, *ids)
             await pipe.execute()
 
     async def dead_letter(self, delivery: Delivery, reason: str) -> Entry | None:
@@ -313,7 +386,13 @@ class ShardStream:
             self.consumer,
             self.limits,
         )
+        record["queue"] = delivery.key
         await self.r.xadd(self.dead, record, maxlen=DEAD_MAXLEN, approximate=True)
         if entry is None:
-            await self.ack_ids([delivery.entry_id])
+            await self.ack_refs([delivery.ref])
         return entry
+
+
+#: a lane of an ended burst (cancelled, expired) that nobody sealed is closed once nothing has been
+#: added to it for this long (its producer may still be streaming entries that are then skipped)
+_ENDED_IDLE_MS = 60_000

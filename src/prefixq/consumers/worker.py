@@ -1,11 +1,12 @@
 """The long-lived consumer of one shard: stream -> engine -> results, with continuous admission.
 
-`Worker` owns the in-flight window and admission: the reader keeps up to ``max_inflight``
-requests inside the engine or waiting to be written, reading more as room frees up (its own
-pending entries first, after a restart: backlog.py), and each request is handed to the engine as
-soon as it is read. Everything else is a collaborator with its own module: the stream protocol
-(shard.py), intake (intake.py), the writer, heartbeat, reclaimer, burst ends, probes and
-middleware; docs/architecture.md draws who owns what.
+`Worker` owns the in-flight window and admission: up to ``max_inflight`` requests inside the
+engine or waiting to be written; the reader (reader.py) reads more as room frees up, in the order
+the scheduler (scheduler.py: priorities, tenants, bursts) picks, after the worker's own pending
+entries of a restart (backlog.py), and each request is handed to the engine as soon as it is
+picked. Everything else is a collaborator with its own module: the stream protocol (shard.py),
+intake (intake.py), the writer, heartbeat, reclaimer, burst ends, probes and middleware;
+docs/architecture.md draws who owns what.
 ``stop()`` (SIGTERM) stops reading, lets in-flight requests finish within ``grace_s``, writes and
 acks their results; what did not finish stays pending for a restart or a reclaim. An engine death
 leaves in-flight entries pending (not failed) and exits with code 3.
@@ -22,11 +23,10 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import redis.asyncio as aredis
-from redis.exceptions import ResponseError
 
 from prefixq.bursts import ended_result
-from prefixq.connection import TRANSIENT, Backoff, async_client
-from prefixq.consumers.aio import cancel_all, first_of
+from prefixq.connection import async_client
+from prefixq.consumers.aio import cancel_all, drain, first_of
 from prefixq.consumers.backlog import replay_backlog
 from prefixq.consumers.control import control_loop
 from prefixq.consumers.ends import BurstEnds
@@ -36,14 +36,16 @@ from prefixq.consumers.intake import Intake
 from prefixq.consumers.middleware import Middleware
 from prefixq.consumers.prefixes import PrefixCache
 from prefixq.consumers.probes import Probes
+from prefixq.consumers.reader import Reader, retried
 from prefixq.consumers.reclaim import Reclaimer
-from prefixq.consumers.shard import Delivery, ShardStream, last_allowed
+from prefixq.consumers.scheduler import Item, Scheduler
+from prefixq.consumers.shard import Delivery, Ref, ShardStream, last_allowed
 from prefixq.consumers.solo import SoloGate
 from prefixq.consumers.startup import record_engine, register, retry, warm_up
 from prefixq.consumers.writer import ResultWriter
 from prefixq.entries import Entry
 from prefixq.errors import EngineAborted, EngineDead, EngineError, PrefixqError
-from prefixq.records import Result, error_code_of
+from prefixq.records import error_code_of
 from prefixq.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -79,8 +81,8 @@ class Worker:
         self.limits = self.stream.limits
         self.middleware: list[Middleware] = list(middleware)
         self.max_inflight = settings.max_inflight
-        #: requests inside the engine (or on their way in), by entry id
-        self.inflight: dict[bytes, asyncio.Task[None]] = {}
+        #: requests inside the engine (or on their way in), by entry
+        self.inflight: dict[Ref, asyncio.Task[None]] = {}
         self.counts = {"admitted": 0, "finished": 0, "failed": 0, "dead": 0}
         self.started = time.time()
         self.engine_up = False
@@ -107,6 +109,14 @@ class Worker:
             prefixes=self.prefixes,
             counts=self.counts,
             retry=self._retry,
+        )
+        self.sched = Scheduler.of(self.stream, settings)
+        self.reader = Reader(
+            stream=self.stream,
+            sched=self.sched,
+            intake=self.intake,
+            work=self,
+            ended=self.ends.ended,
         )
         self.reclaimer = Reclaimer(self.stream, self, settings)
         self.heartbeat = Heartbeat(
@@ -174,12 +184,15 @@ class Worker:
                 ("burst-ends", self.ends.watch(self.engine.abort)),
                 ("expiry", self.ends.expire()),
                 ("control", control_loop(self.r, self.keys, self.name, commands, probes.stats)),
+                ("lanes", self.reader.refresh_loop()),
             )
         ]
         try:
+            await self._retry("reading the lane index", self.reader.refresh)
             await self.reclaimer.dead_letter_over_limit()
             await self._read_loop()
-            await self._drain()
+            await self.reader.release()
+            await drain(list(self.inflight.values()), self.settings.grace_s)
         finally:
             await self.writer.close()
             await cancel_all(tasks)
@@ -208,19 +221,6 @@ class Worker:
             self.stream.stream,
         )
 
-    async def _drain(self) -> None:
-        pending = list(self.inflight.values())
-        if pending:
-            log.info("draining %d in-flight requests", len(pending))
-            _, late = await asyncio.wait(pending, timeout=self.settings.grace_s)
-            for t in late:
-                t.cancel()
-            await asyncio.gather(*late, return_exceptions=True)
-            if late:
-                log.warning(
-                    "%d requests did not finish in the grace period; left pending", len(late)
-                )
-
     # ---- what the helpers see (consumers/admission.py) --------------------------------------
     def room(self) -> int:
         return self.max_inflight - len(self.inflight) - self.writer.backlog
@@ -228,21 +228,25 @@ class Worker:
     def busy(self) -> bool:
         return bool(self.inflight)
 
-    def holds(self, entry_id: bytes) -> bool:
-        return entry_id in self.inflight or self.writer.holds(entry_id)
+    def holds(self, ref: Ref) -> bool:
+        return ref in self.inflight or self.writer.holds(ref) or ref in self.sched.held
 
-    def holding(self) -> list[bytes]:
-        """Entries this worker holds: in flight, or finished with results not yet acked."""
-        return [*self.inflight, *self.writer.holding()]
+    def holding(self) -> list[Ref]:
+        """Entries this worker holds: read and not yet admitted, in flight, or finished with
+        results not yet acked."""
+        return [*self.sched.held, *self.inflight, *self.writer.holding()]
+
+    def queue_keys(self) -> list[str]:
+        return self.reader.keys()
 
     async def wait_room(self) -> None:
         """Until room frees up (a request finished, results were written), or `stop()`."""
         self._room.clear()
         await first_of(self._room.wait(), self._stopping.wait())
 
-    async def wait_done(self, entry_id: bytes) -> None:
-        """Until the request of ``entry_id`` has left the engine, or `stop()`."""
-        task = self.inflight.get(entry_id)
+    async def wait_done(self, ref: Ref) -> None:
+        """Until the request of entry ``ref`` has left the engine, or `stop()`."""
+        task = self.inflight.get(ref)
         if task is None:
             return
         stop = asyncio.ensure_future(self._stopping.wait())
@@ -257,58 +261,60 @@ class Worker:
         s = self.settings
         # our own pending entries first (a restart)
         await replay_backlog(self.stream, self, page=s.read_count, max_attempts=s.max_attempts)
-        backoff = Backoff()
-        while not self._stopping.is_set():
-            room = self.room()
-            if room <= 0:
-                await self.wait_room()
-                continue
-            try:
-                got = await self.stream.read(min(room, s.read_count), block_ms=500)
-            except (*TRANSIENT, ResponseError) as e:
-                await backoff.wait("reading the stream", e)
-                continue
-            backoff.reset()
-            # already held: redelivered after Redis lost its most recent writes
-            got = [d for d in got if not self.holds(d.entry_id)]
-            if got:
-                await self.admit(got)
+        await self.reader.run()
 
     async def admit(self, deliveries: list[Delivery]) -> None:
         """Take the entries in (consumers/intake.py) and hand each request to the engine at
-        once. An entry whose delivery is its last allowed one runs alone (consumers/solo.py)."""
+        once (the backlog replay: no scheduling)."""
         t_read = time.perf_counter()
-        ready, prefixes = await self.intake.take(deliveries)
+        items = await self.intake.decode(deliveries)
+        now = time.time()
+        for _, e in items:
+            self.sched.admitted(e, now)
+        await self.launch(items, t_read)
+
+    async def take_over(self, deliveries: list[Delivery]) -> None:
+        """Entries claimed from a dead worker: admitted before anything else (consumers/
+        scheduler.py), in turn as room frees up."""
+        for item in await self.intake.decode(deliveries):
+            self.sched.take_over(item)
+        self._room.set()
+
+    async def launch(self, items: list[Item], t_read: float) -> None:
+        """Hand each admitted request to the engine at once (their tenants counted in flight
+        already). An entry whose delivery is its last allowed one runs alone
+        (consumers/solo.py); one of a burst that ended meanwhile gets its ended result."""
+        now = time.time()
+        ready = []
+        for d, e in items:
+            if self.intake.ended(d, e, now):
+                self.sched.left(e)
+            else:
+                ready.append((d, e))
+        if not ready:
+            return
+        entries = [e for _, e in ready]
+        prefixes = await retried("reading stored prefixes", lambda: self.prefixes.resolve(entries))
         max_attempts = self.settings.max_attempts
         for d, e in ready:
             self.counts["admitted"] += 1
             solo = last_allowed(d.deliveries, max_attempts)
-            task = asyncio.create_task(self._serve(d.entry_id, e, prefixes, solo, t_read))
-            self.inflight[d.entry_id] = task
-        if ready:
-            # one loop step: each task runs until it awaits the engine, which then holds its
-            # request; what they all hold is frozen (consumers/gc_policy.py)
-            await asyncio.sleep(0)
-            self.gc_policy.admitted(len(ready))
+            task = asyncio.create_task(self._serve(d.ref, e, prefixes, solo, t_read))
+            self.inflight[d.ref] = task
+        # one loop step: each task runs until it awaits the engine, which then holds its
+        # request; what they all hold is frozen (consumers/gc_policy.py)
+        await asyncio.sleep(0)
+        self.gc_policy.admitted(len(ready))
 
     async def _serve(
         self,
-        entry_id: bytes,
+        ref: Ref,
         e: Entry,
         prefixes: dict[str, dict[str, Any] | str],
         solo: bool,
         t_read: float,
     ) -> None:
-        res = Result(
-            id=e.id,
-            index=e.index,
-            shard=self.shard,
-            worker=self.name,
-            predicted_cached_tokens=e.predicted_cached,
-            endpoint=e.endpoint,
-            model=e.model,
-        )
-        res.timings.enqueued = e.enqueued
+        res = e.result(self.shard, self.name)
         try:
             prefix = prefixes.get(e.prefix_ref) if e.prefix_ref else None
             if isinstance(prefix, str):
@@ -323,8 +329,8 @@ class Worker:
                     raise EngineAborted(self.ends.ended[e.burst])
                 res.timings.admitted = time.time()
                 self.probes.read_to_engine.add(time.perf_counter() - t_read)
-                rid = f"{e.burst}:{e.index}:{entry_id.decode()}"
-                self.ends.running(entry_id, e.burst, rid)
+                rid = f"{e.burst}:{e.index}:{ref[1].decode()}"
+                self.ends.running(ref, e.burst, rid)
                 out = await self.engine.generate(
                     EngineRequest(
                         request_id=rid,
@@ -351,8 +357,9 @@ class Worker:
             res.error = f"internal error: {type(err).__name__}: {err}"
             res.error_code = error_code_of(err)
         finally:
-            self.inflight.pop(entry_id, None)
-            self.ends.done(entry_id)
+            self.inflight.pop(ref, None)
+            self.sched.left(e)
+            self.ends.done(ref)
             self._room.set()
             self.heartbeat.request_done()
         if not res.timings.admitted:
@@ -361,7 +368,7 @@ class Worker:
         self.counts["failed" if res.error else "finished"] += 1
         for m in self.middleware:
             m.after_result(res)
-        self.writer.put(entry_id, e, res)
+        self.writer.put(ref, e, res)
 
     def _engine_died(self, why: str) -> None:
         if self._dead is None:

@@ -19,6 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from prefixq.connection import TRANSIENT, Backoff
+from prefixq.consumers.deliveries import Ref, Written
 from prefixq.consumers.shard import (
     BURST_DONE,
     DUPLICATE,
@@ -26,7 +27,6 @@ from prefixq.consumers.shard import (
     OUT_OF_RANGE,
     RECORD_LOST,
     ShardStream,
-    Written,
 )
 from prefixq.entries import Entry
 from prefixq.records import Result
@@ -57,7 +57,7 @@ class ResultWriter:
         self.on_written = on_written or (lambda: None)
         self.queue: asyncio.Queue[Written | None] = asyncio.Queue()
         #: entries whose results are queued or being written, still pending on this consumer
-        self._unwritten: set[bytes] = set()
+        self._unwritten: set[Ref] = set()
         self.duplicates = 0
         self.written = 0
         self._closed = asyncio.Event()
@@ -67,22 +67,22 @@ class ResultWriter:
         """Results finished but not yet recorded and acked."""
         return len(self._unwritten)
 
-    def holds(self, entry_id: bytes) -> bool:
-        return entry_id in self._unwritten
+    def holds(self, ref: Ref) -> bool:
+        return ref in self._unwritten
 
-    def holding(self) -> list[bytes]:
+    def holding(self) -> list[Ref]:
         """Entries of results not yet acked (leased to this worker)."""
         return list(self._unwritten)
 
-    def put(self, entry_id: bytes, entry: Entry, result: Result) -> None:
-        self._unwritten.add(entry_id)
-        self.queue.put_nowait(Written(entry_id, entry, result))
+    def put(self, ref: Ref, entry: Entry, result: Result) -> None:
+        self._unwritten.add(ref)
+        self.queue.put_nowait(Written(ref[0], ref[1], entry, result))
 
-    async def write_now(self, entry_id: bytes, entry: Entry, result: Result) -> None:
+    async def write_now(self, ref: Ref, entry: Entry, result: Result) -> None:
         """Record and ack one result before returning (a dead letter's failed result: its entry
         must be acked before the reader could be delivered it again)."""
-        self._unwritten.add(entry_id)
-        await self._write([Written(entry_id, entry, result)])
+        self._unwritten.add(ref)
+        await self._write([Written(ref[0], ref[1], entry, result)])
 
     async def run(self) -> None:
         try:
@@ -145,7 +145,7 @@ class ResultWriter:
             except Exception as e:  # acking twice is harmless: retry until it lands
                 await backoff.wait(f"acking {len(done)} recorded results", e, logging.ERROR)
         for w in done:
-            self._unwritten.discard(w.entry_id)
+            self._unwritten.discard((w.key, w.entry_id))
         self.written += len(done)
         self.on_written()
 

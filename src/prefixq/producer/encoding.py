@@ -21,6 +21,7 @@ import xxhash
 from prefixq import wire
 from prefixq.entries import digest, prefix_size, to_wire
 from prefixq.errors import ValidationError
+from prefixq.lanes import DEFAULT_PRIORITY, DEFAULT_TENANT
 from prefixq.records import Request
 from prefixq.settings import Settings
 
@@ -73,6 +74,8 @@ class EntryEncoder:
         self.burst = burst
         self.enqueued = enqueued
         self.deadline: float | None = None
+        self.priority = DEFAULT_PRIORITY
+        self.tenant = DEFAULT_TENANT
         self.sizes = Sizes()
         self._uses: Counter[tuple[Any, ...]] = Counter()
         self._by_id: dict[int, tuple[Any, ...]] = {}
@@ -148,6 +151,8 @@ class EntryEncoder:
                 predicted_cached=pl.predicted_cached,
                 own=own,
                 deadline=self.deadline,
+                priority=self.priority,
+                tenant=self.tenant,
             )
             packed_entry = wire.pack(entry)
             data = wire.compress(packed_entry, codec, s.codec_level)

@@ -13,6 +13,9 @@ burst's size (docs/BENCHMARKS.md measures it):
    pipeline with the prefixes it is first to refer to (``SET NX`` with TTL, before its entries)
    and the shards' load counters.
 
+Where the entries go — the shards' intake streams and the burst's lanes, by priority — is
+layout.py's.
+
 A request refused in step 1 leaves nothing behind. A request refused in step 3, or a Redis failure
 there, cancels the burst as a whole (prefixq.bursts): what the head started may finish, every
 other request gets a cancelled result, and the error says so.
@@ -50,9 +53,11 @@ from prefixq.deployment import resolve_shards
 from prefixq.entries import split_prefix
 from prefixq.errors import PrefixqError, ValidationError
 from prefixq.inputs import IdCheck, normalize_one
-from prefixq.keys import FIELD, Keys
+from prefixq.keys import Keys
+from prefixq.lanes import check_priority, check_tenant
 from prefixq.producer.encoding import Encoded, EntryEncoder, Parts
 from prefixq.producer.items import ItemBuilder
+from prefixq.producer.layout import Layout
 from prefixq.producer.order import ORDERS, enqueue_order, peek_prefix
 from prefixq.records import Request
 from prefixq.settings import Settings
@@ -107,6 +112,8 @@ class Producer:
         deadline: float | None = None,
         metadata: Mapping[str, str] | None = None,
         order: str | None = None,
+        priority: str | None = None,
+        tenant: str | None = None,
     ) -> str:
         """Validate, place and enqueue ``requests``; returns the burst id.
 
@@ -115,7 +122,9 @@ class Producer:
         burst id once the burst's last request is recorded. ``deadline`` (epoch seconds): requests
         not admitted by then get an expired result. ``metadata``: string pairs kept on the burst
         record (field ``metadata``, JSON). ``order``: the enqueue order (`ORDERS`; default the
-        ``enqueue_order`` setting).
+        ``enqueue_order`` setting). ``priority`` (high, normal, low) and ``tenant``: how the burst
+        shares the workers with others (default: the settings' ``priority`` and ``tenant``;
+        prefixq.lanes).
         """
         s = self.settings
         order = order or s.enqueue_order
@@ -126,7 +135,10 @@ class Producer:
             raise ValidationError(f"order must be one of {', '.join(ORDERS)}, not {order!r}")
         if on_complete is not None and ":" not in on_complete:
             raise ValidationError("on_complete must look like 'package.module:function'")
-        meta: dict[str, Any] = {}
+        meta: dict[str, Any] = {
+            "priority": check_priority(s.priority if priority is None else priority),
+            "tenant": check_tenant(s.tenant if tenant is None else tenant),
+        }
         if deadline is not None:
             if not math.isfinite(deadline):
                 raise ValidationError(f"deadline must be finite epoch seconds, not {deadline!r}")
@@ -203,6 +215,8 @@ class _Submission:
         self.ids = IdCheck()
         self.enc = EntryEncoder(self.s, burst=burst, enqueued=time.time())
         self.enc.deadline = meta.get("deadline")
+        self.enc.priority, self.enc.tenant = meta["priority"], meta["tenant"]
+        self.layout = Layout(self.keys, burst, meta["priority"], meta["tenant"])
         self.per_shard: Counter[int] = Counter()
         self.sent = 0
         self.created = False
@@ -293,24 +307,24 @@ class _Submission:
         self, idx: Sequence[int], chunk: tuple[Encoded, list[Placed]], *, first: bool = False
     ) -> None:
         """One pipeline: new prefixes (SET NX + TTL, before the entries that refer to them), the
-        entries, the shards' load counters; with the head, the ids and the burst indexes."""
+        entries (to the intakes and the lanes: layout.py) and the shards' load counters; with the
+        head, the ids and the burst indexes."""
         encoded, placed = chunk
         keys, ttl = self.keys, self.s.prefix_ttl_s
         pipe = self.r.pipeline(transaction=False)
         for ref, value in encoded.new_prefixes.items():
             pipe.set(keys.prefix(ref), value, nx=True, ex=ttl)
             pipe.expire(keys.prefix(ref), ttl)
-        for shard, rows in sorted(encoded.by_shard.items()):
-            stream = keys.stream(shard)
-            for data, _ in rows:
-                pipe.xadd(stream, {FIELD: data})
-            pipe.hincrby(keys.load, str(shard), sum(w for _, w in rows))
+        self.layout.add(pipe, encoded.by_shard, first=first)
         if first:
             self._ids(pipe)
             pipe.zadd(keys.bursts, {self.burst: self.enc.enqueued})
             if "deadline" in self.meta:
                 pipe.zadd(keys.deadlines, {self.burst: self.meta["deadline"]})
-        replies = await pipe.execute()
+        replies = await pipe.execute(raise_on_error=False)
+        for x in replies:  # a lane left behind by an expired burst of the same id keeps its group
+            if isinstance(x, Exception) and "BUSYGROUP" not in str(x):
+                raise x
         fresh = [bool(x) for x in replies[: 2 * len(encoded.new_prefixes) : 2]]
         self.enc.stored(encoded.new_prefixes, fresh)
         self.per_shard.update(p.shard for p in placed)
@@ -343,7 +357,10 @@ class _Submission:
             "entry_bytes": sz.entries,
             "encoded_bytes": sz.entries + sz.prefixes_new,
         }
-        await self.r.hset(self.keys.burst(self.burst), mapping=fields)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hset(self.keys.burst(self.burst), mapping=fields)
+        self.layout.seal(pipe)
+        await pipe.execute()
         log.info(
             "burst %s: %d requests on %d shards (%s), %d -> %d bytes",
             self.burst,
@@ -368,6 +385,10 @@ class _Submission:
         )
         try:
             await acancel(self.burst, self.s, self.r)
+            if self.layout.lanes:
+                pipe = self.r.pipeline(transaction=False)
+                self.layout.seal(pipe)
+                await pipe.execute()
             note = (
                 f"; {self.sent} of its {self.n} requests had been enqueued, so burst {self.burst} "
                 "was cancelled as a whole (what already finished keeps its result)"

@@ -1,0 +1,198 @@
+"""The worker's scheduler on its own (consumers/scheduler.py): what it reads and what it admits,
+by priority, tenant weight, cap and burst, with no Redis and no clock."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+from prefixq.consumers.deliveries import Delivery
+from prefixq.consumers.scheduler import Lane, Scheduler
+from prefixq.entries import Entry
+
+INTAKES = ["i:high", "i:normal", "i:low"]
+_ids = itertools.count()
+
+
+def sched(weights: dict[str, float] | None = None, caps: dict[str, int] | None = None) -> Scheduler:
+    return Scheduler(
+        INTAKES,
+        lambda burst: f"lane:{burst}",
+        weights=weights or {},
+        caps=caps or {},
+        read_count=128,
+    )
+
+
+def entry(burst: str, priority: str = "normal", tenant: str = "default") -> Entry:
+    return Entry(
+        burst=burst,
+        index=next(_ids),
+        id="q",
+        own={"p": "x"},
+        prefix=None,
+        prefix_ref=None,
+        sampling={},
+        enqueued=0.0,
+        shard=0,
+        work=1,
+        predicted_cached=0,
+        priority=priority,
+        tenant=tenant,
+    )
+
+
+def fill(
+    s: Scheduler, burst: str, n: int, priority: str = "normal", tenant: str = "default"
+) -> Lane:
+    """``n`` entries of ``burst`` in stock."""
+    lane = s.lane(burst, priority, tenant)
+    for _ in range(n):
+        e = entry(burst, priority, tenant)
+        s.stock(lane, (Delivery(lane.key, f"{e.index}-0".encode(), {}), e))
+    return lane
+
+
+def picked(s: Scheduler, n: int) -> list[str]:
+    return [e.burst for _, e in s.pick(n, 0.0)]
+
+
+def idle(s: Scheduler) -> None:
+    """Every intake read and found empty."""
+    s.intake_more = [False] * len(INTAKES)
+
+
+def test_a_higher_priority_is_admitted_first_and_a_lower_one_waits_while_it_has_work() -> None:
+    """Stock of all three priorities: the high burst's entries go first; the low burst's only
+    after the normal one has nothing left; and none while a higher lane may still hold entries."""
+    s = sched()
+    idle(s)
+    fill(s, "lo", 3, "low")
+    fill(s, "no", 3, "normal")
+    fill(s, "hi", 2, "high")
+    assert picked(s, 4) == ["hi", "hi"]  # nothing of lower priority while high had work
+    assert picked(s, 4) == ["no", "no", "no"]
+    hi = s.lane("hi", "high", "default")
+    hi.exists = True
+    s.set_remote(hi, True)  # the high lane may hold more: lower stock waits for the read
+    assert picked(s, 4) == []
+    s.set_remote(hi, False)
+    assert picked(s, 4) == ["lo", "lo", "lo"]
+
+
+def test_bursts_of_one_tenant_take_turns_whatever_their_size() -> None:
+    """A big and a small burst of the same priority and tenant are admitted in turn."""
+    s = sched()
+    idle(s)
+    fill(s, "big", 100)
+    fill(s, "small", 5)
+    got = picked(s, 10)
+    assert got == ["big", "small"] * 5
+
+
+def test_tenants_are_served_by_weight() -> None:
+    """Tenants weighted 3:1 with stock for both are admitted 3:1."""
+    s = sched(weights={"a": 3.0, "b": 1.0})
+    idle(s)
+    fill(s, "ba", 400, tenant="a")
+    fill(s, "bb", 400, tenant="b")
+    got = Counter(picked(s, 400))
+    assert got == {"ba": 300, "bb": 100}
+
+
+def test_a_tenant_at_its_cap_is_skipped_until_its_requests_leave_the_engine() -> None:
+    """A tenant capped at 2 gets at most 2 requests in the engine; the others fill the room; when
+    one of its requests leaves, it may have one more."""
+    s = sched(caps={"a": 2})
+    idle(s)
+    fill(s, "ba", 10, tenant="a")
+    fill(s, "bb", 10, tenant="b")
+    first = s.pick(8, 0.0)
+    assert Counter(e.tenant for _, e in first) == {"a": 2, "b": 6}
+    s.left(next(e for _, e in first if e.tenant == "a"))
+    assert [e.tenant for _, e in s.pick(1, 0.0)] == ["a"]
+
+
+def test_a_tenant_back_from_idle_gets_its_share_not_its_arrears() -> None:
+    """A tenant that had no work while another was served does not get the engine to itself
+    when it comes back: it starts at the other's virtual time and they alternate."""
+    s = sched()
+    idle(s)
+    fill(s, "old", 300, tenant="a")
+    assert picked(s, 200) == ["old"] * 200
+    fill(s, "new", 50, tenant="b")
+    got = picked(s, 20)
+    assert Counter(got) == {"old": 10, "new": 10}
+
+
+def test_the_default_path_reads_its_lane_and_the_intakes_in_one_command() -> None:
+    """One burst with a lane: the round's read is one XREADGROUP over the intakes of its
+    priority and above and its lane, COUNT = the free room."""
+    s = sched()
+    idle(s)
+    lane = s.lane("b", "normal", "default")
+    lane.exists = True
+    s.set_remote(lane, True)
+    plan = s.plan(16)
+    assert plan.reads == [(["i:high", "i:normal", "lane:b"], 16)]
+    assert not plan.block
+
+
+def test_reads_are_spread_over_lanes_and_a_drained_lane_is_not_read_until_its_doorbell() -> None:
+    """Two lanes share the round's reads; a lane that returned fewer than asked is left alone
+    until it is marked again (a doorbell); with nothing to read the round blocks on the
+    intakes."""
+    s = sched()
+    idle(s)
+    lanes = [s.lane(b, "normal", "default") for b in ("x", "y")]
+    for lane in lanes:
+        lane.exists = True
+        s.set_remote(lane, True)
+    plan = s.plan(8)
+    assert sorted(plan.asked.items()) == [
+        ("i:high", 8),
+        ("i:normal", 8),
+        ("lane:x", 4),
+        ("lane:y", 4),
+    ]
+    s.read(plan, {"lane:x": 4, "lane:y": 1})  # y is drained
+    plan = s.plan(8)
+    assert plan.asked == {"i:high": 8, "i:normal": 8, "lane:x": 8}
+    s.read(plan, {"lane:x": 0})
+    plan = s.plan(8)
+    assert plan.block and plan.reads == [(INTAKES, 8)]
+    s.set_remote(lanes[1], True)  # y's doorbell
+    assert s.plan(8).asked["lane:y"] == 8
+
+
+def test_only_the_highest_priority_with_work_is_read() -> None:
+    """While a high lane may hold entries, no normal lane is read, nor the low intake."""
+    s = sched()
+    idle(s)
+    for burst, prio in (("h", "high"), ("n", "normal")):
+        lane = s.lane(burst, prio, "default")
+        lane.exists = True
+        s.set_remote(lane, True)
+    assert s.plan(4).asked == {"i:high": 4, "lane:h": 4}
+
+
+def test_entries_taken_over_from_a_dead_worker_go_first_whatever_their_priority() -> None:
+    """A reclaimed low-priority entry is admitted before high-priority stock (it was admitted
+    once already): reclaiming never starves a priority."""
+    s = sched()
+    idle(s)
+    fill(s, "hi", 3, "high")
+    e = entry("lo", "low")
+    s.take_over((Delivery("i:low", b"1-0", {}), e))
+    assert picked(s, 2) == ["lo", "hi"]
+
+
+def test_what_was_read_and_not_admitted_is_handed_back_whole() -> None:
+    """`unstock` returns every entry in stock or taken over, and the scheduler holds none."""
+    s = sched()
+    fill(s, "a", 3)
+    fill(s, "b", 2, "high")
+    s.take_over((Delivery("i:low", b"9-0", {}), entry("c", "low")))
+    got = s.unstock()
+    assert len(got) == 6 and not s.held and s.stocked == [0, 0, 0]
+    assert s.pick(10, 0.0) == []
