@@ -46,6 +46,8 @@ def scrape(port: int, worker: str, shard: str = "0") -> Samples:
             labels = dict(s.labels)
             assert (labels.pop("shard"), labels.pop("worker")) == (shard, worker), s
             key = s.name + (f"{{le={labels.pop('le')}}}" if "le" in labels else "")
+            if "priority" in labels:  # the per-tenant families
+                key += f"{{{labels.pop('priority')},{labels.pop('tenant')}}}"
             assert not labels, s
             out[key] = s.value
     return out
@@ -114,6 +116,9 @@ def test_a_burst_is_counted_timed_and_its_queue_seen_before_and_after(
     )
     assert before["prefixq_engine_up"] == 0
     assert before["prefixq_queue_pending"] == 0
+    # the burst's 5 requests as its priority and tenant; the garbage entry's tenant is unknown
+    assert before["prefixq_tenant_queue_depth{normal,default}"] == 5
+    assert before["prefixq_tenant_queue_depth{normal,?}"] == 1
     assert before["prefixq_requests_admitted_total"] == 0
     assert before["prefixq_end_to_end_seconds_count"] == 0
 
@@ -137,6 +142,9 @@ def test_a_burst_is_counted_timed_and_its_queue_seen_before_and_after(
 
     assert m["prefixq_engine_up"] == 1
     assert m["prefixq_inflight"] == 0
+    assert m["prefixq_tenant_admitted_total{normal,default}"] == 5
+    assert m["prefixq_tenant_inflight{normal,default}"] == 0
+    assert m["prefixq_tenant_queue_wait_seconds_total{normal,default}"] > 0
     assert m["prefixq_max_inflight"] == 8  # 2 x FakeEngine's max_num_seqs
     assert m["prefixq_requests_admitted_total"] == 5
     assert m["prefixq_requests_finished_total"] == 4

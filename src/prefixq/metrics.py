@@ -13,8 +13,11 @@ makes the worker's event loop wait:
   wait on a lock that the interrupted code may hold);
 * at scrape time, in the HTTP server's thread: the worker's `health()` (the counters the heartbeat
   also carries, in flight, engine up), the token totals and the histograms;
-* every ``heartbeat_s``, an asyncio task with its own Redis connection reads the shard's queue
-  (waiting, pending, oldest waiting entry, dead letters), with the same arithmetic as `inspect`.
+* every ``heartbeat_s``, an asyncio task with its own Redis connection reads the shard's queues
+  (waiting, pending, oldest waiting entry, dead letters; also per priority and tenant) with the
+  same code as `inspect` (prefixq.queues);
+* at scrape time, the worker's scheduler's counters per priority and tenant: requests in its
+  engine, admitted, and their queue waits summed (copied whole: a C-level dict copy).
 """
 
 from __future__ import annotations
@@ -42,18 +45,19 @@ from redis.exceptions import ResponseError
 from prefixq.connection import TRANSIENT, async_client
 from prefixq.consumers.middleware import Middleware
 from prefixq.errors import SetupError
-from prefixq.keys import GROUP
+from prefixq.queues import Queue, aread
 from prefixq.records import Result
-from prefixq.stats import entry_age, queue_counts
 
 if TYPE_CHECKING:
     import redis.asyncio as aredis
 
+    from prefixq.consumers.scheduler import Scheduler
     from prefixq.consumers.worker import Worker
 
 log = logging.getLogger(__name__)
 
 LABELS = ("shard", "worker")
+_PER_TENANT = " Per priority and tenant, on the worker's shard."
 #: queue wait and end to end: batch work waits from milliseconds to an hour
 LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -125,6 +129,8 @@ class QueueState:
     oldest_waiting_s: float = 0.0
     dead_letters: int = 0
     read_at: float = 0.0  # epoch s of the last successful read; 0 = never
+    #: per priority and tenant
+    queues: tuple[Queue, ...] = ()
 
 
 class WorkerMetrics:
@@ -132,10 +138,15 @@ class WorkerMetrics:
     in the HTTP server's thread (reads only plain attributes and the worker's `health()`)."""
 
     def __init__(
-        self, shard: int, worker: str, health: Callable[[float], Mapping[str, Any]]
+        self,
+        shard: int,
+        worker: str,
+        health: Callable[[float], Mapping[str, Any]],
+        sched: Scheduler | None = None,
     ) -> None:
         self.label_values = [str(shard), worker]
         self._health = health
+        self._sched = sched
         self.registry = CollectorRegistry()
         self.queue_wait = FastHistogram(
             "prefixq_queue_wait_seconds",
@@ -235,8 +246,42 @@ class WorkerMetrics:
                 "Seconds since the queue gauges above were read from Redis.",
                 max(0.0, now - q.read_at),
             )
+            yield from self._per_tenant(q.queues)
         for hist in (self.queue_wait, self.first_token, self.end_to_end, self.gc_pause):
             yield hist.family(self.label_values)
+        sched = self._sched
+        if sched is not None:
+            running, admitted = dict.copy(sched.running), dict.copy(sched.admissions)
+            waited = dict.copy(sched.waited)
+            for name, doc, values, kind in (
+                ("prefixq_tenant_inflight", "Requests inside the engine.", running, "g"),
+                ("prefixq_tenant_admitted", "Requests handed to the engine.", admitted, "c"),
+                ("prefixq_tenant_queue_wait_seconds", "Queue waits summed.", waited, "c"),
+            ):
+                fam = self._family(name, doc + _PER_TENANT, kind)
+                for (prio, tenant), v in sorted(values.items()):
+                    fam.add_metric([*self.label_values, prio, tenant], float(v))
+                yield fam
+
+    def _per_tenant(self, queues: tuple[Queue, ...]) -> Iterable[Metric]:
+        for name, doc, attr in (
+            ("prefixq_tenant_queue_depth", "Entries not yet delivered.", "waiting"),
+            ("prefixq_tenant_queue_pending", "Entries delivered, not acked.", "pending"),
+            (
+                "prefixq_tenant_oldest_wait_seconds",
+                "Oldest waiting entry's age.",
+                "oldest_waiting_s",
+            ),
+        ):
+            fam = self._family(name, doc + _PER_TENANT, "g")
+            for x in queues:
+                fam.add_metric([*self.label_values, x.priority, x.tenant], float(getattr(x, attr)))
+            yield fam
+
+    @staticmethod
+    def _family(name: str, doc: str, kind: str) -> GaugeMetricFamily | CounterMetricFamily:
+        cls = GaugeMetricFamily if kind == "g" else CounterMetricFamily
+        return cls(name, doc, labels=[*LABELS, "priority", "tenant"])
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         g = GaugeMetricFamily(name, doc, labels=LABELS)
@@ -267,7 +312,7 @@ class MetricsExporter(Middleware):
         self.port = port
         self.addr = addr
         self.refresh_s = refresh_s if refresh_s is not None else worker.settings.heartbeat_s
-        self.metrics = WorkerMetrics(worker.shard, worker.name, worker.health)
+        self.metrics = WorkerMetrics(worker.shard, worker.name, worker.health, worker.sched)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
         self._task: asyncio.Task[None] | None = None
@@ -350,24 +395,12 @@ class MetricsExporter(Middleware):
             await asyncio.sleep(self.refresh_s)
 
     async def refresh(self) -> None:
-        """Read the shard's queue from Redis into the gauges (one to three round trips)."""
+        """Read the shard's queues from Redis into the gauges (four round trips)."""
         assert self._r is not None, "use `async with MetricsExporter(...)`"
         w, r = self.worker, self._r
-        pipe = r.pipeline(transaction=False)
-        stream = w.stream.stream
-        pipe.xlen(stream)
-        pipe.xlen(w.keys.dead(w.shard))
-        length, dead = await pipe.execute()
-        group = None
-        if length:
-            for g in await r.xinfo_groups(stream):
-                name = g["name"]
-                if (name.decode() if isinstance(name, bytes) else name) == GROUP:
-                    group = g
-        waiting, pending, start = queue_counts(length, group)
-        oldest = 0.0
-        if start is not None:
-            nxt = await r.xrange(stream, min=start, count=1)
-            oldest = entry_age(nxt[0][0] if nxt else None, time.time())
+        q = await aread(r, w.keys, w.shard)
+        dead = await r.xlen(w.keys.dead(w.shard))
         # one assignment, so a scrape in the HTTP thread sees the old state or the new one
-        self.metrics.queue = QueueState(waiting, pending, oldest, dead, time.time())
+        self.metrics.queue = QueueState(
+            q.waiting, q.pending, q.oldest_waiting_s, dead, time.time(), tuple(q.queues())
+        )

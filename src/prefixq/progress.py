@@ -142,6 +142,32 @@ def snapshot_renderables(snap: dict[str, Any]) -> list[RenderableType]:
                 f"{w['beat_age_s']:.1f}",
             )
         out.append(wt)
+    sharing = snap.get("sharing") or []
+    if sharing:
+        st = Table(title="priorities and tenants (all shards)")
+        for col in (
+            "priority",
+            "tenant",
+            "queued",
+            "in flight",
+            "oldest wait s",
+            "bursts",
+            "admitted",
+            "mean queue wait s",
+        ):
+            st.add_column(col, justify="right")
+        for x in sharing:
+            st.add_row(
+                x["priority"],
+                escape(x["tenant"]),
+                str(x["waiting"]),
+                str(x["in_flight"]),
+                f"{x['oldest_waiting_s']:.1f}",
+                str(x["bursts"]),
+                str(x["admitted"]),
+                f"{x['mean_queue_wait_s']:.3f}",
+            )
+        out.append(st)
     for b in snap["bursts"]:
         if "error" in b:
             out.append(f"[bold]burst {b['burst']}[/]: [red]{escape(b['error'])}[/]")
@@ -149,7 +175,8 @@ def snapshot_renderables(snap: dict[str, Any]) -> list[RenderableType]:
         out.append(
             f"[bold]burst {b['burst']}[/]: {b['status']}, {b['done']} ok + {b['failed']} "
             f"failed of {b['total']}, {b['requests_per_s']} req/s over {b['span_s']} s; "
-            f"placement {b['placement']}, per shard {b['per_shard']}"
+            f"placement {b['placement']}, per shard {b['per_shard']}; priority "
+            f"{b.get('priority', 'normal')}, tenant {escape(str(b.get('tenant', 'default')))}"
         )
         sampled = b["sampled"] < b["results"]
         bt = Table(

@@ -1,10 +1,12 @@
 """Queue and latency statistics: what `prefixq inspect` prints and the metrics exporter serves.
 
-Per shard: entries in the stream (undelivered + pending, since acked entries are deleted),
-pending = in flight (delivered, not acked: from the consumer group, so exact once results are
-acked), age of the oldest undelivered entry, live workers (each with its pending entries and the
-in-flight count of its last heartbeat), estimated outstanding prefill tokens, dead letters,
-predicted vs actual cached prompt tokens.
+Per shard, over all its streams (intakes and lanes: prefixq.queues): entries waiting (not yet
+delivered) and pending (in flight: delivered, not acked; from the consumer groups, so exact once
+results are acked), age of the oldest waiting entry, the same per priority and tenant
+(``queues``), live workers (each with its pending entries and the in-flight count of its last
+heartbeat), estimated outstanding prefill tokens, dead letters, predicted vs actual cached prompt
+tokens, and per priority and tenant the requests admitted and their queue waits summed (workers
+count them as they ack). ``sharing`` sums the per-tenant figures over the shards.
 
 Per burst: progress and token counters from its record (exact), and p50/p95/p99 of queue wait
 (enqueued -> admitted), admit -> first token and end to end (enqueued -> finished) from a uniform
@@ -23,11 +25,12 @@ from typing import Any
 import redis
 from redis.exceptions import ResponseError
 
+from prefixq import queues, wire
 from prefixq import results as results_api
-from prefixq import wire
 from prefixq.deployment import resolve_shards_sync
 from prefixq.errors import BurstNotFound
 from prefixq.keys import GROUP, Keys
+from prefixq.lanes import band
 from prefixq.records import Result
 from prefixq.settings import Settings
 
@@ -62,84 +65,114 @@ def _latencies(ok: list[Result]) -> dict[str, dict[str, float]]:
     }
 
 
-def entry_age(entry_id: bytes | str | None, now: float) -> float:
-    """Seconds since a stream entry was added (its id's millisecond part); 0 for none."""
-    if not entry_id:
-        return 0.0
-    ms = int((entry_id.decode() if isinstance(entry_id, bytes) else entry_id).split("-")[0])
-    return round(max(0.0, now - ms / 1000), 3)
-
-
-def queue_counts(length: int, group: Mapping[str, Any] | None) -> tuple[int, int, str | None]:
-    """(waiting, pending, XRANGE start of the oldest waiting entry or None) of a shard stream,
-    from its XLEN and its consumer group's XINFO GROUPS record (None before the group exists).
-
-    Acked entries are deleted, so the stream holds exactly the waiting and the pending entries.
-    """
-    pending = int((group or {}).get("pending", 0) or 0)
-    waiting = max(0, length - pending)
-    if not waiting:
-        return waiting, pending, None
-    if group is None:
-        return waiting, pending, "-"
-    last = group["last-delivered-id"]
-    return waiting, pending, "(" + (last.decode() if isinstance(last, bytes) else str(last))
-
-
 def shard_stats(r: redis.Redis, settings: Settings, shards: int) -> list[dict[str, Any]]:
     """One dict per shard (see module docstring)."""
     keys = settings.keys
     now = time.time()
     load = {k.decode(): int(v) for k, v in r.hgetall(keys.load).items()}
-    sstats = {k.decode(): int(v) for k, v in r.hgetall(keys.shard_stats).items()}
+    sstats = {k.decode(): v for k, v in r.hgetall(keys.shard_stats).items()}
     out = []
     for k in range(shards):
-        stream = keys.stream(k)
+        q = queues.read(r, keys, k)
         pipe = r.pipeline(transaction=False)
-        pipe.xlen(stream)
-        pipe.xrange(stream, count=1)
         pipe.xlen(keys.dead(k))
         pipe.zrange(keys.workers(k), 0, -1)
-        length, first, dead, names = pipe.execute()
-        groups = {g["name"].decode(): g for g in r.xinfo_groups(stream)} if length or names else {}
-        group = groups.get(GROUP)
-        waiting, pending, start = queue_counts(length, group)
-        oldest_waiting = 0.0
-        if start is not None:
-            nxt = first if start == "-" else r.xrange(stream, min=start, count=1)
-            oldest_waiting = entry_age(nxt[0][0] if nxt else None, now)
-        workers = _workers(r, keys, k, [n.decode() for n in names], group is not None, now)
+        dead, names = pipe.execute()
+        workers = _workers(r, keys, k, [n.decode() for n in names], now)
         out.append(
             {
                 "shard": k,
-                "stream_length": length,
-                "waiting": waiting,
-                "pending": pending,
-                "oldest_waiting_s": oldest_waiting,
-                "oldest_entry_age_s": entry_age(first[0][0] if first else None, now),
+                "stream_length": q.waiting + q.pending,
+                "waiting": q.waiting,
+                "pending": q.pending,
+                "oldest_waiting_s": q.oldest_waiting_s,
+                "oldest_entry_age_s": q.oldest_entry_age_s,
+                "lanes": q.lanes,
+                "queues": [x.to_json() for x in q.queues()],
                 "workers": len(workers),
                 "worker_names": [w["name"] for w in workers],
                 "worker_detail": workers,
-                "inflight": pending,
+                "inflight": q.pending,
                 "outstanding_prefill_tokens": load.get(str(k), 0),
                 "dead_letters": dead,
-                "prompt_tokens": sstats.get(f"{k}:prompt", 0),
-                "cached_tokens": sstats.get(f"{k}:cached", 0),
-                "predicted_cached_tokens": sstats.get(f"{k}:predicted", 0),
+                "prompt_tokens": int(sstats.get(f"{k}:prompt", 0)),
+                "cached_tokens": int(sstats.get(f"{k}:cached", 0)),
+                "predicted_cached_tokens": int(sstats.get(f"{k}:predicted", 0)),
+                "admitted": _admitted(sstats, k),
             }
         )
     return out
 
 
+def _admitted(sstats: Mapping[str, bytes], k: int) -> dict[str, tuple[int, float]]:
+    """``"priority tenant"`` -> (requests admitted, their queue waits summed, s), as workers
+    count them when they ack (`ShardStream.ack`)."""
+    out: dict[str, tuple[int, float]] = {}
+    head = f"{k}:admitted:"
+    for field, raw in sstats.items():
+        if field.startswith(head):
+            prio, _, tenant = field[len(head) :].partition(":")
+            waited = float(sstats.get(f"{k}:waited:{prio}:{tenant}", b"0"))
+            out[f"{prio} {tenant}"] = (int(raw), waited)
+    return out
+
+
+def sharing(shards: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per priority and tenant over every shard: waiting, in flight, oldest wait, active bursts,
+    and the mean queue wait of the requests admitted so far."""
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def row(prio: str, tenant: str) -> dict[str, Any]:
+        return rows.setdefault(
+            (prio, tenant),
+            {
+                "priority": prio,
+                "tenant": tenant,
+                "waiting": 0,
+                "in_flight": 0,
+                "oldest_waiting_s": 0.0,
+                "bursts": 0,
+                "admitted": 0,
+                "mean_queue_wait_s": 0.0,
+            },
+        )
+
+    waited: dict[tuple[str, str], float] = {}
+    for sh in shards:
+        for q in sh.get("queues", ()):
+            x = row(q["priority"], q["tenant"])
+            x["waiting"] += q["waiting"]
+            x["in_flight"] += q["pending"]
+            x["bursts"] += q["bursts"]
+            x["oldest_waiting_s"] = max(x["oldest_waiting_s"], q["oldest_waiting_s"])
+        for name, (n, w) in sh.get("admitted", {}).items():
+            prio, _, tenant = name.partition(" ")
+            row(prio, tenant)["admitted"] += n
+            waited[(prio, tenant)] = waited.get((prio, tenant), 0.0) + w
+    for key, x in rows.items():
+        if x["admitted"]:
+            x["mean_queue_wait_s"] = round(waited.get(key, 0.0) / x["admitted"], 3)
+    return sorted(rows.values(), key=lambda x: (band(x["priority"]), x["tenant"]))
+
+
 def _workers(
-    r: redis.Redis, keys: Keys, shard: int, names: list[str], group: bool, now: float
+    r: redis.Redis, keys: Keys, shard: int, names: list[str], now: float
 ) -> list[dict[str, Any]]:
-    """The live workers of a shard (heartbeat present): their pending entries (consumer group,
-    exact) and what their last heartbeat said (``inflight_at_beat``, ``beat_age_s`` old)."""
+    """The live workers of a shard (heartbeat present): their pending entries in every stream of
+    the shard (consumer groups, exact) and what their last heartbeat said (``inflight_at_beat``,
+    ``beat_age_s`` old)."""
     pending: dict[str, int] = {}
-    if group:
-        summary = r.xpending(keys.stream(shard), GROUP)
-        pending = {c["name"].decode(): int(c["pending"]) for c in summary.get("consumers") or ()}
+    if names:
+        streams = queues.QueueRead(keys, shard).set_index(r.hgetall(keys.lanes(shard)))
+        pipe = r.pipeline(transaction=False)
+        for key in streams:
+            pipe.xpending(key, GROUP)
+        for summary in pipe.execute(raise_on_error=False):
+            if isinstance(summary, Exception):
+                continue
+            for c in summary.get("consumers") or ():
+                name = c["name"].decode()
+                pending[name] = pending.get(name, 0) + int(c["pending"])
     pipe = r.pipeline(transaction=False)
     for name in names:
         pipe.hmget(keys.heartbeat(shard, name), ["inflight", "beat"])
@@ -197,6 +230,8 @@ def burst_stats(r: redis.Redis, settings: Settings, burst: str) -> dict[str, Any
         "created": st.created,
         "finished_at": st.finished_at,
         "placement": m.get("placement"),
+        "priority": m.get("priority", "normal"),
+        "tenant": m.get("tenant", "default"),
         "per_shard": [int(x) for x in m.get("per_shard", "").split(",") if x],
         "raw_bytes": raw,
         "encoded_bytes": enc,
@@ -257,9 +292,11 @@ def snapshot(
     r = client or sync_client(settings)
     shards = resolve_shards_sync(r, settings)
     bursts = [burst] if burst else recent_bursts(r, settings.keys, recent)
+    per_shard = shard_stats(r, settings, shards)
     return {
         "namespace": settings.namespace,
-        "shards": shard_stats(r, settings, shards),
+        "shards": per_shard,
+        "sharing": sharing(per_shard),
         "bursts": [_burst_or_why(r, settings, b, b == burst) for b in bursts],
         "at": time.time(),
     }

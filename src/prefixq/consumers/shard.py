@@ -46,10 +46,19 @@ from prefixq.consumers.deliveries import (
     last_allowed,
 )
 from prefixq.consumers.letters import DEAD_MAXLEN, carried, dead_letter_record
+from prefixq.consumers.recording import (
+    BURST_DONE,
+    DUPLICATE,
+    FINISHED_DUPLICATE,
+    OUT_OF_RANGE,
+    RECORD_LOST,
+    RECORDED,
+    record_call,
+    waits,
+)
 from prefixq.entries import Entry
 from prefixq.keys import CARRIED, GROUP, Keys
 from prefixq.lanes import PRIORITIES
-from prefixq.records import Result
 from prefixq.settings import Settings
 
 __all__ = [
@@ -71,41 +80,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-# replies of lua/record_result.lua
-#: recorded
-RECORDED = 1
-#: recorded, and it was the burst's last outstanding request
-BURST_DONE = 2
-#: a result for this index existed already (a redelivery): only acknowledge
-DUPLICATE = 0
-#: a result existed already and the burst has finished (completion hooks may run again: they are
-#: idempotent, and a reply lost to a dropped connection must not lose the burst's completion)
-FINISHED_DUPLICATE = 3
-#: the index is outside the burst (a forged or corrupt entry): nothing written
-OUT_OF_RANGE = -1
-#: the burst's record does not exist (expired, evicted or never created): nothing written
-RECORD_LOST = -2
-
-
-def record_call(
-    keys: Keys, burst: str, result: Result, settings: Settings, now: str
-) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of lua/record_result.lua for ``result`` of ``burst`` (the one way to record:
-    the writer's, `prefixq reclaim`'s and the tests')."""
-    return (
-        [keys.results(burst), keys.burst(burst), keys.events(burst), keys.ids(burst)],
-        [
-            result.index,
-            wire.encode(result.to_wire(), settings.codec),
-            "" if result.error is None else (result.error_code or "internal_error"),
-            settings.result_ttl_s,
-            now,
-            result.prompt_tokens,
-            result.cached_tokens,
-            result.predicted_cached_tokens,
-        ],
-    )
 
 
 class ShardStream:
@@ -339,7 +313,8 @@ class ShardStream:
 
     async def ack(self, batch: Sequence[Written]) -> None:
         """Acknowledge and delete the entries of recorded results, and move the shard's counters
-        (outstanding prefill work, prompt / cached / predicted tokens). Raises if the ack itself
+        (outstanding prefill work, prompt / cached / predicted tokens, requests admitted and their
+        queue waits per priority and tenant: `prefixq inspect`). Raises if the ack itself
         failed (call again: acking twice is harmless); the counters are approximate and a
         refused counter update is only logged."""
         if not batch:
@@ -355,6 +330,9 @@ class ShardStream:
         pipe.hincrby(stats, f"{k}:prompt", sum(w.result.prompt_tokens for w in batch))
         pipe.hincrby(stats, f"{k}:cached", sum(w.result.cached_tokens for w in batch))
         pipe.hincrby(stats, f"{k}:predicted", sum(w.result.predicted_cached_tokens for w in batch))
+        for (prio, tenant), (n, waited) in waits(batch).items():
+            pipe.hincrby(stats, f"{k}:admitted:{prio}:{tenant}", n)
+            pipe.hincrbyfloat(stats, f"{k}:waited:{prio}:{tenant}", round(waited, 6))
         replies = await pipe.execute(raise_on_error=False)
         acks = 2 * len(groups)
         for reply in replies[:acks]:

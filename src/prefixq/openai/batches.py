@@ -28,8 +28,9 @@ import redis.asyncio as aredis
 
 from prefixq import bursts
 from prefixq.connection import lua
-from prefixq.errors import BurstNotFound
+from prefixq.errors import BurstNotFound, ValidationError
 from prefixq.keys import Keys
+from prefixq.lanes import DEFAULT_PRIORITY, check_priority, check_tenant
 from prefixq.openai.apierror import ApiError, bad_request, not_found
 from prefixq.openai.files import FileStore
 from prefixq.openai.formats import ENDPOINTS
@@ -90,7 +91,21 @@ def _check_metadata(metadata: Any) -> dict[str, str] | None:
             param="metadata",
             code="invalid_value",
         )
+    try:  # the burst's priority and tenant (prefixq.lanes), when the metadata names them
+        check_priority(metadata.get("priority", DEFAULT_PRIORITY))
+        if "tenant" in metadata:
+            check_tenant(metadata["tenant"])
+    except ValidationError as e:
+        raise bad_request(
+            f"Invalid 'metadata': {e}.", param="metadata", code="invalid_value"
+        ) from None
     return dict(metadata)
+
+
+def sharing(metadata: str) -> dict[str, str]:
+    """``priority`` and ``tenant`` for the batch's burst, from its stored metadata (JSON)."""
+    meta = json.loads(metadata) if metadata else {}
+    return {k: meta[k] for k in ("priority", "tenant") if isinstance(meta.get(k), str)}
 
 
 def _counts(m: dict[str, str], live: dict[str, str] | None) -> dict[str, int]:

@@ -34,7 +34,7 @@ from prefixq import bursts, wire
 from prefixq.connection import TRANSIENT
 from prefixq.errors import PrefixqError, ValidationError, WireError
 from prefixq.openai import lease
-from prefixq.openai.batches import FINAL, BatchStore, cancel_burst
+from prefixq.openai.batches import FINAL, BatchStore, cancel_burst, sharing
 from prefixq.openai.files import new_file_id
 from prefixq.openai.formats import Line, Usage, format_result
 from prefixq.openai.validate import check_input
@@ -189,12 +189,15 @@ class Sweeper:
         meta = {"input_format": "openai", "endpoint": m["endpoint"], "openai_batch": batch_id}
         if checked.model:
             meta["model"] = checked.model
+        share = sharing(m.get("metadata", ""))
         try:
             await Producer(store.settings).asubmit(
                 checked.requests,
                 burst_id=burst,
                 deadline=float(m["created_at"]) + int(m["window_s"]),
                 metadata=meta,
+                priority=share.get("priority"),
+                tenant=share.get("tenant"),
             )
         except ValidationError as e:
             err = {"code": "invalid_request", "message": str(e), "param": None, "line": None}

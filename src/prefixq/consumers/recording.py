@@ -1,0 +1,72 @@
+"""Recording a result: the one way to call lua/record_result.lua (`record_call`: the writer's,
+`prefixq reclaim`'s and the tests'), what its replies mean, and the per-tenant queue waits the ack
+counts (`waits`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from prefixq import wire
+from prefixq.consumers.deliveries import Written
+from prefixq.keys import Keys
+from prefixq.records import Result
+from prefixq.settings import Settings
+
+__all__ = [
+    "BURST_DONE",
+    "DUPLICATE",
+    "FINISHED_DUPLICATE",
+    "OUT_OF_RANGE",
+    "RECORDED",
+    "RECORD_LOST",
+    "record_call",
+    "waits",
+]
+
+# replies of lua/record_result.lua
+#: recorded
+RECORDED = 1
+#: recorded, and it was the burst's last outstanding request
+BURST_DONE = 2
+#: a result for this index existed already (a redelivery): only acknowledge
+DUPLICATE = 0
+#: a result existed already and the burst has finished (completion hooks may run again: they are
+#: idempotent, and a reply lost to a dropped connection must not lose the burst's completion)
+FINISHED_DUPLICATE = 3
+#: the index is outside the burst (a forged or corrupt entry): nothing written
+OUT_OF_RANGE = -1
+#: the burst's record does not exist (expired, evicted or never created): nothing written
+RECORD_LOST = -2
+
+
+def record_call(
+    keys: Keys, burst: str, result: Result, settings: Settings, now: str
+) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of lua/record_result.lua for ``result`` of ``burst`` (the one way to record:
+    the writer's, `prefixq reclaim`'s and the tests')."""
+    return (
+        [keys.results(burst), keys.burst(burst), keys.events(burst), keys.ids(burst)],
+        [
+            result.index,
+            wire.encode(result.to_wire(), settings.codec),
+            "" if result.error is None else (result.error_code or "internal_error"),
+            settings.result_ttl_s,
+            now,
+            result.prompt_tokens,
+            result.cached_tokens,
+            result.predicted_cached_tokens,
+        ],
+    )
+
+
+def waits(batch: Sequence[Written]) -> dict[tuple[str, str], tuple[int, float]]:
+    """(priority, tenant) -> (requests that reached an engine, their queue waits summed)."""
+    out: dict[tuple[str, str], tuple[int, float]] = {}
+    for w in batch:
+        t = w.result.timings
+        if t.admitted and t.enqueued:
+            key = (w.entry.priority, w.entry.tenant)
+            n, waited = out.get(key, (0, 0.0))
+            out[key] = (n + 1, waited + max(0.0, t.admitted - t.enqueued))
+    return out
