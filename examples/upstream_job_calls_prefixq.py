@@ -26,7 +26,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from prefixq import Producer, results
-from prefixq.rq_jobs import callback_job_id
+from prefixq.callbacks import callback_job_id
 from prefixq.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -19,10 +19,10 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
+from prefixq.callbacks import RqCompletion
 from prefixq.consumers.engine import EngineOutput, EngineRequest
 from prefixq.consumers.worker import Worker
 from prefixq.errors import EngineAborted, EngineDead, EngineError
-from prefixq.rq_jobs import RqCompletion
 from prefixq.settings import Settings
 
 

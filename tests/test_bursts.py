@@ -270,7 +270,7 @@ def test_the_cancel_that_ends_a_burst_enqueues_its_on_complete_job_once(
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from prefixq.rq_jobs import callback_job_id
+    from prefixq.callbacks import callback_job_id
 
     q = Queue(f"rq-{settings.namespace}", connection=r, serializer=JSONSerializer)
     burst = submit(settings, 3, on_complete="rq_targets:mark_done", rq_queue=q.name)

@@ -27,16 +27,12 @@ from rq.serializers import JSONSerializer
 
 from helpers import FakeWorker, queue_empty, wait_until
 from prefixq import results
+from prefixq.callbacks import callback_job_id, callback_path, enqueue_on_complete
 from prefixq.consumers.recovery import Recovery
 from prefixq.errors import ValidationError
 from prefixq.keys import GROUP, Keys
 from prefixq.producer import Producer
-from prefixq.rq_jobs import (
-    _too_many_failed,
-    callback_job_id,
-    callback_path,
-    enqueue_on_complete,
-)
+from prefixq.rq_jobs import _too_many_failed
 from prefixq.settings import Settings
 from rq_targets import calls_key
 

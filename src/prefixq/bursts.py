@@ -159,7 +159,7 @@ def _cancel(r: redis.Redis, settings: Settings, burst: str) -> CancelReport:
     r.xadd(keys.cancels, {"b": burst}, maxlen=_NOTICES_KEPT, approximate=True)
     r.zrem(keys.deadlines, burst)
     if f.completed:
-        from prefixq.rq_jobs import enqueue_on_complete_sync
+        from prefixq.callbacks import enqueue_on_complete_sync
 
         enqueue_on_complete_sync(r, settings, burst)
     after = _counts(r.hmget(keys.burst(burst), "total", "done", "failed", "status"))
@@ -199,7 +199,7 @@ async def acancel(burst: str, settings: Settings, r: aredis.Redis) -> CancelRepo
     await r.xadd(keys.cancels, {"b": burst}, maxlen=_NOTICES_KEPT, approximate=True)
     await r.zrem(keys.deadlines, burst)
     if f.completed:
-        from prefixq.rq_jobs import enqueue_on_complete
+        from prefixq.callbacks import enqueue_on_complete
 
         await enqueue_on_complete(r, settings, burst)
     after = _counts(await r.hmget(keys.burst(burst), "total", "done", "failed", "status"))
@@ -228,7 +228,7 @@ async def expire_due(r: aredis.Redis, settings: Settings, now: float | None = No
                 keys.cancels, {"b": burst, "r": "expired"}, maxlen=_NOTICES_KEPT, approximate=True
             )
             if f.completed:
-                from prefixq.rq_jobs import enqueue_on_complete
+                from prefixq.callbacks import enqueue_on_complete
 
                 await enqueue_on_complete(r, settings, burst)
             if f.recorded:

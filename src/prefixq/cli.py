@@ -330,8 +330,8 @@ def cmd_check(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_reclaim(args: argparse.Namespace, settings: Settings) -> int:
     """Entries idle on dead consumers back to live workers; over-limit ones to dead letters."""
+    from prefixq.callbacks import enqueue_on_complete_sync
     from prefixq.consumers.recovery import Recovery
-    from prefixq.rq_jobs import enqueue_on_complete_sync
 
     reports = Recovery(settings, on_burst_done=enqueue_on_complete_sync).reclaim(
         args.shard, args.idle_s
@@ -351,8 +351,8 @@ def cmd_dead(args: argparse.Namespace, settings: Settings) -> int:
     """List dead letters, or re-submit them with --requeue."""
     import time
 
+    from prefixq.callbacks import enqueue_on_complete_sync
     from prefixq.consumers.recovery import Recovery
-    from prefixq.rq_jobs import enqueue_on_complete_sync
 
     rec = Recovery(settings, on_burst_done=enqueue_on_complete_sync)
     if args.requeue:

@@ -43,7 +43,7 @@ from prometheus_client.core import (
 from redis.exceptions import ResponseError
 
 from prefixq.connection import TRANSIENT, async_client
-from prefixq.consumers.middleware import Middleware
+from prefixq.consumers.middleware import Host, Middleware
 from prefixq.errors import SetupError
 from prefixq.queues import Queue, aread
 from prefixq.records import Result
@@ -320,13 +320,13 @@ class MetricsExporter(Middleware):
         self._failing = False
 
     # ---- middleware hooks -----------------------------------------------------------------
-    async def before_start(self, worker: Worker) -> None:
+    async def before_start(self, worker: Host) -> None:
         await self.start()
 
     def after_result(self, result: Result) -> None:
         self.metrics.observe(result)
 
-    async def after_stop(self, worker: Worker) -> None:
+    async def after_stop(self, worker: Host) -> None:
         await self.close()
 
     # ---- life -----------------------------------------------------------------------------

@@ -42,7 +42,7 @@ class Settings:
     #: number of shards (one per GPU); 0 = read it from Redis, where the first deployment wrote it
     shards: int = 0
 
-    # wire format and limits (decision 3)
+    # wire format and limits (docs/architecture.md, decision 3)
     #: compression of entries and stored prefixes: zlib (level 1), zstd (level 3), none
     codec: str = "zlib"
     #: codec level; -1 = the codec's default for prefixq (zlib 1, zstd 3)
@@ -62,7 +62,7 @@ class Settings:
     #: prefixes a worker keeps decoded in memory
     prefix_cache_entries: int = 4096
 
-    # affinity and placement (decision 4)
+    # affinity and placement (docs/architecture.md, decision 4)
     #: default placement: affinity, hash (first block), random, round-robin
     placement: str = "affinity"
     #: tokens per KV block; must equal the engine's block size
@@ -95,7 +95,7 @@ class Settings:
     #: workers: at most N requests of a tenant in one worker's engine, TENANT=N,... (unlisted: none)
     tenant_caps: str = ""
 
-    # consumer (decisions 5 and 6)
+    # consumer (docs/architecture.md, decisions 5 and 6)
     #: requests kept inside the engine; 0 = twice the engine's max_num_seqs
     max_inflight: int = 0
     #: entries read per XREADGROUP

@@ -1,4 +1,6 @@
-"""Bytes layer of the wire format: msgpack, a codec tag, bounded decoding (DESIGN decision 3).
+"""Bytes layer of the wire format: msgpack, a codec tag, bounded decoding.
+
+docs/architecture.md, decision 3, says why.
 
 An entry is one codec tag byte (`CODEC_TAGS`) followed by the payload: ``none`` (raw msgpack),
 ``zlib`` (a zlib stream, level 1 by default) or ``zstd`` (one frame with content size and

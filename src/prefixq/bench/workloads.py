@@ -1,4 +1,4 @@
-"""The benchmark's finite bursts (DESIGN: the study's workloads).
+"""The benchmark's finite bursts, shaped as the study's workloads (docs/BENCHMARKS.md).
 
 ``no-reuse``: N requests, each on its own document. ``reuse``: D documents x Q questions,
 shuffled. Documents are real English (consecutive windows of Python's bundled reference

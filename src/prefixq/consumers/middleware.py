@@ -2,25 +2,37 @@
 
 Whoever builds a `Worker` registers them (``Worker(..., middleware=[...])`` or
 `Worker.add_middleware`): `prefixq worker` (consumers/run.py) adds the RQ completion callbacks
-(prefixq.rq_jobs.RqCompletion) and, with ``--metrics-port``, the Prometheus exporter
-(prefixq.metrics.MetricsExporter). Every hook is optional; the defaults do nothing.
+(prefixq.callbacks.RqCompletion) and, with ``--metrics-port``, the Prometheus exporter
+(prefixq.metrics.MetricsExporter). Every hook is optional; the defaults do nothing. Hooks see the
+worker as a `Host`: its client and settings (an integration that needs more keeps its own
+reference to the worker it was built for, as the metrics exporter does).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
+
+import redis.asyncio as aredis
 
 from prefixq.records import Result
+from prefixq.settings import Settings
 
-if TYPE_CHECKING:
-    from prefixq.consumers.worker import Worker
+
+class Host(Protocol):
+    """What a middleware's hooks see of the worker."""
+
+    @property
+    def r(self) -> aredis.Redis: ...
+
+    @property
+    def settings(self) -> Settings: ...
 
 
 class Middleware:
     """Hooks into a worker's life. ``after_result`` runs on the worker's event loop for every
     finished request: keep it to a few microseconds and never raise."""
 
-    async def before_start(self, worker: Worker) -> None:
+    async def before_start(self, worker: Host) -> None:
         """Before the worker joins its group and starts its engine."""
 
     def after_result(self, result: Result) -> None:
@@ -30,5 +42,5 @@ class Middleware:
         """A result this worker recorded completed burst ``burst`` (may repeat for a redelivery
         of a finished burst's request: make it idempotent)."""
 
-    async def after_stop(self, worker: Worker) -> None:
+    async def after_stop(self, worker: Host) -> None:
         """After the worker has stopped (its engine closed), also after a failure."""

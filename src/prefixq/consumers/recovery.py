@@ -118,7 +118,7 @@ class Recovery:
         on_burst_done: Callable[[redis.Redis, Settings, str], object] | None = None,
     ) -> None:
         """``on_burst_done(client, settings, burst)`` runs when a failed result this records
-        completes a burst (the CLI passes RQ's `enqueue_on_complete_sync`)."""
+        completes a burst (the CLI passes prefixq.callbacks.enqueue_on_complete_sync)."""
         self.s = settings
         self.on_burst_done = on_burst_done
         self.r = client or sync_client(settings)

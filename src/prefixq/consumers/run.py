@@ -67,7 +67,7 @@ def run_worker(
     engine = VllmEngine(model, args)
 
     async def main() -> int:
-        from prefixq.rq_jobs import RqCompletion
+        from prefixq.callbacks import RqCompletion
 
         worker = Worker(
             settings, shard, engine, name=name, gpu=gpu, middleware=[RqCompletion(settings)]
