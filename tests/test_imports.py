@@ -20,6 +20,7 @@ BOTTOM = {
     "prefixq.keys",
     "prefixq.records",
     "prefixq.choices",
+    "prefixq.lanes",
     "prefixq.text_checks",
     "prefixq.sampling",
     "prefixq.body",
