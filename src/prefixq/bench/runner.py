@@ -291,11 +291,14 @@ async def _assignment(s: Settings, reqs: list[Request], placement: str, order: s
     try:
         block = await r.hget(real.config, "block_size")
         await r.hset(keys.config, mapping={"shards": s.shards, "block_size": block or 0})
-        await Producer(scratch).asubmit(reqs, placement=placement, seed=1, order=order)
+        burst = await Producer(scratch).asubmit(reqs, placement=placement, seed=1, order=order)
         shards = [-1] * len(reqs)
-        for k in range(s.shards):
-            for _, fields in await r.xrange(keys.stream(k)):
-                shards[Entry.from_wire(wire.decode(fields[FIELD])).index] = k
+        for k in range(s.shards):  # the head in the intake stream, the rest in the burst's lane
+            for stream in (keys.intake(k, scratch.priority), keys.lane(k, burst)):
+                for _, fields in await r.xrange(stream):
+                    shards[Entry.from_wire(wire.decode(fields[FIELD])).index] = k
+        if -1 in shards:
+            raise SetupError(f"placement: {shards.count(-1)} requests not found in the streams")
         stale = [x async for x in r.scan_iter(match=f"{scratch.namespace}:*", count=1000)]
         if stale:
             await r.delete(*stale)
