@@ -175,3 +175,26 @@ def test_enqueue_order_puts_each_prefix_group_as_asked(
     assert all(names[e.index] == e.id for e in got)
     ids = [x.decode() for x in r.lrange(Keys(s.namespace).ids(burst), 0, -1)]
     assert ids == names
+
+
+def test_a_submit_drops_index_entries_of_bursts_whose_record_expired(
+    make_settings: Callable[..., Settings], r: redis.Redis
+) -> None:
+    """Given a burst index holding 100 bursts whose records are gone (expired) and 5 whose
+    records live, each submit drops some of the gone ones, oldest first, and never a live one:
+    the index does not grow for ever."""
+    s = make_settings()
+    keys = Keys(s.namespace)
+    r.zadd(keys.bursts, {f"old{i:03d}": i for i in range(100)})
+    r.zadd(keys.bursts, {f"live{i}": 200 + i for i in range(5)})
+    for i in range(5):
+        r.hset(keys.burst(f"live{i}"), "total", 1)
+    before = r.zcard(keys.bursts)
+    Producer(s).submit([{"id": "a", "prompt": "x"}])
+    after = r.zcard(keys.bursts)
+    assert after < before  # 105 + the new burst - what this submit pruned
+    for _ in range(5):
+        Producer(s).submit([{"id": "a", "prompt": "x"}])
+    names = {b.decode() for b in r.zrange(keys.bursts, 0, -1)}
+    assert not any(n.startswith("old") for n in names)
+    assert {f"live{i}" for i in range(5)} <= names and len(names) == 5 + 6

@@ -69,6 +69,8 @@ log = logging.getLogger(__name__)
 HEAD = 4
 #: requests per chunk after the head grow 4x per chunk up to this
 _CHUNK = 1024
+#: burst index entries a submit looks at for pruning (the oldest)
+_PRUNE = 32
 #: request ids per RPUSH of the burst's id list
 _IDS_CHUNK = 10_000
 #: called with (requests enqueued so far, total)
@@ -360,7 +362,9 @@ class _Submission:
         pipe = self.r.pipeline(transaction=False)
         pipe.hset(self.keys.burst(self.burst), mapping=fields)
         self.layout.seal(pipe)
-        await pipe.execute()
+        pipe.zrange(self.keys.bursts, 0, _PRUNE - 1)
+        oldest = (await pipe.execute())[-1]
+        await self._prune(oldest)
         log.info(
             "burst %s: %d requests on %d shards (%s), %d -> %d bytes",
             self.burst,
@@ -370,6 +374,19 @@ class _Submission:
             sz.raw,
             fields["encoded_bytes"],
         )
+
+    async def _prune(self, oldest: list[bytes]) -> None:
+        """Drop the burst index's oldest entries whose record is gone (expired after its
+        ``result_ttl_s``, or evicted): a few per submit, so the index stays as long as the
+        bursts Redis still holds (`prefixq inspect` prunes the same way)."""
+        if not oldest:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for b in oldest:
+            pipe.exists(self.keys.burst(b.decode()))
+        gone = [b for b, alive in zip(oldest, await pipe.execute(), strict=True) if not alive]
+        if gone:
+            await self.r.zrem(self.keys.bursts, *gone)
 
     async def _abandon(self, err: BaseException) -> None:
         """A request refused, or Redis failed, after the head was sent: cancel the burst as a
