@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import io
 import subprocess
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import redis
 
-from helpers import FakeWorker, cli
+from helpers import FakeWorker, cli, wait_settled, wait_until
 from prefixq import results
 from prefixq.errors import BurstNotFound, BurstRecordLost
 from prefixq.producer import Producer
@@ -71,3 +72,38 @@ def test_a_partial_burst_record_never_reads_as_finished(settings: Settings, r: r
     p = prefixq_results(settings, burst)
     assert p.returncode == 1 and p.stdout == ""
     assert "its record is incomplete" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_a_record_outliving_a_short_result_ttl_while_queued(
+    make_settings: Callable[..., Settings], r: redis.Redis
+) -> None:
+    """Given result_ttl_s=1 and a burst that waits 2 s in the queue before any worker runs,
+    the burst's record does not expire while it runs: the worker records every result, and the
+    record expires result_ttl_s after the last one."""
+    s = make_settings(result_ttl_s=1)
+    burst = Producer(s).submit([{"id": f"q{i}", "prompt": f"hi {i}"} for i in range(10)])
+    assert r.ttl(s.keys.burst(burst)) == -1, "a running burst's record has no TTL"
+    time.sleep(2)
+    with FakeWorker(s, name="late"):
+        st = results.wait(burst, s, timeout=30)
+    assert (st.total, st.done, st.status) == (10, 10, "finished")
+    assert 0 < r.pttl(s.keys.burst(burst)) <= 1000
+
+
+def test_a_worker_never_recreates_a_record_that_went_away(
+    settings: Settings, r: redis.Redis
+) -> None:
+    """Given a queued burst whose record is deleted (evicted) before a worker runs it, the worker
+    records nothing, acks the entries (the queue drains) and never writes a record again, so the
+    burst reads as not found instead of finished."""
+    burst = Producer(settings).submit([{"id": f"q{i}", "prompt": f"hi {i}"} for i in range(10)])
+    r.delete(settings.keys.burst(burst))
+    with FakeWorker(settings, name="norec") as fw:
+        wait_until(
+            lambda: fw.worker is not None and fw.worker.counts["finished"] == 10, 30, "10 served"
+        )
+        wait_settled(r, settings)
+    assert not r.exists(settings.keys.burst(burst))
+    assert r.hlen(settings.keys.results(burst)) == 0
+    with pytest.raises(BurstNotFound):
+        results.wait(burst, settings, timeout=2)
