@@ -147,7 +147,7 @@ def cancel(burst: str, settings: Settings, *, client: redis.Redis | None = None)
 
 
 def _cancel(r: redis.Redis, settings: Settings, burst: str) -> CancelReport:
-    keys = Keys(settings.namespace)
+    keys = settings.keys
     before = _counts(r.hmget(keys.burst(burst), "total", "done", "failed", "status"))
     if before is None:
         raise BurstNotFound(f"no burst {burst!r} in namespace {settings.namespace!r}")
@@ -187,7 +187,7 @@ def _finish_sync(r: redis.Redis, f: _Finisher, total: int) -> None:
 # ---- async ------------------------------------------------------------------------------------
 async def acancel(burst: str, settings: Settings, r: aredis.Redis) -> CancelReport:
     """`cancel` inside an event loop, on the caller's client."""
-    keys = Keys(settings.namespace)
+    keys = settings.keys
     before = _counts(await r.hmget(keys.burst(burst), "total", "done", "failed", "status"))
     if before is None:
         raise BurstNotFound(f"no burst {burst!r} in namespace {settings.namespace!r}")
@@ -214,7 +214,7 @@ async def expire_due(r: aredis.Redis, settings: Settings, now: float | None = No
     stay), and it leaves `Keys.deadlines`. Safe to run from several workers at once (each index
     is recorded once); returns the bursts this call expired. Bursts that had finished anyway,
     or whose record is gone, only leave the index."""
-    keys = Keys(settings.namespace)
+    keys = settings.keys
     now = time.time() if now is None else now
     due = await r.zrangebyscore(keys.deadlines, "-inf", now, start=0, num=_DUE_PER_CALL)
     expired: list[str] = []

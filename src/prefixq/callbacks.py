@@ -25,7 +25,6 @@ from rq.serializers import JSONSerializer
 from prefixq.connection import TRANSIENT, describe, sync_client
 from prefixq.consumers.middleware import Host, Middleware
 from prefixq.errors import ValidationError
-from prefixq.keys import Keys
 from prefixq.settings import Settings
 
 __all__ = [
@@ -73,7 +72,7 @@ def enqueue_on_complete_sync(client: redis.Redis, settings: Settings, burst: str
     enqueued (``callback_job`` is set). The claim and RQ's enqueue commands run in one MULTI/EXEC
     under WATCH of the burst record, so concurrent calls enqueue one job between them.
     """
-    meta = Keys(settings.namespace).burst(burst)
+    meta = settings.keys.burst(burst)
     with client.pipeline(transaction=True) as pipe:
         while True:
             try:
@@ -127,7 +126,7 @@ async def enqueue_on_complete(r: aredis.Redis, settings: Settings, burst: str) -
     A burst without ``on_complete`` costs one HMGET on ``r``; otherwise RQ's blocking client runs
     in a thread (``asyncio.to_thread``) on its own short-lived connection.
     """
-    meta = Keys(settings.namespace).burst(burst)
+    meta = settings.keys.burst(burst)
     spec, claimed = await r.hmget(meta, "on_complete", "callback_job")
     if spec is None or claimed is not None:
         return None

@@ -10,7 +10,6 @@ import redis
 import redis.asyncio as aredis
 
 from prefixq.errors import ConfigError
-from prefixq.keys import Keys
 from prefixq.settings import Settings
 
 __all__ = ["resolve_shards", "resolve_shards_sync"]
@@ -18,7 +17,7 @@ __all__ = ["resolve_shards", "resolve_shards_sync"]
 
 def _shards(stored: bytes | None, settings: Settings) -> tuple[int, bool]:
     """(shard count, whether to record it): Redis's record wins; settings may agree or seed it."""
-    keys = Keys(settings.namespace)
+    keys = settings.keys
     if stored is not None:
         n = int(stored)
         if settings.shards and settings.shards != n:
@@ -37,15 +36,15 @@ def _shards(stored: bytes | None, settings: Settings) -> tuple[int, bool]:
 
 async def resolve_shards(r: aredis.Redis, settings: Settings) -> int:
     """The deployment's shard count (asyncio client); records it on first use."""
-    n, record = _shards(await r.hget(Keys(settings.namespace).config, "shards"), settings)
+    n, record = _shards(await r.hget(settings.keys.config, "shards"), settings)
     if record:
-        await r.hsetnx(Keys(settings.namespace).config, "shards", n)
+        await r.hsetnx(settings.keys.config, "shards", n)
     return n
 
 
 def resolve_shards_sync(r: redis.Redis, settings: Settings) -> int:
     """The same with a blocking client."""
-    n, record = _shards(r.hget(Keys(settings.namespace).config, "shards"), settings)
+    n, record = _shards(r.hget(settings.keys.config, "shards"), settings)
     if record:
-        r.hsetnx(Keys(settings.namespace).config, "shards", n)
+        r.hsetnx(settings.keys.config, "shards", n)
     return n

@@ -25,7 +25,6 @@ from prefixq import results
 from prefixq.connection import redact, sync_client
 from prefixq.errors import BurstFailed, BurstTimeout, ConfigError, ValidationError
 from prefixq.inputs import read_requests
-from prefixq.keys import Keys
 from prefixq.producer.producer import Producer
 from prefixq.records import Request
 from prefixq.settings import Settings
@@ -197,7 +196,7 @@ def _summary(
         "per_shard": [int(x) for x in m.get("per_shard", "").split(",") if x],
         "prompt_tokens": int(m.get("prompt_tokens", 0)),
         "cached_tokens": int(m.get("cached_tokens", 0)),
-        "results_key": Keys(settings.namespace).results(st.burst),
+        "results_key": settings.keys.results(st.burst),
         "out": out,
         "written": written,
     }

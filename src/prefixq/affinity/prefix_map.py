@@ -27,7 +27,6 @@ import redis.asyncio as aredis
 
 from prefixq.affinity.placement import Item, Placed
 from prefixq.connection import lua
-from prefixq.keys import Keys
 from prefixq.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -54,7 +53,7 @@ class AffinityPlacer:
 
     def __init__(self, settings: Settings, *, engine_block: int = 0) -> None:
         self.s = settings
-        self.keys = Keys(settings.namespace)
+        self.keys = settings.keys
         #: the engine's KV block in tokens: predicted hits are rounded down to it
         self.engine_block = engine_block or settings.block_size
         self.moves: list[dict[str, float | int | str]] = []

@@ -22,7 +22,6 @@ from prefixq.consumers.engine import EngineOutput, EngineRequest
 from prefixq.consumers.run import worker_command
 from prefixq.consumers.vllm_engine import VllmEngine
 from prefixq.errors import SetupError
-from prefixq.keys import Keys
 from prefixq.records import Request
 from prefixq.settings import Settings
 
@@ -143,7 +142,7 @@ class Workers:
             )
 
     async def _wait_up(self, r: Any, k: int, limit_s: float) -> None:
-        hb = Keys(self.settings.namespace).heartbeat(k, self.names[k])
+        hb = self.settings.keys.heartbeat(k, self.names[k])
         deadline = time.monotonic() + limit_s
         while await r.hget(hb, "engine_up") != b"1":
             if self.procs[k].poll() is not None:

@@ -133,7 +133,7 @@ class _Env:
 
     @property
     def keys(self) -> Keys:
-        return Keys(self.s.namespace)
+        return self.s.keys
 
 
 async def _workload(cfg: BenchConfig, env: _Env, wl: str) -> dict[str, Any]:
@@ -286,7 +286,7 @@ async def _assignment(s: Settings, reqs: list[Request], placement: str, order: s
     """The shard of each request as the pipeline's producer places it on an empty map: the real
     `Producer`, into a scratch namespace (same shard count and engine block), entries read back."""
     scratch = s.replace(namespace=f"{s.namespace}-scr{secrets.token_hex(3)}")
-    keys, real = Keys(scratch.namespace), Keys(s.namespace)
+    keys, real = scratch.keys, s.keys
     r = async_client(scratch)
     try:
         block = await r.hget(real.config, "block_size")
