@@ -54,7 +54,7 @@ def fill(
 
 
 def picked(s: Scheduler, n: int) -> list[str]:
-    return [e.burst for _, e in s.pick(n, 0.0)]
+    return [e.burst for _, e, _ in s.pick(n, 0.0)]
 
 
 def idle(s: Scheduler) -> None:
@@ -108,9 +108,9 @@ def test_a_tenant_at_its_cap_is_skipped_until_its_requests_leave_the_engine() ->
     fill(s, "ba", 10, tenant="a")
     fill(s, "bb", 10, tenant="b")
     first = s.pick(8, 0.0)
-    assert Counter(e.tenant for _, e in first) == {"a": 2, "b": 6}
-    s.left(next(e for _, e in first if e.tenant == "a"))
-    assert [e.tenant for _, e in s.pick(1, 0.0)] == ["a"]
+    assert Counter(e.tenant for _, e, _ in first) == {"a": 2, "b": 6}
+    s.left(next(t for _, e, t in first if e.tenant == "a"))
+    assert [e.tenant for _, e, _ in s.pick(1, 0.0)] == ["a"]
 
 
 def test_a_tenant_back_from_idle_gets_its_share_not_its_arrears() -> None:

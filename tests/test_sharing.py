@@ -15,7 +15,7 @@ import pytest
 import redis
 from openai import OpenAI
 
-from helpers import FakeWorker, cli, queued_entries, wait_burst
+from helpers import FakeWorker, cli, queued_entries, wait_burst, wait_until
 from openai_server import Server, chat_line
 from prefixq import wire
 from prefixq.entries import Entry
@@ -200,11 +200,23 @@ def test_inspect_shows_queued_in_flight_and_queue_wait_per_priority_and_tenant(
     fake_worker(settings)
     wait_burst(r, settings, hi, 30)
     wait_burst(r, settings, lo, 30)
-    p = cli(settings, "inspect", "--json")
-    rows = {(x["priority"], x["tenant"]): x for x in json.loads(p.stdout)["sharing"]}
-    assert (rows[("high", "team-a")]["admitted"], rows[("low", "team-b")]["admitted"]) == (30, 7)
+
+    def sharing() -> dict[tuple[str, str], Any]:
+        p = cli(settings, "inspect", "--json")
+        assert p.returncode == 0, p.stderr
+        return {(x["priority"], x["tenant"]): x for x in json.loads(p.stdout)["sharing"]}
+
+    def counted() -> dict[tuple[str, str], Any] | None:  # workers add them at their heartbeat
+        rows = sharing()
+        done = tuple(
+            rows.get(k, {}).get("admitted") for k in (("high", "team-a"), ("low", "team-b"))
+        )
+        return rows if done == (30, 7) else None
+
+    rows = wait_until(counted, 20, "the admissions counted")
     assert all(x["waiting"] == x["in_flight"] == 0 for x in rows.values())
     assert rows[("low", "team-b")]["mean_queue_wait_s"] >= 0.3
+    p = cli(settings, "inspect", "--json")
     bursts = {b["burst"]: b for b in json.loads(p.stdout)["bursts"]}
     assert (bursts[hi]["priority"], bursts[hi]["tenant"]) == ("high", "team-a")
     text = cli(settings, "inspect").stdout

@@ -103,15 +103,18 @@ class Entry:
                 deadline=None if d.get("dl") is None else float(d["dl"]),
                 endpoint=_optional_str(d, "u"),
                 model=_optional_str(d, "md"),
-                priority=_optional_str(d, "pr") or DEFAULT_PRIORITY,
-                tenant=_optional_str(d, "tn") or DEFAULT_TENANT,
             )
         except (TypeError, ValueError, OverflowError) as err:
             raise WireError(f"malformed entry: {err}") from None
-        if e.priority not in PRIORITIES:
-            raise WireError(f"entry priority {e.priority!r} is not one of {', '.join(PRIORITIES)}")
-        if not valid_tenant(e.tenant):
-            raise WireError(f"entry tenant {e.tenant[:80]!r} is not a tenant name")
+        pr, tn = d.get("pr"), d.get("tn")  # absent on the default path: nothing to check
+        if pr is not None:
+            if not isinstance(pr, str) or pr not in PRIORITIES:
+                raise WireError(f"entry priority {pr!r} is not one of {', '.join(PRIORITIES)}")
+            e.priority = pr
+        if tn is not None:
+            if not isinstance(tn, str) or not valid_tenant(tn):
+                raise WireError(f"entry tenant {str(tn)[:80]!r} is not a tenant name")
+            e.tenant = tn
         if not 0 <= e.index < _MAX_COUNT:
             raise WireError(f"entry index {e.index} out of range")
         if len(e.own) != 1:

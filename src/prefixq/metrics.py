@@ -251,16 +251,17 @@ class WorkerMetrics:
             yield hist.family(self.label_values)
         sched = self._sched
         if sched is not None:
-            running, admitted = dict.copy(sched.running), dict.copy(sched.admissions)
-            waited = dict.copy(sched.waited)
-            for name, doc, values, kind in (
-                ("prefixq_tenant_inflight", "Requests inside the engine.", running, "g"),
-                ("prefixq_tenant_admitted", "Requests handed to the engine.", admitted, "c"),
-                ("prefixq_tenant_queue_wait_seconds", "Queue waits summed.", waited, "c"),
+            rows = sorted(sched.per_tenant().items())
+            for i, (name, doc, kind) in enumerate(
+                (
+                    ("prefixq_tenant_inflight", "Requests inside the engine.", "g"),
+                    ("prefixq_tenant_admitted", "Requests handed to the engine.", "c"),
+                    ("prefixq_tenant_queue_wait_seconds", "Queue waits summed.", "c"),
+                )
             ):
                 fam = self._family(name, doc + _PER_TENANT, kind)
-                for (prio, tenant), v in sorted(values.items()):
-                    fam.add_metric([*self.label_values, prio, tenant], float(v))
+                for (prio, tenant), values in rows:
+                    fam.add_metric([*self.label_values, prio, tenant], float(values[i]))
                 yield fam
 
     def _per_tenant(self, queues: tuple[Queue, ...]) -> Iterable[Metric]:

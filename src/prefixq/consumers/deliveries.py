@@ -68,10 +68,11 @@ class Delivery:
     fields: dict[bytes, bytes]
     #: which delivery this is, counting deliveries carried over a `prefixq reclaim` move
     deliveries: int = 1
+    #: (key, entry_id), made once: every held entry is looked up by it several times
+    ref: Ref = field(init=False)
 
-    @property
-    def ref(self) -> Ref:
-        return (self.key, self.entry_id)
+    def __post_init__(self) -> None:
+        self.ref = (self.key, self.entry_id)
 
 
 @dataclass(slots=True)

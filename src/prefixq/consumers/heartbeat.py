@@ -4,7 +4,9 @@ Every ``heartbeat_s``: the health hash (pid, host, GPU, in flight, counters, GC 
 rewritten with a ``heartbeat_ttl_s`` TTL and the worker's score in the shard's worker set is
 refreshed (`inspect`, `check`); the lease on the entries the worker holds — read and waiting for a
 slot, in flight, or finished with their results not yet acked — is renewed (`ShardStream.renew`),
-so no other worker's reclaimer takes them while they are served or written. After a burst, once
+so no other worker's reclaimer takes them while they are served or written; the requests admitted
+since the last beat and their queue waits, per priority and tenant, are added to the shard's
+counters (`prefixq inspect`: off the requests' path). After a burst, once
 nothing has been in flight for a second, the heap is collected and frozen again
 (consumers/gc_policy.py), so objects that survived the burst leave the generations the next burst
 collects.
@@ -43,6 +45,7 @@ class Heartbeat:
         ttl_s: float,
         health: Callable[[float], dict[str, Any]],
         holding: Callable[[], list[Ref]],
+        tallies: Callable[[], list[tuple[str, str, int, float]]] = list,
         busy: Callable[[], bool],
         gc_policy: GcPolicy,
     ) -> None:
@@ -52,6 +55,9 @@ class Heartbeat:
         #: the health hash's fields at a given time (read by inspect and check)
         self.health = health
         self.holding = holding
+        #: requests admitted and their queue waits per priority and tenant since the last beat
+        self.tallies = tallies
+        self._untold: list[tuple[str, str, int, float]] = []
         self.busy = busy
         self.gc_policy = gc_policy
         self._served_since_collect = 0
@@ -80,6 +86,9 @@ class Heartbeat:
         pipe.zadd(self.shard.keys.workers(self.shard.shard), {self.shard.consumer: now})
         await pipe.execute()
         await self.shard.renew(self.holding())
+        self._untold += self.tallies()
+        await self.shard.tally(self._untold)  # kept for the next beat if Redis refused them
+        self._untold = []
 
     def collect_when_idle(self) -> None:
         """Collect (consumers/gc_policy.py) after a burst, in idle time only: no request waits."""
@@ -93,5 +102,6 @@ class Heartbeat:
     async def unregister(self) -> None:
         shard = self.shard
         with contextlib.suppress(*TRANSIENT, ResponseError):
+            await shard.tally(self._untold + self.tallies())
             await shard.r.delete(shard.keys.heartbeat(shard.shard, shard.consumer))
             await shard.r.zrem(shard.keys.workers(shard.shard), shard.consumer)

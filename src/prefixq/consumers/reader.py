@@ -26,7 +26,7 @@ from redis.exceptions import ResponseError
 from prefixq.connection import TRANSIENT, Backoff
 from prefixq.consumers.deliveries import Delivery, GroupLost
 from prefixq.consumers.intake import Intake
-from prefixq.consumers.scheduler import Item, Lane, Plan, Scheduler
+from prefixq.consumers.scheduler import Lane, Picked, Plan, Scheduler
 from prefixq.consumers.shard import ShardStream
 from prefixq.keys import LANE
 from prefixq.lanes import LaneInfo, band
@@ -52,7 +52,7 @@ class Work(Protocol):
 
     async def wait_room(self) -> None: ...
 
-    async def launch(self, items: list[Item], t_read: float) -> None: ...
+    async def launch(self, items: list[Picked], t_read: float) -> None: ...
 
 
 class Reader:

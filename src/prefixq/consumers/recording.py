@@ -1,14 +1,11 @@
 """Recording a result: the one way to call lua/record_result.lua (`record_call`: the writer's,
-`prefixq reclaim`'s and the tests'), what its replies mean, and the per-tenant queue waits the ack
-counts (`waits`)."""
+`prefixq reclaim`'s and the tests'), and what its replies mean."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from prefixq import wire
-from prefixq.consumers.deliveries import Written
 from prefixq.keys import Keys
 from prefixq.records import Result
 from prefixq.settings import Settings
@@ -21,7 +18,6 @@ __all__ = [
     "RECORDED",
     "RECORD_LOST",
     "record_call",
-    "waits",
 ]
 
 # replies of lua/record_result.lua
@@ -58,15 +54,3 @@ def record_call(
             result.predicted_cached_tokens,
         ],
     )
-
-
-def waits(batch: Sequence[Written]) -> dict[tuple[str, str], tuple[int, float]]:
-    """(priority, tenant) -> (requests that reached an engine, their queue waits summed)."""
-    out: dict[tuple[str, str], tuple[int, float]] = {}
-    for w in batch:
-        t = w.result.timings
-        if t.admitted and t.enqueued:
-            key = (w.entry.priority, w.entry.tenant)
-            n, waited = out.get(key, (0, 0.0))
-            out[key] = (n + 1, waited + max(0.0, t.admitted - t.enqueued))
-    return out

@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 __all__ = ["Lane", "Plan", "Scheduler", "Tenant"]
 
 Item = tuple[Delivery, Entry]
+#: an admitted entry and the tenant it is counted for (its request leaves: `Scheduler.left`)
+Picked = tuple[Delivery, Entry, "Tenant"]
 
 
 @dataclass(eq=False, slots=True)
@@ -55,6 +57,12 @@ class Tenant:
     ready: deque[Lane] = field(default_factory=deque)
     #: its lanes that may hold undelivered entries, in turn
     remote: deque[Lane] = field(default_factory=deque)
+    #: requests inside the engine; admitted so far and their queue waits summed (and the part of
+    #: those already reported to Redis: `Scheduler.tallies`)
+    running: int = 0
+    admissions: int = 0
+    waited: float = 0.0
+    reported: tuple[int, float] = (0, 0.0)
 
     def has_ready(self) -> bool:
         while self.ready and not self.ready[0].stock:
@@ -130,11 +138,8 @@ class Scheduler:
         self.draining: set[Lane] = set()
         #: every entry in stock or in ``first`` (leased to this worker)
         self.held: set[Ref] = set()
-        #: requests inside the engine by tenant name, and by (priority, tenant) with queue waits
+        #: requests inside the engine by tenant name, whatever the priority (kept for caps only)
         self.inflight: Counter[str] = Counter()
-        self.running: Counter[tuple[str, str]] = Counter()
-        self.admissions: Counter[tuple[str, str]] = Counter()
-        self.waited: dict[tuple[str, str], float] = {}
 
     @classmethod
     def of(cls, stream: ShardStream, settings: Settings) -> Scheduler:
@@ -242,19 +247,44 @@ class Scheduler:
         return any(t.stocked and self.capped(t.name) for b in self.bands for t in b.values())
 
     # ---- admission accounting ----------------------------------------------------------------
-    def admitted(self, e: Entry, now: float) -> None:
-        """``e`` goes into the engine (picked here, or admitted by the backlog replay)."""
-        self.inflight[e.tenant] += 1
-        key = (e.priority, e.tenant)
-        self.running[key] += 1
-        self.admissions[key] += 1
-        if e.enqueued:
-            self.waited[key] = self.waited.get(key, 0.0) + max(0.0, now - e.enqueued)
+    def tenant_of(self, e: Entry) -> Tenant:
+        return self.tenant(band(e.priority), e.tenant)
 
-    def left(self, e: Entry) -> None:
-        """``e``'s request left the engine."""
-        self.inflight[e.tenant] -= 1
-        self.running[(e.priority, e.tenant)] -= 1
+    def admitted(self, t: Tenant, e: Entry, now: float) -> None:
+        """``e`` goes into the engine without being picked (the backlog replay)."""
+        t.running += 1
+        t.admissions += 1
+        if e.enqueued:
+            t.waited += max(0.0, now - e.enqueued)
+        if self.caps:
+            self.inflight[t.name] += 1
+
+    def left(self, t: Tenant) -> None:
+        """A request of ``t`` left the engine."""
+        t.running -= 1
+        if self.caps:
+            self.inflight[t.name] -= 1
+
+    def per_tenant(self) -> dict[tuple[str, str], tuple[int, int, float]]:
+        """(priority, tenant) -> (in the engine, admitted, queue waits summed) (metrics; safe to
+        call from another thread: it copies before it iterates)."""
+        out = {}
+        for b, tenants in enumerate(self.bands):
+            for t in list(tenants.values()):
+                out[(PRIORITIES[b], t.name)] = (t.running, t.admissions, t.waited)
+        return out
+
+    def tallies(self) -> list[tuple[str, str, int, float]]:
+        """(priority, tenant, admitted, queue waits summed) since the last call (the heartbeat
+        adds them to the shard's counters in Redis, for `prefixq inspect`)."""
+        out = []
+        for b, tenants in enumerate(self.bands):
+            for t in tenants.values():
+                n, w = t.reported
+                if t.admissions != n:
+                    out.append((PRIORITIES[b], t.name, t.admissions - n, t.waited - w))
+                    t.reported = (t.admissions, t.waited)
+        return out
 
     # ---- the two decisions -------------------------------------------------------------------
     def top_band(self) -> int | None:
@@ -341,33 +371,53 @@ class Scheduler:
             elif key in self.intakes:
                 self.intake_more[self.intakes.index(key)] = got >= asked
 
-    def pick(self, n: int, now: float) -> list[Item]:
+    def pick(self, n: int, now: float) -> list[Picked]:
         """Up to ``n`` entries to admit now, in admission order."""
-        out: list[Item] = []
+        out: list[Picked] = []
+        held = self.held
         while self.first and len(out) < n:
-            item = self.first.popleft()
-            self.held.discard(item[0].ref)
-            self.admitted(item[1], now)
-            out.append(item)
+            d, e = self.first.popleft()
+            held.discard(d.ref)
+            t = self.tenant_of(e)
+            self.admitted(t, e, now)
+            out.append((d, e, t))
         top = self.top_band() if len(out) < n else None
         if top is None:
             return out
         tenants = [t for t in self.bands[top].values() if t.has_ready() and not self.capped(t.name)]
         while tenants and len(out) < n:
-            t = min(tenants, key=lambda x: x.vtime)
+            t = tenants[0] if len(tenants) == 1 else min(tenants, key=_vtime)
             lane = t.ready[0]
-            item = lane.stock.popleft()
-            if lane.stock:
-                t.ready.rotate(-1)
-            else:
+            k = 1
+            if len(tenants) == 1 and len(t.ready) == 1:  # one lane to take from: in one go
+                k = min(n - len(out), len(lane.stock))
+                cap = self.caps.get(t.name)
+                if cap is not None:
+                    k = max(1, min(k, cap - self.inflight[t.name]))
+            waited = 0.0
+            for _ in range(k):
+                d, e = lane.stock.popleft()
+                held.discard(d.ref)
+                if e.enqueued:
+                    waited += now - e.enqueued
+                out.append((d, e, t))
+            if not lane.stock:
                 t.ready.popleft()
                 lane.queued = False
-            t.stocked -= 1
-            self.stocked[top] -= 1
-            t.vtime += 1.0 / t.weight
-            self.held.discard(item[0].ref)
-            self.admitted(item[1], now)
-            out.append(item)
+            elif k == 1:
+                t.ready.rotate(-1)
+            t.stocked -= k
+            self.stocked[top] -= k
+            t.vtime += k / t.weight
+            t.running += k
+            t.admissions += k
+            t.waited += max(0.0, waited)
+            if self.caps:
+                self.inflight[t.name] += k
             if self.capped(t.name) or not t.has_ready():
                 tenants.remove(t)
         return out
+
+
+def _vtime(t: Tenant) -> float:
+    return t.vtime

@@ -54,7 +54,6 @@ from prefixq.consumers.recording import (
     RECORD_LOST,
     RECORDED,
     record_call,
-    waits,
 )
 from prefixq.entries import Entry
 from prefixq.keys import CARRIED, GROUP, Keys
@@ -101,6 +100,8 @@ class ShardStream:
         self._record_sha = ""
         self._close = r.register_script(lua("close_lane"))
         self._move = r.register_script(lua("reclaim_entry"))
+        self._ack_lua = lua("ack_entries")
+        self._ack_sha = ""
 
     # ---- the group ---------------------------------------------------------------------------
     async def join(self) -> None:
@@ -264,6 +265,17 @@ class ShardStream:
             )
         return out
 
+    async def tally(self, rows: Sequence[tuple[str, str, int, float]]) -> None:
+        """Add requests admitted and their queue waits, per priority and tenant, to the shard's
+        counters (`prefixq inspect` shows the mean wait)."""
+        if rows:
+            k, stats = self.shard, self.keys.shard_stats
+            pipe = self.r.pipeline(transaction=False)
+            for prio, tenant, n, waited in rows:
+                pipe.hincrby(stats, f"{k}:admitted:{prio}:{tenant}", n)
+                pipe.hincrbyfloat(stats, f"{k}:waited:{prio}:{tenant}", round(waited, 6))
+            await pipe.execute()
+
     async def lane_index(self) -> dict[bytes, bytes]:
         """The shard's lane index (`Keys.lanes`): burst -> encoded `LaneInfo`."""
         got: dict[bytes, bytes] = await self.r.hgetall(self.index)
@@ -313,8 +325,7 @@ class ShardStream:
 
     async def ack(self, batch: Sequence[Written]) -> None:
         """Acknowledge and delete the entries of recorded results, and move the shard's counters
-        (outstanding prefill work, prompt / cached / predicted tokens, requests admitted and their
-        queue waits per priority and tenant: `prefixq inspect`). Raises if the ack itself
+        (outstanding prefill work, prompt / cached / predicted tokens). Raises if the ack itself
         failed (call again: acking twice is harmless); the counters are approximate and a
         refused counter update is only logged."""
         if not batch:
@@ -322,20 +333,27 @@ class ShardStream:
         k, keys = self.shard, self.keys
         pipe = self.r.pipeline(transaction=False)
         groups = by_key((w.key, w.entry_id) for w in batch)
-        for key, ids in groups.items():
-            pipe.xack(key, GROUP, *ids)
-            pipe.xdel(key, *ids)
+        if len(groups) <= 2:  # one burst (its intake and its lane): plain commands
+            for key, ids in groups.items():
+                pipe.xack(key, GROUP, *ids)
+                pipe.xdel(key, *ids)
+            acks = 2 * len(groups)
+        else:  # many lanes: one script call instead of two commands per lane
+            if not self._ack_sha:
+                self._ack_sha = await self.r.script_load(self._ack_lua)
+            counts = [len(ids) for ids in groups.values()]
+            ids = [i for group in groups.values() for i in group]
+            pipe.evalsha(self._ack_sha, len(groups), *groups, GROUP, *counts, *ids)
+            acks = 1
         pipe.hincrby(keys.load, str(k), -sum(w.entry.work for w in batch))
         stats = keys.shard_stats
         pipe.hincrby(stats, f"{k}:prompt", sum(w.result.prompt_tokens for w in batch))
         pipe.hincrby(stats, f"{k}:cached", sum(w.result.cached_tokens for w in batch))
         pipe.hincrby(stats, f"{k}:predicted", sum(w.result.predicted_cached_tokens for w in batch))
-        for (prio, tenant), (n, waited) in waits(batch).items():
-            pipe.hincrby(stats, f"{k}:admitted:{prio}:{tenant}", n)
-            pipe.hincrbyfloat(stats, f"{k}:waited:{prio}:{tenant}", round(waited, 6))
         replies = await pipe.execute(raise_on_error=False)
-        acks = 2 * len(groups)
         for reply in replies[:acks]:
+            if isinstance(reply, NoScriptError):
+                self._ack_sha = ""  # Redis restarted without its scripts: loaded on the retry
             if isinstance(reply, Exception):
                 raise reply
         if any(isinstance(x, Exception) for x in replies[acks:]):

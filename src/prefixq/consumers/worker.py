@@ -38,7 +38,7 @@ from prefixq.consumers.prefixes import PrefixCache
 from prefixq.consumers.probes import Probes
 from prefixq.consumers.reader import Reader, retried
 from prefixq.consumers.reclaim import Reclaimer
-from prefixq.consumers.scheduler import Item, Scheduler
+from prefixq.consumers.scheduler import Picked, Scheduler, Tenant
 from prefixq.consumers.shard import Delivery, Ref, ShardStream, last_allowed
 from prefixq.consumers.solo import SoloGate
 from prefixq.consumers.startup import record_engine, register, retry, warm_up
@@ -125,6 +125,7 @@ class Worker:
             ttl_s=settings.heartbeat_ttl_s,
             health=self.health,
             holding=self.holding,
+            tallies=self.sched.tallies,
             busy=self.busy,
             gc_policy=self.gc_policy,
         )
@@ -267,11 +268,13 @@ class Worker:
         """Take the entries in (consumers/intake.py) and hand each request to the engine at
         once (the backlog replay: no scheduling)."""
         t_read = time.perf_counter()
-        items = await self.intake.decode(deliveries)
-        now = time.time()
-        for _, e in items:
-            self.sched.admitted(e, now)
-        await self.launch(items, t_read)
+        now, sched = time.time(), self.sched
+        picked = []
+        for d, e in await self.intake.decode(deliveries):
+            t = sched.tenant_of(e)
+            sched.admitted(t, e, now)
+            picked.append((d, e, t))
+        await self.launch(picked, t_read)
 
     async def take_over(self, deliveries: list[Delivery]) -> None:
         """Entries claimed from a dead worker: admitted before anything else (consumers/
@@ -280,27 +283,28 @@ class Worker:
             self.sched.take_over(item)
         self._room.set()
 
-    async def launch(self, items: list[Item], t_read: float) -> None:
-        """Hand each admitted request to the engine at once (their tenants counted in flight
+    async def launch(self, items: list[Picked], t_read: float) -> None:
+        """Hand each admitted request to the engine at once (counted in flight for its tenant
         already). An entry whose delivery is its last allowed one runs alone
         (consumers/solo.py); one of a burst that ended meanwhile gets its ended result."""
-        now = time.time()
-        ready = []
-        for d, e in items:
-            if self.intake.ended(d, e, now):
-                self.sched.left(e)
-            else:
-                ready.append((d, e))
-        if not ready:
-            return
-        entries = [e for _, e in ready]
+        ready = items
+        if self.ends.ended or any(e.deadline is not None for _, e, _ in items):
+            now, ready = time.time(), []
+            for d, e, t in items:
+                if self.intake.ended(d, e, now):
+                    self.sched.left(t)
+                else:
+                    ready.append((d, e, t))
+            if not ready:
+                return
+        entries = [e for _, e, _ in ready]
         prefixes = await retried("reading stored prefixes", lambda: self.prefixes.resolve(entries))
         max_attempts = self.settings.max_attempts
-        for d, e in ready:
+        for d, e, t in ready:
             self.counts["admitted"] += 1
             solo = last_allowed(d.deliveries, max_attempts)
-            task = asyncio.create_task(self._serve(d.ref, e, prefixes, solo, t_read))
-            self.inflight[d.ref] = task
+            ref = d.ref
+            self.inflight[ref] = asyncio.create_task(self._serve(ref, e, t, prefixes, solo, t_read))
         # one loop step: each task runs until it awaits the engine, which then holds its
         # request; what they all hold is frozen (consumers/gc_policy.py)
         await asyncio.sleep(0)
@@ -310,6 +314,7 @@ class Worker:
         self,
         ref: Ref,
         e: Entry,
+        tenant: Tenant,
         prefixes: dict[str, dict[str, Any] | str],
         solo: bool,
         t_read: float,
@@ -358,7 +363,7 @@ class Worker:
             res.error_code = error_code_of(err)
         finally:
             self.inflight.pop(ref, None)
-            self.sched.left(e)
+            self.sched.left(tenant)
             self.ends.done(ref)
             self._room.set()
             self.heartbeat.request_done()
