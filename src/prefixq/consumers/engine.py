@@ -22,6 +22,9 @@ class EngineRequest:
     sampling: dict[str, Any] = field(default_factory=dict)
     #: the prompt is a rendered chat template: tokenize it without adding special tokens again
     chat: bool = False
+    #: its place in the engine's own queue, lower first (vLLM's convention): -1 for prefixq's
+    #: priority high, 0 normal, 1 low (a worker admits by priority, and so does its engine)
+    priority: int = 0
 
 
 @dataclass(slots=True)

@@ -289,8 +289,9 @@ class ShardStream:
         if not lanes:
             return []
         pipe = self.r.pipeline(transaction=False)
+        now_ms = int(time.time() * 1000)
         for key, burst, ended in lanes:
-            args = [burst, "ended" if ended else "sealed", _ENDED_IDLE_MS, GROUP]
+            args = [burst, "ended" if ended else "sealed", _ENDED_IDLE_MS, GROUP, now_ms]
             await self._close(keys=[key, self.index], args=args, client=pipe)
         return [x if isinstance(x, int) else 0 for x in await pipe.execute(raise_on_error=False)]
 

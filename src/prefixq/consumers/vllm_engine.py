@@ -134,7 +134,15 @@ class VllmEngine:
             raise SetupError(
                 "vLLM is not installed: pip install 'prefixq[cpu]' (CPU) or 'prefixq[gpu]' (GPU)"
             ) from e
-        args = {"enable_prefix_caching": True, "disable_log_stats": False, **self.engine_args}
+        # "priority": the engine's waiting queue is ordered by priority, then arrival (with one
+        # priority: first come, first served, as "fcfs"), so a high-priority request admitted
+        # behind queued normal ones goes before them (docs/engine.md)
+        args = {
+            "enable_prefix_caching": True,
+            "disable_log_stats": False,
+            "scheduling_policy": "priority",
+            **self.engine_args,
+        }
         t0 = time.perf_counter()
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.model, **args))
         cfg = self._llm.vllm_config
@@ -195,6 +203,8 @@ class VllmEngine:
         kwargs: dict[str, Any] = {}
         if request.chat:
             kwargs["tokenization_kwargs"] = {"add_special_tokens": False}
+        if request.priority:
+            kwargs["priority"] = request.priority
         self._running.add(rid)
         try:
             async for out in self._llm.generate(prompt, params, rid, **kwargs):

@@ -1,0 +1,110 @@
+"""A lane's life on real Redis (prefixq.lanes, lua/close_lane.lua): closed only when it holds no
+entry and nothing more can come; a close that finds undelivered entries says so, and a worker
+reads them although no doorbell announced them."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import redis
+
+from helpers import FakeWorker, wait_burst, wait_until
+from prefixq import wire
+from prefixq.connection import async_client
+from prefixq.consumers.shard import ShardStream
+from prefixq.entries import to_wire
+from prefixq.keys import FIELD, GROUP, Keys
+from prefixq.lanes import LaneInfo
+from prefixq.records import Request
+from prefixq.settings import Settings
+
+
+def lane(r: redis.Redis, s: Settings, burst: str, *, sealed: bool) -> str:
+    keys = Keys(s.namespace)
+    key = keys.lane(0, burst)
+    r.xgroup_create(key, GROUP, id="0", mkstream=True)
+    r.hset(keys.lanes(0), burst, LaneInfo("normal", "default", sealed).encode())
+    return key
+
+
+def close(s: Settings, lanes: list[tuple[str, str, bool]]) -> list[int]:
+    async def go() -> list[int]:
+        r = async_client(s)
+        try:
+            return await ShardStream(r, s, 0, "t").close_lanes(lanes)
+        finally:
+            await r.aclose()
+
+    return asyncio.run(go())
+
+
+def test_only_an_empty_lane_that_cannot_grow_is_closed(settings: Settings, r: redis.Redis) -> None:
+    """Sealed and empty: closed with its index entry. Not sealed: left (its producer may still
+    send). Holding a pending entry: left. Holding an entry nobody was delivered: left, and the
+    caller is told to read it (-1). Of an ended burst and idle for a minute: closed although not
+    sealed; idle for less: left."""
+    s, keys = settings, Keys(settings.namespace)
+    sealed = lane(r, s, "sealed", sealed=True)
+    open_ = lane(r, s, "open", sealed=False)
+    pending = lane(r, s, "pending", sealed=True)
+    r.xadd(pending, {FIELD: b"x"})
+    r.xreadgroup(GROUP, "w", {pending: ">"})
+    waiting = lane(r, s, "waiting", sealed=True)
+    r.xadd(waiting, {FIELD: b"x"})
+    old = lane(r, s, "old", sealed=False)
+    r.xadd(old, {FIELD: b"x"}, id="1000-0")  # added long ago, then acked and deleted
+    r.xdel(old, "1000-0")
+    recent = lane(r, s, "recent", sealed=False)
+    r.xdel(recent, r.xadd(recent, {FIELD: b"x"}))
+    got = close(
+        s,
+        [
+            (sealed, "sealed", False),
+            (open_, "open", False),
+            (pending, "pending", False),
+            (waiting, "waiting", False),
+            (old, "old", True),
+            (recent, "recent", True),
+        ],
+    )
+    assert got == [1, 0, 0, -1, 1, 0]
+    assert not r.exists(sealed) and not r.exists(old)
+    assert {b.decode() for b in r.hkeys(keys.lanes(0))} == {"open", "pending", "waiting", "recent"}
+
+
+def entry(burst: str, index: int) -> bytes:
+    q = Request(id=f"q{index}", prompt="hi")
+    d = to_wire(
+        q,
+        burst=burst,
+        index=index,
+        shard=0,
+        enqueued=0.0,
+        work=1,
+        predicted_cached=0,
+        prefix=None,
+        prefix_ref=None,
+        own={"p": "hi"},
+    )
+    return wire.encode(d)
+
+
+def test_a_lane_with_entries_its_worker_missed_is_read_again(
+    settings: Settings, r: redis.Redis, fake_worker: Callable[..., FakeWorker]
+) -> None:
+    """Given a sealed lane a worker found drained but could not close (an entry pending on
+    another consumer), when an entry appears in it without a doorbell (a lost one), the worker's
+    lane sweep learns it (the close says -1) and serves it."""
+    s, keys = settings, Keys(settings.namespace)
+    r.hset(keys.burst("m"), mapping={"total": 1, "done": 0, "failed": 0, "status": "queued"})
+    key = lane(r, s, "m", sealed=True)
+    r.xadd(key, {FIELD: entry("m", 5)})
+    r.xreadgroup(GROUP, "ghost", {key: ">"})  # held elsewhere: the lane cannot close
+    fw = fake_worker(s)
+    wait_until(lambda: fw.worker is not None and "m" in fw.worker.sched.lanes, 10, "lane seen")
+    assert fw.worker is not None
+    wait_until(lambda: not fw.worker.sched.lanes["m"].remote, 10, "the lane drained")
+    r.xadd(key, {FIELD: entry("m", 0)})  # no doorbell
+    (res,) = wait_burst(r, s, "m", 10)
+    assert res.error is None and res.worker == fw.name
