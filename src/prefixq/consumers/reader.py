@@ -114,18 +114,23 @@ class Reader:
     async def absorb(self, plan: Plan, got: dict[str, list[Delivery]]) -> None:
         """Stock what a round read. Drained lanes are marked first, then doorbells read in the same
         round mark theirs again: a lane is never left unread with entries its doorbell announced."""
-        sched = self.sched
+        sched, holds = self.sched, self.work.holds
         sched.read(plan, {k: len(v) for k, v in got.items()})
-        fresh = [d for ds in got.values() for d in ds if not self.work.holds(d.ref)]
-        if not fresh:
-            return
-        now = time.monotonic()
-        for d, e in await self.intake.decode(fresh):
-            lane = sched.by_key.get(d.key) or sched.lane(e.burst, e.priority, e.tenant)
-            if LANE in d.fields and not lane.ended:
-                lane.exists, lane.seen = True, now
-                sched.set_remote(lane, True)
-            sched.stock(lane, (d, e))
+        for key, ds in got.items():
+            fresh = [d for d in ds if not holds(d.ref)]
+            if not fresh:
+                continue
+            lane = sched.by_key.get(key)
+            if lane is not None:  # a lane's own entries
+                sched.stock_many(lane, await self.intake.decode(fresh))
+                continue
+            now = time.monotonic()  # an intake: heads, doorbells, requeued entries
+            for d, e in await self.intake.decode(fresh):
+                lane = sched.lane(e.burst, e.priority, e.tenant)
+                if LANE in d.fields and not lane.ended:
+                    lane.exists, lane.seen = True, now
+                    sched.set_remote(lane, True)
+                sched.stock(lane, (d, e))
 
     async def rejoin(self, err: GroupLost) -> None:
         """A read found a stream or its group gone: create the group again where the stream is

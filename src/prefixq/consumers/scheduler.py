@@ -207,11 +207,17 @@ class Scheduler:
 
     def stock(self, lane: Lane, item: Item) -> None:
         """An entry read for ``lane``, to be admitted in turn."""
-        lane.stock.append(item)
-        self.held.add(item[0].ref)
+        self.stock_many(lane, [item])
+
+    def stock_many(self, lane: Lane, items: list[Item]) -> None:
+        """Entries read for ``lane`` (its own stream's, in one go), to be admitted in turn."""
+        if not items:
+            return
+        lane.stock.extend(items)
+        self.held.update([d.ref for d, _ in items])
         t = lane.tenant
-        t.stocked += 1
-        self.stocked[t.band] += 1
+        t.stocked += len(items)
+        self.stocked[t.band] += len(items)
         if not lane.queued:
             lane.queued = True
             t.ready.append(lane)

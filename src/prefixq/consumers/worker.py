@@ -45,7 +45,7 @@ from prefixq.consumers.startup import record_engine, register, retry, warm_up
 from prefixq.consumers.writer import ResultWriter
 from prefixq.entries import Entry
 from prefixq.errors import EngineAborted, EngineDead, EngineError, PrefixqError
-from prefixq.lanes import DEFAULT_PRIORITY, band
+from prefixq.lanes import DEFAULT_PRIORITY, PRIORITIES, band
 from prefixq.records import error_code_of
 from prefixq.settings import Settings
 
@@ -53,7 +53,8 @@ log = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_ENGINE_DEAD = 3
-NORMAL = band(DEFAULT_PRIORITY)
+#: a request's place in its engine's own queue (vLLM: lower first), by its burst's priority
+ENGINE_PRIORITY = {p: band(p) - band(DEFAULT_PRIORITY) for p in PRIORITIES}
 
 
 def default_name(shard: int, gpu: str | None) -> str:
@@ -345,7 +346,7 @@ class Worker:
                         prompt_token_ids=req.prompt_token_ids,
                         sampling=req.sampling,
                         chat=req.messages is not None,
-                        priority=band(e.priority) - NORMAL,
+                        priority=ENGINE_PRIORITY[e.priority],
                     )
                 )
             out.apply(res)
