@@ -17,6 +17,13 @@ from prefixq.settings import Settings
 
 log = logging.getLogger(__name__)
 
+#: engine arguments every worker starts its engine with (an --engine-arg overrides them):
+#: "priority" orders the engine's waiting queue by priority, then arrival (with one priority:
+#: first come, first served, as vLLM's default "fcfs"), so a high-priority request the worker
+#: admits behind queued normal ones goes before them (docs/engine.md). Standalone engines in
+#: `prefixq bench` keep vLLM's defaults.
+WORKER_ENGINE_ARGS: dict[str, Any] = {"scheduling_policy": "priority"}
+
 #: `prefixq worker` exit code for a usage or configuration error (bad flag, refused credentials):
 #: the supervisor does not restart it, since a restart cannot fix it
 EXIT_CONFIG = 2
@@ -63,7 +70,7 @@ def run_worker(
     from prefixq.consumers.vllm_engine import VllmEngine, cpu_defaults
     from prefixq.consumers.worker import Worker
 
-    args = ({} if gpu is not None else cpu_defaults()) | (engine_args or {})
+    args = WORKER_ENGINE_ARGS | ({} if gpu is not None else cpu_defaults()) | (engine_args or {})
     engine = VllmEngine(model, args)
 
     async def main() -> int:

@@ -134,15 +134,7 @@ class VllmEngine:
             raise SetupError(
                 "vLLM is not installed: pip install 'prefixq[cpu]' (CPU) or 'prefixq[gpu]' (GPU)"
             ) from e
-        # "priority": the engine's waiting queue is ordered by priority, then arrival (with one
-        # priority: first come, first served, as "fcfs"), so a high-priority request admitted
-        # behind queued normal ones goes before them (docs/engine.md)
-        args = {
-            "enable_prefix_caching": True,
-            "disable_log_stats": False,
-            "scheduling_policy": "priority",
-            **self.engine_args,
-        }
+        args = {"enable_prefix_caching": True, "disable_log_stats": False, **self.engine_args}
         t0 = time.perf_counter()
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.model, **args))
         cfg = self._llm.vllm_config
