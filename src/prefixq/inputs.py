@@ -103,33 +103,30 @@ def normalize_one(r: Request | Mapping[str, Any], i: int, settings: Settings) ->
 
 
 class IdCheck:
-    """Empty and duplicate ids across a burst checked piece by piece, as `normalize` does."""
+    """Empty and duplicate ids across a burst, checked piece by piece (a burst is validated in
+    chunks as it is sent); errors name requests by ``label(i)``, after ``head``."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, label: Callable[[int], str] = lambda i: f"requests[{i}]", head: str = ""
+    ) -> None:
+        self.label, self.head = label, head
         self._first: dict[str, int] = {}
 
     def add(self, start: int, ids: list[str]) -> None:
-        """Ids of requests ``start``, ``start + 1``, ...; ValidationError as `normalize`."""
-        first = self._first
+        """Ids of requests ``start``, ``start + 1``, ...: ValidationError for an empty one, or
+        one seen before (naming both)."""
+        first, label, head = self._first, self.label, self.head
         for k, rid in enumerate(ids):
             i = start + k
             if rid == "":
-                raise ValidationError(f"requests[{i}]: the id is empty")
+                raise ValidationError(f"{head}{label(i)}: the id is empty")
             j = first.setdefault(rid, i)
             if j != i:
                 raise ValidationError(
-                    f"duplicate request ids: requests[{i}] and requests[{j}] both have id {rid!r}"
+                    f"{head}duplicate request ids: {label(i)} and {label(j)} both have id {rid!r}"
                 )
 
 
 def _check_ids(ids: list[str], label: Callable[[int], str], head: str = "") -> None:
     """ValidationError for the first empty id, or the first id seen twice (naming both)."""
-    first: dict[str, int] = {}
-    for i, rid in enumerate(ids):
-        if rid == "":
-            raise ValidationError(f"{head}{label(i)}: the id is empty")
-        j = first.setdefault(rid, i)
-        if j != i:
-            raise ValidationError(
-                f"{head}duplicate request ids: {label(i)} and {label(j)} both have id {rid!r}"
-            )
+    IdCheck(label, head).add(0, ids)

@@ -23,7 +23,7 @@ from prefixq.errors import BurstNotFound, BurstRecordLost, BurstTimeout
 from prefixq.records import Result
 from prefixq.settings import Settings
 
-__all__ = ["BurstStatus", "collect", "iterate", "status", "wait", "write_jsonl"]
+__all__ = ["BurstStatus", "collect", "iterate", "status", "wait", "write_jsonl", "write_lines"]
 
 _FETCH = 512
 
@@ -199,10 +199,28 @@ def write_jsonl(
 ) -> int:
     """Write the burst's results as JSON lines in input order (waiting for them); returns count."""
 
+    def line(res: Result) -> str:
+        return json.dumps(res.to_json(token_ids=token_ids), ensure_ascii=False) + "\n"
+
+    return write_lines(burst, out, line, settings, timeout=timeout, client=client)
+
+
+def write_lines(
+    burst: str,
+    out: str | Path | IO[str],
+    line: Callable[[Result], str],
+    settings: Settings | None = None,
+    *,
+    timeout: float | None = None,
+    client: redis.Redis | None = None,
+) -> int:
+    """Write ``line(result)`` for each of the burst's results in input order (waiting for them)
+    to a file path or an open text stream; returns how many (`write_jsonl`, the OpenAI format)."""
+
     def dump(f: IO[str]) -> int:
         n = 0
         for res in iterate(burst, settings, timeout=timeout, client=client):
-            f.write(json.dumps(res.to_json(token_ids=token_ids), ensure_ascii=False) + "\n")
+            f.write(line(res))
             n += 1
         return n
 

@@ -16,6 +16,7 @@ from typing import IO, Any
 from prefixq import results
 from prefixq.errors import ConfigError
 from prefixq.openai.formats import CHAT, format_result
+from prefixq.records import Result
 from prefixq.settings import Settings
 
 __all__ = ["burst_metadata", "input_metadata", "write_results"]
@@ -78,14 +79,7 @@ def write_results(
         raise ConfigError("--token-ids goes with the prefixq format, not openai")
     endpoint, model = meta.get("endpoint", CHAT), meta.get("model", "")
 
-    def dump(f: IO[str]) -> int:
-        n = 0
-        for res in results.iterate(burst, settings, timeout=timeout):
-            f.write(format_result(res, burst=burst, endpoint=endpoint, model=model).dumps())
-            n += 1
-        return n
+    def line(res: Result) -> str:
+        return format_result(res, burst=burst, endpoint=endpoint, model=model).dumps()
 
-    if isinstance(out, str | Path):
-        with open(out, "w", encoding="utf-8") as f:
-            return dump(f)
-    return dump(out)
+    return results.write_lines(burst, out, line, settings, timeout=timeout)
