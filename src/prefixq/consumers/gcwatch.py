@@ -62,7 +62,7 @@ class GcWatch:
                 self.observer(pause)
 
     def stats(self) -> dict[str, Any]:
-        """The figures as reported by ``gc_stats`` and the heartbeat (milliseconds)."""
+        """The figures as reported by the control stream's ``stats`` and the heartbeat (ms)."""
         return {
             "gc_max_pause_ms": round(self.max_pause * 1e3, 3),
             "gc_pauses": self.count,
