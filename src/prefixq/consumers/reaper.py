@@ -26,8 +26,9 @@ from typing import IO
 
 log = logging.getLogger(__name__)
 
-#: seconds between two looks at the owner's process tree
+#: seconds between two looks at the owner's process tree, at first and at most
 EVERY_S = 1.0
+MAX_EVERY_S = 10.0
 
 
 def _stat(pid: int) -> tuple[int, int] | None:
@@ -65,14 +66,17 @@ def descendants(root: int) -> dict[int, int]:
 
 def watch(owner: int, lifeline: IO[bytes], every_s: float = EVERY_S) -> list[int]:
     """Note ``owner``'s descendants until ``lifeline`` reaches end of file; kill those still
-    alive; returns the pids killed."""
+    alive; returns the pids killed. Looks every ``every_s`` at first (the engine starts its
+    processes then), then less and less often, up to every `MAX_EVERY_S`."""
     me = os.getpid()
     noted: dict[int, int] = {}
+    wait = every_s
     while True:
         noted.update({p: t for p, t in descendants(owner).items() if p != me})
-        ready, _, _ = select.select([lifeline], [], [], every_s)
+        ready, _, _ = select.select([lifeline], [], [], wait)
         if ready and not os.read(lifeline.fileno(), 4096):
             break
+        wait = min(wait * 1.2, MAX_EVERY_S)
     killed = []
     for pid, started in noted.items():
         st = _stat(pid)
