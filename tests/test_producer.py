@@ -198,3 +198,15 @@ def test_a_submit_drops_index_entries_of_bursts_whose_record_expired(
     names = {b.decode() for b in r.zrange(keys.bursts, 0, -1)}
     assert not any(n.startswith("old") for n in names)
     assert {f"live{i}" for i in range(5)} <= names and len(names) == 5 + 6
+
+
+@pytest.mark.parametrize("bad", ["", "a b", "x{y}", "line\nbreak", "é", "x" * 201])
+def test_an_unusable_burst_id_is_refused_before_anything_is_written(
+    make_settings: Callable[..., Settings], r: redis.Redis, bad: str
+) -> None:
+    """A burst id with braces (they would split its keys' Cluster hash tag), spaces, control
+    or non-ASCII characters, or over 200 characters, is refused; nothing is written."""
+    s = make_settings()
+    with pytest.raises(ValidationError, match="burst id"):
+        Producer(s).submit([{"id": "a", "prompt": "x"}], burst_id=bad)
+    assert namespace_keys(r, s) == []

@@ -30,6 +30,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import secrets
 import time
 from collections import Counter
@@ -73,8 +74,20 @@ _CHUNK = 1024
 _PRUNE = 32
 #: request ids per RPUSH of the burst's id list
 _IDS_CHUNK = 10_000
+_BURST_ID = re.compile(r"[A-Za-z0-9_.:@+-]{1,200}")
 #: called with (requests enqueued so far, total)
 Progress = Callable[[int, int], None]
+
+
+def check_burst_id(burst: str) -> str:
+    """``burst`` if it is a usable burst id: 1-200 of letters, digits and ``_.:@+-`` (no braces:
+    a burst's keys share one Cluster hash tag built from it; no spaces or control characters:
+    it is printed and typed). ValidationError otherwise."""
+    if not isinstance(burst, str) or not _BURST_ID.fullmatch(burst):
+        raise ValidationError(
+            f"burst id {burst!r} must be 1-200 characters of letters, digits and _.:@+-"
+        )
+    return burst
 
 
 def new_burst_id() -> str:
@@ -152,10 +165,11 @@ class Producer:
         if on_complete:
             meta["on_complete"] = on_complete
             meta["rq_queue"] = rq_queue or "default"
+        burst = new_burst_id() if burst_id is None else check_burst_id(burst_id)
         kept = self._kept
         r = kept if kept is not None else async_client(s)
         try:
-            sub = _Submission(self, r, raw, burst_id or new_burst_id(), meta, progress)
+            sub = _Submission(self, r, raw, burst, meta, progress)
             return await sub.run(placement or s.placement, seed, order)
         except (*TRANSIENT, NoPermissionError, OutOfMemoryError) as e:  # ours, with a hint
             raise await describe_async(s, e, r) from e
