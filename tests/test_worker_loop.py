@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -161,3 +162,22 @@ def test_four_shards_four_workers_serve_a_burst_with_documents_kept_together(
     assert all(len(v) == 1 for v in shards_of.values()), shards_of
     assert {g.shard for g in got} == {0, 1, 2, 3}
     assert [w.stop() for w in workers] == [EXIT_OK] * 4
+
+
+def test_read_to_engine_time_leaves_out_an_idle_blocked_read(
+    settings: Settings, fake_worker: MakeWorker, r: redis.Redis
+) -> None:
+    """The worker's read-to-engine time runs from the read returning to the engine call: a burst
+    that arrives while the worker's read has been blocked for 0.35 s (of its 0.5 s) does not
+    count those 0.35 s (`prefixq bench` reports this figure as the pipeline's own delay)."""
+    s = settings
+    fw = fake_worker(s)
+    assert fw.worker is not None
+    probes = fw.worker.probes
+    for i in range(3):
+        time.sleep(0.35)  # the worker's reader is blocked in XREADGROUP, idle
+        wait_burst(r, s, Producer(s).submit(prompts(f"idle {i}")), 30)
+    stats = probes.read_to_engine.stats("r2e")
+    assert stats["r2e_n"] == 3
+    assert stats["r2e_max_ms"] < 200, stats
+    assert fw.stop() == EXIT_OK

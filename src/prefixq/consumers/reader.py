@@ -93,7 +93,6 @@ class Reader:
             await self.work.wait_room()
             return
         plan = self.sched.plan(room)
-        t_read = time.perf_counter()
         got: dict[str, list[Delivery]] = {}
         if plan.reads:
             block = None
@@ -104,6 +103,8 @@ class Reader:
             except GroupLost as e:
                 got = e.got
                 await self.rejoin(e)
+        # read-to-engine starts when the read returns, not before a blocked read's idle wait
+        t_read = time.perf_counter()
         await self.absorb(plan, got)
         picks = self.sched.pick(room, time.time())
         if picks:
