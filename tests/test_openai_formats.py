@@ -196,6 +196,46 @@ def test_empty_input_file_is_an_empty_file_error(tmp_path: Path) -> None:
     assert [e["code"] for e in got.errors] == ["empty_file"]
 
 
+def test_input_check_skips_a_byte_order_mark_and_takes_crlf_lines(tmp_path: Path) -> None:
+    """Given a file saved with a UTF-8 BOM and CRLF line ends (as Windows tools write it), every
+    line is read, as `prefixq submit` reads the same file."""
+    p = tmp_path / "in.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + (_chat("x") + "\r\n" + _chat("y") + "\r\n").encode())
+    got = check_input(p, "/v1/chat/completions", Settings())
+    assert not got.errors and [r.id for r in got.requests] == ["x", "y"]
+
+
+def test_input_check_makes_unreadable_json_a_line_error_not_a_crash(tmp_path: Path) -> None:
+    """Given JSON nested too deep to read, an integer of 5000 digits and bytes that are not UTF-8,
+    each is an invalid_json_line error on its line (the check used to raise, and the batch stayed
+    `validating` for ever, retried by every sweep)."""
+    deep = '{"custom_id": "d", "body": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    big = '{"custom_id": "b", "body": {"x": ' + "1" * 5000 + "}}"
+    p = tmp_path / "in.jsonl"
+    p.write_bytes("\n".join([_chat("a"), deep, big]).encode() + b"\n\xff\xfe\n")
+    got = check_input(p, "/v1/chat/completions", Settings())
+    assert [(e["line"], e["code"]) for e in got.errors] == [
+        (2, "invalid_json_line"),
+        (3, "invalid_json_line"),
+        (4, "invalid_json_line"),
+    ]
+
+
+def test_input_check_refuses_what_the_producer_would_refuse_on_its_line(tmp_path: Path) -> None:
+    """An empty custom_id, a lowercase method and a request over max_entry_bytes are errors of
+    their lines (param named), not a batch error without a line from the submit."""
+    huge = {"model": "m", "messages": [{"role": "user", "content": "x" * 20_000}]}
+    lines = [_chat(""), _chat("a", method="post"), _chat("b", body=huge), _chat("c")]
+    s = Settings(max_entry_bytes=1000, codec="none")
+    got = check_input(_write(tmp_path, lines), "/v1/chat/completions", s)
+    assert [(e["line"], e["code"], e["param"]) for e in got.errors] == [
+        (1, "invalid_request", "custom_id"),
+        (2, "invalid_request", "method"),
+        (3, "invalid_request", "body"),
+    ]
+    assert "max_entry_bytes" in got.errors[2]["message"]
+
+
 def test_input_check_lists_at_most_max_errors_but_counts_all(tmp_path: Path) -> None:
     got = check_input(_write(tmp_path, ["x"] * (MAX_ERRORS + 5)), "/v1/completions", Settings())
     assert len(got.errors) == MAX_ERRORS and got.error_count == MAX_ERRORS + 5

@@ -11,13 +11,14 @@ line by line, never whole; blank lines are skipped.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prefixq.entries import check_size
 from prefixq.errors import ValidationError
+from prefixq.inputs import parse_line
 from prefixq.records import Request
 from prefixq.settings import Settings
 
@@ -65,7 +66,7 @@ def _check_line(
             bad = True
     if bad:
         return None
-    if obj["method"].upper() != "POST":
+    if obj["method"] != "POST":
         out.add(n, "invalid_request", "The method must be 'POST'.", "method")
         return None
     if obj["url"] != endpoint:
@@ -93,6 +94,9 @@ def _check_line(
             )
             return None
     cid = obj["custom_id"]
+    if not cid:
+        out.add(n, "invalid_request", "'custom_id' must not be empty.", "custom_id")
+        return None
     if cid in seen:
         out.add(
             n,
@@ -104,12 +108,14 @@ def _check_line(
         return None
     seen.add(cid)
     try:
-        return Request.from_json(
+        req = Request.from_json(
             obj,
             index=n - 1,
             max_chars=settings.max_prompt_chars,
             max_messages=settings.max_messages,
         )
+        check_size(req, settings, f"line {n}")  # what the producer would refuse
+        return req
     except ValidationError as e:
         message = _WHERE.sub("", str(e))
         field = _FIELD.search(message)
@@ -124,12 +130,14 @@ def check_input(path: Path, endpoint: str, settings: Settings) -> Checked:
     seen: set[str] = set()
     with open(path, "rb") as f:
         for n, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
+            # a BOM on line 1 is skipped; bytes that are not UTF-8, text that is not JSON, JSON
+            # nested too deep or an integer too long to read are the line's error, not the batch's
             try:
-                obj = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError):
+                obj = parse_line(raw, n)
+            except ValidationError:
                 out.add(n, "invalid_json_line", "This line is not parseable as valid JSON.")
+                continue
+            if obj is None:  # a blank line
                 continue
             req = _check_line(obj, n, endpoint, settings, seen, out)
             if req is not None and not out.error_count:
