@@ -7,6 +7,7 @@ CLI flag of the same name. Nothing else in the package reads the environment.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -21,6 +22,8 @@ CODECS = ("zlib", "zstd", "none")
 PLACEMENTS = ("affinity", "hash", "random", "round-robin")
 #: enqueue orders (prefixq.producer.order)
 ORDERS = ("input", "leaders-first", "grouped")
+#: codec levels allowed besides -1 (the codec's default for prefixq); codec none has none
+_CODEC_LEVELS = {"zlib": (0, 9), "zstd": (1, 22)}
 #: a namespace: every key starts with ``<namespace>:``, and ':' never occurs inside one, so the
 #: ACL pattern ``~<namespace>:*`` covers exactly one namespace (docs/delivery.md)
 _NAMESPACE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -131,6 +134,7 @@ class Settings:
     max_file_lines: int = 50_000
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.codec not in CODECS:
             raise ConfigError(f"codec must be one of {', '.join(CODECS)}, not {self.codec!r}")
         if self.placement not in PLACEMENTS:
@@ -173,6 +177,52 @@ class Settings:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, not {getattr(self, name)}")
+        self._check_ranges()
+
+    def _check_types(self) -> None:
+        """Each field of its declared type (keyword values from Python or an RQ job's JSON are
+        not parsed like environment variables); an int is taken for a float."""
+        hints = get_type_hints(type(self))
+        for f in fields(self):
+            kind, value = hints[f.name], getattr(self, f.name)
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                object.__setattr__(self, f.name, float(value))
+                continue
+            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+                shown = "***" if f.name == "api_keys" else repr(value)
+                article = "an" if kind is int else "a"
+                raise ConfigError(f"{f.name} must be {article} {kind.__name__}, not {shown}")
+
+    def _check_ranges(self) -> None:
+        """Numbers a deployment can run with: what would fail later (mid-submit, in Redis) or
+        stall a worker silently is refused here."""
+        for name in ("max_messages", "prefix_ttl_s", "result_ttl_s", "map_max_entries"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, not {getattr(self, name)}")
+        for name in (
+            "max_inflight",
+            "prefix_store_min_chars",
+            "prefix_cache_entries",
+            "guard_margin_tokens",
+        ):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, not {getattr(self, name)}")
+        for name in ("claim_idle_s", "heartbeat_s", "heartbeat_ttl_s", "guard_factor"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ConfigError(f"{name} must be a positive number, not {v}")
+        if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
+            raise ConfigError(f"grace_s must be a number >= 0, not {self.grace_s}")
+        if not 0 <= self.affinity_min_match <= 1:
+            raise ConfigError(
+                f"affinity_min_match must be a share in [0, 1], not {self.affinity_min_match}"
+            )
+        levels = _CODEC_LEVELS.get(self.codec)  # codec none has no level
+        if levels and self.codec_level != -1 and not levels[0] <= self.codec_level <= levels[1]:
+            raise ConfigError(
+                f"codec_level for {self.codec} must be -1 (its default) or "
+                f"{levels[0]}..{levels[1]}, not {self.codec_level}"
+            )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
