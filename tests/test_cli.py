@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from helpers import cli
+from helpers import cli, cli_argv
+from prefixq.bursts import cancel
+from prefixq.producer import Producer
 from prefixq.settings import Settings
 
 
@@ -109,3 +112,36 @@ def test_usage_error_exits_2(settings: Settings) -> None:
     """An unknown flag is a usage error (exit 2)."""
     p = cli(settings, "inspect", "--no-such-flag")
     assert p.returncode == 2
+
+
+def _cancelled_burst(settings: Settings, n: int) -> str:
+    """A burst of ``n`` requests with a (cancelled) result each, without a worker."""
+    burst = Producer(settings).submit([{"id": f"q{i}", "prompt": f"q {i}"} for i in range(n)])
+    cancel(burst, settings)
+    return burst
+
+
+def test_results_to_a_directory_is_one_line_not_a_traceback(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """`results B --out DIR` (and a file that cannot be opened) exits 1 naming the path."""
+    burst = _cancelled_burst(settings, 3)
+    p = cli(settings, "results", burst, "--out", str(tmp_path))
+    assert p.returncode == 1, p.stderr
+    assert p.stderr.strip() == f"prefixq: error: {tmp_path}: Is a directory"
+
+
+def test_results_into_a_pipe_closed_early_stops_quietly(settings: Settings) -> None:
+    """`prefixq results B | head -1`: the reader goes away; no traceback on stderr."""
+    burst = _cancelled_burst(settings, 3000)
+    with subprocess.Popen(
+        cli_argv(settings, "results", burst), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    ) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        first = proc.stdout.readline()
+        proc.stdout.close()  # `head -1` exits
+        err = proc.stderr.read().decode()
+        rc = proc.wait(timeout=60)
+    assert json.loads(first)["id"] == "q0"
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert rc == 1

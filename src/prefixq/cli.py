@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import get_type_hints
@@ -399,6 +400,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except FileNotFoundError as e:
         print(f"prefixq: error: {e.filename}: no such file", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # stdout's reader went away (`prefixq results B | head`): stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so that the flush at exit does not fail again
+        return 1
+    except OSError as e:  # a file that cannot be written or read: a directory, no permission
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"prefixq: error: {where}{e.strerror or e}", file=sys.stderr)
         return 1
     except RedisError as e:  # what the retries did not absorb; refused credentials -> 2
         from prefixq.connection import describe, is_oom, sync_client
