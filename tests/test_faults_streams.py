@@ -87,3 +87,35 @@ def test_worker_without_a_shard_count_refuses_to_start(server: RedisServer, tmp_
     assert "--shards" in text and "Traceback" not in text
     r = redis.Redis.from_url(server.url)
     assert not r.exists(Keys(s.namespace).heartbeat(0, "w0"))
+
+
+@pytest.mark.parametrize(
+    ("shards", "args", "says"),
+    [
+        (1, ("--shard", "1"), "shard 1 does not exist"),
+        (2, ("--shard", "1"), "--shards 2 but namespace"),
+    ],
+)
+def test_worker_outside_the_recorded_deployment_refuses_to_start(
+    server: RedisServer, tmp_path: Path, shards: int, args: tuple[str, ...], says: str
+) -> None:
+    """Given a deployment of 1 shard recorded in Redis, a worker for shard 1, or one started with
+    --shards 2 (whose shard 1 no producer would ever send to, while producers keep using 1 shard),
+    exits 2 saying why, before it joins any stream, instead of serving nothing forever."""
+    ns = f"outside{secrets.token_hex(3)}"
+    r = redis.Redis.from_url(server.url)
+    keys = Keys(ns)
+    r.hset(keys.config, "shards", 1)
+    s = Settings(redis_url=server.url, namespace=ns, shards=shards)
+    log = tmp_path / "w.log"
+    w = fault_worker(s, log, "--name", "w1", *args)
+    try:
+        assert w.wait(30) == 2
+    finally:
+        w.kill()
+        w.wait()
+    text = log.read_text()
+    assert says in text and "Traceback" not in text, text
+    assert r.hget(keys.config, "shards") == b"1"
+    assert not r.exists(keys.heartbeat(1, "w1"))
+    assert not [k for k in r.scan_iter(match=f"{ns}:*") if k != keys.config.encode()]

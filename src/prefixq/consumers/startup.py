@@ -36,24 +36,38 @@ async def retry(settings: Settings, what: str, call: Callable[[], Awaitable[Any]
 
 
 async def register(stream: ShardStream, settings: Settings) -> None:
-    """Check the server's eviction policy (redis_policy.py), join the shard's group, and make
-    sure the deployment's shard count is recorded: a worker without ``--shards`` on a Redis that
-    has none is a ConfigError (producers and `check` could not see what it serves)."""
+    """Check the server's eviction policy (redis_policy.py), make sure the deployment's shard
+    count is recorded, and join the shard's group. A worker without ``--shards`` on a Redis that
+    has none, with a ``--shards`` other than the recorded count, or for a shard outside it is a
+    ConfigError (producers would never send it work, or send work no worker serves)."""
     r, keys = stream.r, stream.keys
     await retry(settings, "reading the eviction policy", lambda: check_policy(r, settings))
-    await stream.join()
+    count = 0
 
     async def shards() -> None:
+        nonlocal count
         if settings.shards:
             await r.hsetnx(keys.config, "shards", settings.shards)
-            return
-        if await r.hget(keys.config, "shards") is None:
+        raw = await r.hget(keys.config, "shards")
+        if raw is None:
             raise ConfigError(
                 f"no shard count in Redis for namespace {settings.namespace!r}: start the "
                 "first worker of a deployment with --shards N (or PREFIXQ_SHARDS)"
             )
+        count = int(raw)
 
     await retry(settings, "recording the shard count", shards)
+    if settings.shards and settings.shards != count:
+        raise ConfigError(
+            f"--shards {settings.shards} but namespace {settings.namespace!r} has {count} shards "
+            f"in Redis ({keys.config}); drop the setting, use {count}, or use another namespace"
+        )
+    if not 0 <= stream.shard < count:
+        raise ConfigError(
+            f"shard {stream.shard} does not exist (namespace {settings.namespace!r} has shards "
+            f"0..{count - 1})"
+        )
+    await stream.join()
 
 
 async def record_engine(stream: ShardStream, settings: Settings, engine: Engine) -> None:
