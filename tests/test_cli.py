@@ -145,3 +145,20 @@ def test_results_into_a_pipe_closed_early_stops_quietly(settings: Settings) -> N
     assert json.loads(first)["id"] == "q0"
     assert "Traceback" not in err and "BrokenPipe" not in err, err
     assert rc == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("dead", "--limit", "0"), "--limit must be >= 1, not 0"),
+        (("reclaim", "--idle-s", "-5"), "--idle-s must be >= 0, not -5.0"),
+        (("workers", "--cpu", "0"), "--cpu needs at least 1 worker, not 0"),
+    ],
+)
+def test_bad_option_values_are_usage_errors(
+    settings: Settings, args: tuple[str, ...], says: str
+) -> None:
+    """They used to reach Redis and come back as its error (exit 1), or name the wrong flag."""
+    p = cli(settings, *args, "--shards", "1")
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip() == f"prefixq: error: {says}"

@@ -7,6 +7,8 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -15,7 +17,7 @@ from typing import Any
 import pytest
 
 from prefixq import model as pm
-from prefixq.errors import SetupError
+from prefixq.errors import ConfigError, SetupError
 from prefixq.model import EMBEDDED_NAME, MARKER, default_cache_dir, prepare_embedded, resolve_model
 
 
@@ -157,3 +159,26 @@ def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
     assert default_cache_dir() == tmp_path / "home" / ".cache" / "prefixq"
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")  # the XDG spec says absolute only
     assert default_cache_dir() == tmp_path / "home" / ".cache" / "prefixq"
+
+
+@pytest.mark.parametrize("model", ["/nonexistent/model", "./no-model", "~/no-such-model", "a/b/c"])
+def test_a_model_path_that_is_not_a_folder_is_a_config_error(model: str, tmp_path: Path) -> None:
+    """`worker --model /nonexistent` used to start vLLM on it and die in a traceback from the
+    hub client; a path that names no folder is refused by name before any engine starts."""
+    with pytest.raises(ConfigError, match="does not exist"):
+        resolve_model(model, tmp_path)
+    (tmp_path / "weights.bin").write_text("x")
+    with pytest.raises(ConfigError, match="is not a folder"):
+        resolve_model(str(tmp_path / "weights.bin"), tmp_path)
+
+
+def test_cli_worker_with_a_missing_model_folder_exits_2(tmp_path: Path) -> None:
+    p = subprocess.run(
+        [sys.executable, "-m", "prefixq", "worker", "--shard", "0", "--model", "/nonexistent/m"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert p.returncode == 2, p.stderr
+    assert "model '/nonexistent/m' does not exist" in p.stderr and "Traceback" not in p.stderr

@@ -192,6 +192,8 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_workers(args: argparse.Namespace, settings: Settings, argv: Sequence[str]) -> int:
     from prefixq.consumers.run import supervise
 
+    if args.gpus is None and args.cpu < 1:
+        raise ConfigError(f"--cpu needs at least 1 worker, not {args.cpu}")
     gpus: list[str | None] = (
         [g.strip() for g in args.gpus.split(",") if g.strip()] if args.gpus else [None] * args.cpu
     )
@@ -334,6 +336,8 @@ def cmd_reclaim(args: argparse.Namespace, settings: Settings) -> int:
     from prefixq.callbacks import enqueue_on_complete_sync
     from prefixq.consumers.recovery import Recovery
 
+    if args.idle_s is not None and not args.idle_s >= 0:
+        raise ConfigError(f"--idle-s must be >= 0, not {args.idle_s}")
     reports = Recovery(settings, on_burst_done=enqueue_on_complete_sync).reclaim(
         args.shard, args.idle_s
     )
@@ -370,6 +374,8 @@ def cmd_dead(args: argparse.Namespace, settings: Settings) -> int:
         return 0
     if args.id:
         raise ConfigError("--id goes with --requeue")
+    if args.limit < 1:
+        raise ConfigError(f"--limit must be >= 1, not {args.limit}")
     letters = rec.letters(args.shard, limit=args.limit)
     if args.json:
         print(json.dumps([d.to_json() for d in letters], indent=2))

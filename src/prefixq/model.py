@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prefixq.errors import SetupError
+from prefixq.errors import ConfigError, SetupError
 
 logger = logging.getLogger(__name__)
 
@@ -145,10 +145,15 @@ def prepare_embedded(cache_dir: Path, *, log: Callable[[str], None] | None = Non
 
 def resolve_model(model: str, cache_dir: Path) -> str:
     """What to hand vLLM as ``model``: the embedded folder for ``""``/``EMBEDDED_NAME``, an
-    existing local folder as its absolute path, anything else (a hub name) unchanged."""
+    existing local folder as its absolute path, anything else (a hub name) unchanged.
+    ConfigError for what can only be a path (``/...``, ``./...``, ``~...``, a file, more than one
+    ``/``) that is not a folder, before an engine is started on it."""
     if model in ("", EMBEDDED_NAME):
         return str(prepare_embedded(cache_dir))
     path = Path(model).expanduser()
     if path.is_dir():
         return str(path.resolve())
+    if path.exists() or model.startswith(("/", "./", "../", "~")) or model.count("/") > 1:
+        what = "is not a folder" if path.exists() else "does not exist"
+        raise ConfigError(f"model {model!r} {what} (give a Hugging Face model folder or hub name)")
     return model
