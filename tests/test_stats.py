@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 import redis
 
+from helpers import cli
 from prefixq import results, stats
+from prefixq.bursts import cancel
 from prefixq.connection import lua
 from prefixq.consumers.shard import record_call
 from prefixq.errors import BurstRecordLost
@@ -153,3 +155,21 @@ def test_inspect_shows_a_burst_with_a_lost_record_as_lost_and_the_others_as_usua
     assert by_id[ok]["total"] == 1 and by_id[ok]["status"] != "lost"
     with pytest.raises(BurstRecordLost):
         stats.snapshot(s, burst=lost, client=r)
+
+
+def test_inspect_says_a_cancelled_burst_was_cancelled(settings: Settings, r: redis.Redis) -> None:
+    """A cancelled burst is finished (every request has a result), but `inspect` showed it as
+    `finished` where its record, `prefixq cancel` and the OpenAI batch say `cancelled`."""
+    done = recorded_burst(r, settings, 2)
+    cut = Producer(settings).submit([{"id": f"q{i}", "prompt": f"p {i}"} for i in range(3)])
+    cancel(cut, settings)
+    assert results.status(cut, settings).status == "cancelled"
+    snap = stats.snapshot(settings, recent=5, client=r)
+    by_id = {b["burst"]: b for b in snap["bursts"]}
+    assert by_id[cut]["status"] == "cancelled" and by_id[cut]["failed"] == 3
+    assert by_id[done]["status"] == "finished"
+
+
+def test_inspect_refuses_a_negative_recent(settings: Settings) -> None:
+    p = cli(settings, "inspect", "--recent", "-1", "--shards", "1")
+    assert p.returncode == 2 and "--recent must be >= 0" in p.stderr, p.stderr

@@ -290,6 +290,8 @@ def cmd_inspect(args: argparse.Namespace, settings: Settings) -> int:
     from prefixq.progress import render_snapshot
     from prefixq.stats import snapshot
 
+    if args.recent < 0:
+        raise ConfigError(f"--recent must be >= 0, not {args.recent}")
     if args.watch:
         return _watch(args, settings)
     snap = snapshot(settings, burst=args.burst, recent=args.recent)

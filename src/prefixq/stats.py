@@ -223,7 +223,12 @@ def burst_stats(r: redis.Redis, settings: Settings, burst: str) -> dict[str, Any
         out_tokens = round(out_tokens / len(ok) * st.done)
     return {
         "burst": burst,
-        "status": "finished" if st.finished else st.status,
+        # a cancelled or expired burst is finished too; its record says which
+        "status": st.status
+        if st.status in ("cancelled", "expired")
+        else "finished"
+        if st.finished
+        else st.status,
         "total": st.total,
         "done": st.done,
         "failed": st.failed,
