@@ -196,3 +196,27 @@ def test_what_was_read_and_not_admitted_is_handed_back_whole() -> None:
     got = s.unstock()
     assert len(got) == 6 and not s.held and s.stocked == [0, 0, 0]
     assert s.pick(10, 0.0) == []
+
+
+def test_a_capped_tenants_full_stock_does_not_hold_a_lower_priority_back() -> None:
+    """A tenant capped at 2 with many small high bursts (heads only: no lanes) fills the worker's
+    stock up to `stock_max`, so the high intake is no longer read, though its last read was full.
+    Its cap leaves the engine's room to the others: the normal burst is admitted into it, instead
+    of waiting until every stocked high head went through two at a time."""
+    s = sched(caps={"a": 2})
+    idle(s)
+    for i in range(75):
+        fill(s, f"ha{i}", 4, "high", "a")
+    fill(s, "nb", 10, "normal", "b")
+    s.intake_more[0] = True  # the last read of the high intake was full
+    assert s.stocked[0] >= s.stock_max
+    first = s.pick(8, 0.0)
+    assert [(e.priority, e.tenant) for _, e, _ in first] == [("high", "a")] * 2
+    second = s.pick(6, 0.0)  # the next round, with the room a's cap leaves
+    assert [(e.priority, e.tenant) for _, e, _ in second] == [("normal", "b")] * 6
+    plan = s.plan(2)
+    assert "i:high" not in plan.asked  # the full stock is not added to
+    s.read(plan, {})
+    assert [e.tenant for _, e, _ in s.pick(2, 0.0)] == ["b", "b"]
+    s.left(next(t for _, e, t in first if e.tenant == "a"))  # one of a's leaves: a goes next
+    assert [(e.priority, e.tenant) for _, e, _ in s.pick(1, 0.0)] == [("high", "a")]

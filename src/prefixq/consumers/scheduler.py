@@ -295,7 +295,8 @@ class Scheduler:
     # ---- the two decisions -------------------------------------------------------------------
     def top_band(self) -> int | None:
         """The highest band with work: stock or possible remote entries of a tenant not at its
-        cap, or an intake that may hold more."""
+        cap, or an intake that may hold more and will be read (not while the band's stock, all
+        of capped tenants then, is at `stock_max`: that would hold lower bands back for nothing)."""
         for b, tenants in enumerate(self.bands):
             for t in tenants.values():
                 work = t.has_ready() or t.has_remote()
@@ -303,7 +304,7 @@ class Scheduler:
                     t.active = False
                 elif not self.capped(t.name):
                     return b
-            if self.intake_more[b]:
+            if self.intake_more[b] and self.stocked[b] < self.stock_max:
                 return b
         return None
 
