@@ -227,8 +227,15 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     from prefixq.producer import Producer
     from prefixq.progress import BurstProgress, EnqueueProgress
 
+    if not args.wait and (args.out or args.timeout is not None):
+        raise ConfigError("--out and --timeout go with --wait")
+    if not args.out and (args.format or args.token_ids):
+        raise ConfigError("--format and --token-ids go with --out")
     reqs = read_requests(args.file, settings)
     meta = input_metadata(args.file)
+    fmt = args.format or ("openai" if meta and meta.get("input_format") == "openai" else None)
+    if args.token_ids and fmt == "openai":  # refused before the burst is submitted, not after
+        raise ConfigError("--token-ids goes with the prefixq format, not openai")
     with EnqueueProgress(len(reqs)) as bar:
         burst = Producer(settings).submit(
             reqs, burst_id=args.burst_id, progress=bar.update, metadata=meta
