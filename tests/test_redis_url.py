@@ -4,6 +4,7 @@ first command (docs/delivery.md, "Untrusted peers"): an unknown option, an ``ssl
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +15,7 @@ from helpers import cli
 from prefixq.connection import async_client, sync_client
 from prefixq.errors import ConfigError
 from prefixq.producer import Producer
-from prefixq.redis_server import free_port
+from prefixq.redis_server import RedisServer, free_port
 from prefixq.settings import Settings
 
 HOST = "127.0.0.1"
@@ -68,3 +69,19 @@ def test_a_bad_redis_url_is_a_config_error_when_the_client_is_made(
     assert p.returncode == 2, p.stderr
     assert says in p.stderr
     assert "cannot reach" not in p.stderr
+
+
+def test_a_unix_socket_url_works_for_the_cli_and_the_producer(tmp_path: Path) -> None:
+    """`unix:///path/redis.sock` (a scheme redis-py takes and our error names) made every client
+    fail with a TypeError traceback: the unix connection takes no ``socket_keepalive``."""
+    sock = tmp_path / "redis.sock"
+    with RedisServer(extra_args=["--unixsocket", str(sock)]) as srv:
+        s = Settings(redis_url=f"unix://{sock}?db=0", namespace="unix", shards=1)
+        client = sync_client(s)
+        assert client.ping()
+        client.close()
+        burst = Producer(s).submit([{"id": "a", "prompt": "hi"}])
+        p = cli(s, "inspect", "--json", "--burst", burst)
+        assert p.returncode == 0, p.stderr
+        assert json.loads(p.stdout)["bursts"][0]["total"] == 1
+        assert srv.proc is not None and srv.proc.poll() is None

@@ -135,13 +135,15 @@ def check_url(url: str) -> None:
 
 
 def _options(settings: Settings) -> dict[str, Any]:
-    return {
+    options: dict[str, Any] = {
         "socket_connect_timeout": 5.0,
-        "socket_keepalive": True,
         "health_check_interval": 30,
         "retry_on_error": [RedisConnectionError, RedisTimeoutError],
         "client_name": f"prefixq-{settings.namespace}",
     }
+    if urlsplit(settings.redis_url).scheme != "unix":  # TCP only: a unix socket has no keepalive
+        options["socket_keepalive"] = True
+    return options
 
 
 def async_client(settings: Settings) -> aredis.Redis:

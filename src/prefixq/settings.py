@@ -34,7 +34,8 @@ class Settings:
     """Configuration shared by producers, workers and tools; every field documented in README."""
 
     # where and under which names
-    #: Redis URL; rediss:// for TLS, user:password@ for an ACL user, ?ssl_ca_certs=... options
+    #: Redis URL; rediss:// for TLS, unix:///path for a socket, user:password@ for an ACL user,
+    #: ?ssl_ca_certs=... options
     redis_url: str = "redis://127.0.0.1:6379/0"
     #: prefix of every key (1-64 of A-Z a-z 0-9 _ . -); each deployment sharing a Redis has its own
     namespace: str = "prefixq"
