@@ -20,6 +20,7 @@ from prefixq.errors import ValidationError
 from prefixq.keys import Keys
 from prefixq.producer import Producer
 from prefixq.producer.producer import HEAD
+from prefixq.records import Request
 from prefixq.settings import Settings
 
 
@@ -210,3 +211,16 @@ def test_an_unusable_burst_id_is_refused_before_anything_is_written(
     with pytest.raises(ValidationError, match="burst id"):
         Producer(s).submit([{"id": "a", "prompt": "x"}], burst_id=bad)
     assert namespace_keys(r, s) == []
+
+
+@pytest.mark.parametrize(
+    "one", [{"id": "a", "prompt": "hi"}, "hello", Request(id="a", prompt="hi")], ids=type
+)
+def test_one_request_instead_of_a_list_is_refused_by_name(
+    settings: Settings, r: redis.Redis, one: Any
+) -> None:
+    """`submit({"id": ..., "prompt": ...})` iterated the dict's keys and said "line 1: expected a
+    JSON object, got str"; it now says to wrap the request in a list."""
+    with pytest.raises(ValidationError, match="wrap a single request in a list"):
+        Producer(settings).submit(one)
+    assert not list(r.scan_iter(match=f"{settings.namespace}:*"))

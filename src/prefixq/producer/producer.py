@@ -143,6 +143,11 @@ class Producer:
         """
         s = self.settings
         order = order or s.enqueue_order
+        if isinstance(requests, str | bytes | Mapping | Request):
+            raise ValidationError(
+                "submit takes a list (an iterable) of requests, not one "
+                f"{type(requests).__name__}: wrap a single request in a list"
+            )
         raw = list(requests)
         if not raw:
             raise ValidationError("the burst is empty")
