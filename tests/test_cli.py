@@ -187,3 +187,15 @@ def test_submit_refuses_options_it_would_ignore_before_submitting(
     assert p.returncode == 2, p.stderr
     assert says in p.stderr and not out.exists()
     assert not list(r.scan_iter(match=f"{settings.namespace}:*"))
+
+
+def test_an_unknown_log_level_is_a_usage_error_and_the_case_does_not_matter(
+    settings: Settings,
+) -> None:
+    """`--log-level FOO` ended in a ValueError traceback from logging (exit 1)."""
+    p = cli(settings, "inspect", "--shards", "1", "--log-level", "FOO")
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "argument --log-level: invalid choice: 'FOO'" in p.stderr
+    p = cli(settings, "inspect", "--shards", "1", "--json", "--log-level", "debug")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["namespace"] == settings.namespace

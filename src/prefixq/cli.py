@@ -35,7 +35,14 @@ def _settings_parser() -> argparse.ArgumentParser:
             g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
         else:
             g.add_argument(flag, dest=f.name, type=kind, default=None, metavar=f.name.upper())
-    g.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default per command)")
+    g.add_argument(
+        "--log-level",
+        default=None,
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+        help="DEBUG, INFO, WARNING, ERROR (default INFO for worker, workers, demo, serve; "
+        "else WARNING)",
+    )
     g.add_argument(
         "--log-format",
         choices=("text", "json"),
