@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import importlib.util
 import json
@@ -182,3 +183,23 @@ def test_cli_worker_with_a_missing_model_folder_exits_2(tmp_path: Path) -> None:
     )
     assert p.returncode == 2, p.stderr
     assert "model '/nonexistent/m' does not exist" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize(
+    ("engine_args", "says"),
+    [
+        ({"no_such_field": 1}, "--engine-arg no_such_field: not a field of vLLM's AsyncEngineArgs"),
+        ({"max_model_len": "abc"}, "max_model_len: Input should be a valid integer"),
+    ],
+)
+def test_an_engine_arg_vllm_refuses_is_a_config_error(
+    engine_args: dict[str, Any], says: str, tmp_path: Path
+) -> None:
+    """`worker --engine-arg no_such_field=1` or `max_model_len=abc` died in a TypeError or a
+    pydantic traceback (exit 1, restarted by the supervisor); now ConfigError (exit 2), before
+    any model is loaded."""
+    pytest.importorskip("vllm")
+    from prefixq.consumers.vllm_engine import VllmEngine
+
+    with pytest.raises(ConfigError, match=says):
+        asyncio.run(VllmEngine(str(tmp_path), engine_args).start())

@@ -6,6 +6,7 @@ never need it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -14,7 +15,14 @@ from typing import Any
 
 from prefixq.choices import MIN_LOGPROB, Choice, TokenLogprob
 from prefixq.consumers.engine import EngineOutput, EngineRequest
-from prefixq.errors import EngineAborted, EngineDead, EngineError, EngineRefused, SetupError
+from prefixq.errors import (
+    ConfigError,
+    EngineAborted,
+    EngineDead,
+    EngineError,
+    EngineRefused,
+    SetupError,
+)
 from prefixq.sampling import DEFAULT_MAX_TOKENS
 
 log = logging.getLogger(__name__)
@@ -128,6 +136,7 @@ class VllmEngine:
 
     async def start(self) -> None:
         try:
+            import pydantic
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as e:
@@ -135,8 +144,25 @@ class VllmEngine:
                 "vLLM is not installed: pip install 'prefixq[cpu]' (CPU) or 'prefixq[gpu]' (GPU)"
             ) from e
         args = {"enable_prefix_caching": True, "disable_log_stats": False, **self.engine_args}
+        known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+        unknown = sorted(set(args) - known)
+        if unknown:
+            raise ConfigError(
+                f"--engine-arg {', '.join(unknown)}: not a field of vLLM's AsyncEngineArgs"
+            )
         t0 = time.perf_counter()
-        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.model, **args))
+        try:
+            self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.model, **args))
+        except pydantic.ValidationError as e:  # --model or an --engine-arg vLLM refuses
+            what = "; ".join(
+                ".".join(str(x) for x in err["loc"]) + ": " + err["msg"]
+                if err["loc"]
+                else err["msg"]
+                for err in e.errors()
+            )
+            raise ConfigError(
+                f"vLLM refused the engine configuration (--model, --engine-arg): {what}"
+            ) from None
         cfg = self._llm.vllm_config
         self._max_num_seqs = int(cfg.scheduler_config.max_num_seqs)
         self._block_size = int(cfg.cache_config.block_size or 16)
