@@ -14,7 +14,7 @@ import redis
 
 from helpers import FakeWorker, cli, wait_settled, wait_until
 from prefixq import results
-from prefixq.errors import BurstNotFound, BurstRecordLost
+from prefixq.errors import BurstNotFound, BurstRecordLost, ValidationError
 from prefixq.producer import Producer
 from prefixq.settings import Settings
 
@@ -107,3 +107,24 @@ def test_a_worker_never_recreates_a_record_that_went_away(
     assert r.hlen(settings.keys.results(burst)) == 0
     with pytest.raises(BurstNotFound):
         results.wait(burst, settings, timeout=2)
+
+
+def test_an_infinite_timeout_waits_and_a_nan_one_is_refused(
+    settings: Settings, fake_worker: Callable[..., FakeWorker], tmp_path: Any
+) -> None:
+    """`submit --wait --timeout inf` ended in an OverflowError traceback, `--timeout nan` in a
+    ValueError one (and `results --timeout nan` waited forever). inf is no limit; nan and a
+    negative timeout are usage errors; `results.wait(timeout=nan)` is a ValidationError."""
+    fake_worker(settings)
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": "a", "prompt": "hi"}\n{"id": "b", "prompt": "there"}\n')
+    p = cli(settings, "submit", str(src), "--wait", "--timeout", "inf", timeout=60)
+    assert p.returncode == 0, p.stderr
+    burst = p.stdout.split()[-1]
+    assert results.wait(burst, settings, timeout=float("inf")).done == 2
+    with pytest.raises(ValidationError, match="not nan"):
+        results.wait(burst, settings, timeout=float("nan"))
+    for args in (("submit", str(src), "--wait"), ("results", burst)):
+        for bad in ("nan", "-1"):
+            p = cli(settings, *args, "--timeout", bad, timeout=60)
+            assert p.returncode == 2 and "--timeout must be >= 0" in p.stderr, p.stderr

@@ -234,6 +234,7 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     from prefixq.producer import Producer
     from prefixq.progress import BurstProgress, EnqueueProgress
 
+    _check_timeout(args.timeout)
     if not args.wait and (args.out or args.timeout is not None):
         raise ConfigError("--out and --timeout go with --wait")
     if not args.out and (args.format or args.token_ids):
@@ -259,8 +260,15 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _check_timeout(timeout: float | None) -> None:
+    if timeout is not None and not timeout >= 0:  # nan too
+        raise ConfigError(f"--timeout must be >= 0 seconds, not {timeout}")
+
+
 def cmd_results(args: argparse.Namespace, settings: Settings) -> int:
     from prefixq.openai.outputs import write_results
+
+    _check_timeout(args.timeout)
 
     out = args.out or sys.stdout
     n = write_results(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from redis.exceptions import RedisError
 
 from prefixq import wire
 from prefixq.connection import describe, sync_client
-from prefixq.errors import BurstNotFound, BurstRecordLost, BurstTimeout
+from prefixq.errors import BurstNotFound, BurstRecordLost, BurstTimeout, ValidationError
 from prefixq.records import Result
 from prefixq.settings import Settings
 
@@ -121,6 +122,15 @@ def status(
     return _Session(burst, settings, client).status()
 
 
+def _deadline(timeout: float | None) -> float | None:
+    """The monotonic time ``timeout`` s from now; None (no limit) for None or infinity."""
+    if timeout is None or timeout == math.inf:
+        return None
+    if math.isnan(timeout):
+        raise ValidationError("timeout must be a number of seconds or None, not nan")
+    return time.monotonic() + timeout
+
+
 def wait(
     burst: str,
     settings: Settings | None = None,
@@ -131,7 +141,7 @@ def wait(
 ) -> BurstStatus:
     """Block until every request of the burst has a result; BurstTimeout past ``timeout`` s."""
     ses = _Session(burst, settings, client)
-    deadline = None if timeout is None else time.monotonic() + timeout
+    deadline = _deadline(timeout)
     last = "0-0"
     while True:
         st = ses.status()
@@ -160,7 +170,7 @@ def iterate(
     """Yield results in input order, each as soon as it and all before it are recorded."""
     ses = _Session(burst, settings, client)
     total = ses.status().total
-    deadline = None if timeout is None else time.monotonic() + timeout
+    deadline = _deadline(timeout)
     nxt, last = 0, "0-0"
     while nxt < total:
         got = ses.fetch(range(nxt, min(total, nxt + _FETCH)))
