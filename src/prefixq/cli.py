@@ -332,7 +332,7 @@ def _watch(args: argparse.Namespace, settings: Settings) -> int:
 
     if args.json:
         raise ConfigError("--watch shows a live table; use --json without --watch")
-    if args.interval <= 0 or args.watch_count < 0:
+    if not args.interval > 0 or args.watch_count < 0:  # nan too
         raise ConfigError("--interval must be > 0 and --watch-count >= 0")
     r = sync_client(settings)
     try:
