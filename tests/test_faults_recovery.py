@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
 from collections.abc import Callable
 
 import pytest
@@ -16,6 +18,7 @@ from prefixq import wire
 from prefixq.entries import Entry
 from prefixq.keys import CARRIED, FIELD, GROUP, Keys
 from prefixq.producer import Producer
+from prefixq.records import Result
 from prefixq.settings import Settings
 
 pytestmark = pytest.mark.slow
@@ -110,3 +113,59 @@ def test_prefixq_reclaim_and_dead_requeue(
     assert r.xlen(keys.dead(0)) == 0 and queue_empty(r, s) == (0, 0)
     p = cli(s, "dead")
     assert p.returncode == 0 and p.stdout == ""
+
+
+def test_dead_requeue_leaves_a_cancelled_bursts_letters_and_its_results_and_counts_alone(
+    make_settings: Callable[..., Settings], r: redis.Redis, fake_worker: MakeWorker
+) -> None:
+    """Given a burst whose entries died on a consumer, one dead-lettered before `prefixq cancel`
+    and two after it (their requests already failed as cancelled), `dead --requeue` skips all
+    three with the reason and leaves them in place: it takes back no result (neither the
+    cancel's nor dead-lettering's), queues nothing, and the burst stays `cancelled` with its
+    counts, also after a worker has run. (It used to take the cancelled results back and run the
+    requests again: the burst then read `finished`, with `cancelled` counted twice.)"""
+    s = make_settings(max_attempts=1)
+    keys = Keys(s.namespace)
+    burst = Producer(s).submit(requests(3))
+    queues = queue_keys(r, s)
+    for key in queues:
+        with contextlib.suppress(redis.ResponseError):  # a lane has its group already
+            r.xgroup_create(key, GROUP, id="0", mkstream=True)
+    r.xreadgroup(GROUP, "ghost", dict.fromkeys(queues, ">"), count=1)
+    assert pending_on(r, s, "ghost") == 1
+    p = cli(s, "reclaim", "--idle-s", "0", "--max-attempts", "1", "--json")
+    assert p.returncode == 0 and json.loads(p.stdout)[0]["dead"] == 1, p.stdout + p.stderr
+    r.xreadgroup(GROUP, "ghost", dict.fromkeys(queues, ">"), count=8)
+    assert pending_on(r, s, "ghost") == 2
+    assert cli(s, "cancel", burst).returncode == 0
+    p = cli(
+        s, "reclaim", "--idle-s", "0", "--max-attempts", "1", "--json"
+    )  # records nothing: they have results
+    assert p.returncode == 0 and json.loads(p.stdout)[0]["dead"] == 2, p.stdout + p.stderr
+    assert r.xlen(keys.dead(0)) == 3
+    LEDGER.fault("a cancelled burst's 3 entries died on a consumer and were dead-lettered")
+    record = r.hgetall(keys.burst(burst))
+    results = r.hgetall(keys.results(burst))
+    codes = sorted(Result.from_wire(wire.decode(v)).error_code or "" for v in results.values())
+    assert codes == ["cancelled", "cancelled", "dead_lettered"]
+    assert (record[b"status"], record[b"failed"], record[b"cancelled"]) == (
+        b"cancelled",
+        b"3",
+        b"2",
+    )
+
+    p = cli(s, "dead", "--requeue", "--json")
+    assert p.returncode == 0, p.stderr
+    rep = json.loads(p.stdout)
+    assert (rep["requeued"], rep["cleared"], rep["resolved"]) == (0, 0, 0)
+    assert [why for _, why in rep["skipped"]] == [
+        f"burst {burst!r} was cancelled: it does not run again"
+    ] * 3
+    assert r.xlen(keys.dead(0)) == 3
+    assert queue_empty(r, s) == (0, 0)
+    with fake_worker(s, name="rw"):
+        time.sleep(1.0)  # a worker finds nothing to run
+    out = account(r, s, burst, 3, what="after requeue of a cancelled burst")
+    assert (out.lost, out.duplicated) == (0, 0)
+    assert r.hgetall(keys.results(burst)) == results
+    assert r.hgetall(keys.burst(burst)) == record

@@ -30,7 +30,9 @@ outcome is the one result recorded (it goes to the intake stream of its burst's 
 two steps touch different Cluster slots, so they cannot be
 one script; in this order a crash between them leaves the dead letter in place and a re-run
 finishes the job. A requeued entry starts its delivery count afresh. A dead letter whose request
-already has a successful result is only deleted; one without a decodable payload is skipped.
+already has a result other than dead-lettering's is only deleted; one without a decodable payload,
+or whose burst was cancelled, expired or has no record, is skipped (a cancelled burst's request
+does not run again, and its status and counts stay the cancel's).
 """
 
 from __future__ import annotations
@@ -68,6 +70,15 @@ __all__ = ["ReclaimReport", "Recovery", "RequeueReport"]
 CLI_WORKER = "prefixq-reclaim"
 _PAGE = 1000
 _STREAM_ID = re.compile(r"\d+-\d+")
+#: a burst status a cancel or an expiry set (or is setting) -> what to call it
+_ENDED_EARLY = {
+    b"cancelling": "cancelled",
+    b"cancelled": "cancelled",
+    b"expiring": "expired",
+    b"expired": "expired",
+}
+#: the error code of the failed result dead-lettering records (letters.failed_result)
+DEAD_LETTERED = "dead_lettered"
 
 
 @dataclass(slots=True)
@@ -98,7 +109,8 @@ class RequeueReport:
     requeued: int = 0
     #: failed results taken back (their bursts' failed counts lowered)
     cleared: int = 0
-    #: dead letters whose request had a successful result anyway: only deleted
+    #: dead letters whose request had a result other than dead-lettering's anyway (an earlier
+    #: delivery succeeded after all): only deleted
     resolved: int = 0
     #: (dead letter id, why) for those left in place
     skipped: list[tuple[str, str]] = field(default_factory=list)
@@ -273,18 +285,32 @@ class Recovery:
             rep.skipped.append((did, f"payload does not decode ({err}); it would fail again"))
             return
         results, meta = self.keys.results(entry.burst), self.keys.burst(entry.burst)
+        total, status = self.r.hmget(meta, "total", "status")
+        if total is None:
+            rep.skipped.append((did, f"burst {entry.burst!r} has no record (expired or evicted)"))
+            return
+        ended = _ENDED_EARLY.get(status or b"")
+        if ended is not None:
+            rep.skipped.append((did, f"burst {entry.burst!r} was {ended}: it does not run again"))
+            return
         raw = self.r.hget(results, entry.index)
         if raw is not None:
             try:
-                ok = Result.from_wire(wire.decode(raw, self.limits)).error is None
+                res = Result.from_wire(wire.decode(raw, self.limits))
+                ours = res.error_code == DEAD_LETTERED or (res.error or "").startswith("dead-")
             except (PrefixqError, KeyError, TypeError, ValueError):
-                ok = False
-            if ok:  # an earlier delivery succeeded after all: nothing to run again
+                ours = True  # unreadable: taken back (the compare-and-delete still guards it)
+            if not ours:  # its result is not dead-lettering's (an earlier delivery succeeded
+                # after all, or a worker failed it as past its deadline): it stays the one result
                 self.r.xdel(self.keys.dead(k), dead_id)
                 rep.resolved += 1
                 return
             burst_keys = [results, meta, self.keys.events(entry.burst), self.keys.ids(entry.burst)]
-            rep.cleared += int(self._unrecord(keys=burst_keys, args=[entry.index, raw]))
+            taken = int(self._unrecord(keys=burst_keys, args=[entry.index, raw]))
+            if taken < 0:  # cancelled or expired since the look above
+                rep.skipped.append((did, f"burst {entry.burst!r} ended early: it does not run"))
+                return
+            rep.cleared += taken
         new = self._requeue(
             keys=[self.keys.intake(k, entry.priority), self.keys.dead(k)],
             args=[dead_id, FIELD, data],

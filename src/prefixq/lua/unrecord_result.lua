@@ -7,13 +7,18 @@
 -- ARGV[2]  the encoded failed result the field must still hold
 -- Returns 1 if the result was removed and the burst's failed count lowered (a finished burst is
 -- queued again, and its keys stop expiring while it runs), 0 if the field holds something else
--- or nothing (then nothing changes).
+-- or nothing, -1 if the burst was cancelled or expired (or is being): its request must not run
+-- again, and its status and counters are the cancel's or the expiry's (nothing changes either way).
+local status = redis.call('HGET', KEYS[2], 'status')
+if status == 'cancelling' or status == 'cancelled' or status == 'expiring' or status == 'expired' then
+  return -1
+end
 if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then
   return 0
 end
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('HINCRBY', KEYS[2], 'failed', -1)
-if redis.call('HGET', KEYS[2], 'status') == 'finished' then
+if status == 'finished' then
   redis.call('HSET', KEYS[2], 'status', 'queued')
   redis.call('HDEL', KEYS[2], 'finished_at')
   for i = 1, 4 do
