@@ -8,6 +8,8 @@ test adds the faults it saw land and what its bursts lost or doubled to the ledg
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
 import pickle
 import secrets
@@ -19,11 +21,13 @@ from typing import Any
 import msgpack
 import pytest
 import redis
+import redis.asyncio as aredis
 import zstandard
 
-from helpers import FakeWorker, wait_burst, wait_settled, wait_until
+from helpers import FakeWorker, cli, wait_burst, wait_settled, wait_until
 from ledger import LEDGER, account
 from prefixq import wire
+from prefixq.consumers import control
 from prefixq.errors import ValidationError
 from prefixq.keys import FIELD, Keys
 from prefixq.producer import Producer
@@ -396,3 +400,75 @@ def test_real_engine_refuses_bad_prompts_and_keeps_serving(cluster: Any, r: redi
     assert "out of vocabulary" in (out.results[0].error or "")
     assert "maximum context length" in (out.results[1].error or "")
     assert all(w.proc.poll() is None for w in cluster.workers)
+
+
+# ---- garbage in the namespace's other keys ---------------------------------------------------
+def test_garbage_in_the_deadline_index_does_not_stop_expiry_nor_a_control_entry_the_control_loop(
+    make_settings: Callable[..., Settings], r: redis.Redis, fake_worker: Callable[..., FakeWorker]
+) -> None:
+    """Given a deadline index member that is no UTF-8 burst id, and a burst with a deadline whose
+    record's total is not a count, a worker still expires a burst whose deadline passes (its
+    requests in the engine are aborted and failed as expired) and drops the two from the index;
+    given a control entry whose fields are not UTF-8, it still answers `stats`. (Both used to
+    kill the worker's expiry task, or its control loop, for good, without a word.)"""
+    s = make_settings()
+    keys = Keys(s.namespace)
+    w = fake_worker(s, name="gw")
+    corrupt = "corrupt-total"
+    r.hset(keys.burst(corrupt), mapping={"total": "many", "done": 0, "failed": 0})
+    r.zadd(keys.deadlines, {b"\xff\xfe": 1, corrupt: 2})
+    r.xadd(keys.control, {"cmd": b"\xff\xfe", "id": b"\xff"})
+    burst = Producer(s).submit(
+        [{"id": f"q{i}", "prompt": f"sleep:30 q{i}", "max_tokens": 4} for i in range(3)],
+        deadline=time.time() + 1.5,
+    )
+    wait_until(lambda: r.hget(keys.burst(burst), "status") == b"expired", 15, "the expiry")
+    assert r.zcard(keys.deadlines) == 0
+    LEDGER.fault("garbage in the deadline index, the worker expired the burst anyway")
+    out = account(r, s, burst, 3, what="its burst")
+    assert (out.lost, out.duplicated, out.failed) == (0, 0, 3)
+    assert {x.error_code for x in out.results.values()} == {"expired"}
+
+    async def stats() -> dict[str, Any]:
+        ar = aredis.Redis.from_url(s.redis_url)
+        try:
+            return await control.send(ar, keys, "stats", ["gw"], wait_s=10)
+        finally:
+            await ar.aclose()
+
+    assert asyncio.run(stats())["gw"]["ok"] is True
+    LEDGER.fault("a control entry that is not UTF-8, the worker answered the next command")
+    assert w.running
+
+
+def test_corrupt_records_are_clear_errors_in_cancel_dead_and_reclaim_never_a_traceback(
+    make_settings: Callable[..., Settings], r: redis.Redis
+) -> None:
+    """Given a burst record whose counters are not counts, `prefixq cancel` exits 1 saying the
+    record is corrupt and changes nothing; given a dead letter whose numbers are garbage,
+    `prefixq dead` still lists it (and the others); given a shard count in the config hash that
+    is no positive number, `prefixq reclaim` and `prefixq dead` exit 2 naming it. (Each was a
+    Python traceback.)"""
+    s = make_settings()
+    keys = Keys(s.namespace)
+    burst = Producer(s).submit([{"id": "q0", "prompt": "x"}])
+    r.hset(keys.burst(burst), "done", "lots")
+    p = cli(s, "cancel", burst)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert f"burst {burst!r}: its record is corrupt" in p.stderr
+    assert r.hget(keys.burst(burst), "status") == b"queued" and not r.exists(keys.results(burst))
+
+    bad = r.xadd(keys.dead(0), {"delivered": "abc", "at": "nan", "index": "٣", "reason": "x"})
+    good = r.xadd(keys.dead(0), {"delivered": 3, "at": 1.5, "index": 0, "burst": burst})
+    p = cli(s, "dead", "--json")
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    listed = {d["id"]: d for d in json.loads(p.stdout)}
+    assert (listed[bad.decode()]["delivered"], listed[bad.decode()]["index"]) == (0, None)
+    assert (listed[good.decode()]["delivered"], listed[good.decode()]["index"]) == (3, 0)
+
+    for stored in ("abc", "0"):
+        r.hset(keys.config, "shards", stored)
+        for cmd in ("reclaim", "dead"):
+            p = cli(s, cmd)
+            assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+            assert f"corrupt shard count b'{stored}'" in p.stderr, p.stderr

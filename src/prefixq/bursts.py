@@ -30,7 +30,7 @@ import redis.asyncio as aredis
 
 from prefixq import wire
 from prefixq.connection import TRANSIENT, describe, lua, sync_client
-from prefixq.errors import BurstNotFound
+from prefixq.errors import BurstNotFound, BurstRecordLost
 from prefixq.keys import Keys
 from prefixq.records import Result
 from prefixq.settings import Settings
@@ -148,7 +148,7 @@ def cancel(burst: str, settings: Settings, *, client: redis.Redis | None = None)
 
 def _cancel(r: redis.Redis, settings: Settings, burst: str) -> CancelReport:
     keys = settings.keys
-    before = _counts(r.hmget(keys.burst(burst), "total", "done", "failed", "status"))
+    before = _counts(r.hmget(keys.burst(burst), "total", "done", "failed", "status"), burst)
     if before is None:
         raise BurstNotFound(f"no burst {burst!r} in namespace {settings.namespace!r}")
     total, done, failed, status = before
@@ -162,7 +162,7 @@ def _cancel(r: redis.Redis, settings: Settings, burst: str) -> CancelReport:
         from prefixq.callbacks import enqueue_on_complete_sync
 
         enqueue_on_complete_sync(r, settings, burst)
-    after = _counts(r.hmget(keys.burst(burst), "total", "done", "failed", "status"))
+    after = _counts(r.hmget(keys.burst(burst), "total", "done", "failed", "status"), burst)
     total, done, failed, status = after or before
     log.info("burst %s cancelled: %d requests failed as cancelled", burst, f.recorded)
     return CancelReport(burst, status, total, done, failed, f.recorded, False, f.completed)
@@ -188,7 +188,7 @@ def _finish_sync(r: redis.Redis, f: _Finisher, total: int) -> None:
 async def acancel(burst: str, settings: Settings, r: aredis.Redis) -> CancelReport:
     """`cancel` inside an event loop, on the caller's client."""
     keys = settings.keys
-    before = _counts(await r.hmget(keys.burst(burst), "total", "done", "failed", "status"))
+    before = _counts(await r.hmget(keys.burst(burst), "total", "done", "failed", "status"), burst)
     if before is None:
         raise BurstNotFound(f"no burst {burst!r} in namespace {settings.namespace!r}")
     total, done, failed, status = before
@@ -202,7 +202,7 @@ async def acancel(burst: str, settings: Settings, r: aredis.Redis) -> CancelRepo
         from prefixq.callbacks import enqueue_on_complete
 
         await enqueue_on_complete(r, settings, burst)
-    after = _counts(await r.hmget(keys.burst(burst), "total", "done", "failed", "status"))
+    after = _counts(await r.hmget(keys.burst(burst), "total", "done", "failed", "status"), burst)
     total, done, failed, status = after or before
     log.info("burst %s cancelled: %d requests failed as cancelled", burst, f.recorded)
     return CancelReport(burst, status, total, done, failed, f.recorded, False, f.completed)
@@ -213,14 +213,21 @@ async def expire_due(r: aredis.Redis, settings: Settings, now: float | None = No
     get one with ``error_code`` ``expired``, its status becomes ``expired`` (finished results
     stay), and it leaves `Keys.deadlines`. Safe to run from several workers at once (each index
     is recorded once); returns the bursts this call expired. Bursts that had finished anyway,
-    or whose record is gone, only leave the index."""
+    or whose record is gone or corrupt, and members that are no burst id, only leave the index."""
     keys = settings.keys
     now = time.time() if now is None else now
     due = await r.zrangebyscore(keys.deadlines, "-inf", now, start=0, num=_DUE_PER_CALL)
     expired: list[str] = []
     for raw in due:
-        burst = raw.decode() if isinstance(raw, bytes) else str(raw)
-        before = _counts(await r.hmget(keys.burst(burst), "total", "done", "failed", "status"))
+        try:  # anything with write access may have written the index: skip what is not a burst
+            burst = raw.decode() if isinstance(raw, bytes) else str(raw)
+            before = _counts(
+                await r.hmget(keys.burst(burst), "total", "done", "failed", "status"), burst
+            )
+        except (UnicodeDecodeError, BurstRecordLost) as e:
+            log.warning("deadline index entry %r dropped: %s", raw, e)
+            await r.zrem(keys.deadlines, raw)
+            continue
         if before is not None and before[1] + before[2] < before[0]:
             f = _Finisher(keys, settings, burst, "expired")
             await _finish_async(r, f, before[0])
@@ -254,10 +261,18 @@ async def _finish_async(r: aredis.Redis, f: _Finisher, total: int) -> None:
         f.absorb(await script(keys=f.script_keys, args=_no_index(f)))
 
 
-def _counts(raw: list[Any]) -> tuple[int, int, int, str] | None:
-    """(total, done, failed, status) of a burst record, None if there is none (or no total)."""
+def _counts(raw: list[Any], burst: str = "") -> tuple[int, int, int, str] | None:
+    """(total, done, failed, status) of a burst record, None if there is none (or no total);
+    BurstRecordLost if its counters are not counts (a corrupt record)."""
     total, done, failed, status = raw
     if total is None:
         return None
-    text = status.decode() if isinstance(status, bytes) else (status or "queued")
-    return int(total), int(done or 0), int(failed or 0), text
+    text = status.decode(errors="replace") if isinstance(status, bytes) else (status or "queued")
+    try:
+        counts = int(total), int(done or 0), int(failed or 0)
+    except ValueError:
+        raise BurstRecordLost(
+            f"burst {burst!r}: its record is corrupt (total {total!r}, done {done!r}, failed "
+            f"{failed!r} are not counts); nothing was changed"
+        ) from None
+    return (*counts, text)

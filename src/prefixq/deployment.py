@@ -19,7 +19,15 @@ def _shards(stored: bytes | None, settings: Settings) -> tuple[int, bool]:
     """(shard count, whether to record it): Redis's record wins; settings may agree or seed it."""
     keys = settings.keys
     if stored is not None:
-        n = int(stored)
+        try:
+            n = int(stored)
+        except ValueError:
+            n = 0
+        if n <= 0:
+            raise ConfigError(
+                f"namespace {settings.namespace!r} has a corrupt shard count {stored!r} in Redis "
+                f"({keys.config}, field shards): set it to the number of shards (HSET)"
+            )
         if settings.shards and settings.shards != n:
             raise ConfigError(
                 f"PREFIXQ_SHARDS={settings.shards} but namespace {settings.namespace!r} has {n} "

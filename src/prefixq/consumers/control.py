@@ -49,8 +49,9 @@ async def control_loop(
             continue
         for entry_id, fields in resp[0][1] if resp else []:
             last = entry_id
-            cmd = fields.get(b"cmd", b"").decode()
-            cid = fields.get(b"id", b"").decode()
+            # anything with write access may have posted it: never let a field stop the loop
+            cmd = fields.get(b"cmd", b"").decode(errors="replace")
+            cid = fields.get(b"id", b"").decode(errors="replace")
             answer = await _run(cmd, handlers, stats)
             try:
                 await r.hset(keys.control_acks, f"{cid}:{name}", json.dumps(answer))

@@ -92,6 +92,8 @@ class BurstEnds:
                 await expire_due(self.r, self.settings)
             except (*TRANSIENT, ResponseError) as e:
                 log.warning("expiring bursts failed: %s", e)
+            except Exception:  # whatever Redis holds, deadlines must keep being enforced
+                log.exception("expiring bursts failed")
 
     def _note(self, entry_id: bytes, fields: dict[bytes, bytes]) -> str | None:
         self._seen = entry_id.decode()

@@ -9,6 +9,7 @@ them through `ShardStream.dead_letter` (consumers/shard.py) and so does `prefixq
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -138,16 +139,23 @@ class DeadLetter:
         def text(key: bytes) -> str:
             return f.get(key, b"").decode(errors="replace")
 
+        def number(key: bytes, kind: type[int] | type[float]) -> Any:
+            try:  # anything with write access may have written the stream: never fail a listing
+                value = kind(text(key) or 0)
+            except ValueError:
+                return kind(0)
+            return value if math.isfinite(value) else kind(0)
+
         index = text(b"index")
         return cls(
             id=dead_id.decode(),
             shard=shard,
             entry=text(b"entry"),
             reason=text(b"reason"),
-            delivered=int(text(b"delivered") or 0),
+            delivered=number(b"delivered", int),
             burst=text(b"burst") or None,
-            index=int(index) if index.lstrip("-").isdigit() else None,
-            at=float(text(b"at") or 0.0),
+            index=int(index) if index.isascii() and index.lstrip("-").isdigit() else None,
+            at=number(b"at", float),
             worker=text(b"worker"),
             has_payload=FIELD in f,
         )
