@@ -119,11 +119,12 @@ def test_dead_requeue_leaves_a_cancelled_bursts_letters_and_its_results_and_coun
     make_settings: Callable[..., Settings], r: redis.Redis, fake_worker: MakeWorker
 ) -> None:
     """Given a burst whose entries died on a consumer, one dead-lettered before `prefixq cancel`
-    and two after it (their requests already failed as cancelled), `dead --requeue` skips all
-    three with the reason and leaves them in place: it takes back no result (neither the
-    cancel's nor dead-lettering's), queues nothing, and the burst stays `cancelled` with its
-    counts, also after a worker has run. (It used to take the cancelled results back and run the
-    requests again: the burst then read `finished`, with `cancelled` counted twice.)"""
+    and two after it (their requests already failed as cancelled), `dead --requeue` deletes the
+    two as resolved (the cancel's result is their one result) and skips the first with the
+    reason, leaving it in place: it takes back no result (neither the cancel's nor
+    dead-lettering's), queues nothing, and the burst stays `cancelled` with its counts, also
+    after a worker has run. (It used to take the cancelled results back and run the requests
+    again: the burst then read `finished`, with `cancelled` counted twice.)"""
     s = make_settings(max_attempts=1)
     keys = Keys(s.namespace)
     burst = Producer(s).submit(requests(3))
@@ -157,11 +158,11 @@ def test_dead_requeue_leaves_a_cancelled_bursts_letters_and_its_results_and_coun
     p = cli(s, "dead", "--requeue", "--json")
     assert p.returncode == 0, p.stderr
     rep = json.loads(p.stdout)
-    assert (rep["requeued"], rep["cleared"], rep["resolved"]) == (0, 0, 0)
+    assert (rep["requeued"], rep["cleared"], rep["resolved"]) == (0, 0, 2)
     assert [why for _, why in rep["skipped"]] == [
         f"burst {burst!r} was cancelled: it does not run again"
-    ] * 3
-    assert r.xlen(keys.dead(0)) == 3
+    ]
+    assert r.xlen(keys.dead(0)) == 1
     assert queue_empty(r, s) == (0, 0)
     with fake_worker(s, name="rw"):
         time.sleep(1.0)  # a worker finds nothing to run

@@ -289,10 +289,6 @@ class Recovery:
         if total is None:
             rep.skipped.append((did, f"burst {entry.burst!r} has no record (expired or evicted)"))
             return
-        ended = _ENDED_EARLY.get(status or b"")
-        if ended is not None:
-            rep.skipped.append((did, f"burst {entry.burst!r} was {ended}: it does not run again"))
-            return
         raw = self.r.hget(results, entry.index)
         if raw is not None:
             try:
@@ -301,10 +297,15 @@ class Recovery:
             except (PrefixqError, KeyError, TypeError, ValueError):
                 ours = True  # unreadable: taken back (the compare-and-delete still guards it)
             if not ours:  # its result is not dead-lettering's (an earlier delivery succeeded
-                # after all, or a worker failed it as past its deadline): it stays the one result
+                # after all, or a cancel or deadline failed it): it stays the one result
                 self.r.xdel(self.keys.dead(k), dead_id)
                 rep.resolved += 1
                 return
+        ended = _ENDED_EARLY.get(status or b"")
+        if ended is not None:
+            rep.skipped.append((did, f"burst {entry.burst!r} was {ended}: it does not run again"))
+            return
+        if raw is not None:
             burst_keys = [results, meta, self.keys.events(entry.burst), self.keys.ids(entry.burst)]
             taken = int(self._unrecord(keys=burst_keys, args=[entry.index, raw]))
             if taken < 0:  # cancelled or expired since the look above
