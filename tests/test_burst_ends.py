@@ -107,3 +107,29 @@ def test_a_deadline_expires_the_requests_not_admitted_and_the_worker_serves_on(
     assert out.lost == 0 and out.duplicated == 0
     nxt = Producer(s).submit(slow(5, 0.0, "n"))
     assert len(wait_burst(r, s, nxt, 10)) == 5
+
+
+def test_a_burst_id_submitted_again_after_its_cancelled_burst_expired_runs_its_requests(
+    make_settings: Callable[..., Settings], r: redis.Redis, fake_worker: Callable[..., FakeWorker]
+) -> None:
+    """Given a burst id whose burst was cancelled and whose record then expired (result_ttl_s),
+    a new burst of that id (head and lane) is served: by the running worker that saw the cancel,
+    and by a worker started later (which loads the old notice): every request gets its answer,
+    none a `cancelled` result. (Workers remembered the id as cancelled and failed every request
+    of the new burst at once.)"""
+    s = make_settings(result_ttl_s=1)
+    keys = Keys(s.namespace)
+    slow = [{"id": f"q{i}", "prompt": f"sleep:30 q{i}", "max_tokens": 4} for i in range(40)]
+    fresh = [{"id": f"q{i}", "prompt": f"q{i}", "max_tokens": 4} for i in range(40)]
+    with fake_worker(s, name="w1"):
+        Producer(s).submit(slow, burst_id="nightly")
+        assert bursts.cancel("nightly", s).cancelled == 40
+        wait_until(lambda: not r.exists(keys.burst("nightly")), 10, "the record to expire")
+        Producer(s).submit(fresh, burst_id="nightly")
+        got = wait_burst(r, s, "nightly", 20)
+        assert [x.error_code for x in got] == [None] * 40, {x.error for x in got}
+    wait_until(lambda: not r.exists(keys.burst("nightly")), 10, "the record to expire")
+    Producer(s).submit(fresh, burst_id="nightly")
+    with fake_worker(s, name="w2"):
+        got = wait_burst(r, s, "nightly", 20)
+        assert [x.error_code for x in got] == [None] * 40, {x.error for x in got}

@@ -12,9 +12,10 @@ so Redis is never blocked long. The burst record counts them as ``failed`` and p
 its ``on_complete`` RQ job (once per burst, as a worker does when its result completes one).
 
 Then (once every missing result is recorded, so that the counters and the final status are
-this module's) `cancel` posts ``{b: burst}`` to `Keys.cancels` (``{b: burst, r: expired}`` for an
-expiry), on which workers abort that burst's requests in their engine and skip its queued
-entries; whatever they record for them is "already recorded" and only acked.
+this module's) `cancel` posts ``{b: burst, c: created}`` to `Keys.cancels` (with ``r: expired``
+for an expiry), on which workers abort that burst's requests in their engine and skip its queued
+entries; whatever they record for them is "already recorded" and only acked. ``c`` ties the
+notice to this burst: a later burst of the same id (once this one's record expired) runs.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 CHUNK = 1000
 #: cancel notices kept in `Keys.cancels` (workers read new ones only)
 _NOTICES_KEPT = 10_000
+_KEEP: dict[str, Any] = {"maxlen": _NOTICES_KEPT, "approximate": True}
 #: bursts `expire_due` takes per call
 _DUE_PER_CALL = 100
 _STILL_MISSING, _COMPLETED, _WAS_COMPLETE, _NO_RECORD = 1, 2, 3, -2
@@ -156,7 +158,7 @@ def _cancel(r: redis.Redis, settings: Settings, burst: str) -> CancelReport:
         return CancelReport(burst, status, total, done, failed, 0, True)
     f = _Finisher(keys, settings, burst, "cancelled")
     _finish_sync(r, f, total)
-    r.xadd(keys.cancels, {"b": burst}, maxlen=_NOTICES_KEPT, approximate=True)
+    r.xadd(keys.cancels, _notice(burst, r.hget(keys.burst(burst), "created")), **_KEEP)
     r.zrem(keys.deadlines, burst)
     if f.completed:
         from prefixq.callbacks import enqueue_on_complete_sync
@@ -196,7 +198,8 @@ async def acancel(burst: str, settings: Settings, r: aredis.Redis) -> CancelRepo
         return CancelReport(burst, status, total, done, failed, 0, True)
     f = _Finisher(keys, settings, burst, "cancelled")
     await _finish_async(r, f, total)
-    await r.xadd(keys.cancels, {"b": burst}, maxlen=_NOTICES_KEPT, approximate=True)
+    notice = _notice(burst, await r.hget(keys.burst(burst), "created"))
+    await r.xadd(keys.cancels, notice, **_KEEP)
     await r.zrem(keys.deadlines, burst)
     if f.completed:
         from prefixq.callbacks import enqueue_on_complete
@@ -231,9 +234,8 @@ async def expire_due(r: aredis.Redis, settings: Settings, now: float | None = No
         if before is not None and before[1] + before[2] < before[0]:
             f = _Finisher(keys, settings, burst, "expired")
             await _finish_async(r, f, before[0])
-            await r.xadd(
-                keys.cancels, {"b": burst, "r": "expired"}, maxlen=_NOTICES_KEPT, approximate=True
-            )
+            notice = _notice(burst, await r.hget(keys.burst(burst), "created"), "expired")
+            await r.xadd(keys.cancels, notice, **_KEEP)
             if f.completed:
                 from prefixq.callbacks import enqueue_on_complete
 
@@ -259,6 +261,17 @@ async def _finish_async(r: aredis.Redis, f: _Finisher, total: int) -> None:
             f.absorb(await script(keys=f.script_keys, args=args))
     if not f.completed and f.state == _STILL_MISSING:
         f.absorb(await script(keys=f.script_keys, args=_no_index(f)))
+
+
+def _notice(burst: str, created: bytes | None, reason: str = "") -> dict[Any, Any]:
+    """A burst-end notice: the burst, why (absent: cancelled) and when the ended burst was
+    created (``c``), so that workers do not apply it to a later burst of the same id."""
+    notice: dict[Any, Any] = {"b": burst}
+    if reason:
+        notice["r"] = reason
+    if created is not None:
+        notice["c"] = created
+    return notice
 
 
 def _counts(raw: list[Any], burst: str = "") -> tuple[int, int, int, str] | None:

@@ -42,6 +42,9 @@ class BurstEnds:
         self.keys = Keys(settings.namespace)
         #: burst -> "cancelled" or "expired"
         self.ended: OrderedDict[str, str] = OrderedDict()
+        #: burst -> the ended burst's ``created`` (its entries' ``enqueued``), when the notice
+        #: says it: a burst id may be used again once the ended burst's record has expired
+        self.created: dict[str, float] = {}
         self._seen = "0-0"
         #: entry -> (burst, engine request id), while the request is inside the engine
         self._running: dict[tuple[str, bytes], tuple[str, str]] = {}
@@ -53,9 +56,21 @@ class BurstEnds:
     def done(self, ref: tuple[str, bytes]) -> None:
         self._running.pop(ref, None)
 
+    def ended_reason(self, e: Entry) -> str | None:
+        """Why ``e``'s burst ended ("cancelled", "expired"), or None. A notice about an earlier
+        burst of the same id (its record expired, and the id was submitted again) is forgotten:
+        the new burst's entries were enqueued at another time than the ended one was created."""
+        reason = self.ended.get(e.burst)
+        created = self.created.get(e.burst)
+        if reason is not None and created is not None and abs(created - e.enqueued) > 1e-3:
+            log.info("burst %s was submitted again after it ended; its old notice dropped", e.burst)
+            del self.ended[e.burst], self.created[e.burst]
+            return None
+        return reason
+
     def reason(self, e: Entry, now: float) -> str | None:
         """Why ``e`` must not run (its burst ended, or its deadline passed), or None."""
-        reason = self.ended.get(e.burst)
+        reason = self.ended_reason(e)
         if reason is None and e.deadline is not None and now > e.deadline:
             return "expired"
         return reason
@@ -102,6 +117,10 @@ class BurstEnds:
             return None
         self.ended[burst] = fields.get(b"r", b"cancelled").decode(errors="replace")
         self.ended.move_to_end(burst)
+        try:
+            self.created[burst] = float(fields[b"c"])
+        except (KeyError, ValueError):  # an older notice: it applies to any burst of that id
+            self.created.pop(burst, None)
         while len(self.ended) > KEPT:
-            self.ended.popitem(last=False)
+            self.created.pop(self.ended.popitem(last=False)[0], None)
         return burst

@@ -333,8 +333,9 @@ class Worker:
             )
             prompt = self.engine.render_chat(req.messages) if req.messages else req.prompt
             async with self._gate.call(solo):
-                if e.burst in self.ends.ended:  # it ended while this waited for the gate
-                    raise EngineAborted(self.ends.ended[e.burst])
+                why = self.ends.ended_reason(e)
+                if why is not None:  # it ended while this waited for the gate
+                    raise EngineAborted(why)
                 res.timings.admitted = time.time()
                 self.probes.read_to_engine.add(time.perf_counter() - t_read)
                 rid = f"{e.burst}:{e.index}:{ref[1].decode()}"
@@ -354,7 +355,7 @@ class Worker:
             self._engine_died(str(err))
             return
         except EngineAborted:  # its burst was cancelled or expired (`_on_notice`)
-            why = self.ends.ended.get(e.burst, "cancelled")
+            why = self.ends.ended_reason(e) or "cancelled"
             ended = ended_result(why, e.id, e.index, "", 0.0)
             res.error, res.error_code = ended.error, ended.error_code
         except PrefixqError as err:  # EngineError, ValidationError, WireError: this request only
