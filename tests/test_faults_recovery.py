@@ -12,9 +12,19 @@ from collections.abc import Callable
 import pytest
 import redis
 
-from helpers import FakeWorker, cli, pending_on, queue_empty, queue_keys, requests, wait_burst
+from helpers import (
+    FakeWorker,
+    cli,
+    pending_on,
+    queue_empty,
+    queue_keys,
+    requests,
+    wait_burst,
+    wait_until,
+)
 from ledger import LEDGER, account
 from prefixq import wire
+from prefixq.consumers.recovery import Recovery
 from prefixq.entries import Entry
 from prefixq.keys import CARRIED, FIELD, GROUP, Keys
 from prefixq.producer import Producer
@@ -170,3 +180,33 @@ def test_dead_requeue_leaves_a_cancelled_bursts_letters_and_its_results_and_coun
     assert (out.lost, out.duplicated) == (0, 0)
     assert r.hgetall(keys.results(burst)) == results
     assert r.hgetall(keys.burst(burst)) == record
+
+
+def test_dead_requeue_skips_a_letter_of_an_earlier_burst_of_the_same_id(
+    make_settings: Callable[..., Settings], r: redis.Redis, fake_worker: MakeWorker
+) -> None:
+    """Given a dead letter of a burst that finished and whose record expired, and a new burst
+    submitted under the same id, `dead --requeue` skips the letter (it belongs to the earlier
+    burst) and queues nothing: the old request never runs as the new burst's request of that
+    index. (It was re-added, and its answer could have become the new burst's result.)"""
+    s = make_settings(max_attempts=1, result_ttl_s=1)
+    keys = Keys(s.namespace)
+    Producer(s).submit(requests(3), burst_id="nightly")
+    queues = queue_keys(r, s)
+    for key in queues:
+        with contextlib.suppress(redis.ResponseError):
+            r.xgroup_create(key, GROUP, id="0", mkstream=True)
+    r.xreadgroup(GROUP, "ghost", dict.fromkeys(queues, ">"), count=1)
+    assert Recovery(s).reclaim(idle_s=0)[0].dead == 1
+    LEDGER.fault("an entry of burst 'nightly' died on a consumer and was dead-lettered")
+    with fake_worker(s, name="rw"):
+        wait_burst(r, s, "nightly", 20)
+    wait_until(lambda: not r.exists(keys.burst("nightly")), 10, "the record to expire")
+    Producer(s).submit(requests(3, lambda i: f"again {i}"), burst_id="nightly")
+    before = sum(r.xlen(k) for k in queue_keys(r, s))
+
+    rep = Recovery(s).requeue()
+    assert (rep.requeued, rep.cleared, rep.resolved) == (0, 0, 0)
+    assert [why for _, why in rep.skipped] == ["it belongs to an earlier burst 'nightly'"]
+    assert sum(r.xlen(k) for k in queue_keys(r, s)) == before == 3
+    assert r.xlen(keys.dead(0)) == 1

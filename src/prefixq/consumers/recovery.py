@@ -285,9 +285,12 @@ class Recovery:
             rep.skipped.append((did, f"payload does not decode ({err}); it would fail again"))
             return
         results, meta = self.keys.results(entry.burst), self.keys.burst(entry.burst)
-        total, status = self.r.hmget(meta, "total", "status")
+        total, status, created = self.r.hmget(meta, "total", "status", "created")
         if total is None:
             rep.skipped.append((did, f"burst {entry.burst!r} has no record (expired or evicted)"))
+            return
+        if not _same_burst(created, entry.enqueued):  # its record expired, the id was used again
+            rep.skipped.append((did, f"it belongs to an earlier burst {entry.burst!r}"))
             return
         raw = self.r.hget(results, entry.index)
         if raw is not None:
@@ -321,3 +324,13 @@ class Recovery:
             return
         self.r.hincrby(self.keys.load, str(k), entry.work)
         rep.requeued += 1
+
+
+def _same_burst(created: bytes | None, enqueued: float) -> bool:
+    """Whether an entry enqueued at ``enqueued`` belongs to the burst record created at
+    ``created`` (every entry of a burst carries its record's ``created``); True when either is
+    unknown (older records and entries)."""
+    try:
+        return created is None or not enqueued or abs(float(created) - enqueued) <= 1e-3
+    except ValueError:
+        return True
