@@ -62,7 +62,12 @@ class BurstEnds:
         the new burst's entries were enqueued at another time than the ended one was created."""
         reason = self.ended.get(e.burst)
         created = self.created.get(e.burst)
-        if reason is not None and created is not None and abs(created - e.enqueued) > 1e-3:
+        if (  # an entry without its time (0): the notice holds
+            reason is not None
+            and created is not None
+            and e.enqueued
+            and abs(created - e.enqueued) > 1e-3
+        ):
             log.info("burst %s was submitted again after it ended; its old notice dropped", e.burst)
             del self.ended[e.burst], self.created[e.burst]
             return None
