@@ -10,7 +10,7 @@ from typing import Any
 
 import redis
 
-from helpers import FakeWorker, queue_empty, wait_burst, wait_until
+from helpers import FakeWorker, queue_empty, wait_burst, wait_settled, wait_until
 from ledger import LEDGER, account
 from prefixq import bursts, results
 from prefixq.keys import Keys
@@ -133,3 +133,29 @@ def test_a_burst_id_submitted_again_after_its_cancelled_burst_expired_runs_its_r
     with fake_worker(s, name="w2"):
         got = wait_burst(r, s, "nightly", 20)
         assert [x.error_code for x in got] == [None] * 40, {x.error for x in got}
+
+
+def test_queued_entries_of_an_expired_cancelled_burst_do_not_land_in_a_new_burst_of_its_id(
+    make_settings: Callable[..., Settings], r: redis.Redis, fake_worker: Callable[..., FakeWorker]
+) -> None:
+    """Given a burst cancelled while its entries were still queued (no worker yet), whose record
+    then expired, and a new burst submitted under the same id, a worker that reads the old
+    entries first drops them (they are not the new burst's) and serves the new burst: each of its
+    requests gets its own answer. (The old entries' `cancelled` results were recorded as the new
+    burst's results of those indexes.)"""
+    s = make_settings(result_ttl_s=1)
+    keys = Keys(s.namespace)
+    Producer(s).submit(
+        [{"id": f"old{i}", "prompt": f"old {i}", "max_tokens": 4} for i in range(30)],
+        burst_id="nightly",
+    )
+    assert bursts.cancel("nightly", s).cancelled == 30
+    wait_until(lambda: not r.exists(keys.burst("nightly")), 10, "the record to expire")
+    Producer(s).submit(
+        [{"id": f"new{i}", "prompt": f"new {i}", "max_tokens": 4} for i in range(30)],
+        burst_id="nightly",
+    )
+    fake_worker(s)
+    got = wait_burst(r, s, "nightly", 20)
+    assert [(x.id, x.error_code) for x in got] == [(f"new{i}", None) for i in range(30)]
+    wait_settled(r, s)

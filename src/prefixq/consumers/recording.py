@@ -32,15 +32,17 @@ DUPLICATE = 0
 FINISHED_DUPLICATE = 3
 #: the index is outside the burst (a forged or corrupt entry): nothing written
 OUT_OF_RANGE = -1
-#: the burst's record does not exist (expired, evicted or never created): nothing written
+#: the burst's record does not exist (expired, evicted or never created), or is another burst's
+#: of the same id (submitted again after the entry's burst expired): nothing written
 RECORD_LOST = -2
 
 
 def record_call(
-    keys: Keys, burst: str, result: Result, settings: Settings, now: str
+    keys: Keys, burst: str, result: Result, settings: Settings, now: str, enqueued: float = 0.0
 ) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of lua/record_result.lua for ``result`` of ``burst`` (the one way to record:
-    the writer's, `prefixq reclaim`'s and the tests')."""
+    the writer's, `prefixq reclaim`'s and the tests'). ``enqueued``: the entry's enqueue time,
+    which is its burst record's ``created`` (0: unknown, not checked)."""
     return (
         [keys.results(burst), keys.burst(burst), keys.events(burst), keys.ids(burst)],
         [
@@ -52,5 +54,6 @@ def record_call(
             result.prompt_tokens,
             result.cached_tokens,
             result.predicted_cached_tokens,
+            repr(enqueued),
         ],
     )

@@ -241,7 +241,7 @@ class Recovery:
 
     def record_failure(self, e: Entry, res: Result) -> None:
         """Record a failed result exactly once (the writer's script and arguments)."""
-        keys, args = record_call(self.keys, e.burst, res, self.s, repr(time.time()))
+        keys, args = record_call(self.keys, e.burst, res, self.s, repr(time.time()), e.enqueued)
         reply = self._record(keys=keys, args=args)
         if reply in (BURST_DONE, FINISHED_DUPLICATE) and self.on_burst_done is not None:
             self.on_burst_done(self.r, self.s, e.burst)  # the last outstanding request

@@ -317,7 +317,8 @@ class ShardStream:
         pipe = self.r.pipeline(transaction=False)
         now = repr(time.time())
         for w in batch:
-            keys, args = record_call(self.keys, w.entry.burst, w.result, self.settings, now)
+            e = w.entry
+            keys, args = record_call(self.keys, e.burst, w.result, self.settings, now, e.enqueued)
             pipe.evalsha(self._record_sha, len(keys), *keys, *args)
         replies: list[Any] = await pipe.execute(raise_on_error=False)
         if any(isinstance(x, NoScriptError) for x in replies):

@@ -158,7 +158,8 @@ class ResultWriter:
             log.warning("entry for %s:%d is outside its burst; acked", e.burst, e.index)
         elif reply == RECORD_LOST:
             log.warning(
-                "burst %s has no record (expired, evicted or never created): result %d dropped",
+                "burst %s has no record of this entry (expired, evicted, never created, or the "
+                "id submitted again since): result %d dropped",
                 e.burst,
                 e.index,
             )

@@ -10,6 +10,9 @@
 -- ARGV[4]  TTL in seconds the burst's keys get once it has finished
 -- ARGV[5]  now (epoch seconds, as a string)
 -- ARGV[6]  prompt tokens   ARGV[7] cached prompt tokens   ARGV[8] predicted cached tokens
+-- ARGV[9]  the entry's enqueue time, which is its burst record's `created` (absent, "" or "0":
+--          unknown): a record created at another time is another burst of the same id (the id
+--          was submitted again once this entry's burst had expired): -2, nothing written
 -- Returns
 --   1  recorded
 --   2  recorded, and it was the burst's last outstanding request (status "finished", or
@@ -18,11 +21,16 @@
 --   0  a result for this index existed already (a redelivery: only ack it)
 --   3  a result existed already and the burst has finished (ack; completion hooks may run again)
 --  -1  the index is outside the burst (index >= total): nothing is written
---  -2  the burst record does not exist, or lacks its total (expired, evicted, never created):
---      nothing is written, so a lost record is never re-created as an empty, "finished" one
-local rec = redis.call('HMGET', KEYS[2], 'total', 'done', 'failed')
+--  -2  the burst record does not exist, or lacks its total (expired, evicted, never created),
+--      or is another burst's of the same id (ARGV[9]): nothing is written, so a lost record is
+--      never re-created as an empty, "finished" one
+local rec = redis.call('HMGET', KEYS[2], 'total', 'done', 'failed', 'created')
 local total = tonumber(rec[1] or '')
 if not total then
+  return -2
+end
+local enqueued, created = tonumber(ARGV[9] or ''), tonumber(rec[4] or '')
+if enqueued and enqueued ~= 0 and created and math.abs(created - enqueued) > 0.001 then
   return -2
 end
 if tonumber(ARGV[1]) >= total then
