@@ -17,7 +17,7 @@ from openai import OpenAI
 
 from helpers import FakeWorker, cli, queued_entries, wait_burst, wait_until
 from openai_server import Server, chat_line
-from prefixq import wire
+from prefixq import stats, wire
 from prefixq.entries import Entry
 from prefixq.errors import ConfigError, ValidationError
 from prefixq.keys import Keys
@@ -221,3 +221,20 @@ def test_inspect_shows_queued_in_flight_and_queue_wait_per_priority_and_tenant(
     assert (bursts[hi]["priority"], bursts[hi]["tenant"]) == ("high", "team-a")
     text = cli(settings, "inspect").stdout
     assert "priorities and tenants" in text and "team-b" in text
+
+
+def test_inspect_counts_a_burst_with_lanes_on_two_shards_once(
+    make_settings: Callable[..., Settings], r: redis.Redis
+) -> None:
+    """`sharing`'s ``bursts`` summed the shards' lane counts: one burst spread over two shards
+    showed as 2 bursts. Each shard still counts its own lane."""
+    s = make_settings(shards=2)
+    burst = Producer(s).submit(
+        [{"id": f"q{i}", "prompt": f"question {i}"} for i in range(40)],
+        placement="round-robin",
+        tenant="team-a",
+    )
+    snap = stats.snapshot(s, burst=burst, client=r)
+    assert [[q["bursts"] for q in sh["queues"]] for sh in snap["shards"]] == [[1], [1]]
+    (row,) = snap["sharing"]
+    assert (row["tenant"], row["waiting"], row["bursts"]) == ("team-a", 40, 1)

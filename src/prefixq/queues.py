@@ -58,6 +58,8 @@ class Queue:
     oldest_waiting_s: float = 0.0
     #: bursts with a lane on the shard
     bursts: int = 0
+    #: their ids (not in the JSON: `prefixq.stats.sharing` counts each burst once over shards)
+    burst_ids: set[str] = field(default_factory=set)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -95,6 +97,7 @@ class QueueRead:
         self.now = time.time() if now is None else now
         self.intakes = {keys.intake(shard, p): p for p in PRIORITIES}
         self.lanes: dict[str, LaneInfo] = {}
+        self.lane_burst: dict[str, str] = {}
         self.streams: list[str] = []
         self._groups: dict[str, tuple[int, int, bytes | None]] = {}
 
@@ -106,7 +109,10 @@ class QueueRead:
         for burst, raw in index.items():
             info = LaneInfo.decode(raw)
             if info is not None:
-                self.lanes[self.keys.lane(self.shard, burst.decode(errors="replace"))] = info
+                name = burst.decode(errors="replace")
+                key = self.keys.lane(self.shard, name)
+                self.lanes[key] = info
+                self.lane_burst[key] = name
         self.streams = [*self.intakes, *sorted(self.lanes)]
         return self.streams
 
@@ -154,6 +160,7 @@ class QueueRead:
                 q.waiting += waiting
                 q.pending += pending
                 q.bursts += 1
+                q.burst_ids.add(self.lane_burst[key])
                 q.oldest_waiting_s = max(q.oldest_waiting_s, oldest)
             elif length:
                 rows = [] if isinstance(head, Exception) else head

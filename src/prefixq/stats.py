@@ -65,8 +65,14 @@ def _latencies(ok: list[Result]) -> dict[str, dict[str, float]]:
     }
 
 
-def shard_stats(r: redis.Redis, settings: Settings, shards: int) -> list[dict[str, Any]]:
-    """One dict per shard (see module docstring)."""
+def shard_stats(
+    r: redis.Redis,
+    settings: Settings,
+    shards: int,
+    lane_bursts: dict[tuple[str, str], set[str]] | None = None,
+) -> list[dict[str, Any]]:
+    """One dict per shard (see module docstring); ``lane_bursts`` gets the ids of the bursts with
+    a lane, per priority and tenant, over all shards."""
     keys = settings.keys
     now = time.time()
     load = {k.decode(): int(v) for k, v in r.hgetall(keys.load).items()}
@@ -74,6 +80,9 @@ def shard_stats(r: redis.Redis, settings: Settings, shards: int) -> list[dict[st
     out = []
     for k in range(shards):
         q = queues.read(r, keys, k)
+        if lane_bursts is not None:
+            for x in q.queues():
+                lane_bursts.setdefault((x.priority, x.tenant), set()).update(x.burst_ids)
         pipe = r.pipeline(transaction=False)
         pipe.xlen(keys.dead(k))
         pipe.zrange(keys.workers(k), 0, -1)
@@ -117,9 +126,12 @@ def _admitted(sstats: Mapping[str, bytes], k: int) -> dict[str, tuple[int, float
     return out
 
 
-def sharing(shards: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per priority and tenant over every shard: waiting, in flight, oldest wait, active bursts,
-    and the mean queue wait of the requests admitted so far."""
+def sharing(
+    shards: list[dict[str, Any]], lane_bursts: dict[tuple[str, str], set[str]] | None = None
+) -> list[dict[str, Any]]:
+    """Per priority and tenant over every shard: waiting, in flight, oldest wait, active bursts
+    (each once, given ``lane_bursts``, however many shards it has a lane on; else summed over
+    shards), and the mean queue wait of the requests admitted so far."""
     rows: dict[tuple[str, str], dict[str, Any]] = {}
 
     def row(prio: str, tenant: str) -> dict[str, Any]:
@@ -150,6 +162,8 @@ def sharing(shards: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row(prio, tenant)["admitted"] += n
             waited[(prio, tenant)] = waited.get((prio, tenant), 0.0) + w
     for key, x in rows.items():
+        if lane_bursts is not None:
+            x["bursts"] = len(lane_bursts.get(key, ()))
         if x["admitted"]:
             x["mean_queue_wait_s"] = round(waited.get(key, 0.0) / x["admitted"], 3)
     return sorted(rows.values(), key=lambda x: (band(x["priority"]), x["tenant"]))
@@ -297,11 +311,12 @@ def snapshot(
     r = client or sync_client(settings)
     shards = resolve_shards_sync(r, settings)
     bursts = [burst] if burst else recent_bursts(r, settings.keys, recent)
-    per_shard = shard_stats(r, settings, shards)
+    lane_bursts: dict[tuple[str, str], set[str]] = {}
+    per_shard = shard_stats(r, settings, shards, lane_bursts)
     return {
         "namespace": settings.namespace,
         "shards": per_shard,
-        "sharing": sharing(per_shard),
+        "sharing": sharing(per_shard, lane_bursts),
         "bursts": [_burst_or_why(r, settings, b, b == burst) for b in bursts],
         "at": time.time(),
     }
