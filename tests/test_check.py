@@ -68,6 +68,21 @@ def test_check_of_one_shard_ignores_the_others(
     assert check(s).healthy == {0: ["only0"], 1: []}
 
 
+def test_check_of_a_shard_outside_the_deployment_is_a_usage_error(
+    make_settings: Callable[..., Settings], fake_worker: MakeWorker
+) -> None:
+    """`check --shard 5` of a 1-shard deployment said "no healthy worker" (exit 1), as if a
+    worker could come; it is a configuration error (exit 2), as for `dead` and `reclaim`."""
+    s = make_settings(shards=1)
+    fake_worker(s, shard=0, name="w0")
+    p = cli(s, "check", "--shard", "5")
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip() == (
+        f"prefixq: error: shard 5 does not exist (namespace '{s.namespace}' has shards 0..0)"
+    )
+    assert cli(s, "check", "--shard", "0").returncode == 0
+
+
 def test_a_worker_whose_engine_is_not_up_or_whose_heartbeat_expired_is_not_healthy(
     make_settings: Callable[..., Settings], r: redis.Redis
 ) -> None:

@@ -66,6 +66,12 @@ def _check(r: redis.Redis, settings: Settings, shard: int | None) -> Health:
             )
         shards = list(range(n))
     else:
+        stored = r.hget(keys.config, "shards")
+        if stored is not None and shard >= int(stored):  # no worker could ever serve it
+            raise ConfigError(
+                f"shard {shard} does not exist (namespace {settings.namespace!r} has shards "
+                f"0..{int(stored) - 1})"
+            )
         shards = [shard]
     healthy: dict[int, list[str]] = {}
     problems: list[str] = []
