@@ -106,3 +106,17 @@ def test_cli_refuses_a_codec_level_before_enqueueing_anything(
     assert p.returncode == 2 and "codec_level for zlib must be -1" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr
     assert not list(r.scan_iter(match=f"{settings.namespace}:*"))
+
+
+def test_a_misspelt_environment_variable_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    """`PREFIXQ_TENANT_WEIGHT=team-a=3` (no s) was ignored without a word: the weights the
+    operator meant never applied. It is still ignored, with a warning naming the setting."""
+    with caplog.at_level("WARNING", logger="prefixq.settings"):
+        s = Settings.from_env(
+            {"PREFIXQ_TENANT_WEIGHT": "team-a=3", "PREFIXQ_VENV": ".venv", "PREFIXQ_SHARDS": "2"}
+        )
+    assert s.tenant_weights == "" and s.shards == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "PREFIXQ_TENANT_WEIGHT is not a prefixq setting and is ignored "
+        "(did you mean PREFIXQ_TENANT_WEIGHTS?)"
+    ]

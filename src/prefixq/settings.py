@@ -7,6 +7,8 @@ CLI flag of the same name. Nothing else in the package reads the environment.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
 import math
 import os
 import re
@@ -18,10 +20,14 @@ from prefixq.errors import ConfigError, ValidationError
 from prefixq.keys import Keys
 from prefixq.lanes import check_priority, check_tenant, parse_caps, parse_weights
 
+log = logging.getLogger(__name__)
+
 CODECS = ("zlib", "zstd", "none")
 PLACEMENTS = ("affinity", "hash", "random", "round-robin")
 #: enqueue orders (prefixq.producer.order)
 ORDERS = ("input", "leaders-first", "grouped")
+#: PREFIXQ_* variables that are not settings (the dev script's)
+_NOT_SETTINGS = frozenset({"PREFIXQ_VENV"})
 #: codec levels allowed besides -1 (the codec's default for prefixq); codec none has none
 _CODEC_LEVELS = {"zlib": (0, 9), "zstd": (1, 22)}
 #: a namespace: every key starts with ``<namespace>:``, and ':' never occurs inside one, so the
@@ -231,10 +237,21 @@ class Settings:
         env = os.environ if env is None else env
         hints = get_type_hints(cls)
         values: dict[str, Any] = {}
+        known: list[str] = []
         for f in fields(cls):
             var = "REDIS_URL" if f.name == "redis_url" else f"PREFIXQ_{f.name.upper()}"
+            known.append(var)
             if var in env:
                 values[f.name] = _parse(var, env[var], hints[f.name])
+        for var in sorted(v for v in env if v.startswith("PREFIXQ_")):
+            if var not in known and var not in _NOT_SETTINGS:  # a typo would be ignored silently
+                names = {k.removeprefix("PREFIXQ_"): k for k in known}
+                near = [names[n] for n in difflib.get_close_matches(var[8:], names, n=1)]
+                log.warning(
+                    "%s is not a prefixq setting and is ignored%s",
+                    var,
+                    f" (did you mean {near[0]}?)" if near else "",
+                )
         values.update({k: v for k, v in overrides.items() if v is not None})
         unknown = set(values) - {f.name for f in fields(cls)}
         if unknown:
