@@ -28,6 +28,7 @@ PLACEMENTS = ("affinity", "hash", "random", "round-robin")
 ORDERS = ("input", "leaders-first", "grouped")
 #: PREFIXQ_* variables that are not settings (the dev script's)
 _NOT_SETTINGS = frozenset({"PREFIXQ_VENV"})
+_WARNED: set[str] = set()
 #: codec levels allowed besides -1 (the codec's default for prefixq); codec none has none
 _CODEC_LEVELS = {"zlib": (0, 9), "zstd": (1, 22)}
 #: a namespace: every key starts with ``<namespace>:``, and ':' never occurs inside one, so the
@@ -244,7 +245,8 @@ class Settings:
             if var in env:
                 values[f.name] = _parse(var, env[var], hints[f.name])
         for var in sorted(v for v in env if v.startswith("PREFIXQ_")):
-            if var not in known and var not in _NOT_SETTINGS:  # a typo would be ignored silently
+            if var not in known and var not in _NOT_SETTINGS and var not in _WARNED:
+                _WARNED.add(var)  # once per process: a typo would be ignored silently
                 names = {k.removeprefix("PREFIXQ_"): k for k in known}
                 near = [names[n] for n in difflib.get_close_matches(var[8:], names, n=1)]
                 log.warning(
