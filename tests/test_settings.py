@@ -8,6 +8,7 @@ import pytest
 import redis
 
 from helpers import cli
+from prefixq import settings as settings_module
 from prefixq.errors import ConfigError
 from prefixq.settings import Settings
 
@@ -108,9 +109,12 @@ def test_cli_refuses_a_codec_level_before_enqueueing_anything(
     assert not list(r.scan_iter(match=f"{settings.namespace}:*"))
 
 
-def test_a_misspelt_environment_variable_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_misspelt_environment_variable_is_warned_about(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`PREFIXQ_TENANT_WEIGHT=team-a=3` (no s) was ignored without a word: the weights the
     operator meant never applied. It is still ignored, with a warning naming the setting."""
+    monkeypatch.setattr(settings_module, "_WARNED", set())
     with caplog.at_level("WARNING", logger="prefixq.settings"):
         s = Settings.from_env(
             {"PREFIXQ_TENANT_WEIGHT": "team-a=3", "PREFIXQ_VENV": ".venv", "PREFIXQ_SHARDS": "2"}
