@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -281,6 +282,65 @@ def test_without_keys_the_server_refuses_a_non_loopback_host(
         check=False,
     )
     assert p.returncode == 2 and "PREFIXQ_API_KEYS" in p.stderr
+
+
+def test_a_port_in_use_exits_1_instead_of_hanging(settings: Settings, tmp_path: Path) -> None:
+    """Given a port another process listens on, `prefixq serve` says so and exits 1. (It used to
+    hang for ever: the app's shutdown waited on a sweeper whose cancel redis-py had swallowed
+    while it opened its first connection.)"""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        p = subprocess.run(
+            [
+                *(sys.executable, "-m", "prefixq", "serve", "--port", str(port)),
+                *("--redis-url", settings.redis_url, "--files-dir", str(tmp_path)),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert p.returncode == 1, p.stderr
+    assert "address already in use" in p.stderr
+
+
+def test_the_sweeper_stops_when_a_redis_call_swallowed_its_cancel(settings: Settings) -> None:
+    """Given a sweep that swallows the cancel (as redis-py's asyncio client does when the cancel
+    lands while it connects), the sweeper's loop still ends, cancelled, after that sweep."""
+    from prefixq.connection import async_client
+    from prefixq.openai.runner import Sweeper
+
+    async def go() -> bool:
+        r = async_client(settings)
+        sweeper = Sweeper(r, settings, [settings.namespace])
+        swallowed = asyncio.Event()
+
+        async def sweep() -> None:
+            if swallowed.is_set():
+                return
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:  # once
+                swallowed.set()
+
+        sweeper.sweep = sweep  # type: ignore[method-assign]
+        task = asyncio.create_task(sweeper.run(0.01))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        try:
+            await asyncio.wait_for(asyncio.shield(task), 10)
+        except (asyncio.CancelledError, TimeoutError):
+            pass
+        finally:
+            await r.aclose()
+        assert swallowed.is_set()  # the fault landed
+        stopped = task.cancelled()
+        task.cancel()
+        return stopped
+
+    assert asyncio.run(go())
 
 
 def test_without_keys_the_server_says_so_at_start(server: Server) -> None:

@@ -50,6 +50,15 @@ TRANSIENT = (RedisConnectionError, RedisTimeoutError, OSError)
 log = logging.getLogger(__name__)
 
 
+def raise_if_cancelled() -> None:
+    """Raise CancelledError if the current task was asked to stop. redis-py's asyncio client can
+    swallow a cancel that arrives while it opens a connection (the command then returns as if
+    nothing happened), so a loop that runs until cancelled calls this after its Redis calls."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 class Backoff:
     """The waits between retries of one Redis operation in a worker loop: ``first`` seconds,
     doubling up to ``cap``; `reset()` after a success."""

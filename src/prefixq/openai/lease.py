@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 import redis.asyncio as aredis
 
-from prefixq.connection import TRANSIENT, lua
+from prefixq.connection import TRANSIENT, lua, raise_if_cancelled
 
 __all__ = ["RENEW_S", "TTL_MS", "acquire", "held", "release"]
 
@@ -51,6 +51,7 @@ async def held(r: aredis.Redis, key: str, token: str) -> AsyncIterator[None]:
                     return
             except TRANSIENT as e:
                 log.warning("renewing lease %s failed: %s", key, e)
+            raise_if_cancelled()  # a cancel the Redis call swallowed
 
     task = asyncio.create_task(renew())
     try:

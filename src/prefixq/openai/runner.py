@@ -31,7 +31,7 @@ import anyio
 import redis.asyncio as aredis
 
 from prefixq import bursts, wire
-from prefixq.connection import TRANSIENT
+from prefixq.connection import TRANSIENT, raise_if_cancelled
 from prefixq.errors import PrefixqError, ValidationError, WireError
 from prefixq.openai import lease
 from prefixq.openai.batches import FINAL, BatchStore, cancel_burst, sharing
@@ -353,6 +353,7 @@ class Sweeper:
                 await self.sweep()
             except (*TRANSIENT, PrefixqError) as e:
                 log.warning("sweeping batches failed: %s", e)
+            raise_if_cancelled()  # a cancel a Redis call swallowed: the server is stopping
             await asyncio.sleep(interval)
 
     async def close(self) -> None:

@@ -56,12 +56,17 @@ def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8000) -> i
         settings.namespace,
         root,
     )
-    uvicorn.run(
-        create_app(settings),
-        host=host,
-        port=port,
-        log_config=None,
-        access_log=False,
-        timeout_graceful_shutdown=10,
-    )
+    try:
+        uvicorn.run(
+            create_app(settings),
+            host=host,
+            port=port,
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=10,
+        )
+    except SystemExit as e:  # uvicorn's exit when it cannot start (it logged why: port in use)
+        if e.code not in (0, None):
+            log.error("the server did not start")
+            return 1
     return 0
