@@ -23,6 +23,7 @@ from openai import OpenAI
 from openai.types import Batch
 
 from openai_server import Server, chat_line, completion_line
+from prefixq.errors import PrefixqError
 from prefixq.keys import Keys
 from prefixq.settings import Settings
 
@@ -97,6 +98,42 @@ def test_upload_over_a_limit_is_a_400_and_leaves_no_file(
         assert c.files.list().data == []
         ok = c.files.create(file=("ok.jsonl", b"{}\n" * 20), purpose="batch")
         assert ok.bytes == 60
+
+
+def test_an_upload_redis_cannot_record_leaves_no_content_behind(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """Given Redis unreachable, an upload fails and its content does not stay in files_dir
+    without an object (nothing could ever list or delete it)."""
+    from prefixq.connection import async_client
+    from prefixq.openai.files import FileStore
+    from prefixq.redis_server import free_port
+
+    dead = settings.replace(
+        redis_url=f"redis://127.0.0.1:{free_port()}", files_dir=str(tmp_path / "files")
+    )
+    body = b"--b\r\n" + (
+        b'Content-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--b\r\n'
+        b'Content-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n'
+        b'{"x": 1}\n\r\n--b--\r\n'
+    )
+
+    async def chunks() -> Any:
+        yield body
+
+    async def go() -> None:
+        r = async_client(dead)
+        try:
+            await FileStore(r, dead, dead.namespace).upload(
+                chunks(), "multipart/form-data; boundary=b"
+            )
+        finally:
+            await r.aclose()
+
+    with pytest.raises((redis.ConnectionError, PrefixqError)):
+        asyncio.run(go())
+    assert (tmp_path / "files" / dead.namespace).is_dir()  # the upload got that far
+    assert list((tmp_path / "files" / dead.namespace).iterdir()) == []
 
 
 def test_declared_upload_size_over_the_limit_is_413(settings: Settings, tmp_path: Path) -> None:

@@ -106,9 +106,13 @@ class FileStore:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        return await self.record(
-            file_id, up.filename or "upload.jsonl", "batch", up.bytes, up.lines
-        )
+        try:
+            return await self.record(
+                file_id, up.filename or "upload.jsonl", "batch", up.bytes, up.lines
+            )
+        except BaseException:  # Redis unreachable: no object, so no content either
+            self.path(file_id).unlink(missing_ok=True)
+            raise
 
     async def record(
         self, file_id: str, filename: str, purpose: str, size: int, lines: int
