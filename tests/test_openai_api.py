@@ -168,6 +168,18 @@ def test_malformed_multipart_and_missing_fields_are_400(server: Server) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "file"
     r = httpx.post(f"{server.url}/files", files={"file": ("a.jsonl", b"{}")})
     assert r.status_code == 400 and r.json()["error"]["param"] == "purpose"
+    # a body cut before its closing boundary is refused, not stored as a truncated file
+    cut = (
+        b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--b\r\n'
+        b'Content-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n{"x": 1}\n{"y'
+    )
+    r = httpx.post(
+        f"{server.url}/files",
+        content=cut,
+        headers={"content-type": "multipart/form-data; boundary=b"},
+    )
+    assert r.status_code == 400 and "closing boundary" in r.json()["error"]["message"]
+    assert list(httpx.get(f"{server.url}/files").json()["data"]) == []
 
 
 def test_unknown_routes_and_objects_are_openai_shaped_404s(server: Server, client: OpenAI) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import anyio
 from python_multipart.exceptions import MultipartParseError
-from python_multipart.multipart import MultipartParser, parse_options_header
+from python_multipart.multipart import MultipartParser, MultipartState, parse_options_header
 
 from prefixq.openai.apierror import ApiError, bad_request
 
@@ -156,6 +156,8 @@ async def receive(
             parser.finalize()
         if state.error is not None:
             raise state.error
+        if parser.state != MultipartState.END:  # cut short: the file part may be cut too
+            raise bad_request("Malformed multipart body: it ends before its closing boundary.")
         if up.last_byte not in (-1, ord("\n")):
             up.lines += 1  # a last line without its newline
             if up.lines > max_lines:
