@@ -614,6 +614,51 @@ def test_a_burst_queued_by_a_dead_server_is_not_queued_twice(
         assert r.hget(keys.oai_batch(batch_id), "burst") == batch_id.encode()
 
 
+def test_a_cancel_while_the_input_file_is_checked_queues_nothing(
+    settings: Settings, tmp_path: Path, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given a batch cancelled while its input file is being checked (a big file takes seconds),
+    it ends `cancelled` and none of its requests is queued. The cancel used to be applied only
+    once the whole burst was queued, and workers ran thousands of its requests meanwhile."""
+    from prefixq.connection import async_client
+    from prefixq.openai import lease, runner
+
+    batch_id = _orphan_batch(
+        settings, tmp_path, [completion_line(f"v{i}", "x y") for i in range(5)]
+    )
+    s = settings.replace(files_dir=str(tmp_path / "files"))
+    keys = Keys(settings.namespace)
+    check = runner.check_input
+    cancelled: list[bool] = []
+
+    def check_then_cancel(*args: Any) -> Any:
+        out = check(*args)
+        # what POST /v1/batches/{id}/cancel does meanwhile (no burst yet, so nothing to cancel)
+        r.hset(keys.oai_batch(batch_id), mapping={"status": "cancelling", "cancelling_at": 1})
+        cancelled.append(True)
+        return out
+
+    monkeypatch.setattr(runner, "check_input", check_then_cancel)
+
+    async def go() -> dict[str, Any]:
+        ar = async_client(s)
+        try:
+            sweeper = runner.Sweeper(ar, s, [s.namespace])
+            store = sweeper.stores[s.namespace]
+            token = await lease.acquire(ar, keys.oai_lease(batch_id))
+            assert token is not None
+            await sweeper.start(store, batch_id, token)
+            return await store.get(batch_id)
+        finally:
+            await ar.aclose()
+
+    b = asyncio.run(go())
+    assert cancelled  # the cancel landed while the file was checked
+    assert b["status"] == "cancelled" and b["cancelled_at"] is not None
+    assert b["request_counts"] == {"total": 0, "completed": 0, "failed": 0}
+    assert not r.exists(keys.burst(batch_id))
+
+
 def test_a_result_that_does_not_decode_becomes_an_error_line(
     client: OpenAI, settings: Settings, r: redis.Redis
 ) -> None:

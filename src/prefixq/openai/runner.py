@@ -180,6 +180,13 @@ class Sweeper:
             await store.move(batch_id, ("validating",), "failed", _failed([err]), token=token)
             return
         checked = await anyio.to_thread.run_sync(check_input, path, m["endpoint"], store.settings)
+        status = (await store.record(batch_id))["status"]
+        if status == "cancelling":  # cancelled while its file was checked: nothing may run
+            done = {"cancelled_at": time.time(), "total": 0, "completed": 0, "failed": 0}
+            await store.move(batch_id, ("cancelling",), "cancelled", done, token=token)
+            return
+        if status != "validating":
+            return
         if checked.errors:
             log.info("batch %s: %d errors in its input file", batch_id, checked.error_count)
             await store.move(
