@@ -687,3 +687,31 @@ def test_a_result_that_does_not_decode_becomes_an_error_line(
     assert good["custom_id"] == "good" and good["response"]["body"]["choices"][0]["text"] == "b a"
     assert bad["custom_id"] == "bad" and bad["response"]["status_code"] == 500
     assert "does not decode" in bad["response"]["body"]["error"]["message"]
+
+
+def test_finalizing_removes_what_a_killed_finalizer_left_half_written(
+    client: OpenAI, server: Server, settings: Settings, r: redis.Redis
+) -> None:
+    """Given the half-written output of a finalizer killed mid-way (its temporary file), the
+    finalizer that takes over removes it: nothing but the published files stays in files_dir."""
+    from prefixq import wire
+    from prefixq.records import Result
+
+    f = client.files.create(
+        file=("in.jsonl", jsonl([completion_line("a", "x y")])), purpose="batch"
+    )
+    b = client.batches.create(
+        input_file_id=f.id, endpoint="/v1/completions", completion_window="1h"
+    )
+    assert wait_batch(client, b.id, {"in_progress"}).status == "in_progress"
+    folder = server.files_dir / settings.namespace
+    stale = folder / f".final-{b.id}-file-{'0' * 24}"
+    stale.write_text('{"custom_id": "a", "half written')
+    keys = Keys(settings.namespace)
+    ok = Result(id="a", index=0, text="y x", finish_reason="stop", output_tokens=2)
+    r.hset(keys.results(b.id), mapping={0: wire.encode(ok.to_wire())})
+    r.hset(keys.burst(b.id), mapping={"done": 1})
+    b = wait_batch(client, b.id, {"completed", "failed"})
+    assert b.status == "completed" and b.request_counts is not None
+    assert b.request_counts.completed == 1
+    assert sorted(p.name for p in folder.iterdir()) == sorted([f.id, b.output_file_id or ""])

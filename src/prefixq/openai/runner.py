@@ -71,7 +71,13 @@ class _Files:
         self.usage = Usage()
 
     def tmp(self, which: str) -> Path:
-        return self.store.files.dir / f".final-{self.ids[which]}"
+        return self.store.files.dir / f".final-{self.batch_id}-{self.ids[which]}"
+
+    def sweep_stale(self) -> None:
+        """Remove what an earlier attempt at this batch left half written (a server killed while
+        it finalized): under the lease no other attempt is writing."""
+        for old in self.store.files.dir.glob(f".final-{self.batch_id}-*"):
+            old.unlink(missing_ok=True)
 
     async def write(self, lines: list[Line]) -> None:
         out: dict[str, list[str]] = {"output": [], "error": []}
@@ -240,6 +246,7 @@ class Sweeper:
             if m["status"] not in ("finalizing", "cancelling"):
                 return
             files = _Files(store, batch_id)
+            files.sweep_stale()
             try:
                 await self._write(store, m, files)
                 final = "cancelled" if m["status"] == "cancelling" else "completed"
