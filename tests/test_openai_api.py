@@ -715,3 +715,47 @@ def test_finalizing_removes_what_a_killed_finalizer_left_half_written(
     assert b.status == "completed" and b.request_counts is not None
     assert b.request_counts.completed == 1
     assert sorted(p.name for p in folder.iterdir()) == sorted([f.id, b.output_file_id or ""])
+
+
+def test_finalizing_removes_files_a_killed_finalizer_published_but_never_gave_the_batch(
+    client: OpenAI, server: Server, settings: Settings, r: redis.Redis
+) -> None:
+    """Given a finalizer killed after it published an output file and before the batch pointed
+    at it, the finalizer that takes over removes that file: the batch has one output file, and no
+    second `<batch>_output.jsonl` is listed for ever."""
+    from prefixq import wire
+    from prefixq.openai.files import new_file_id
+    from prefixq.records import Result
+
+    f = client.files.create(
+        file=("in.jsonl", jsonl([completion_line("a", "x y")])), purpose="batch"
+    )
+    b = client.batches.create(
+        input_file_id=f.id, endpoint="/v1/completions", completion_window="1h"
+    )
+    assert wait_batch(client, b.id, {"in_progress"}).status == "in_progress"
+    keys = Keys(settings.namespace)
+    orphan = new_file_id()  # what the killed finalizer had published
+    (server.files_dir / settings.namespace / orphan).write_text("{}\n")
+    r.hset(
+        keys.oai_file(orphan),
+        mapping={
+            "id": orphan,
+            "bytes": 3,
+            "lines": 1,
+            "created_at": 1,
+            "filename": f"{b.id}_output.jsonl",
+            "purpose": "batch_output",
+        },
+    )
+    r.zadd(keys.oai_files, {orphan: 1})
+    r.hset(keys.oai_batch(b.id), "publishing", orphan)
+    assert client.files.retrieve(orphan).filename == f"{b.id}_output.jsonl"
+    ok = Result(id="a", index=0, text="y x", finish_reason="stop", output_tokens=2)
+    r.hset(keys.results(b.id), mapping={0: wire.encode(ok.to_wire())})
+    r.hset(keys.burst(b.id), mapping={"done": 1})
+    b = wait_batch(client, b.id, {"completed", "failed"})
+    assert b.status == "completed" and b.output_file_id not in (None, orphan)
+    outputs = [x.id for x in client.files.list(purpose="batch_output")]
+    assert outputs == [b.output_file_id]
+    assert not (server.files_dir / settings.namespace / orphan).exists()

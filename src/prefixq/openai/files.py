@@ -151,15 +151,19 @@ class FileStore:
         return path
 
     async def delete(self, file_id: str) -> dict[str, Any]:
+        if not await self.remove(file_id):
+            raise not_found("File", file_id)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    async def remove(self, file_id: str) -> bool:
+        """Delete the object and its content, whichever exists; True if there was an object."""
         path = self.path(file_id)
         pipe = self.r.pipeline(transaction=True)
         pipe.delete(self.keys.oai_file(file_id))
         pipe.zrem(self.keys.oai_files, file_id)
         deleted, _ = await pipe.execute()
-        if not deleted:
-            raise not_found("File", file_id)
         path.unlink(missing_ok=True)
-        return {"id": file_id, "object": "file", "deleted": True}
+        return bool(deleted)
 
     async def list(self, *, after: str | None, limit: int, order: str, purpose: str | None) -> Page:
         """Files newest first (``order="desc"``) or oldest first, after the cursor ``after``."""

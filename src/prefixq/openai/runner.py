@@ -92,6 +92,10 @@ class _Files:
                 self.lines[which] += len(texts)
                 self.bytes[which] += len(data)
 
+    def pending(self) -> str:
+        """The ids `publish` is about to create, comma-separated."""
+        return ",".join(self.ids[w] for w in ("output", "error") if self.lines[w])
+
     async def publish(self) -> dict[str, str]:
         """Rename the non-empty files into place and record them; returns the file id fields."""
         out = {"output_file_id": "", "error_file_id": ""}
@@ -247,11 +251,17 @@ class Sweeper:
                 return
             files = _Files(store, batch_id)
             files.sweep_stale()
+            for fid in filter(None, m.get("publishing", "").split(",")):
+                await store.files.remove(fid)  # published by an attempt that died before the end
             try:
                 await self._write(store, m, files)
                 final = "cancelled" if m["status"] == "cancelling" else "completed"
                 if final == "completed" and files.kinds.get("expired"):
                     final = "expired"
+                pending = {"publishing": files.pending()}
+                status = m["status"]
+                if await store.move(batch_id, (status,), status, pending, token=token) != 1:
+                    return  # the lease was lost: whoever holds it now finalizes
                 ids = await files.publish()
             finally:
                 files.discard()
@@ -263,6 +273,7 @@ class Sweeper:
                 "completed": done,
                 "failed": sum(files.kinds.values()) - done,
                 "usage": json.dumps(files.usage.to_json()),
+                "publishing": "",
             }
             moved = await store.move(batch_id, (m["status"],), final, fields2, token=token)
             if moved != 1:
