@@ -205,6 +205,20 @@ def test_input_check_skips_a_byte_order_mark_and_takes_crlf_lines(tmp_path: Path
     assert not got.errors and [r.id for r in got.requests] == ["x", "y"]
 
 
+def test_submit_recognises_openai_lines_in_a_file_with_a_byte_order_mark(tmp_path: Path) -> None:
+    """`prefixq submit` takes a file with a BOM (inputs.parse_line); it must also see that the
+    file holds OpenAI lines, or its results come out in prefixq's format."""
+    from prefixq.openai.outputs import input_metadata
+
+    p = tmp_path / "in.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + (_chat("x") + "\n").encode())
+    assert input_metadata(str(p)) == {
+        "input_format": "openai",
+        "endpoint": "/v1/chat/completions",
+        "model": "m",
+    }
+
+
 def test_input_check_makes_unreadable_json_a_line_error_not_a_crash(tmp_path: Path) -> None:
     """Given JSON nested too deep to read, an integer of 5000 digits and bytes that are not UTF-8,
     each is an invalid_json_line error on its line (the check used to raise, and the batch stayed

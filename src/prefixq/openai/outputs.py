@@ -29,7 +29,7 @@ def input_metadata(path: str) -> dict[str, str] | None:
     None for plain lines and for stdin (``-``), which cannot be read twice."""
     if path == "-":
         return None
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # a byte order mark is not part of line 1
         for line in f:
             if line.strip():
                 try:
