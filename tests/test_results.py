@@ -4,6 +4,7 @@ partial: nothing reads as finished that is not (issue 11 item 7)."""
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 import time
 from collections.abc import Callable
@@ -128,3 +129,27 @@ def test_an_infinite_timeout_waits_and_a_nan_one_is_refused(
         for bad in ("nan", "-1"):
             p = cli(settings, *args, "--timeout", bad, timeout=60)
             assert p.returncode == 2 and "--timeout must be >= 0" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("garbage", [b"\xff\xfe not a result", b"", b"\x00" + b"\x81\xa1x\x01"])
+def test_one_unreadable_result_costs_its_own_line_not_the_burst(
+    settings: Settings, r: redis.Redis, garbage: bytes
+) -> None:
+    """A recorded result written over in Redis (garbage, empty, a valid encoding of the wrong
+    shape) reads as a failed result with code internal_error that names its request; every
+    other result of the burst is still read, in order, by every reader and by the command."""
+    s = settings
+    burst = served_burst(s, 6)
+    r.hset(s.keys.results(burst), "3", garbage)
+    for name in ("iterate", "collect"):
+        got = every_reader(burst, s)[name]()
+        assert [g.index for g in got] == list(range(6)), name
+        assert [g.id for g in got] == [f"q{i}" for i in range(6)], name
+        bad = got[3]
+        assert bad.error_code == "internal_error" and "does not decode" in (bad.error or ""), name
+        assert all(g.error is None for i, g in enumerate(got) if i != 3), name
+    p = prefixq_results(s, burst)
+    assert p.returncode == 0, p.stderr
+    lines = [json.loads(x) for x in p.stdout.splitlines()]
+    assert [x["id"] for x in lines] == [f"q{i}" for i in range(6)]
+    assert "does not decode" in lines[3]["error"] and lines[2]["error"] is None

@@ -20,13 +20,43 @@ from redis.exceptions import RedisError
 
 from prefixq import wire
 from prefixq.connection import describe, sync_client
-from prefixq.errors import BurstNotFound, BurstRecordLost, BurstTimeout, ValidationError
+from prefixq.errors import (
+    BurstNotFound,
+    BurstRecordLost,
+    BurstTimeout,
+    ValidationError,
+    WireError,
+)
 from prefixq.records import Result
 from prefixq.settings import Settings
 
-__all__ = ["BurstStatus", "collect", "iterate", "status", "wait", "write_jsonl", "write_lines"]
+__all__ = [
+    "BurstStatus",
+    "collect",
+    "iterate",
+    "read_stored",
+    "status",
+    "wait",
+    "write_jsonl",
+    "write_lines",
+]
 
 _FETCH = 512
+
+
+def read_stored(raw: bytes, index: int, rid: str, limits: wire.Limits) -> Result:
+    """A recorded result; one that does not decode (a value written over in Redis) becomes a
+    failed result that says so, with code ``internal_error``: one unreadable value costs its own
+    line, never the burst's other results."""
+    try:
+        return Result.from_wire(wire.decode(raw, limits))
+    except (WireError, KeyError, TypeError, ValueError, IndexError) as e:
+        return Result(
+            id=rid,
+            index=index,
+            error=f"its recorded result does not decode: {e}",
+            error_code="internal_error",
+        )
 
 
 @dataclass(slots=True)
@@ -104,7 +134,16 @@ class _Session:
     def fetch(self, indexes: range) -> list[Result | None]:
         with self.redis_errors():
             raw = self.r.hmget(self.keys.results(self.burst), list(indexes))
-        return [None if v is None else Result.from_wire(wire.decode(v, self.limits)) for v in raw]
+        out = [
+            None if v is None else read_stored(v, i, "", self.limits)
+            for i, v in zip(indexes, raw, strict=True)
+        ]
+        for res in out:
+            if res is not None and res.error_code == "internal_error" and not res.id:
+                with self.redis_errors():  # the unreadable result's request id, if still kept
+                    rid = self.r.lindex(self.keys.ids(self.burst), res.index)
+                res.id = (rid or b"").decode("utf-8", "replace")
+        return out
 
     @contextlib.contextmanager
     def redis_errors(self) -> Iterator[None]:

@@ -32,7 +32,7 @@ import redis.asyncio as aredis
 
 from prefixq import bursts, wire
 from prefixq.connection import TRANSIENT, raise_if_cancelled
-from prefixq.errors import PrefixqError, ValidationError, WireError
+from prefixq.errors import PrefixqError, ValidationError
 from prefixq.openai import lease
 from prefixq.openai.batches import FINAL, BatchStore, cancel_burst, sharing
 from prefixq.openai.files import new_file_id
@@ -40,6 +40,7 @@ from prefixq.openai.formats import Line, Usage, format_result
 from prefixq.openai.validate import check_input
 from prefixq.producer import Producer
 from prefixq.records import Result
+from prefixq.results import read_stored
 from prefixq.settings import Settings
 
 __all__ = ["Sweeper"]
@@ -292,22 +293,15 @@ class Sweeper:
             raw = await self.r.hmget(store.keys.results(burst), idx)
             lines = []
             for i, v in zip(idx, raw, strict=True):
-                why = "no result was recorded"  # not expected once the burst is finished
-                if v is not None:
-                    try:
-                        res = Result.from_wire(wire.decode(v, limits))
-                    except (WireError, KeyError, TypeError, ValueError) as e:
-                        why = f"its recorded result does not decode: {e}"
-                    else:
-                        why = ""
-                if why:  # a line that says so, rather than no files at all
+                # a line that says what is wrong, rather than no files at all
+                if v is None:  # not expected once the burst is finished
+                    why = "no result was recorded"
+                    res = Result(id="", index=i, error=why, error_code="internal_error")
+                else:
+                    res = read_stored(v, i, "", limits)
+                if res.error_code == "internal_error" and not res.id:
                     rid = await self.r.lindex(store.keys.ids(burst), i)
-                    res = Result(
-                        id=(rid or b"").decode("utf-8", "replace"),
-                        index=i,
-                        error=why,
-                        error_code="internal_error",
-                    )
+                    res.id = (rid or b"").decode("utf-8", "replace")
                 files.usage.add(res)
                 lines.append(
                     format_result(
