@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import redis
 from openai import OpenAI
 from openai.types import Batch
 
+from helpers import wait_until
 from openai_server import Server, chat_line, completion_line
 from prefixq.errors import PrefixqError
 from prefixq.keys import Keys
@@ -759,3 +761,23 @@ def test_finalizing_removes_files_a_killed_finalizer_published_but_never_gave_th
     outputs = [x.id for x in client.files.list(purpose="batch_output")]
     assert outputs == [b.output_file_id]
     assert not (server.files_dir / settings.namespace / orphan).exists()
+
+
+def test_a_started_server_removes_partial_uploads_a_killed_one_left(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """A `.upload-*` file that nothing has written to for over an hour (a server killed mid-
+    upload) is removed when a server starts; a fresh one (an upload in progress) and the stored
+    files stay."""
+    folder = tmp_path / "files" / settings.namespace
+    folder.mkdir(parents=True)
+    stale, fresh = folder / ".upload-file-0", folder / ".upload-file-1"
+    kept = folder / ("file-" + "0" * 24)
+    for f in (stale, fresh, kept):
+        f.write_bytes(b'{"x": 1}\n')
+    two_hours_ago = time.time() - 7200
+    os.utime(stale, (two_hours_ago, two_hours_ago))
+    os.utime(kept, (two_hours_ago, two_hours_ago))
+    with Server(settings, tmp_path / "files"):
+        wait_until(lambda: not stale.exists(), 30, "the stale partial upload removed")
+        assert fresh.exists() and kept.exists()

@@ -36,6 +36,8 @@ PURPOSES = frozenset({"batch", "batch_output"})
 
 
 _ID = re.compile(r"file-[0-9a-f]{24}")
+#: an upload's partial content untouched this long is one a killed server left behind
+STALE_UPLOAD_S = 3600.0
 
 
 def new_file_id() -> str:
@@ -78,6 +80,22 @@ class FileStore:
         if not _ID.fullmatch(file_id):
             raise not_found("File", file_id)
         return self.dir / file_id
+
+    def sweep_uploads(self, older_than_s: float = STALE_UPLOAD_S) -> int:
+        """Remove partial uploads (``.upload-*``) not written to for ``older_than_s``: what a
+        server killed mid-upload left (a live upload writes every chunk it gets); returns how
+        many."""
+        cutoff, n = time.time() - older_than_s, 0
+        for tmp in self.dir.glob(".upload-*"):
+            try:
+                if tmp.stat().st_mtime < cutoff:
+                    tmp.unlink()
+                    n += 1
+            except FileNotFoundError:  # finished or removed meanwhile
+                continue
+        if n:
+            log.info("removed %d partial upload(s) left by a stopped server in %s", n, self.dir)
+        return n
 
     async def upload(
         self, chunks: AsyncIterator[bytes], content_type: str | None

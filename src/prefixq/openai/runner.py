@@ -48,6 +48,8 @@ __all__ = ["Sweeper"]
 log = logging.getLogger(__name__)
 
 _FETCH = 512
+#: how often the sweeper looks for partial uploads a killed server left (files.py)
+UPLOADS_EVERY_S = 600.0
 #: the burst record field the producer writes once every entry is queued
 _QUEUED_MARK = "encoded_bytes"
 
@@ -366,8 +368,17 @@ class Sweeper:
             self.spawn(store, batch_id, step(store, batch_id, token))
 
     async def run(self, interval: float = 0.5) -> None:
-        """Sweep for ever (until cancelled), riding out Redis outages."""
+        """Sweep for ever (until cancelled), riding out Redis outages; partial uploads a killed
+        server left are removed at start and every `UPLOADS_EVERY_S`."""
+        uploads_due = 0.0
         while True:
+            if time.monotonic() >= uploads_due:
+                uploads_due = time.monotonic() + UPLOADS_EVERY_S
+                for store in self.stores.values():
+                    try:
+                        store.files.sweep_uploads()
+                    except OSError as e:
+                        log.warning("removing stale partial uploads failed: %s", e)
             try:
                 await self.sweep()
             except (*TRANSIENT, PrefixqError) as e:
