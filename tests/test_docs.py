@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 import subprocess
 import sys
@@ -44,3 +45,25 @@ def test_public_api_is_what_all_says() -> None:
     assert {"Producer", "Settings", "Request", "Result", "PrefixqError"} <= exported
     for name in prefixq.__all__:
         assert hasattr(prefixq, name), name
+
+
+def test_every_dotted_prefixq_name_in_the_docs_exists() -> None:
+    """`prefixq.module.name` in README, docs/ and examples/README.md names something importable
+    (examples/README.md named `prefixq.rq_jobs.callback_job_id`, which lives in callbacks)."""
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "examples/README.md"]
+    missing = []
+    for doc in docs:
+        for name in set(re.findall(r"`(prefixq(?:\.[A-Za-z_]\w*)+)", doc.read_text())):
+            parts = name.split(".")
+            for i in range(len(parts), 0, -1):
+                try:
+                    obj: object = importlib.import_module(".".join(parts[:i]))
+                except ImportError:
+                    continue
+                break
+            for attr in parts[i:]:
+                if not hasattr(obj, attr):
+                    missing.append(f"{doc.name}: {name}")
+                    break
+                obj = getattr(obj, attr)
+    assert not missing, missing
