@@ -175,18 +175,21 @@ def test_bad_option_values_are_usage_errors(
         (("--timeout", "5"), "--out and --timeout go with --wait"),
         (("--wait", "--format", "openai"), "--format and --token-ids go with --out"),
         (("--wait", "--out", "OUT", "--token-ids"), "--token-ids goes with the prefixq format"),
+        (("--wait", "--out", "NODIR"), "not a file in an existing folder"),
+        (("--wait", "--out", "DIR"), "not a file in an existing folder"),
     ],
 )
 def test_submit_refuses_options_it_would_ignore_before_submitting(
     settings: Settings, r: Any, tmp_path: Path, extra: tuple[str, ...], says: str
 ) -> None:
     """`submit FILE --out OUT` without --wait wrote nothing and exited 0; `--token-ids` with an
-    OpenAI batch file (openai output lines) was refused only after the whole burst had run.
-    Both are usage errors now, before anything is enqueued."""
+    OpenAI batch file (openai output lines), or an --out in no folder, was refused only after the
+    whole burst had run. They are usage errors now, before anything is enqueued."""
     src = tmp_path / "batch.jsonl"
     src.write_text(json.dumps(openai_line("c1", "hi")) + "\n")
     out = tmp_path / "out.jsonl"
-    args = [str(out) if a == "OUT" else a for a in extra]
+    named = {"OUT": out, "NODIR": tmp_path / "no-such-dir" / "out.jsonl", "DIR": tmp_path}
+    args = [str(named.get(a, a)) for a in extra]
     p = cli(settings, "submit", str(src), *args, "--shards", "1", timeout=60)
     assert p.returncode == 2, p.stderr
     assert says in p.stderr and not out.exists()
