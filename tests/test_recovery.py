@@ -125,3 +125,21 @@ def test_the_dead_letter_stream_is_capped_and_trims_its_oldest(
     assert (last[b"entry"], last[b"burst"].decode()) == (got[0][0], burst)
     assert DEAD_CAP <= r.xlen(keys.dead(0)) <= DEAD_CAP + NODE
     assert r.xrange(keys.dead(0), count=1)[0][0] > first_old, "the oldest were trimmed"
+
+
+def test_requeue_of_an_id_that_is_no_dead_letter_says_so(
+    settings: Settings, r: redis.Redis
+) -> None:
+    """`dead --requeue --id X` for an X that is not (or no longer) a dead letter reported
+    "0 skipped" and nothing else; it is now skipped with the reason, the others still run."""
+    s, keys = settings, Keys(settings.namespace)
+    r.hset(keys.config, "shards", 1)
+    bare = dead_letter(r, s, None, reason="entry has no 'd' field", delivered=1).decode()
+    rep = Recovery(s).requeue(ids=["1-0", bare, "1-0"])
+    assert [(i, why.split(" (")[0]) for i, why in rep.skipped] == [
+        (bare, "no payload to requeue"),
+        ("1-0", "no such dead letter"),
+    ]
+    p = cli(s, "dead", "--requeue", "--id", "2-0")
+    assert p.returncode == 0 and "1 skipped" in p.stdout, p.stdout
+    assert "skipped 2-0: no such dead letter" in p.stderr

@@ -261,6 +261,7 @@ class Recovery:
         for i in ids or ():
             if not _STREAM_ID.fullmatch(i):
                 raise ConfigError(f"{i!r} is not a dead letter id (like 1712345678901-0)")
+        found: set[str] = set()
         for k in self.shards(shard):
             dead = self.keys.dead(k)
             if ids:
@@ -268,7 +269,11 @@ class Recovery:
             else:
                 letters = self.r.xrange(dead)
             for dead_id, f in letters:
+                found.add(dead_id.decode())
                 self._requeue_one(k, dead_id, f, rep)
+        for i in dict.fromkeys(ids or ()):  # asked for by id: say why nothing happened
+            if i not in found:
+                rep.skipped.append((i, "no such dead letter (requeued or trimmed already?)"))
         return rep
 
     def _requeue_one(
