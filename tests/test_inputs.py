@@ -246,3 +246,26 @@ def test_fuzzed_python_objects_give_a_burst_or_a_validation_error(
     ValidationError: never another exception."""
     with contextlib.suppress(ValidationError):
         Producer(make_settings()).submit(reqs)
+
+
+def test_a_sampling_field_given_twice_with_different_values_is_refused() -> None:
+    """`{"sampling": {"temperature": 0.5}, "temperature": 0.7}`: the top level won silently;
+    the same value twice is fine."""
+    with pytest.raises(ValidationError, match="line 1: temperature given both at the top level"):
+        Request.from_json(
+            {"id": "a", "prompt": "x", "sampling": {"temperature": 0.5}, "temperature": 0.7}
+        )
+    same = Request.from_json(
+        {"id": "a", "prompt": "x", "sampling": {"temperature": 0.5}, "temperature": 0.5}
+    )
+    assert same.sampling["temperature"] == 0.5
+
+
+def test_a_shared_sampling_object_is_not_changed_by_the_requests_using_it() -> None:
+    """Requests built from one shared `sampling` dict: a top-level field of one request was
+    written into the shared dict, so the next request without it inherited it."""
+    shared = {"temperature": 0.0}
+    first = Request.from_json({"id": "a", "prompt": "x", "sampling": shared, "max_tokens": 5})
+    second = Request.from_json({"id": "b", "prompt": "y", "sampling": shared}, index=1)
+    assert shared == {"temperature": 0.0}
+    assert first.sampling.get("max_tokens") == 5 and "max_tokens" not in second.sampling

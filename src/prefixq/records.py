@@ -107,7 +107,14 @@ class Request:
         sampling = body.pop("sampling", None) or {}
         if not isinstance(sampling, dict):
             raise ValidationError(f"{where}: 'sampling' must be an object")
-        sampling.update({k: body.pop(k) for k in list(body) if k in SAMPLING_FIELDS})
+        top = {k: body.pop(k) for k in list(body) if k in SAMPLING_FIELDS}
+        both = sorted(k for k in top if k in sampling and sampling[k] != top[k])
+        if both:  # which one was meant? nothing that changes the answer is chosen silently
+            raise ValidationError(
+                f"{where}: {', '.join(both)} given both at the top level and in 'sampling', "
+                "with different values"
+            )
+        sampling = {**sampling, **top}
         if body:
             raise ValidationError(f"{where}: unknown fields: {', '.join(sorted(body))}")
         req.sampling = normalize_sampling(sampling)
