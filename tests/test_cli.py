@@ -206,3 +206,17 @@ def test_an_unknown_log_level_is_a_usage_error_and_the_case_does_not_matter(
     p = cli(settings, "inspect", "--shards", "1", "--json", "--log-level", "debug")
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["namespace"] == settings.namespace
+
+
+def test_submit_wait_that_times_out_still_prints_the_burst_id(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """`B=$(prefixq submit F --wait --timeout 1)` with no worker: exit 1, and stdout still has the
+    burst id (it was empty), so a script can collect the burst with `prefixq results` later."""
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": "a", "prompt": "hi"}\n')
+    p = cli(settings, "submit", str(src), "--shards", "1", "--wait", "--timeout", "1")
+    assert p.returncode == 1, p.stderr
+    burst = p.stdout.strip()
+    assert f"prefixq: error: burst {burst}: 0/1 results after 1s" in p.stderr
+    assert cli(settings, "cancel", burst).returncode == 0

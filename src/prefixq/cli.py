@@ -253,14 +253,18 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
             reqs, burst_id=args.burst_id, progress=bar.update, metadata=meta
         )
     print(f"submitted {len(reqs)} requests as burst {burst}", file=sys.stderr)
-    if args.wait:
-        with BurstProgress(burst) as bar:
-            st = results.wait(burst, settings, timeout=args.timeout, progress=bar.update)
-        if args.out:
-            n = write_results(burst, args.out, settings, fmt=args.format, token_ids=args.token_ids)
-            print(f"wrote {n} results to {args.out}", file=sys.stderr)
-        print(f"{st.done} done, {st.failed} failed", file=sys.stderr)
-    print(burst)
+    try:
+        if args.wait:
+            with BurstProgress(burst) as bar:
+                st = results.wait(burst, settings, timeout=args.timeout, progress=bar.update)
+            if args.out:
+                n = write_results(
+                    burst, args.out, settings, fmt=args.format, token_ids=args.token_ids
+                )
+                print(f"wrote {n} results to {args.out}", file=sys.stderr)
+            print(f"{st.done} done, {st.failed} failed", file=sys.stderr)
+    finally:  # the id on stdout also when waiting fails (a timeout): the burst runs on
+        print(burst)
     return 0
 
 
