@@ -173,3 +173,25 @@ def test_inspect_says_a_cancelled_burst_was_cancelled(settings: Settings, r: red
 def test_inspect_refuses_a_negative_recent(settings: Settings) -> None:
     p = cli(settings, "inspect", "--recent", "-1", "--shards", "1")
     assert p.returncode == 2 and "--recent must be >= 0" in p.stderr, p.stderr
+
+
+def test_inspect_says_queued_then_running_and_reads_past_an_unreadable_result(
+    settings: Settings, r: redis.Redis
+) -> None:
+    """A burst is `queued` until its first result, then `running` (it showed `queued` while
+    being served); a sampled result written over in Redis does not fail the view."""
+    s = settings
+    waiting = Producer(s).submit([{"id": f"w{i}", "prompt": f"p {i}"} for i in range(3)])
+    served = Producer(s).submit([{"id": f"q{i}", "prompt": f"p {i}"} for i in range(3)])
+    script = r.register_script(lua("record_result"))
+    rkeys, args = record_call(s.keys, served, Result(id="q0", index=0, text="a"), s, "1")
+    assert script(keys=rkeys, args=args) == 1
+    done = recorded_burst(r, s, 3)
+    r.hset(s.keys.results(done), "1", b"\xff\xfe not a result")
+    snap = stats.snapshot(s, recent=5, client=r)
+    by_id = {b["burst"]: b for b in snap["bursts"]}
+    assert by_id[waiting]["status"] == "queued"
+    assert by_id[served]["status"] == "running" and by_id[served]["done"] == 1
+    assert by_id[done]["status"] == "finished" and by_id[done]["sampled"] == 3
+    p = cli(s, "inspect", "--shards", "1")
+    assert p.returncode == 0 and "running" in p.stdout, p.stderr

@@ -206,6 +206,19 @@ def _workers(
     return out
 
 
+def _shown_status(st: results_api.BurstStatus) -> str:
+    """What `inspect` calls a burst: its record's end (cancelled, expired) or finished once
+    every request has a result; running once the first result is in; else its record's own
+    (queued, cancelling)."""
+    if st.status in ("cancelled", "expired"):
+        return st.status
+    if st.finished:
+        return "finished"
+    if st.status == "queued" and st.done + st.failed > 0:
+        return "running"
+    return st.status
+
+
 def burst_stats(r: redis.Redis, settings: Settings, burst: str) -> dict[str, Any]:
     """Progress, byte counts and token counters of one burst (its record), and latency
     percentiles from at most `SAMPLE` of its results, read at random."""
@@ -215,7 +228,10 @@ def burst_stats(r: redis.Redis, settings: Settings, burst: str) -> dict[str, Any
     pipe.hrandfield(settings.keys.results(burst), SAMPLE, withvalues=True)
     n, flat = pipe.execute()
     limits = wire.Limits.from_settings(settings)
-    sample = [Result.from_wire(wire.decode(v, limits)) for v in (flat or [])[1::2]]
+    pairs = zip((flat or [])[::2], (flat or [])[1::2], strict=True)
+    sample = [
+        results_api.read_stored(v, int(k) if k.isdigit() else -1, "", limits) for k, v in pairs
+    ]
     ok = [x for x in sample if x.error is None]
     m = st.meta
     raw, enc = int(m.get("raw_bytes", 0)), int(m.get("encoded_bytes", 0))
@@ -238,11 +254,7 @@ def burst_stats(r: redis.Redis, settings: Settings, burst: str) -> dict[str, Any
     return {
         "burst": burst,
         # a cancelled or expired burst is finished too; its record says which
-        "status": st.status
-        if st.status in ("cancelled", "expired")
-        else "finished"
-        if st.finished
-        else st.status,
+        "status": _shown_status(st),
         "total": st.total,
         "done": st.done,
         "failed": st.failed,
