@@ -85,3 +85,17 @@ def test_a_unix_socket_url_works_for_the_cli_and_the_producer(tmp_path: Path) ->
         assert p.returncode == 0, p.stderr
         assert json.loads(p.stdout)["bursts"][0]["total"] == 1
         assert srv.proc is not None and srv.proc.poll() is None
+
+
+def test_a_database_the_server_does_not_have_is_a_config_error(
+    make_settings: Callable[..., Settings],
+) -> None:
+    """`redis://host:port/99` on a server with 16 databases: the producer raises ConfigError and
+    the CLI exits 2 naming the database, not 1 as if Redis had failed."""
+    base = make_settings()
+    s = base.replace(redis_url=base.redis_url.rsplit("/", 1)[0] + "/99")
+    with pytest.raises(ConfigError, match="has no such database"):
+        Producer(s).submit([{"id": "a", "prompt": "hi"}])
+    for args in (("inspect",), ("results", "nope")):
+        p = cli(s, *args, timeout=60)
+        assert p.returncode == 2 and "has no such database" in p.stderr, (args, p.stderr)

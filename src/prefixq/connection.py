@@ -211,6 +211,11 @@ def _describe(settings: Settings, err: BaseException, figures: str | None) -> Pr
             f"password in REDIS_URL, and that the user's ACL allows the keys "
             f"{settings.namespace}:* and the commands docs/delivery.md lists)"
         )
+    if isinstance(err, ResponseError) and "DB index is out of range" in str(err):
+        return ConfigError(
+            f"Redis at {url} has no such database: {text} (the number after the last / of "
+            "REDIS_URL must be below the server's `databases` setting, 16 by default)"
+        )
     if is_oom(err):
         state = f" ({figures})" if figures else ""
         return RedisOutOfMemory(

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aredis
-from redis.exceptions import NoPermissionError, OutOfMemoryError, RedisError
+from redis.exceptions import RedisError
 
 from prefixq.affinity.placement import (
     HashPlacer,
@@ -176,7 +176,7 @@ class Producer:
         try:
             sub = _Submission(self, r, raw, burst, meta, progress)
             return await sub.run(placement or s.placement, seed, order)
-        except (*TRANSIENT, NoPermissionError, OutOfMemoryError) as e:  # ours, with a hint
+        except (*TRANSIENT, RedisError) as e:  # ours, with a hint (one exception root)
             raise await describe_async(s, e, r) from e
         finally:
             if kept is None:
