@@ -168,6 +168,38 @@ def test_sigterm_during_burst_exits_0_in_grace_and_nothing_is_lost(
     assert (out.lost, out.duplicated, out.failed) == (0, 0, 0)
 
 
+@pytest.mark.parametrize("redis_state", ["unreachable", "out of memory"])
+def test_sigterm_while_the_start_waits_for_redis_exits_0_at_once(
+    make_settings: Callable[..., Settings], tmp_path: Path, redis_state: str
+) -> None:
+    """Given a worker process whose start is waiting for Redis (nothing listens on its port, or
+    Redis refuses writes: out of memory), when it gets SIGTERM it exits 0 within a few seconds
+    (it kept retrying and ignored SIGTERM: only kill -9 stopped it)."""
+    with RedisServer() as srv:
+        s = make_settings().replace(redis_url=srv.url)
+        r = redis.Redis.from_url(srv.url)
+        if redis_state == "unreachable":
+            srv.stop()
+        else:
+            r.config_set("maxmemory", max(1, int(r.info("memory")["used_memory"]) - 1))
+        log = tmp_path / "start.log"
+        proc = fault_worker(s, log, "--name", "waits")
+        try:
+            wait_until(lambda: "retrying in" in log.read_text(), 30, "a start-up retry logged")
+            assert proc.poll() is None
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            rc = proc.wait(20)
+            took = time.monotonic() - t0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        text = log.read_text()
+        assert rc == 0 and "stopped before it served" in text, text[-3000:]
+        assert took < 8, took
+        LEDGER.fault(f"SIGTERM to a worker whose start waits for Redis ({redis_state})")
+
+
 def test_poison_entry_is_dead_lettered_after_max_attempts_and_the_rest_complete(
     make_settings: Callable[..., Settings], r: redis.Redis, tmp_path: Path
 ) -> None:

@@ -1,9 +1,10 @@
-"""Three asyncio helpers the worker's lifecycle needs."""
+"""Four asyncio helpers the worker's lifecycle needs."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,23 @@ async def first_of(*aws: Any) -> None:
     finally:
         for t in tasks:
             t.cancel()
+
+
+async def unless_stopped(step: Awaitable[None], stopping: asyncio.Event) -> bool:
+    """Run ``step`` (a start-up step that may wait for Redis without end) unless ``stopping``
+    is set first: then the step is cancelled and this returns False. The step's own errors
+    propagate."""
+    task = asyncio.ensure_future(step)
+    stop = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+    if task.done():
+        task.result()
+        return True
+    await cancel_all([task])
+    return False
 
 
 async def drain(tasks: list[asyncio.Task[Any]], grace_s: float) -> None:

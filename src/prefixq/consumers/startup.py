@@ -12,7 +12,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from prefixq.connection import TRANSIENT, Backoff, describe, refused
+from prefixq.connection import TRANSIENT, Backoff, describe, raise_if_cancelled, refused
 from prefixq.consumers.engine import Engine, EngineRequest
 from prefixq.consumers.shard import ShardStream
 from prefixq.errors import ConfigError
@@ -32,6 +32,7 @@ async def retry(settings: Settings, what: str, call: Callable[[], Awaitable[Any]
         except (*TRANSIENT, ResponseError) as e:
             if refused(e):  # wrong credentials, an ACL, an untrusted certificate
                 raise describe(settings, e) from e
+            raise_if_cancelled()  # the worker stops (a cancel redis-py's connect swallowed)
             await backoff.wait(what, e)
 
 

@@ -26,7 +26,7 @@ import redis.asyncio as aredis
 
 from prefixq.bursts import ended_result
 from prefixq.connection import async_client
-from prefixq.consumers.aio import cancel_all, drain, first_of
+from prefixq.consumers.aio import cancel_all, drain, first_of, unless_stopped
 from prefixq.consumers.backlog import replay_backlog
 from prefixq.consumers.control import control_loop
 from prefixq.consumers.ends import BurstEnds
@@ -167,11 +167,22 @@ class Worker:
             for m in reversed(self.middleware):
                 await m.after_stop(self)
 
-    async def _run(self) -> int:
+    async def _prepare(self) -> None:
         await register(self.stream, self.settings)
         await self._retry("reading the burst-end notices", self.ends.load)
-        await self.engine.start()
-        await record_engine(self.stream, self.settings, self.engine)
+
+    async def _run(self) -> int:
+        # the Redis steps of the start wait for Redis as long as it takes; stop() ends them
+        started = await unless_stopped(self._prepare(), self._stopping)
+        if started:
+            await self.engine.start()
+            recorded = record_engine(self.stream, self.settings, self.engine)
+            started = await unless_stopped(recorded, self._stopping)
+        if not started:
+            log.info("worker %s stopped before it served", self.name)
+            await self.engine.close()
+            await self.r.aclose()
+            return EXIT_OK
         if not self.max_inflight:
             self.max_inflight = max(2 * self.engine.max_num_seqs, 1)
         await self._warm_up()
