@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -21,8 +22,9 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio as aredis
-from rq import Queue
+from rq import Queue, Retry
 from rq.job import Job, JobStatus
+from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from helpers import FakeWorker, queue_empty, wait_until
@@ -172,6 +174,87 @@ def test_wait_ends_before_the_rq_job_timeout(s: Settings, r: redis.Redis) -> Non
     assert time.monotonic() - t0 < 30
     text = failure(job)
     assert "BurstTimeout" in text and "JobTimeoutException" not in text
+
+
+def test_a_retried_run_burst_job_waits_on_its_burst_instead_of_submitting_it_again(
+    s: Settings, r: redis.Redis, fake_worker: MakeWorker
+) -> None:
+    """RQ's Retry (and a requeue of the failed job) runs run_burst again: every attempt waits on
+    the burst the first one submitted; the requests are enqueued once."""
+    q = queue(r, s)
+    job = enqueue_run_burst(q, s, THREE, timeout=1, shards=1, retry=Retry(max=1))
+    rq_worker(s.redis_url, q.name)  # no prefixq worker: both attempts time out
+    assert job.get_status(refresh=True) == JobStatus.FAILED
+    bursts = r.zrange(Keys(s.namespace).bursts, 0, -1)
+    assert len(bursts) == 1
+    assert failure(job).count(bursts[0].decode()) >= 1
+    with fake_worker(s):
+        q.failed_job_registry.requeue(job.id)
+        rq_worker(s.redis_url, q.name)
+    summary = job.return_value(refresh=True)
+    assert summary is not None, failure(job)
+    assert summary["burst"] == bursts[0].decode() and summary["total"] == 3
+    assert r.zrange(Keys(s.namespace).bursts, 0, -1) == bursts
+
+
+def test_a_run_burst_job_whose_rq_worker_was_killed_reattaches_when_retried(
+    s: Settings, r: redis.Redis, fake_worker: MakeWorker
+) -> None:
+    """kill -9 of the rq worker while run_burst waits: RQ retries the abandoned job, which waits
+    on the burst already submitted and returns its summary."""
+    q = queue(r, s)
+    job = enqueue_run_burst(q, s, THREE, timeout=60, shards=1, retry=Retry(max=1))
+    path = [str(TESTS), str(SRC), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+    cmd = [sys.executable, "-m", "rq.cli", "worker", "--url", s.redis_url]
+    cmd += ["--serializer", "rq.serializers.JSONSerializer", q.name]
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        wait_until(lambda: r.exists(Keys(s.namespace).bursts), 60, "the burst submitted")
+        time.sleep(0.5)  # the job waits on it
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the worker and its work horse
+        proc.wait()
+    assert job.get_status(refresh=True) == JobStatus.STARTED
+    StartedJobRegistry(queue=q).cleanup(time.time() + 10**6)  # what RQ does once it sees it dead
+    assert job.get_status(refresh=True) == JobStatus.QUEUED
+    with fake_worker(s):
+        rq_worker(s.redis_url, q.name)
+    summary = job.return_value(refresh=True)
+    assert summary is not None, failure(job)
+    assert r.zrange(Keys(s.namespace).bursts, 0, -1) == [summary["burst"].encode()]
+    assert (summary["done"], summary["failed"]) == (2, 1)
+
+
+def test_a_burst_an_earlier_attempt_left_half_submitted_is_cancelled_and_submitted_anew(
+    s: Settings, r: redis.Redis
+) -> None:
+    """An attempt killed while submitting left a burst record without its per-shard counts: the
+    retry cancels that burst as a whole and submits the requests as a new one."""
+    q = queue(r, s)
+    keys = Keys(s.namespace)
+    job = enqueue_run_burst(q, s, THREE, timeout=1, shards=1)
+    half = "half-submitted"
+    Producer(s).submit(THREE, burst_id=half, metadata={"rq_job": job.id})
+    r.hdel(keys.burst(half), "per_shard")  # as if killed before the last step
+    job.meta.update({"prefixq_burst": half, "prefixq_namespace": s.namespace})
+    job.save_meta()
+    rq_worker(s.redis_url, q.name)  # no prefixq worker: the new burst times out
+    assert r.hmget(keys.burst(half), "status", "cancelled") == [b"cancelled", b"3"]
+    new = {b.decode() for b in r.zrange(keys.bursts, 0, -1)} - {half}
+    assert len(new) == 1
+    assert job.get_meta(refresh=True)["prefixq_burst"] == new.pop()
+
+
+def test_run_burst_does_not_reattach_to_a_burst_of_another_job(s: Settings, r: redis.Redis) -> None:
+    """A burst_id that is already taken fails the job (and its retry) as taken: it is not a
+    burst this job submitted, so no attempt waits on it."""
+    other = Producer(s).submit(THREE[:1], burst_id="taken")
+    q = queue(r, s)
+    job = enqueue_run_burst(q, s, THREE, burst_id=other, timeout=5, retry=Retry(max=1))
+    rq_worker(s.redis_url, q.name)
+    assert job.get_status(refresh=True) == JobStatus.FAILED
+    assert "burst 'taken' already exists" in failure(job)
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ way out to RQ, a burst's ``on_complete`` job, is prefixq.callbacks.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -20,12 +21,13 @@ from typing import Any
 
 import redis
 from rq import get_current_job
+from rq.job import Job
 
-from prefixq import results
+from prefixq import bursts, results
 from prefixq.connection import redact, sync_client
 from prefixq.errors import BurstFailed, BurstTimeout, ConfigError, ValidationError
 from prefixq.inputs import read_requests
-from prefixq.producer.producer import Producer
+from prefixq.producer.producer import Producer, check_burst_id, new_burst_id
 from prefixq.records import Request
 from prefixq.settings import Settings
 
@@ -70,11 +72,12 @@ def run_burst(
     reqs = _load(requests_or_path, settings)
     budget = _wait_budget(timeout)
 
-    burst = Producer(settings).submit(reqs, burst_id=burst_id)
-    submit_s = time.monotonic() - started
-    log.info("run_burst: submitted %d requests as burst %s", len(reqs), burst)
     client = sync_client(settings)
     try:
+        burst = _earlier_attempt(get_current_job(), settings, client, burst_id)
+        if burst is None:
+            burst = _submit(settings, reqs, burst_id)
+        submit_s = time.monotonic() - started
         try:
             st = results.wait(burst, settings, timeout=max(budget - submit_s, 0.001), client=client)
         except BurstTimeout:
@@ -104,6 +107,70 @@ def run_burst(
         summary["requests_per_s"],
     )
     return summary
+
+
+#: the RQ job's meta fields that name the burst an attempt of it submits (kept across retries)
+META_BURST, META_NAMESPACE = "prefixq_burst", "prefixq_namespace"
+#: the burst record's ``metadata`` field that names the RQ job that submitted it
+META_RQ_JOB = "rq_job"
+
+
+def _earlier_attempt(
+    job: Job | None, settings: Settings, client: redis.Redis, burst_id: str | None
+) -> str | None:
+    """The burst an earlier attempt of this RQ job (a retry after a failure or a killed worker)
+    submitted in full, to wait on again instead of submitting the requests a second time.
+
+    An earlier attempt that died while submitting left a burst partly enqueued: it is cancelled
+    as a whole (nothing of it is left for a worker to run), and this attempt submits anew."""
+    if job is None or job.meta.get(META_NAMESPACE) != settings.namespace:
+        return None
+    prior = job.meta.get(META_BURST)
+    if not isinstance(prior, str):
+        return None
+    total, per_shard, metadata = client.hmget(
+        settings.keys.burst(prior), "total", "per_shard", "metadata"
+    )
+    if total is None or _rq_job_of(metadata) != job.id:
+        return None  # never created (or long expired, or another's): submit it (again)
+    if per_shard is not None:
+        log.info("run_burst: RQ job %s attempted before: waiting again on burst %s", job.id, prior)
+        return prior
+    log.warning(
+        "run_burst: an earlier attempt of RQ job %s died while submitting burst %s: cancelling "
+        "it and submitting anew",
+        job.id,
+        prior,
+    )
+    bursts.cancel(prior, settings, client=client)
+    if burst_id == prior:
+        raise ValidationError(
+            f"burst {prior}: an earlier attempt of RQ job {job.id} died while submitting it, so it "
+            "was cancelled; the id cannot be used again (enqueue with another burst_id)"
+        )
+    return None
+
+
+def _rq_job_of(metadata: bytes | None) -> str | None:
+    """The RQ job id a burst record's ``metadata`` names as the one that submitted it."""
+    try:
+        got = json.loads(metadata or b"{}").get(META_RQ_JOB)
+    except (ValueError, AttributeError):
+        return None
+    return got if isinstance(got, str) else None
+
+
+def _submit(settings: Settings, reqs: list[Any], burst_id: str | None) -> str:
+    """Submit the burst, its id noted in the running RQ job's meta first (`_earlier_attempt`)."""
+    burst = new_burst_id() if burst_id is None else check_burst_id(burst_id)
+    job = get_current_job()
+    if job is not None:
+        job.meta.update({META_BURST: burst, META_NAMESPACE: settings.namespace})
+        job.save_meta()  # type: ignore[no-untyped-call]
+    metadata = {META_RQ_JOB: job.id} if job is not None else None
+    Producer(settings).submit(reqs, burst_id=burst, metadata=metadata)
+    log.info("run_burst: submitted %d requests as burst %s", len(reqs), burst)
+    return burst
 
 
 def _load(
