@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +30,7 @@ from rq.serializers import JSONSerializer
 
 from helpers import FakeWorker, queue_empty, wait_until
 from prefixq import results
+from prefixq.bursts import cancel
 from prefixq.callbacks import callback_job_id, callback_path, enqueue_on_complete
 from prefixq.consumers.recovery import Recovery
 from prefixq.errors import ValidationError
@@ -255,6 +257,61 @@ def test_run_burst_does_not_reattach_to_a_burst_of_another_job(s: Settings, r: r
     rq_worker(s.redis_url, q.name)
     assert job.get_status(refresh=True) == JobStatus.FAILED
     assert "burst 'taken' already exists" in failure(job)
+
+
+def test_a_burst_cancelled_while_run_burst_waits_fails_the_job(
+    s: Settings, r: redis.Redis, tmp_path: Path
+) -> None:
+    """`prefixq cancel` of the burst a run_burst job waits on ends the wait, and the job fails
+    saying the burst was cancelled (with no max_failed too): it did not finish. Its out file is
+    written all the same."""
+    q = queue(r, s)
+    out = tmp_path / "out.jsonl"
+    job = enqueue_run_burst(q, s, THREE, timeout=60, shards=1, out=str(out))
+    keys = Keys(s.namespace)
+
+    def cancel_it() -> None:
+        burst = wait_until(lambda: r.zrange(keys.bursts, 0, -1), 60, "the burst submitted")
+        wait_until(lambda: r.hexists(keys.burst(burst[0].decode()), "per_shard"), 60, "submitted")
+        cancel(burst[0].decode(), s)
+
+    canceller = threading.Thread(target=cancel_it)
+    canceller.start()
+    t0 = time.monotonic()
+    rq_worker(s.redis_url, q.name)
+    canceller.join()
+    assert time.monotonic() - t0 < 50  # the cancel ended the wait, not the timeout
+    assert job.get_status(refresh=True) == JobStatus.FAILED
+    text = failure(job)
+    assert "BurstFailed" in text
+    assert "was cancelled before it finished: 0 done, 3 failed (3 cancelled) of 3" in text
+    assert len(out.read_text(encoding="utf-8").splitlines()) == 3
+
+
+@pytest.mark.parametrize(
+    ("requests", "options", "error"),
+    [
+        (THREE, {"timeout": "30"}, "ConfigError: timeout must be a positive number"),
+        (THREE, {"timeout": None}, "ConfigError: timeout must be a positive number"),
+        (THREE, {"timeout": True}, "ConfigError: timeout must be a positive number"),
+        (THREE, {"out": 5}, "ConfigError: out must be a file path"),
+        (THREE, {"out": "/no/such/folder/out.jsonl"}, "ConfigError: out '/no/such/folder/"),
+        (THREE, {"out": "/tmp"}, "ConfigError: out '/tmp' is a folder"),
+        (THREE, {"token_ids": "yes"}, "ConfigError: token_ids must be true or false"),
+        (5, {}, "ValidationError: run_burst takes a list of request objects or a JSONL path"),
+    ],
+)
+def test_run_burst_refuses_bad_options_before_it_submits_anything(
+    s: Settings, r: redis.Redis, requests: Any, options: dict[str, Any], error: str
+) -> None:
+    """An option of the wrong type or an out path that cannot be written fails the job with our
+    error before the burst is submitted, not with a TypeError or after the burst ran."""
+    q = queue(r, s)
+    job = enqueue_run_burst(q, s, requests, **options)
+    rq_worker(s.redis_url, q.name)
+    assert job.get_status(refresh=True) == JobStatus.FAILED
+    assert error in failure(job)
+    assert r.zcard(Keys(s.namespace).bursts) == 0
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ import math
 import os
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import redis
@@ -69,6 +69,7 @@ def run_burst(
     started = time.monotonic()
     settings = Settings.from_env(**overrides)
     _check_max_failed(max_failed)
+    _check_out(out, token_ids)
     reqs = _load(requests_or_path, settings)
     budget = _wait_budget(timeout)
 
@@ -95,6 +96,8 @@ def run_burst(
             )
             log.info("run_burst: wrote %d results of burst %s to %s", written, burst, out)
         summary = _summary(settings, st, submit_s=submit_s, out=out, written=written)
+        if st.status in ("cancelled", "expired"):
+            raise BurstFailed(_ended_message(settings, st))
         if _too_many_failed(st.failed, st.total, max_failed):
             raise BurstFailed(_failed_message(settings, st, max_failed, client))
     finally:
@@ -190,7 +193,30 @@ def _load(
         return reqs
     if isinstance(src, Mapping):
         raise ValidationError("run_burst takes a list of request objects or a JSONL path, not one")
+    if isinstance(src, bytes | bytearray) or not isinstance(src, Iterable):
+        raise ValidationError(
+            f"run_burst takes a list of request objects or a JSONL path, not {type(src).__name__}"
+        )
     return list(src)
+
+
+def _check_out(out: object, token_ids: object) -> None:
+    """``out`` and ``token_ids`` usable, checked before the burst is submitted (not after it ran):
+    ``out`` a path whose folder exists, ``token_ids`` a bool."""
+    if not isinstance(token_ids, bool):
+        raise ConfigError(f"token_ids must be true or false, not {token_ids!r}")
+    if out is None:
+        return
+    if not isinstance(out, str | os.PathLike) or not os.fspath(out):
+        raise ConfigError(f"out must be a file path on the RQ worker's host, not {out!r}")
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise ConfigError(
+            f"out {os.fspath(out)!r}: no folder {folder!r} on the RQ worker's host "
+            f"({socket.gethostname()})"
+        )
+    if os.path.isdir(out):
+        raise ConfigError(f"out {os.fspath(out)!r} is a folder, not a file path")
 
 
 def _check_max_failed(max_failed: float | None) -> None:
@@ -215,7 +241,12 @@ def _too_many_failed(failed: int, total: int, max_failed: float | None) -> bool:
 
 def _wait_budget(timeout: float) -> float:
     """``timeout``, cut to end a little before the running RQ job's own timeout (if any)."""
-    if timeout <= 0 or not math.isfinite(timeout):
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or timeout <= 0
+        or not math.isfinite(timeout)
+    ):
         raise ConfigError(f"timeout must be a positive number of seconds, not {timeout!r}")
     job = get_current_job()
     job_timeout = getattr(job, "timeout", None) if job is not None else None
@@ -267,6 +298,16 @@ def _summary(
         "out": out,
         "written": written,
     }
+
+
+def _ended_message(settings: Settings, st: results.BurstStatus) -> str:
+    """A burst that a cancel or its deadline ended before all its requests ran."""
+    cut = int(st.meta.get(st.status, 0) or 0)
+    return (
+        f"burst {st.burst} was {st.status} before it finished: {st.done} done, {st.failed} "
+        f"failed ({cut} {st.status}) of {st.total} (results in namespace "
+        f"{settings.namespace!r}: `prefixq results {st.burst} --namespace {settings.namespace}`)"
+    )
 
 
 def _failed_message(
