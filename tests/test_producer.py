@@ -15,6 +15,7 @@ import redis
 
 from helpers import cli, queued_entries
 from prefixq import results, wire
+from prefixq.affinity.placement import HashPlacer
 from prefixq.entries import Entry
 from prefixq.errors import ValidationError
 from prefixq.keys import Keys
@@ -224,3 +225,42 @@ def test_one_request_instead_of_a_list_is_refused_by_name(
     with pytest.raises(ValidationError, match="wrap a single request in a list"):
         Producer(settings).submit(one)
     assert not list(r.scan_iter(match=f"{settings.namespace}:*"))
+
+
+@pytest.mark.parametrize("bad", [5, "a prompt", None, ["x"]], ids=repr)
+def test_an_item_that_is_not_a_request_past_the_head_is_refused_before_anything_is_written(
+    make_settings: Callable[..., Settings], r: redis.Redis, bad: Any
+) -> None:
+    """A list of 50 requests whose 51st item is not an object: a ValidationError naming its line,
+    not an AttributeError that left the burst record behind as "queued" forever."""
+    s = make_settings()
+    reqs: list[Any] = [{"id": str(i), "prompt": "x"} for i in range(50)] + [bad]
+    with pytest.raises(ValidationError, match="line 51: expected a JSON object"):
+        Producer(s).submit(reqs)
+    assert namespace_keys(r, s) == []
+
+
+class _PlacesTheHeadOnly:
+    """A `Placer` of a user's own that fails on the burst's second chunk."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def place(self, r: Any, items: list[Any], shards: int) -> list[Any]:
+        self.calls += 1
+        if self.calls > 1:
+            raise RuntimeError("the placer broke")
+        return await HashPlacer().place(r, items, shards)
+
+
+def test_an_unexpected_error_after_the_head_was_sent_cancels_the_burst_as_a_whole(
+    settings: Settings, r: redis.Redis
+) -> None:
+    """Any error once the head is out (here a placer of the user's own raising RuntimeError)
+    cancels the burst, so its record does not stay "queued" with requests that never come."""
+    reqs = [{"id": str(i), "prompt": "x"} for i in range(3 * HEAD)]
+    with pytest.raises(RuntimeError, match="was cancelled as a whole"):
+        Producer(settings).submit(reqs, placement=_PlacesTheHeadOnly(), burst_id="broken")
+    st = results.status("broken", settings, client=r)
+    assert st.status == "cancelled"
+    assert st.finished and st.failed >= 3 * HEAD - HEAD

@@ -16,9 +16,10 @@ burst's size (docs/BENCHMARKS.md measures it):
 Where the entries go — the shards' intake streams and the burst's lanes, by priority — is
 layout.py's.
 
-A request refused in step 1 leaves nothing behind. A request refused in step 3, or a Redis failure
-there, cancels the burst as a whole (prefixq.bursts): what the head started may finish, every
-other request gets a cancelled result, and the error says so.
+A request refused in step 1, or an item that is not a request object at all, leaves nothing
+behind. A request refused in step 3, a Redis failure there or any other error (a placer of the
+caller's own, say), cancels the burst as a whole (prefixq.bursts): what the head started may
+finish, every other request gets a cancelled result, and the error says so.
 
 ``order`` (`ORDERS`) chooses the enqueue order; each request keeps its input index, and results
 are always read back in input order.
@@ -52,7 +53,7 @@ from prefixq.bursts import acancel
 from prefixq.connection import TRANSIENT, async_client, describe_async, lua
 from prefixq.deployment import resolve_shards
 from prefixq.entries import split_prefix
-from prefixq.errors import PrefixqError, ValidationError
+from prefixq.errors import ValidationError
 from prefixq.inputs import IdCheck, normalize_one
 from prefixq.keys import Keys
 from prefixq.lanes import check_priority, check_tenant
@@ -151,6 +152,11 @@ class Producer:
         raw = list(requests)
         if not raw:
             raise ValidationError("the burst is empty")
+        for i, x in enumerate(raw):  # the rest is validated after the head went out: not this
+            if not isinstance(x, Mapping | Request):
+                raise ValidationError(
+                    f"line {i + 1}: expected a JSON object, got {type(x).__name__}"
+                )
         if order not in ORDERS:
             raise ValidationError(f"order must be one of {', '.join(ORDERS)}, not {order!r}")
         if on_complete is not None and ":" not in on_complete:
@@ -261,7 +267,7 @@ class _Submission:
                 chunk = rest[start : start + size]
                 await self._send(chunk, await self._encode(chunk, placer, shards))
                 start, size = start + len(chunk), min(4 * size, _CHUNK)
-        except (PrefixqError, RedisError, *TRANSIENT) as e:
+        except Exception as e:  # ours, Redis's, or a bug: never a created burst left half sent
             await self._abandon(e)
             raise
         await self._finish(shards)
