@@ -454,6 +454,39 @@ def test_callback_path_refuses_what_is_not_module_colon_function(spec: str) -> N
         callback_path(spec)
 
 
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"on_complete": "a b:c"}, "package.module:function"),
+        ({"on_complete": "myapp.pipeline:summarize-burst"}, "package.module:function"),
+        ({"on_complete": "m:f()"}, "package.module:function"),
+        ({"on_complete": 5}, "package.module:function"),
+        ({"on_complete": MARK_DONE, "rq_queue": ""}, "rq_queue must be an RQ queue name"),
+        ({"on_complete": MARK_DONE, "rq_queue": 5}, "rq_queue must be an RQ queue name"),
+    ],
+)
+def test_a_malformed_on_complete_is_refused_at_submit(
+    s: Settings, r: redis.Redis, options: dict[str, Any], match: str
+) -> None:
+    """A callback that can never be enqueued (not dotted names around one colon, not a string,
+    no queue name) is refused before anything is written, not left for the worker to skip."""
+    with pytest.raises(ValidationError, match=match):
+        Producer(s).submit(THREE, **options)
+    assert r.zcard(Keys(s.namespace).bursts) == 0
+
+
+def test_cancel_of_a_burst_whose_recorded_callback_is_malformed_succeeds(
+    s: Settings, r: redis.Redis
+) -> None:
+    """A burst record holding an on_complete that does not parse (written before submit checked
+    it): the cancel that ends the burst logs and skips the callback instead of raising."""
+    burst = Producer(s).submit(THREE)
+    r.hset(Keys(s.namespace).burst(burst), mapping={"on_complete": "a b:c", "rq_queue": "x"})
+    rep = cancel(burst, s)
+    assert rep.ended and rep.cancelled == 3
+    assert r.hget(Keys(s.namespace).burst(burst), "callback_job") is None
+
+
 def test_callback_job_id_is_stable_and_in_rq_alphabet() -> None:
     """The callback's RQ job id is fixed per (namespace, burst) and uses only [A-Za-z0-9_-]."""
     a = callback_job_id("ns", "burst/with:odd chars")

@@ -88,7 +88,11 @@ def enqueue_on_complete_sync(client: redis.Redis, settings: Settings, burst: str
                 if status not in ENDED:
                     log.info("burst %s is %s, not ended: no callback yet", burst, status)
                     return None
-                func = callback_path(spec.decode())
+                try:
+                    func = callback_path(spec.decode(errors="replace"))
+                except ValidationError as e:  # a record written before submit checked it
+                    log.error("burst %s: its callback is not enqueued: %s", burst, e)
+                    return None
                 job_id = callback_job_id(settings.namespace, burst)
                 queue = Queue(
                     (queue_name or b"default").decode(),

@@ -159,8 +159,16 @@ class Producer:
                 )
         if order not in ORDERS:
             raise ValidationError(f"order must be one of {', '.join(ORDERS)}, not {order!r}")
-        if on_complete is not None and ":" not in on_complete:
-            raise ValidationError("on_complete must look like 'package.module:function'")
+        if on_complete is not None:
+            if not isinstance(on_complete, str):
+                raise ValidationError(
+                    f"on_complete must look like 'package.module:function', not {on_complete!r}"
+                )
+            from prefixq.callbacks import callback_path  # RQ's import, only for bursts with one
+
+            callback_path(on_complete)  # ValidationError unless dotted names around one colon
+        if rq_queue is not None and (not isinstance(rq_queue, str) or not rq_queue.strip()):
+            raise ValidationError(f"rq_queue must be an RQ queue name, not {rq_queue!r}")
         meta: dict[str, Any] = {
             "priority": check_priority(s.priority if priority is None else priority),
             "tenant": check_tenant(s.tenant if tenant is None else tenant),
