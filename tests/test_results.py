@@ -15,7 +15,7 @@ import redis
 
 from helpers import FakeWorker, cli, wait_settled, wait_until
 from prefixq import results
-from prefixq.errors import BurstNotFound, BurstRecordLost, ValidationError
+from prefixq.errors import BurstNotFound, BurstRecordLost, BurstTimeout, ValidationError
 from prefixq.producer import Producer
 from prefixq.settings import Settings
 
@@ -153,3 +153,34 @@ def test_one_unreadable_result_costs_its_own_line_not_the_burst(
     lines = [json.loads(x) for x in p.stdout.splitlines()]
     assert [x["id"] for x in lines] == [f"q{i}" for i in range(6)]
     assert "does not decode" in lines[3]["error"] and lines[2]["error"] is None
+
+
+@pytest.mark.parametrize("bad", ["1", True, [1]], ids=repr)
+def test_a_timeout_that_is_not_a_number_is_a_validation_error(
+    settings: Settings, r: redis.Redis, bad: Any
+) -> None:
+    """`results.wait(timeout="1")` was a TypeError from math; `timeout=True` waited 1 s."""
+    burst = Producer(settings).submit([{"id": "a", "prompt": "hi"}])
+    with pytest.raises(ValidationError, match="timeout must be a number of seconds or None"):
+        results.wait(burst, settings, timeout=bad)
+    with pytest.raises(ValidationError, match="timeout must be a number of seconds or None"):
+        next(results.iterate(burst, settings, timeout=bad))
+
+
+def test_iterate_blocks_no_longer_than_its_timeout_leaves(
+    settings: Settings, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`iterate(timeout=0.2)` on a burst nobody serves blocked a whole second per wait before it
+    looked at its deadline; each wait is now cut to the time left."""
+    burst = Producer(settings).submit([{"id": "a", "prompt": "hi"}])
+    waits: list[int] = []
+    block = results._Session.block
+
+    def spy(self: Any, last: str, ms: int) -> str:
+        waits.append(ms)
+        return block(self, last, ms)
+
+    monkeypatch.setattr(results._Session, "block", spy)
+    with pytest.raises(BurstTimeout):
+        list(results.iterate(burst, settings, timeout=0.2))
+    assert waits and max(waits) <= 200

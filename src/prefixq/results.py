@@ -163,10 +163,12 @@ def status(
 
 def _deadline(timeout: float | None) -> float | None:
     """The monotonic time ``timeout`` s from now; None (no limit) for None or infinity."""
-    if timeout is None or timeout == math.inf:
+    if timeout is None:
         return None
-    if math.isnan(timeout):
-        raise ValidationError("timeout must be a number of seconds or None, not nan")
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or math.isnan(timeout):
+        raise ValidationError(f"timeout must be a number of seconds or None, not {timeout!r}")
+    if timeout == math.inf:
+        return None
     return time.monotonic() + timeout
 
 
@@ -220,9 +222,15 @@ def iterate(
             nxt += 1
         else:
             continue
-        if deadline is not None and time.monotonic() > deadline:
-            raise BurstTimeout(f"burst {burst}: {nxt}/{total} results in order after {timeout}s")
-        last = ses.block(last, 1000)
+        ms = 1000
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BurstTimeout(
+                    f"burst {burst}: {nxt}/{total} results in order after {timeout}s"
+                )
+            ms = max(1, min(ms, int(left * 1000)))
+        last = ses.block(last, ms)
 
 
 def collect(
