@@ -264,3 +264,17 @@ def test_an_unexpected_error_after_the_head_was_sent_cancels_the_burst_as_a_whol
     st = results.status("broken", settings, client=r)
     assert st.status == "cancelled"
     assert st.finished and st.failed >= 3 * HEAD - HEAD
+
+
+async def _agen() -> Any:
+    yield {"id": "a", "prompt": "hi"}
+
+
+@pytest.mark.parametrize("bad", [5, None, _agen()], ids=lambda x: type(x).__name__)
+def test_something_that_is_not_an_iterable_of_requests_is_refused_by_name(
+    settings: Settings, r: redis.Redis, bad: Any
+) -> None:
+    """`submit(5)`, `submit(None)` or an async generator was a TypeError from list()."""
+    with pytest.raises(ValidationError, match=r"submit takes a list .* of requests, not"):
+        Producer(settings).submit(bad)
+    assert not list(r.scan_iter(match=f"{settings.namespace}:*"))

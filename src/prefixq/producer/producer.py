@@ -149,6 +149,10 @@ class Producer:
                 "submit takes a list (an iterable) of requests, not one "
                 f"{type(requests).__name__}: wrap a single request in a list"
             )
+        if not isinstance(requests, Iterable):  # an int, an async generator, None
+            raise ValidationError(
+                f"submit takes a list (an iterable) of requests, not {type(requests).__name__}"
+            )
         raw = list(requests)
         if not raw:
             raise ValidationError("the burst is empty")
