@@ -20,6 +20,7 @@ from prefixq.entries import Entry
 from prefixq.errors import ValidationError
 from prefixq.keys import Keys
 from prefixq.producer import Producer
+from prefixq.producer import producer as producer_module
 from prefixq.producer.producer import HEAD
 from prefixq.records import Request
 from prefixq.settings import Settings
@@ -278,3 +279,18 @@ def test_something_that_is_not_an_iterable_of_requests_is_refused_by_name(
     with pytest.raises(ValidationError, match=r"submit takes a list .* of requests, not"):
         Producer(settings).submit(bad)
     assert not list(r.scan_iter(match=f"{settings.namespace}:*"))
+
+
+def test_a_new_burst_id_that_is_taken_is_drawn_again(
+    settings: Settings, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two producers drawing the same new id (same second, same 6 random hex digits) failed the
+    second with "already exists"; a taken id of the producer's own making is drawn again. An
+    explicit burst_id that is taken is still refused."""
+    drawn = iter(["same", "same", "other"])
+    monkeypatch.setattr(producer_module, "new_burst_id", lambda: next(drawn))
+    assert Producer(settings).submit([{"id": "a", "prompt": "x"}]) == "same"
+    assert Producer(settings).submit([{"id": "a", "prompt": "x"}]) == "other"
+    assert sorted(r.zrange(settings.keys.bursts, 0, -1)) == [b"other", b"same"]
+    with pytest.raises(ValidationError, match="burst 'same' already exists"):
+        Producer(settings).submit([{"id": "a", "prompt": "x"}], burst_id="same")

@@ -29,11 +29,11 @@ from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from helpers import FakeWorker, queue_empty, wait_until
-from prefixq import results
+from prefixq import results, rq_jobs
 from prefixq.bursts import cancel
 from prefixq.callbacks import callback_job_id, callback_path, enqueue_on_complete
 from prefixq.consumers.recovery import Recovery
-from prefixq.errors import ValidationError
+from prefixq.errors import BurstTimeout, ValidationError
 from prefixq.keys import GROUP, Keys
 from prefixq.producer import Producer
 from prefixq.rq_jobs import _too_many_failed
@@ -314,6 +314,18 @@ def test_run_burst_refuses_bad_options_before_it_submits_anything(
     assert job.get_status(refresh=True) == JobStatus.FAILED
     assert error in failure(job)
     assert r.zcard(Keys(s.namespace).bursts) == 0
+
+
+def test_run_burst_draws_a_new_burst_id_again_when_the_one_drawn_is_taken(
+    s: Settings, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """run_burst makes its burst id itself (to note it in the job first): one another producer
+    drew in the same second failed the job with "already exists"; it is drawn again."""
+    Producer(s).submit(THREE[:1], burst_id="same")
+    drawn = iter(["same", "other"])
+    monkeypatch.setattr(rq_jobs, "new_burst_id", lambda: next(drawn))
+    with pytest.raises(BurstTimeout, match="burst other: 0/3 results"):
+        rq_jobs.run_burst(THREE, timeout=0.5, redis_url=s.redis_url, namespace=s.namespace)
 
 
 @pytest.mark.parametrize(

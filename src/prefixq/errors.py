@@ -5,6 +5,7 @@
     PrefixqError
     ├── ConfigError            bad or inconsistent settings
     ├── ValidationError        a request refused before it is enqueued
+    │   └── BurstIdTaken       a burst of that id exists already
     ├── WireError              an entry that cannot be decoded safely
     │   └── LimitExceeded      a size or depth limit was hit while decoding
     ├── RedisUnavailable       Redis did not answer within the retry budget (or erred)
@@ -33,6 +34,10 @@ class ConfigError(PrefixqError):
 
 class ValidationError(PrefixqError):
     """Raised when a request is refused before it is enqueued (the message says which and why)."""
+
+
+class BurstIdTaken(ValidationError):
+    """Raised when a burst is submitted under an id that a burst already has."""
 
 
 class WireError(PrefixqError):

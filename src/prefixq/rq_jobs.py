@@ -25,7 +25,13 @@ from rq.job import Job
 
 from prefixq import bursts, results
 from prefixq.connection import redact, sync_client
-from prefixq.errors import BurstFailed, BurstTimeout, ConfigError, ValidationError
+from prefixq.errors import (
+    BurstFailed,
+    BurstIdTaken,
+    BurstTimeout,
+    ConfigError,
+    ValidationError,
+)
 from prefixq.inputs import read_requests
 from prefixq.producer.producer import Producer, check_burst_id, new_burst_id
 from prefixq.records import Request
@@ -39,6 +45,8 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = 3600.0
 #: the wait ends this long before the RQ job's own timeout, so the job fails with our message
 _JOB_TIMEOUT_MARGIN_S = 5.0
+#: new burst ids tried when the one drawn is taken (as `Producer.submit` does)
+_NEW_ID_ATTEMPTS = 5
 
 
 # ---- bursts as RQ jobs ----------------------------------------------------------------------
@@ -165,15 +173,22 @@ def _rq_job_of(metadata: bytes | None) -> str | None:
 
 def _submit(settings: Settings, reqs: list[Any], burst_id: str | None) -> str:
     """Submit the burst, its id noted in the running RQ job's meta first (`_earlier_attempt`)."""
-    burst = new_burst_id() if burst_id is None else check_burst_id(burst_id)
     job = get_current_job()
-    if job is not None:
-        job.meta.update({META_BURST: burst, META_NAMESPACE: settings.namespace})
-        job.save_meta()  # type: ignore[no-untyped-call]
     metadata = {META_RQ_JOB: job.id} if job is not None else None
-    Producer(settings).submit(reqs, burst_id=burst, metadata=metadata)
-    log.info("run_burst: submitted %d requests as burst %s", len(reqs), burst)
-    return burst
+    for attempt in range(_NEW_ID_ATTEMPTS):
+        burst = new_burst_id() if burst_id is None else check_burst_id(burst_id)
+        if job is not None:
+            job.meta.update({META_BURST: burst, META_NAMESPACE: settings.namespace})
+            job.save_meta()  # type: ignore[no-untyped-call]
+        try:
+            Producer(settings).submit(reqs, burst_id=burst, metadata=metadata)
+        except BurstIdTaken:  # another producer drew the same new id: draw again
+            if burst_id is not None or attempt + 1 == _NEW_ID_ATTEMPTS:
+                raise
+            continue
+        log.info("run_burst: submitted %d requests as burst %s", len(reqs), burst)
+        return burst
+    raise AssertionError("unreachable")
 
 
 def _load(

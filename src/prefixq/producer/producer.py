@@ -53,7 +53,7 @@ from prefixq.bursts import acancel
 from prefixq.connection import TRANSIENT, async_client, describe_async, lua
 from prefixq.deployment import resolve_shards
 from prefixq.entries import split_prefix
-from prefixq.errors import ValidationError
+from prefixq.errors import BurstIdTaken, ValidationError
 from prefixq.inputs import IdCheck, normalize_one
 from prefixq.keys import Keys
 from prefixq.lanes import check_priority, check_tenant
@@ -75,6 +75,9 @@ _CHUNK = 1024
 _PRUNE = 32
 #: request ids per RPUSH of the burst's id list
 _IDS_CHUNK = 10_000
+#: new ids a submit tries when the one it made is taken (two producers in the same second drew
+#: the same 6 random hex digits: at tens of bursts a second, a matter of days)
+_NEW_ID_ATTEMPTS = 5
 _BURST_ID = re.compile(r"[A-Za-z0-9_.:@+-]{1,200}")
 #: called with (requests enqueued so far, total)
 Progress = Callable[[int, int], None]
@@ -188,12 +191,18 @@ class Producer:
         if on_complete:
             meta["on_complete"] = on_complete
             meta["rq_queue"] = rq_queue or "default"
-        burst = new_burst_id() if burst_id is None else check_burst_id(burst_id)
         kept = self._kept
         r = kept if kept is not None else async_client(s)
         try:
-            sub = _Submission(self, r, raw, burst, meta, progress)
-            return await sub.run(placement or s.placement, seed, order)
+            for attempt in range(_NEW_ID_ATTEMPTS):
+                burst = new_burst_id() if burst_id is None else check_burst_id(burst_id)
+                sub = _Submission(self, r, raw, burst, meta, progress)
+                try:
+                    return await sub.run(placement or s.placement, seed, order)
+                except BurstIdTaken:  # nothing written yet: a new id of ours is tried again
+                    if burst_id is not None or attempt + 1 == _NEW_ID_ATTEMPTS:
+                        raise
+            raise AssertionError("unreachable")
         except (*TRANSIENT, RedisError) as e:  # ours, with a hint (one exception root)
             raise await describe_async(s, e, r) from e
         finally:
@@ -339,7 +348,7 @@ class _Submission:
             lua("create_burst"), 1, self.keys.burst(self.burst), len(meta), *flat
         )
         if not created:
-            raise ValidationError(f"burst {self.burst!r} already exists")
+            raise BurstIdTaken(f"burst {self.burst!r} already exists")
         self.created = True
 
     async def _send(
