@@ -294,3 +294,20 @@ def test_a_new_burst_id_that_is_taken_is_drawn_again(
     assert sorted(r.zrange(settings.keys.bursts, 0, -1)) == [b"other", b"same"]
     with pytest.raises(ValidationError, match="burst 'same' already exists"):
         Producer(settings).submit([{"id": "a", "prompt": "x"}], burst_id="same")
+
+
+def test_submit_works_where_an_event_loop_is_running(settings: Settings, r: redis.Redis) -> None:
+    """The blocking `submit` called inside a running event loop (a notebook cell, an async
+    service) failed with "asyncio.run() cannot be called from a running event loop"; it now
+    submits from a thread of its own, also inside `async with Producer(...)`."""
+
+    async def main() -> list[str]:
+        first = Producer(settings).submit([{"id": "a", "prompt": "x"}])
+        async with Producer(settings) as p:
+            second = p.submit([{"id": "a", "prompt": "x"}])
+            third = await p.asubmit([{"id": "a", "prompt": "x"}])
+        return [first, second, third]
+
+    bursts = asyncio.run(main())
+    assert len(set(bursts)) == 3
+    assert all(results.status(b, settings, client=r).total == 1 for b in bursts)

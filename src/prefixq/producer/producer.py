@@ -36,6 +36,7 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import redis.asyncio as aredis
@@ -111,12 +112,22 @@ class Producer:
         #: the connection kept inside ``async with``; the deployment's shard count and engine block
         #: size as Redis recorded them (they never change once recorded)
         self._kept: aredis.Redis | None = None
+        self._kept_loop: asyncio.AbstractEventLoop | None = None  # the loop it belongs to
         self._shards = 0
         self._block = 0
 
     def submit(self, requests: Iterable[Request | Mapping[str, Any]], **options: Any) -> str:
-        """Enqueue a burst; returns its id. Options as for `asubmit`."""
-        return asyncio.run(self.asubmit(requests, **options))
+        """Enqueue a burst; returns its id. Options as for `asubmit`.
+
+        Called where an event loop runs already (a notebook, an async service), it submits from
+        a thread of its own and blocks the caller until the burst is enqueued; ``await
+        asubmit(...)`` does not block the loop."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.asubmit(requests, **options))
+        with ThreadPoolExecutor(1, thread_name_prefix="prefixq-submit") as pool:
+            return pool.submit(asyncio.run, self.asubmit(requests, **options)).result()
 
     async def asubmit(
         self,
@@ -191,7 +202,7 @@ class Producer:
         if on_complete:
             meta["on_complete"] = on_complete
             meta["rq_queue"] = rq_queue or "default"
-        kept = self._kept
+        kept = self._kept if self._kept_loop is asyncio.get_running_loop() else None
         r = kept if kept is not None else async_client(s)
         try:
             for attempt in range(_NEW_ID_ATTEMPTS):
@@ -213,10 +224,11 @@ class Producer:
         """``async with Producer(s) as p:`` keeps one connection for every `asubmit` inside,
         so a burst starts without connecting first (an upstream service, the benchmark)."""
         self._kept = async_client(self.settings)
+        self._kept_loop = asyncio.get_running_loop()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        kept, self._kept = self._kept, None
+        kept, self._kept, self._kept_loop = self._kept, None, None
         if kept is not None:
             await kept.aclose()
 
