@@ -241,13 +241,13 @@ def test_a_burst_an_earlier_attempt_left_half_submitted_is_cancelled_and_submitt
     half = "half-submitted"
     Producer(s).submit(THREE, burst_id=half, metadata={"rq_job": job.id})
     r.hdel(keys.burst(half), "per_shard")  # as if killed before the last step
-    job.meta.update({"prefixq_burst": half, "prefixq_namespace": s.namespace})
+    job.meta.update({"prefixq_run_burst": half, "prefixq_run_namespace": s.namespace})
     job.save_meta()
     rq_worker(s.redis_url, q.name)  # no prefixq worker: the new burst times out
     assert r.hmget(keys.burst(half), "status", "cancelled") == [b"cancelled", b"3"]
     new = {b.decode() for b in r.zrange(keys.bursts, 0, -1)} - {half}
     assert len(new) == 1
-    assert job.get_meta(refresh=True)["prefixq_burst"] == new.pop()
+    assert job.get_meta(refresh=True)["prefixq_run_burst"] == new.pop()
 
 
 def test_run_burst_does_not_reattach_to_a_burst_of_another_job(s: Settings, r: redis.Redis) -> None:

@@ -121,7 +121,7 @@ def run_burst(
 
 
 #: the RQ job's meta fields that name the burst an attempt of it submits (kept across retries)
-META_BURST, META_NAMESPACE = "prefixq_burst", "prefixq_namespace"
+META_BURST, META_NAMESPACE = "prefixq_run_burst", "prefixq_run_namespace"
 #: the burst record's ``metadata`` field that names the RQ job that submitted it
 META_RQ_JOB = "rq_job"
 
