@@ -311,3 +311,25 @@ def test_submit_works_where_an_event_loop_is_running(settings: Settings, r: redi
     bursts = asyncio.run(main())
     assert len(set(bursts)) == 3
     assert all(results.status(b, settings, client=r).total == 1 for b in bursts)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"deadline": "soon"}, "deadline must be epoch seconds"),
+        ({"deadline": True}, "deadline must be epoch seconds"),
+        ({"metadata": ["a"]}, "metadata must map strings to strings"),
+        ({"progress": 5}, "progress must be a function"),
+        ({"placement": 5}, "placement must be a name or a Placer"),
+    ],
+    ids=repr,
+)
+def test_an_option_of_the_wrong_type_is_refused_before_anything_is_written(
+    settings: Settings, r: redis.Redis, options: dict[str, Any], match: str
+) -> None:
+    """These were a TypeError, a Redis DataError or an AttributeError; `progress=5` was called
+    only after the head went out and cancelled the burst it had started."""
+    reqs = [{"id": str(i), "prompt": "x"} for i in range(3 * HEAD)]
+    with pytest.raises(ValidationError, match=match):
+        Producer(settings).submit(reqs, **options)
+    assert not list(r.scan_iter(match=f"{settings.namespace}:*"))

@@ -192,9 +192,21 @@ class Producer:
             "tenant": check_tenant(s.tenant if tenant is None else tenant),
         }
         if deadline is not None:
+            if isinstance(deadline, bool) or not isinstance(deadline, int | float):
+                raise ValidationError(f"deadline must be epoch seconds, not {deadline!r}")
             if not math.isfinite(deadline):
                 raise ValidationError(f"deadline must be finite epoch seconds, not {deadline!r}")
             meta["deadline"] = deadline
+        if metadata is not None and not isinstance(metadata, Mapping):
+            raise ValidationError(f"metadata must map strings to strings, not {metadata!r}")
+        if progress is not None and not callable(progress):
+            raise ValidationError(f"progress must be a function (done, total), not {progress!r}")
+        if (
+            placement is not None
+            and not isinstance(placement, str)
+            and not callable(getattr(placement, "place", None))
+        ):
+            raise ValidationError(f"placement must be a name or a Placer, not {placement!r}")
         if metadata:
             if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
                 raise ValidationError("metadata must map strings to strings")
