@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import cli
-from prefixq.connection import async_client, sync_client
+from prefixq.connection import async_client, redact, sync_client
 from prefixq.errors import ConfigError
 from prefixq.producer import Producer
 from prefixq.redis_server import RedisServer, free_port
@@ -99,3 +99,22 @@ def test_a_database_the_server_does_not_have_is_a_config_error(
     for args in (("inspect",), ("results", "nope")):
         p = cli(s, *args, timeout=60)
         assert p.returncode == 2 and "has no such database" in p.stderr, (args, p.stderr)
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://:secret@h:6379/0", "redis://:***@h:6379/0"),
+        ("redis://user:secret@h/0", "redis://user:***@h/0"),
+        (
+            "rediss://h/0?ssl_keyfile=/k.pem&ssl_password=secret&db=1",
+            "rediss://h/0?ssl_keyfile=/k.pem&ssl_password=***&db=1",
+        ),
+        ("rediss://u:pw@h/0?ssl_password=secret", "rediss://u:***@h/0?ssl_password=***"),
+        ("redis://h:6379/0", "redis://h:6379/0"),
+    ],
+)
+def test_a_url_is_shown_without_its_secrets(url: str, shown: str) -> None:
+    """The key file's ``ssl_password=`` was shown as is wherever a URL is printed: `run_burst`'s
+    summary (kept in RQ's result storage), errors, logs."""
+    assert redact(url) == shown

@@ -301,8 +301,13 @@ def error_text(err: BaseException) -> str:
     return text if len(text) <= _MAX_TEXT else text[: _MAX_TEXT - 3] + "..."
 
 
+#: query options of a REDIS_URL whose value is a secret (the TLS key file's password)
+_SECRET_OPTION = re.compile(r"([?&](?:ssl_)?password=)[^&#]*", re.IGNORECASE)
+
+
 def redact(url: str) -> str:
-    """The URL with any password replaced by ***."""
+    """The URL with any password (its own, or ``ssl_password=``) replaced by ***."""
+    url = _SECRET_OPTION.sub(r"\1***", url)
     if "@" not in url:
         return url
     scheme, _, rest = url.partition("://")
