@@ -300,6 +300,7 @@ def test_a_burst_cancelled_while_run_burst_waits_fails_the_job(
         (THREE, {"out": "/no/such/folder/out.jsonl"}, "ConfigError: out '/no/such/folder/"),
         (THREE, {"out": "/tmp"}, "ConfigError: out '/tmp' is a folder"),
         (THREE, {"token_ids": "yes"}, "ConfigError: token_ids must be true or false"),
+        (THREE, {"token_ids": True}, "ConfigError: token_ids goes with out"),
         (5, {}, "ValidationError: run_burst takes a list of request objects or a JSONL path"),
     ],
 )

@@ -221,6 +221,8 @@ def _check_out(out: object, token_ids: object) -> None:
     if not isinstance(token_ids, bool):
         raise ConfigError(f"token_ids must be true or false, not {token_ids!r}")
     if out is None:
+        if token_ids:
+            raise ConfigError("token_ids goes with out (the file the token ids are written to)")
         return
     if not isinstance(out, str | os.PathLike) or not os.fspath(out):
         raise ConfigError(f"out must be a file path on the RQ worker's host, not {out!r}")
