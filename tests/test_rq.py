@@ -341,6 +341,9 @@ def test_run_burst_draws_a_new_burst_id_again_when_the_one_drawn_is_taken(
         (2, 3, 0.5, True),
         (3, 3, 1.0, False),
         (1, 10, 0.1, False),
+        (29, 100, 0.29, False),  # 0.29 * 100 is 28.999999999999996 in floats
+        (57, 100, 0.57, False),
+        (30, 100, 0.29, True),
     ],
 )
 def test_max_failed_is_a_count_when_int_and_a_share_when_float(

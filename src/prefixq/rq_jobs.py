@@ -253,7 +253,7 @@ def _too_many_failed(failed: int, total: int, max_failed: float | None) -> bool:
         return False
     if isinstance(max_failed, int):
         return failed > max_failed
-    return failed > max_failed * total
+    return failed / total > max_failed  # not failed > share * total: 0.29 * 100 < 29
 
 
 def _wait_budget(timeout: float) -> float:
