@@ -212,8 +212,10 @@ def test_a_run_burst_job_whose_rq_worker_was_killed_reattaches_when_retried(
     cmd += ["--serializer", "rq.serializers.JSONSerializer", q.name]
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
-        wait_until(lambda: r.exists(Keys(s.namespace).bursts), 60, "the burst submitted")
-        time.sleep(0.5)  # the job waits on it
+        keys = Keys(s.namespace)
+        burst = wait_until(lambda: r.zrange(keys.bursts, 0, -1), 60, "the burst submitted")
+        wait_until(lambda: r.hexists(keys.burst(burst[0].decode()), "per_shard"), 60, "in full")
+        time.sleep(0.3)  # the job waits on it
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the worker and its work horse
         proc.wait()
