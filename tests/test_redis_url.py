@@ -43,10 +43,13 @@ def bad_urls(tmp: Path) -> list[tuple[str, str]]:
             f"rediss://{HOST}:{port}/0?ssl_certfile={missing}&ssl_keyfile={missing}",
             f"REDIS_URL option ssl_certfile='{missing}': no such file",
         ),
+        (f"redis://{HOST}:{port}/prod", "REDIS_URL database 'prod' is not a number"),
     ]
 
 
-@pytest.mark.parametrize("case", range(4), ids=["unknown", "ssl-on-redis", "no-ca", "no-cert"])
+@pytest.mark.parametrize(
+    "case", range(5), ids=["unknown", "ssl-on-redis", "no-ca", "no-cert", "db-not-a-number"]
+)
 def test_a_bad_redis_url_is_a_config_error_when_the_client_is_made(
     case: int, tmp_path: Path
 ) -> None:

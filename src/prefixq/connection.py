@@ -131,6 +131,10 @@ def check_url(url: str) -> None:
     """ConfigError for a REDIS_URL option redis-py would reject late (at the first command) or
     a certificate file that does not exist."""
     parts = urlsplit(url)
+    db = parts.path.strip("/")
+    if parts.scheme in ("redis", "rediss") and db and not db.isdigit():
+        # redis-py ignores a database it cannot read as a number: db 0, someone else's data
+        raise ConfigError(f"REDIS_URL database {db!r} is not a number (redis://host:port/0)")
     known = set(URL_QUERY_ARGUMENT_PARSERS) | _SSL_OPTIONS | {"client_name"}
     for name, values in parse_qs(parts.query).items():
         if name not in known:
