@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import cli
+from prefixq import results
 from prefixq.connection import async_client, redact, sync_client
 from prefixq.errors import ConfigError
 from prefixq.producer import Producer
@@ -121,3 +122,14 @@ def test_a_url_is_shown_without_its_secrets(url: str, shown: str) -> None:
     """The key file's ``ssl_password=`` was shown as is wherever a URL is printed: `run_burst`'s
     summary (kept in RQ's result storage), errors, logs."""
     assert redact(url) == shown
+
+
+def test_a_database_redis_does_not_have_is_a_config_error(settings: Settings) -> None:
+    """redis://host:port/99 on a Redis of 16 databases: the producer raised redis-py's raw
+    ResponseError ("DB index is out of range"); it is a ConfigError that says so, as for the
+    result readers."""
+    s = settings.replace(redis_url=settings.redis_url.rsplit("/", 1)[0] + "/99")
+    with pytest.raises(ConfigError, match="Redis has no such database"):
+        Producer(s).submit([{"id": "a", "prompt": "hi"}])
+    with pytest.raises(ConfigError, match="Redis has no such database"):
+        results.status("b", s)

@@ -209,16 +209,15 @@ def _describe(settings: Settings, err: BaseException, figures: str | None) -> Pr
             f"the TLS certificate of Redis at {url} does not verify: {text} (give the CA that "
             "signed it as ?ssl_ca_certs=/path/ca.crt in REDIS_URL)"
         )
+    if "DB index is out of range" in text:
+        return ConfigError(
+            f"REDIS_URL {url}: Redis has no such database ({text}; see its `databases` setting)"
+        )
     if refused(err):
         return ConfigError(
             f"Redis at {url} refused the credentials or command: {text} (check the user and "
             f"password in REDIS_URL, and that the user's ACL allows the keys "
             f"{settings.namespace}:* and the commands docs/delivery.md lists)"
-        )
-    if isinstance(err, ResponseError) and "DB index is out of range" in str(err):
-        return ConfigError(
-            f"Redis at {url} has no such database: {text} (the number after the last / of "
-            "REDIS_URL must be below the server's `databases` setting, 16 by default)"
         )
     if is_oom(err):
         state = f" ({figures})" if figures else ""
