@@ -14,7 +14,7 @@ import pytest
 from prefixq import results
 from prefixq.consumers.engine import EngineRequest
 from prefixq.consumers.vllm_engine import VllmEngine, cpu_defaults
-from prefixq.errors import EngineAborted
+from prefixq.errors import EngineAborted, EngineRefused
 from prefixq.producer import Producer
 from prefixq.records import Result
 
@@ -149,6 +149,39 @@ def test_abort_ends_a_running_request_promptly() -> None:
             out = await engine.generate(done)
             await engine.abort("done")
             assert len(out.token_ids) == 2
+        finally:
+            await engine.close()
+
+    asyncio.run(scenario())
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_and_the_engine_serves_on() -> None:
+    """A stop token id outside the vocabulary with min_tokens, and a prompt token id equal to the
+    vocabulary size, are refused naming the field; vLLM 0.28 lets both through to the model runner,
+    where either killed the engine. The engine then answers the next request."""
+    from prefixq.model import default_cache_dir, resolve_model
+
+    engine = VllmEngine(resolve_model("", default_cache_dir()), cpu_defaults())
+    vocab = 49_152  # the embedded SmolLM2's
+    bad = [
+        (
+            "stop_token_ids",
+            EngineRequest(
+                "stop", prompt="Hi", sampling={"min_tokens": 2, "stop_token_ids": [9**9]}
+            ),
+        ),
+        ("prompt_token_ids", EngineRequest("ids", prompt_token_ids=[1, 2, vocab])),
+    ]
+
+    async def scenario() -> None:
+        await engine.start()
+        try:
+            for field, req in bad:
+                with pytest.raises(EngineRefused, match=rf"{field}: token id \d+ is out of the"):
+                    await engine.generate(req)
+            sampling = {"max_tokens": 2, "ignore_eos": True}
+            good = EngineRequest("good", prompt_token_ids=[1] * 8, sampling=sampling)
+            assert len((await engine.generate(good)).token_ids) == 2
         finally:
             await engine.close()
 

@@ -122,6 +122,8 @@ class VllmEngine:
         self._max_num_seqs = 0
         self._block_size = 16
         self.max_model_len = 0
+        #: rows of the model's embedding table: every token id of a request must be below it
+        self._vocab_size = 0
         #: request ids aborted before or while they ran (bounded; see `abort`)
         self._aborted: OrderedDict[str, None] = OrderedDict()
         self._running: set[str] = set()
@@ -167,6 +169,7 @@ class VllmEngine:
         self._max_num_seqs = int(cfg.scheduler_config.max_num_seqs)
         self._block_size = int(cfg.cache_config.block_size or 16)
         self.max_model_len = int(cfg.model_config.max_model_len)
+        self._vocab_size = int(cfg.model_config.get_vocab_size())
         if not args.get("skip_tokenizer_init"):
             self._tokenizer = self._llm.get_tokenizer()
         log.info(
@@ -211,9 +214,11 @@ class VllmEngine:
         rid = request.request_id
         if self._aborted.pop(rid, False) is None:
             raise EngineAborted(f"request {rid} was aborted before it started")
+        self._check_vocab("stop_token_ids", request.sampling.get("stop_token_ids") or [])
         params = self._sampling(request.sampling)
         prompt: Any
         if request.prompt_token_ids is not None:
+            self._check_vocab("prompt_token_ids", request.prompt_token_ids)
             prompt = {"prompt_token_ids": request.prompt_token_ids}
         else:
             prompt = request.prompt
@@ -249,6 +254,19 @@ class VllmEngine:
         if final is None or not final.outputs:
             raise EngineError("engine returned no output")
         return self._output(final, request.sampling)
+
+    def _check_vocab(self, what: str, ids: list[int]) -> None:
+        """EngineRefused for a token id outside the model's vocabulary, which would take the whole
+        engine down: vLLM 0.28 lets a prompt id equal to the vocabulary size through (its
+        tokenizer's ``max_token_id`` is one too high when ``vocab_size`` counts every token) to
+        the model's embedding, and never checks ``stop_token_ids``, which its ``min_tokens``
+        processor uses as indices into the logits."""
+        top = max(ids, default=0)
+        if self._vocab_size and top >= self._vocab_size:
+            raise EngineRefused(
+                f"{what}: token id {top} is out of the vocabulary "
+                f"(the model has {self._vocab_size} tokens: ids 0..{self._vocab_size - 1})"
+            )
 
     def _output(self, final: Any, s: Mapping[str, Any]) -> EngineOutput:
         outs = sorted(final.outputs, key=lambda c: int(c.index))
