@@ -82,7 +82,8 @@ def test_chat_logprobs_become_a_count_of_alternatives() -> None:
     assert parse(chat(logprobs=True)).sampling == {"logprobs": 0}
     assert parse(chat(logprobs=False)).sampling == {}
     refused(chat(top_logprobs=2), r"line 1: body.top_logprobs needs body.logprobs=true")
-    refused(chat(logprobs=True, top_logprobs=21), "logprobs=21 must be between 0 and 20")
+    refused(chat(logprobs=True, top_logprobs=21), "body.top_logprobs=21 must be between 0 and 20")
+    refused(chat(logprobs=True, top_logprobs=-1), "body.top_logprobs=-1 must be between 0 and 20")
     refused(chat(logprobs=3), "body.logprobs must be true or false")
 
 

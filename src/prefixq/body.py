@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from prefixq.errors import ValidationError
-from prefixq.sampling import SAMPLING_FIELDS
+from prefixq.sampling import MAX_LOGPROBS, SAMPLING_FIELDS
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -150,6 +150,10 @@ def _chat_logprobs(body: dict[str, Any], w: str) -> None:
             raise ValidationError(w + "body.top_logprobs needs body.logprobs=true")
         if isinstance(top, bool) or not isinstance(top, int):
             raise ValidationError(w + "body.top_logprobs must be an integer")
+        if not 0 <= top <= MAX_LOGPROBS:
+            raise ValidationError(
+                w + f"body.top_logprobs={top} must be between 0 and {MAX_LOGPROBS}"
+            )
     if want:
         body["logprobs"] = 0 if top is None else top
 
