@@ -200,7 +200,8 @@ def test_method_and_url_are_checked() -> None:
 
 def test_item_10_value_checks() -> None:
     """min_tokens over max_tokens (given or the default 256), negative stop_token_ids, an empty
-    id and differing max_tokens/max_completion_tokens are refused."""
+    id, differing max_tokens/max_completion_tokens and a max_completion_tokens out of range are
+    refused (naming that field, not the max_tokens it becomes)."""
     refused(chat(min_tokens=10, max_tokens=5), "min_tokens=10 is over max_tokens=5")
     refused(chat(min_tokens=300), r"min_tokens=300 is over max_tokens=256 \(the default\)")
     refused(chat(stop_token_ids=[2, -1]), "stop_token_ids must be a list of token ids")
@@ -208,6 +209,8 @@ def test_item_10_value_checks() -> None:
         with pytest.raises(ValidationError, match=r"requests\[0\]: the id is empty"):
             normalize([line], Settings())
     refused(chat(max_tokens=5, max_completion_tokens=6), "max_completion_tokens differ")
+    for bad in (0, -1, 1 << 21, 2.5, "8"):
+        refused(chat(max_completion_tokens=bad), rf"body.max_completion_tokens={bad!r} must be")
     assert parse(chat(max_tokens=5, max_completion_tokens=5)).sampling == {"max_tokens": 5}
 
 

@@ -183,6 +183,10 @@ def _max_tokens(body: dict[str, Any], w: str) -> None:
     if "max_completion_tokens" not in body:
         return
     value = body.pop("max_completion_tokens")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 20:
+        raise ValidationError(
+            w + f"body.max_completion_tokens={value!r} must be an integer between 1 and 1048576"
+        )
     if "max_tokens" in body and body["max_tokens"] != value:
         raise ValidationError(w + "body.max_tokens and body.max_completion_tokens differ")
     body["max_tokens"] = value
