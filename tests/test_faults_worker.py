@@ -62,12 +62,14 @@ def real_pair(request: pytest.FixtureRequest, redis_server: RedisServer) -> Real
         redis_url=redis_server.url,
         namespace=f"kill{secrets.token_hex(3)}",
         shards=1,
-        claim_idle_s=3.0,
+        # a live worker renews its lease every 0.5 s; 10 s keeps a peer from taking a live
+        # worker's entries while two CPU engines and the tests share 2 cores (seen at 3 s in CI)
+        claim_idle_s=10.0,
         heartbeat_s=0.5,
         grace_s=30.0,
         max_attempts=3,
     )
-    extra = ["--max-inflight", "8", "--heartbeat-ttl-s", "3"]
+    extra = ["--max-inflight", "8", "--heartbeat-ttl-s", "10"]
     a = start_worker(s, name="real-a", extra=extra)
     b = start_worker(s, name="real-b", extra=extra)
     return RealPair(s, a, b)

@@ -264,7 +264,7 @@ class VllmEngine:
         top = max(ids, default=0)
         if self._vocab_size and top >= self._vocab_size:
             raise EngineRefused(
-                f"{what}: token id {top} is out of the vocabulary "
+                f"{what}: token id {top} is out of vocabulary "
                 f"(the model has {self._vocab_size} tokens: ids 0..{self._vocab_size - 1})"
             )
 
