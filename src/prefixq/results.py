@@ -172,6 +172,15 @@ def _deadline(timeout: float | None) -> float | None:
     return time.monotonic() + timeout
 
 
+def _wait_ms(deadline: float | None) -> int:
+    """How long one blocking read may wait: a second, or what is left before ``deadline``
+    (monotonic, None: no limit); 0 once it has passed."""
+    if deadline is None:
+        return 1000
+    left = deadline - time.monotonic()
+    return 0 if left <= 0 else max(1, min(1000, int(left * 1000)))
+
+
 def wait(
     burst: str,
     settings: Settings | None = None,
@@ -190,14 +199,11 @@ def wait(
             progress(st)
         if st.finished:
             return st
-        ms = 1000
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise BurstTimeout(
-                    f"burst {burst}: {st.done + st.failed}/{st.total} results after {timeout:.0f}s"
-                )
-            ms = max(1, min(ms, int(left * 1000)))
+        ms = _wait_ms(deadline)
+        if not ms:
+            raise BurstTimeout(
+                f"burst {burst}: {st.done + st.failed}/{st.total} results after {timeout:.0f}s"
+            )
         last = ses.block(last, ms)
 
 
@@ -222,14 +228,9 @@ def iterate(
             nxt += 1
         else:
             continue
-        ms = 1000
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise BurstTimeout(
-                    f"burst {burst}: {nxt}/{total} results in order after {timeout}s"
-                )
-            ms = max(1, min(ms, int(left * 1000)))
+        ms = _wait_ms(deadline)
+        if not ms:
+            raise BurstTimeout(f"burst {burst}: {nxt}/{total} results in order after {timeout}s")
         last = ses.block(last, ms)
 
 
