@@ -239,10 +239,9 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
         raise ConfigError("--out and --timeout go with --wait")
     if not args.out and (args.format or args.token_ids):
         raise ConfigError("--format and --token-ids go with --out")
-    if args.out and (
-        os.path.isdir(args.out) or not os.path.isdir(os.path.dirname(os.path.abspath(args.out)))
-    ):
-        raise ConfigError(f"--out {args.out}: not a file in an existing folder")
+    why = results.out_path_problem(args.out) if args.out else None
+    if why:
+        raise ConfigError(f"--out {args.out}: not a file in an existing folder (it {why})")
     reqs = read_requests(args.file, settings)
     meta = input_metadata(args.file)
     fmt = args.format or ("openai" if meta and meta.get("input_format") == "openai" else None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -42,6 +43,17 @@ __all__ = [
 ]
 
 _FETCH = 512
+
+
+def out_path_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why a burst's results could not be written to ``path`` (checked before the burst is
+    submitted, not after it ran), as a phrase whose subject is the path; None when they can."""
+    if os.path.isdir(path):
+        return "is a folder, not a file path"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"is in a folder that does not exist ({folder!r})"
+    return None
 
 
 def read_stored(raw: bytes, index: int, rid: str, limits: wire.Limits) -> Result:

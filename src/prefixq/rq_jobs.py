@@ -226,14 +226,11 @@ def _check_out(out: object, token_ids: object) -> None:
         return
     if not isinstance(out, str | os.PathLike) or not os.fspath(out):
         raise ConfigError(f"out must be a file path on the RQ worker's host, not {out!r}")
-    folder = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(folder):
+    why = results.out_path_problem(out)
+    if why:
         raise ConfigError(
-            f"out {os.fspath(out)!r}: no folder {folder!r} on the RQ worker's host "
-            f"({socket.gethostname()})"
+            f"out {os.fspath(out)!r} {why} on the RQ worker's host ({socket.gethostname()})"
         )
-    if os.path.isdir(out):
-        raise ConfigError(f"out {os.fspath(out)!r} is a folder, not a file path")
 
 
 def _check_max_failed(max_failed: float | None) -> None:
