@@ -22,8 +22,8 @@ from rq import Queue, get_current_job
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from prefixq import results
-from prefixq.settings import Settings
+from prefixq.client import results
+from prefixq.core.settings import Settings
 
 log = logging.getLogger(__name__)
 

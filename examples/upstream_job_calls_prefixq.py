@@ -25,9 +25,10 @@ from rq import Queue, get_current_job
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from prefixq import Producer, results
-from prefixq.callbacks import callback_job_id
-from prefixq.settings import Settings
+from prefixq import Producer
+from prefixq.client import results
+from prefixq.core.settings import Settings
+from prefixq.integrations.rq_callbacks import callback_job_id
 
 log = logging.getLogger(__name__)
 

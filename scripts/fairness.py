@@ -30,13 +30,13 @@ from typing import Any
 
 import redis
 
-from prefixq import wire
-from prefixq.consumers.engine import EngineOutput, EngineRequest
-from prefixq.keys import Keys
-from prefixq.producer import Producer
-from prefixq.records import Result
-from prefixq.redis_server import RedisServer
-from prefixq.settings import Settings
+from prefixq.cli.redis_server import RedisServer
+from prefixq.client import Producer
+from prefixq.core import wire
+from prefixq.core.keys import Keys
+from prefixq.core.records import Result
+from prefixq.core.settings import Settings
+from prefixq.engine.protocol import EngineOutput, EngineRequest
 
 
 # ---- the worker (a process of its own) ------------------------------------------------------
@@ -79,7 +79,7 @@ class SleepEngine:
 
 
 def worker_main(argv: list[str]) -> int:
-    from prefixq.consumers.worker import Worker
+    from prefixq.worker.worker import Worker
 
     p = argparse.ArgumentParser()
     p.add_argument("--settings", required=True, help="JSON of Settings fields")
@@ -236,7 +236,7 @@ def priority(srv: RedisServer) -> dict[str, float]:
         t1 = time.time()
         high = submit(s, reqs(20, svc, "h"), priority="high")
         behind = max(x.timings.finished for x in wait(r, s, high, 20)) - t1
-        from prefixq import bursts
+        from prefixq.store import burst_end as bursts
 
         bursts.cancel(normal, s)
     return {

@@ -12,12 +12,12 @@ import secrets
 import time
 
 from prefixq.bench.workloads import Shape, build
-from prefixq.entries import split_prefix
-from prefixq.inputs import normalize
-from prefixq.producer import Producer
-from prefixq.producer.items import ItemBuilder
-from prefixq.records import Request
-from prefixq.settings import Settings
+from prefixq.client import Producer
+from prefixq.client.items import ItemBuilder
+from prefixq.core.entries import split_prefix
+from prefixq.core.inputs import normalize
+from prefixq.core.records import Request
+from prefixq.core.settings import Settings
 
 ROUNDS = 5
 

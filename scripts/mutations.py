@@ -56,7 +56,7 @@ MUTATIONS = (
     Mutation(
         "ack-before-record",
         "record-then-ack",
-        "consumers/writer.py",
+        "worker/writer.py",
         "                replies = await self.shard.record(todo)\n",
         "                await self.shard.ack(todo)\n"
         "                replies = await self.shard.record(todo)\n",
@@ -64,56 +64,56 @@ MUTATIONS = (
     Mutation(
         "ack-refused-records",
         "record-then-ack",
-        "consumers/writer.py",
+        "worker/writer.py",
         "            await self._ack([w for w, _ in done])\n",
         "            await self._ack(todo)\n",
     ),
     Mutation(
         "record-overwrites",
         "exactly-once recording (HSETNX)",
-        "lua/record_result.lua",
+        "store/lua/record_result.lua",
         "if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then",
         "if redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) == 0 then",
     ),
     Mutation(
         "record-counts-redeliveries",
         "exactly-once recording (HSETNX)",
-        "lua/record_result.lua",
+        "store/lua/record_result.lua",
         "if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then",
         "redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])\nif false then",
     ),
     Mutation(
         "zlib-inflate-whole",
         "decode bounds (zlib)",
-        "wire.py",
+        "core/wire.py",
         "    out = d.decompress(payload, cap + 1)\n",
         "    out = d.decompress(payload)\n",
     ),
     Mutation(
         "zstd-read-whole",
         "decode bounds (zstd, size not declared)",
-        "wire.py",
+        "core/wire.py",
         "    while chunk := reader.read(min(cap + 1 - total, 1 << 20)):\n",
         "    while chunk := reader.read():\n",
     ),
     Mutation(
         "zstd-trust-declared",
         "decode bounds (zstd, size declared)",
-        "wire.py",
+        "core/wire.py",
         '    if declared > cap:\n        raise LimitExceeded(f"zstd entry declares',
         '    if False:\n        raise LimitExceeded(f"zstd entry declares',
     ),
     Mutation(
         "lease-not-renewed",
         "lease renewal (heartbeat re-claims held entries)",
-        "consumers/heartbeat.py",
+        "worker/heartbeat.py",
         "        await self.shard.renew(self.holding())\n",
         "        await self.shard.renew([])\n",
     ),
     Mutation(
         "reclaimer-ignores-deliveries",
         "dead-lettering by delivery count (reclaimer)",
-        "consumers/reclaim.py",
+        "worker/reclaim.py",
         "            if p.deliveries >= self.max_attempts:\n"
         "                await self._dead(p)\n"
         "            elif",
@@ -122,7 +122,7 @@ MUTATIONS = (
     Mutation(
         "reclaimer-off-by-one",
         "dead-lettering by delivery count (reclaimer)",
-        "consumers/reclaim.py",
+        "worker/reclaim.py",
         "            if p.deliveries >= self.max_attempts:\n"
         "                await self._dead(p)\n"
         "            elif",
@@ -133,7 +133,7 @@ MUTATIONS = (
     Mutation(
         "restart-ignores-deliveries",
         "dead-lettering by delivery count (restart)",
-        "consumers/reclaim.py",
+        "worker/reclaim.py",
         "        for p in rows:\n"
         "            if p.deliveries >= self.max_attempts:\n"
         "                await self._dead(p)\n\n",
@@ -142,7 +142,7 @@ MUTATIONS = (
     Mutation(
         "claim-last-writer-wins",
         "atomic prefix claims (Lua HSETNX)",
-        "lua/claim_prefixes.lua",
+        "store/lua/claim_prefixes.lua",
         "  if mode == 'm' or redis.call('HSETNX', KEYS[1], cp, shard) == 1 then",
         "  if true then redis.call('HSET', KEYS[1], cp, shard)",
     ),

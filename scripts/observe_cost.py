@@ -10,8 +10,8 @@ from __future__ import annotations
 import sys
 import time
 
-from prefixq.metrics import WorkerMetrics
-from prefixq.records import Result
+from prefixq.core.records import Result
+from prefixq.integrations.metrics import WorkerMetrics
 
 ROUNDS = 5
 

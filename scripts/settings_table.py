@@ -1,4 +1,4 @@
-"""Print the README's configuration table from `prefixq.settings.Settings` (fields and their
+"""Print the README's configuration table from `prefixq.core.settings.Settings` (fields and their
 ``#:`` comments). tests/test_docs.py checks that the README holds exactly this table."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import dataclasses
 import re
 from pathlib import Path
 
-from prefixq.settings import Settings
+from prefixq.core.settings import Settings
 
 
 def table() -> str:
-    src = (Path(__file__).resolve().parent.parent / "src/prefixq/settings.py").read_text()
+    src = (Path(__file__).resolve().parent.parent / "src/prefixq/core/settings.py").read_text()
     lines = src.splitlines()
     docs: dict[str, str] = {}
     for i, line in enumerate(lines):

@@ -25,10 +25,10 @@ import pytest
 import redis
 
 from helpers import FakeWorker
-from prefixq.consumers.run import worker_command
-from prefixq.keys import Keys
-from prefixq.redis_server import RedisServer
-from prefixq.settings import Settings
+from prefixq.cli.redis_server import RedisServer
+from prefixq.cli.worker_process import worker_command
+from prefixq.core.keys import Keys
+from prefixq.core.settings import Settings
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 ENGINE_START_TIMEOUT = 900
@@ -98,7 +98,7 @@ def fake_worker() -> Iterator[Callable[..., FakeWorker]]:
 @pytest.fixture(scope="session")
 def model_path() -> str:
     """The embedded SmolLM2 folder (prepared once into the user cache)."""
-    from prefixq.model import default_cache_dir, resolve_model
+    from prefixq.engine.embedded_model import default_cache_dir, resolve_model
 
     return resolve_model("", default_cache_dir())
 

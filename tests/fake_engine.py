@@ -19,11 +19,11 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-from prefixq.callbacks import RqCompletion
-from prefixq.consumers.engine import EngineOutput, EngineRequest
-from prefixq.consumers.worker import Worker
-from prefixq.errors import EngineAborted, EngineDead, EngineError
-from prefixq.settings import Settings
+from prefixq.core.errors import EngineAborted, EngineDead, EngineError
+from prefixq.core.settings import Settings
+from prefixq.engine.protocol import EngineOutput, EngineRequest
+from prefixq.integrations.rq_callbacks import RqCompletion
+from prefixq.worker.worker import Worker
 
 
 class FakeEngine:

@@ -9,7 +9,7 @@ an engine death, 2 for a configuration error).
 before the entries are acked: a crash between the two halves of a write.
 
 ``python tests/fault_worker.py workers --cpu N [settings]`` runs the real supervisor
-(`prefixq.consumers.run.supervise`, as `prefixq workers` does) over such worker processes.
+(`prefixq.cli.worker_process.supervise`, as `prefixq workers` does) over such worker processes.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import sys
 from typing import Any
 
 from fake_engine import serve
-from prefixq.cli import _settings_parser, settings_from
-from prefixq.consumers.run import supervise
-from prefixq.consumers.shard import ShardStream
-from prefixq.errors import ConfigError
+from prefixq.cli.main import _settings_parser, settings_from
+from prefixq.cli.worker_process import supervise
+from prefixq.core.errors import ConfigError
+from prefixq.worker.shard import ShardStream
 
 CRASH_EXIT = 137
 

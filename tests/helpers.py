@@ -7,7 +7,8 @@
 - `wait_until`: poll a condition, or fail naming what never happened;
 - `fault_worker`: tests/fault_worker.py as a process (what kill -9 and SIGTERM tests need);
 - `pending_on`, `queue_empty`, `queue_keys`, `queued_entries`, `wait_settled`, `requests`: Redis
-  state (a shard's queues are its intakes and its bursts' lanes: prefixq.lanes) and bursts the
+  state (a shard's queues are its intakes and its bursts' lanes: prefixq.core.sharing) and bursts
+  the
   fault tests share.
 """
 
@@ -28,12 +29,12 @@ from typing import Any, TypeVar
 import redis
 
 from fake_engine import FakeEngine, serve
-from prefixq import wire
-from prefixq.consumers.worker import Worker
-from prefixq.keys import GROUP, Keys
-from prefixq.lanes import PRIORITIES
-from prefixq.records import Result
-from prefixq.settings import Settings
+from prefixq.core import wire
+from prefixq.core.keys import GROUP, Keys
+from prefixq.core.records import Result
+from prefixq.core.settings import Settings
+from prefixq.core.sharing import PRIORITIES
+from prefixq.worker.worker import Worker
 
 TESTS = Path(__file__).resolve().parent
 PY = sys.executable

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import redis
 
-from prefixq import wire
-from prefixq.keys import Keys
-from prefixq.records import Result
-from prefixq.settings import Settings
+from prefixq.core import wire
+from prefixq.core.keys import Keys
+from prefixq.core.records import Result
+from prefixq.core.settings import Settings
 
 
 @dataclass

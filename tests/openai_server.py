@@ -11,8 +11,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from prefixq.redis_server import free_port
-from prefixq.settings import Settings
+from prefixq.cli.redis_server import free_port
+from prefixq.core.settings import Settings
 
 TESTS = Path(__file__).resolve().parent
 PY = sys.executable

@@ -14,16 +14,16 @@ import pytest
 import redis
 
 from helpers import queued_entries
-from prefixq import results, wire
 from prefixq.affinity.placement import Item, Placed
 from prefixq.affinity.prefix_map import AffinityPlacer
-from prefixq.entries import Entry
-from prefixq.keys import Keys
-from prefixq.producer import Producer
-from prefixq.producer.items import ItemBuilder
-from prefixq.producer.producer import HEAD
-from prefixq.records import Request
-from prefixq.settings import Settings
+from prefixq.client import Producer, results
+from prefixq.client.items import ItemBuilder
+from prefixq.client.producer import HEAD
+from prefixq.core import wire
+from prefixq.core.entries import Entry
+from prefixq.core.keys import Keys
+from prefixq.core.records import Request
+from prefixq.core.settings import Settings
 
 QUESTIONS = [
     "What is this document about?",

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from helpers import cli
-from prefixq.redis_server import RedisServer
+from prefixq.cli.redis_server import RedisServer
 
 pytestmark = pytest.mark.engine
 

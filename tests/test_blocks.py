@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 
 from prefixq.affinity.blocks import char_blocks, chat_text, token_blocks
-from prefixq.entries import split_prefix
-from prefixq.producer.items import ItemBuilder
-from prefixq.records import Request
-from prefixq.settings import Settings
+from prefixq.client.items import ItemBuilder
+from prefixq.core.entries import split_prefix
+from prefixq.core.records import Request
+from prefixq.core.settings import Settings
 
 RNG = random.Random(1)
 DOC = " ".join(RNG.choice(["alpha", "beta", "gamma", "délta", "ε"]) for _ in range(800))

@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
-from prefixq import wire
-from prefixq.entries import Entry, split_prefix, to_wire
-from prefixq.errors import ValidationError
-from prefixq.inputs import normalize
-from prefixq.records import Request
-from prefixq.settings import Settings
+from prefixq.core import wire
+from prefixq.core.entries import Entry, split_prefix, to_wire
+from prefixq.core.errors import ValidationError
+from prefixq.core.inputs import normalize
+from prefixq.core.records import Request
+from prefixq.core.settings import Settings
 
 MSGS = [{"role": "user", "content": "hi"}]
 

@@ -11,12 +11,11 @@ from typing import Any
 import jsonschema
 import pytest
 
-from prefixq import results
-from prefixq.consumers.engine import EngineRequest
-from prefixq.consumers.vllm_engine import VllmEngine, cpu_defaults
-from prefixq.errors import EngineAborted, EngineRefused
-from prefixq.producer import Producer
-from prefixq.records import Result
+from prefixq.client import Producer, results
+from prefixq.core.errors import EngineAborted, EngineRefused
+from prefixq.core.records import Result
+from prefixq.engine.protocol import EngineRequest
+from prefixq.engine.vllm_engine import VllmEngine, cpu_defaults
 
 pytestmark = pytest.mark.engine
 
@@ -116,7 +115,7 @@ def test_n_logprobs_json_and_seed_through_the_workers(cluster: Any) -> None:
 def test_abort_ends_a_running_request_promptly() -> None:
     """A long request aborted mid-way raises EngineAborted within seconds, an n=2 request too; a
     request aborted before it starts raises at once; a finished one keeps its output."""
-    from prefixq.model import default_cache_dir, resolve_model
+    from prefixq.engine.embedded_model import default_cache_dir, resolve_model
 
     engine = VllmEngine(resolve_model("", default_cache_dir()), cpu_defaults())
 
@@ -159,7 +158,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_and_the_engine_serves_on()
     """A stop token id outside the vocabulary with min_tokens, and a prompt token id equal to the
     vocabulary size, are refused naming the field; vLLM 0.28 lets both through to the model runner,
     where either killed the engine. The engine then answers the next request."""
-    from prefixq.model import default_cache_dir, resolve_model
+    from prefixq.engine.embedded_model import default_cache_dir, resolve_model
 
     engine = VllmEngine(resolve_model("", default_cache_dir()), cpu_defaults())
     vocab = 49_152  # the embedded SmolLM2's

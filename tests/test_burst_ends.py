@@ -12,10 +12,10 @@ import redis
 
 from helpers import FakeWorker, queue_empty, wait_burst, wait_settled, wait_until
 from ledger import LEDGER, account
-from prefixq import bursts, results
-from prefixq.keys import Keys
-from prefixq.producer import Producer
-from prefixq.settings import Settings
+from prefixq.client import Producer, results
+from prefixq.core.keys import Keys
+from prefixq.core.settings import Settings
+from prefixq.store import burst_end as bursts
 
 
 def slow(n: int, secs: float, tag: str = "q") -> list[dict[str, Any]]:

@@ -13,14 +13,15 @@ import pytest
 import redis
 import redis.asyncio as aredis
 
-from prefixq import bursts, results, wire
-from prefixq.connection import lua
-from prefixq.consumers.shard import record_call
-from prefixq.errors import BurstNotFound
-from prefixq.keys import Keys
-from prefixq.producer import Producer
-from prefixq.records import Result
-from prefixq.settings import Settings
+from prefixq.client import Producer, results
+from prefixq.core import wire
+from prefixq.core.errors import BurstNotFound
+from prefixq.core.keys import Keys
+from prefixq.core.records import Result
+from prefixq.core.settings import Settings
+from prefixq.store import burst_end as bursts
+from prefixq.store.connection import lua
+from prefixq.worker.shard import record_call
 
 
 def submit(settings: Settings, n: int, **options: Any) -> str:
@@ -270,7 +271,7 @@ def test_the_cancel_that_ends_a_burst_enqueues_its_on_complete_job_once(
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from prefixq.callbacks import callback_job_id
+    from prefixq.integrations.rq_callbacks import callback_job_id
 
     q = Queue(f"rq-{settings.namespace}", connection=r, serializer=JSONSerializer)
     burst = submit(settings, 3, on_complete="rq_targets:mark_done", rq_queue=q.name)

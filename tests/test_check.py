@@ -22,12 +22,12 @@ from redis.retry import Retry
 
 from fake_engine import FakeEngine
 from helpers import FakeWorker, cli, cli_argv
-from prefixq.consumers.worker import EXIT_OK, Worker
-from prefixq.health import check
-from prefixq.keys import Keys
-from prefixq.logs import JsonFormatter
-from prefixq.redis_server import free_port
-from prefixq.settings import Settings
+from prefixq.cli.logs import JsonFormatter
+from prefixq.cli.redis_server import free_port
+from prefixq.core.keys import Keys
+from prefixq.core.settings import Settings
+from prefixq.ops.health import check
+from prefixq.worker.worker import EXIT_OK, Worker
 
 MakeWorker = Callable[..., FakeWorker]
 
@@ -202,7 +202,7 @@ def test_json_log_format_writes_one_parseable_object_per_line(
     lines = p.stderr.strip().splitlines()
     assert lines[-1] == "shard 0: no healthy worker (no worker registered)"
     records = [json.loads(line) for line in lines[:-1]]
-    mine = [x for x in records if x["logger"] == "prefixq.health"]
+    mine = [x for x in records if x["logger"] == "prefixq.ops.health"]
     assert mine, p.stderr
     assert mine[0]["level"] == "DEBUG"
     assert mine[0]["msg"] == "shard 0: healthy [], down [], expired 0"
@@ -228,7 +228,7 @@ def test_json_formatter_keeps_tracebacks_and_extra_fields() -> None:
 @pytest.mark.parametrize("fmt", ["text", "json"])
 def test_log_format_flag_is_on_every_command(fmt: str) -> None:
     """--log-format is a common flag, like --log-level (text is the default)."""
-    from prefixq.cli import build_parser
+    from prefixq.cli.main import build_parser
 
     for argv in (["check"], ["inspect"], ["worker", "--shard", "0"]):
         assert build_parser().parse_args([*argv, "--log-format", fmt]).log_format == fmt

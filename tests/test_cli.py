@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from helpers import cli, cli_argv
-from prefixq.bursts import cancel
-from prefixq.producer import Producer
-from prefixq.settings import Settings
+from prefixq.client import Producer
+from prefixq.core.settings import Settings
+from prefixq.store.burst_end import cancel
 
 
 def openai_line(cid: str, content: str, max_tokens: int = 8) -> dict[str, Any]:

@@ -23,9 +23,9 @@ from helpers import (
     wait_settled,
     wait_until,
 )
-from prefixq.keys import GROUP, Keys
-from prefixq.producer import Producer
-from prefixq.settings import Settings
+from prefixq.client import Producer
+from prefixq.core.keys import GROUP, Keys
+from prefixq.core.settings import Settings
 
 MakeWorker = Callable[..., FakeWorker]
 

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from helpers import cli_argv, wait_until
-from prefixq.redis_server import RedisServer
+from prefixq.cli.redis_server import RedisServer
 
 pytestmark = pytest.mark.engine
 

@@ -8,10 +8,9 @@ from typing import Any
 import pytest
 import redis
 
-from prefixq import results
-from prefixq.consumers.vllm_engine import cpu_defaults
-from prefixq.keys import GROUP, Keys
-from prefixq.producer import Producer
+from prefixq.client import Producer, results
+from prefixq.core.keys import GROUP, Keys
+from prefixq.engine.vllm_engine import cpu_defaults
 
 pytestmark = pytest.mark.engine
 

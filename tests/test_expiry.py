@@ -10,9 +10,9 @@ from typing import Any
 import redis
 
 from helpers import FakeWorker, wait_burst, wait_until
-from prefixq.producer import Producer
-from prefixq.producer.producer import HEAD
-from prefixq.settings import Settings
+from prefixq.client import Producer
+from prefixq.client.producer import HEAD
+from prefixq.core.settings import Settings
 
 DOC = "A shared document about the subject at hand, long enough to be stored once. " * 12
 

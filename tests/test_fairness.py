@@ -14,11 +14,12 @@ import redis
 
 from helpers import FakeWorker, queue_empty, wait_burst, wait_until
 from ledger import account
-from prefixq import bursts, wire
-from prefixq.keys import Keys
-from prefixq.producer import Producer
-from prefixq.records import Result
-from prefixq.settings import Settings
+from prefixq.client import Producer
+from prefixq.core import wire
+from prefixq.core.keys import Keys
+from prefixq.core.records import Result
+from prefixq.core.settings import Settings
+from prefixq.store import burst_end as bursts
 
 MakeWorker = Callable[..., FakeWorker]
 

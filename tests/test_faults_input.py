@@ -26,14 +26,14 @@ import zstandard
 
 from helpers import FakeWorker, cli, wait_burst, wait_settled, wait_until
 from ledger import LEDGER, account
-from prefixq import wire
-from prefixq.consumers import control
-from prefixq.errors import ValidationError
-from prefixq.keys import FIELD, Keys
-from prefixq.producer import Producer
-from prefixq.records import Result
-from prefixq.redis_server import RedisServer
-from prefixq.settings import Settings
+from prefixq.cli.redis_server import RedisServer
+from prefixq.client import Producer
+from prefixq.core import wire
+from prefixq.core.errors import ValidationError
+from prefixq.core.keys import FIELD, Keys
+from prefixq.core.records import Result
+from prefixq.core.settings import Settings
+from prefixq.worker import control
 
 pytestmark = pytest.mark.slow
 

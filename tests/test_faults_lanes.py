@@ -14,10 +14,10 @@ import redis
 
 from helpers import fault_worker, queue_empty, queue_keys, wait_burst, wait_until
 from ledger import LEDGER, account
-from prefixq import bursts
-from prefixq.keys import GROUP, Keys
-from prefixq.producer import Producer
-from prefixq.settings import Settings
+from prefixq.client import Producer
+from prefixq.core.keys import GROUP, Keys
+from prefixq.core.settings import Settings
+from prefixq.store import burst_end as bursts
 
 pytestmark = pytest.mark.slow
 

@@ -23,13 +23,13 @@ from helpers import (
     wait_until,
 )
 from ledger import LEDGER, account
-from prefixq import wire
-from prefixq.consumers.recovery import Recovery
-from prefixq.entries import Entry
-from prefixq.keys import CARRIED, FIELD, GROUP, Keys
-from prefixq.producer import Producer
-from prefixq.records import Result
-from prefixq.settings import Settings
+from prefixq.client import Producer
+from prefixq.core import wire
+from prefixq.core.entries import Entry
+from prefixq.core.keys import CARRIED, FIELD, GROUP, Keys
+from prefixq.core.records import Result
+from prefixq.core.settings import Settings
+from prefixq.ops.recovery import Recovery
 
 pytestmark = pytest.mark.slow
 

@@ -20,11 +20,11 @@ import redis
 from fake_engine import FakeEngine
 from helpers import FakeWorker, cli, queue_empty, requests, wait_burst, wait_until
 from ledger import LEDGER, account
-from prefixq.errors import RedisUnavailable
-from prefixq.keys import GROUP, Keys
-from prefixq.producer import Producer
-from prefixq.redis_server import RedisServer, free_port
-from prefixq.settings import Settings
+from prefixq.cli.redis_server import RedisServer, free_port
+from prefixq.client import Producer
+from prefixq.core.errors import RedisUnavailable
+from prefixq.core.keys import GROUP, Keys
+from prefixq.core.settings import Settings
 
 pytestmark = pytest.mark.slow
 

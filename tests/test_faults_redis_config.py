@@ -23,13 +23,12 @@ import redis.asyncio as aredis
 
 from helpers import FakeWorker, cli, requests
 from ledger import LEDGER, account
-from prefixq import results
-from prefixq.connection import describe, error_text, lua
-from prefixq.errors import ConfigError, RedisOutOfMemory
-from prefixq.producer import Producer
-from prefixq.redis_policy import check_policy, check_policy_sync
-from prefixq.redis_server import RedisServer
-from prefixq.settings import Settings
+from prefixq.cli.redis_server import RedisServer
+from prefixq.client import Producer, results
+from prefixq.core.errors import ConfigError, RedisOutOfMemory
+from prefixq.core.settings import Settings
+from prefixq.store.connection import describe, error_text, lua
+from prefixq.store.policy import check_policy, check_policy_sync
 
 pytestmark = pytest.mark.slow
 
@@ -140,7 +139,7 @@ def test_policy_that_cannot_be_read_is_a_warning_not_an_error(
     s = Settings(redis_url=user_url(server, "blind"), namespace="blind")
     r = redis.Redis.from_url(s.redis_url)
     try:
-        with caplog.at_level(logging.WARNING, logger="prefixq.redis_policy"):
+        with caplog.at_level(logging.WARNING, logger="prefixq.store.policy"):
             check_policy_sync(r, s)
     finally:
         r.close()

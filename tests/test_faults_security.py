@@ -15,10 +15,10 @@ import redis
 
 from helpers import FakeWorker, cli, fault_worker, requests, wait_burst
 from ledger import LEDGER, account
-from prefixq.errors import ConfigError
-from prefixq.producer import Producer
-from prefixq.redis_server import RedisServer, free_port
-from prefixq.settings import Settings
+from prefixq.cli.redis_server import RedisServer, free_port
+from prefixq.client import Producer
+from prefixq.core.errors import ConfigError
+from prefixq.core.settings import Settings
 
 pytestmark = pytest.mark.slow
 

@@ -18,10 +18,10 @@ import redis
 
 from helpers import fault_worker, wait_until
 from ledger import LEDGER, account
-from prefixq.keys import Keys
-from prefixq.producer import Producer
-from prefixq.redis_server import RedisServer
-from prefixq.settings import Settings
+from prefixq.cli.redis_server import RedisServer
+from prefixq.client import Producer
+from prefixq.core.keys import Keys
+from prefixq.core.settings import Settings
 
 pytestmark = pytest.mark.slow
 

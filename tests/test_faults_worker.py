@@ -33,12 +33,12 @@ from helpers import (
     wait_until,
 )
 from ledger import LEDGER, account
-from prefixq import wire
-from prefixq.keys import Keys
-from prefixq.producer import Producer
-from prefixq.records import Result
-from prefixq.redis_server import RedisServer
-from prefixq.settings import Settings
+from prefixq.cli.redis_server import RedisServer
+from prefixq.client import Producer
+from prefixq.core import wire
+from prefixq.core.keys import Keys
+from prefixq.core.records import Result
+from prefixq.core.settings import Settings
 
 pytestmark = pytest.mark.slow
 

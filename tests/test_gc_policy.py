@@ -1,4 +1,4 @@
-"""The worker's GC policy (consumers/gc_policy.py) on the real collector: admitted requests' objects
+"""The worker's GC policy (worker/gc_policy.py) on the real collector: admitted requests' objects
 are frozen, their reference cycles wait for idle time and are collected then, idle collections
 are not counted as pauses, and freezing stops at the budget."""
 
@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from prefixq.consumers import gc_policy as heap_mod
-from prefixq.consumers.gc_policy import GcPolicy
-from prefixq.consumers.gcwatch import GcWatch
+from prefixq.worker import gc_policy as heap_mod
+from prefixq.worker.gc_policy import GcPolicy
+from prefixq.worker.gcwatch import GcWatch
 
 
 class Node:

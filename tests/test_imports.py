@@ -15,24 +15,25 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 #: the bottom layer: records, bytes, keys, settings, errors, connections; imports none above it
 BOTTOM = {
-    "prefixq.errors",
-    "prefixq.settings",
-    "prefixq.keys",
-    "prefixq.records",
-    "prefixq.choices",
-    "prefixq.lanes",
-    "prefixq.text_checks",
-    "prefixq.sampling",
-    "prefixq.body",
-    "prefixq.wire",
-    "prefixq.entries",
-    "prefixq.connection",
-    "prefixq.logs",
+    "prefixq.core.errors",
+    "prefixq.core.settings",
+    "prefixq.core.keys",
+    "prefixq.core.records",
+    "prefixq.core.choices",
+    "prefixq.core.sharing",
+    "prefixq.core.checks",
+    "prefixq.core.sampling",
+    "prefixq.core.openai_lines",
+    "prefixq.core.wire",
+    "prefixq.core.entries",
+    "prefixq.store.connection",
+    "prefixq.cli.logs",
 }
 #: integrations and front ends: the worker core (consumers/, but for run.py, the process entry
 #: point that registers integrations) imports none of them
-INTEGRATIONS = ("prefixq.rq_jobs", "prefixq.callbacks", "prefixq.metrics", "prefixq.openai",
-                "prefixq.bench", "prefixq.cli", "prefixq.demo")  # fmt: skip
+INTEGRATIONS = ("prefixq.integrations.rq_jobs", "prefixq.integrations.rq_callbacks",
+"prefixq.integrations.metrics", "prefixq.openai",
+                "prefixq.bench", "prefixq.cli.main", "prefixq.cli.demo")  # fmt: skip
 
 
 def modules() -> dict[str, Path]:
@@ -133,7 +134,7 @@ def test_the_worker_core_imports_no_integration() -> None:
     core = {
         m: deps
         for m, deps in graph().items()
-        if m.startswith("prefixq.consumers") and m != "prefixq.consumers.run"
+        if m.startswith("prefixq.worker") and m != "prefixq.cli.worker_process"
     }
     bad = {m: sorted(d for d in deps if d.startswith(INTEGRATIONS)) for m, deps in core.items()}
     assert {m: d for m, d in bad.items() if d} == {}

@@ -20,11 +20,11 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 
 from helpers import cli
-from prefixq.errors import ValidationError
-from prefixq.inputs import read_requests
-from prefixq.producer import Producer
-from prefixq.records import Request
-from prefixq.settings import Settings
+from prefixq.client import Producer
+from prefixq.core.errors import ValidationError
+from prefixq.core.inputs import read_requests
+from prefixq.core.records import Request
+from prefixq.core.settings import Settings
 
 GOOD = b'{"id": "ok", "prompt": "hello"}\n'
 
@@ -142,7 +142,7 @@ def test_a_shared_prefix_is_checked_once_not_once_per_request(
 ) -> None:
     """The surrogate search runs once over a long non-ASCII prefix shared (the same object) by a
     thousand requests."""
-    from prefixq import text_checks
+    from prefixq.core import checks as text_checks
 
     searched: list[int] = []
     real = text_checks._SURROGATE

@@ -1,4 +1,5 @@
-"""A lane's life on real Redis (prefixq.lanes, lua/close_lane.lua): closed only when it holds no
+"""A lane's life on real Redis (prefixq.core.sharing, lua/close_lane.lua): closed only when it
+holds no
 entry and nothing more can come; a close that finds undelivered entries says so, and a worker
 reads them although no doorbell announced them."""
 
@@ -10,14 +11,14 @@ from collections.abc import Callable
 import redis
 
 from helpers import FakeWorker, wait_burst, wait_until
-from prefixq import wire
-from prefixq.connection import async_client
-from prefixq.consumers.shard import ShardStream
-from prefixq.entries import to_wire
-from prefixq.keys import FIELD, GROUP, Keys
-from prefixq.lanes import LaneInfo
-from prefixq.records import Request
-from prefixq.settings import Settings
+from prefixq.core import wire
+from prefixq.core.entries import to_wire
+from prefixq.core.keys import FIELD, GROUP, Keys
+from prefixq.core.records import Request
+from prefixq.core.settings import Settings
+from prefixq.core.sharing import LaneInfo
+from prefixq.store.connection import async_client
+from prefixq.worker.shard import ShardStream
 
 
 def lane(r: redis.Redis, s: Settings, burst: str, *, sealed: bool) -> str:

@@ -19,15 +19,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fake_engine import FakeEngine
 from helpers import FakeWorker, wait_burst
-from prefixq.cli import build_parser, settings_from
-from prefixq.consumers.worker import EXIT_OK, Worker
-from prefixq.errors import ConfigError, SetupError
-from prefixq.keys import FIELD, Keys
-from prefixq.metrics import COUNTERS, MetricsExporter, WorkerMetrics
-from prefixq.producer import Producer
-from prefixq.records import Result
-from prefixq.redis_server import free_port
-from prefixq.settings import Settings
+from prefixq.cli.main import build_parser, settings_from
+from prefixq.cli.redis_server import free_port
+from prefixq.client import Producer
+from prefixq.core.errors import ConfigError, SetupError
+from prefixq.core.keys import FIELD, Keys
+from prefixq.core.records import Result
+from prefixq.core.settings import Settings
+from prefixq.integrations.metrics import COUNTERS, MetricsExporter, WorkerMetrics
+from prefixq.worker.worker import EXIT_OK, Worker
 
 Samples = dict[str, float]
 

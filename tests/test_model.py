@@ -1,4 +1,5 @@
-"""prefixq.model: the embedded SmolLM2 folder is built once, atomically, and resolved by name."""
+"""prefixq.engine.embedded_model: the embedded SmolLM2 folder is built once, atomically, and
+resolved by name."""
 
 from __future__ import annotations
 
@@ -17,9 +18,15 @@ from typing import Any
 
 import pytest
 
-from prefixq import model as pm
-from prefixq.errors import ConfigError, SetupError
-from prefixq.model import EMBEDDED_NAME, MARKER, default_cache_dir, prepare_embedded, resolve_model
+from prefixq.core.errors import ConfigError, SetupError
+from prefixq.engine import embedded_model as pm
+from prefixq.engine.embedded_model import (
+    EMBEDDED_NAME,
+    MARKER,
+    default_cache_dir,
+    prepare_embedded,
+    resolve_model,
+)
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +206,7 @@ def test_an_engine_arg_vllm_refuses_is_a_config_error(
     pydantic traceback (exit 1, restarted by the supervisor); now ConfigError (exit 2), before
     any model is loaded."""
     pytest.importorskip("vllm")
-    from prefixq.consumers.vllm_engine import VllmEngine
+    from prefixq.engine.vllm_engine import VllmEngine
 
     with pytest.raises(ConfigError, match=says):
         asyncio.run(VllmEngine(str(tmp_path), engine_args).start())

@@ -25,9 +25,9 @@ from openai.types import Batch
 
 from helpers import wait_until
 from openai_server import Server, chat_line, completion_line
-from prefixq.errors import PrefixqError
-from prefixq.keys import Keys
-from prefixq.settings import Settings
+from prefixq.core.errors import PrefixqError
+from prefixq.core.keys import Keys
+from prefixq.core.settings import Settings
 
 
 def jsonl(lines: list[dict[str, Any]]) -> bytes:
@@ -107,9 +107,9 @@ def test_an_upload_redis_cannot_record_leaves_no_content_behind(
 ) -> None:
     """Given Redis unreachable, an upload fails and its content does not stay in files_dir
     without an object (nothing could ever list or delete it)."""
-    from prefixq.connection import async_client
+    from prefixq.cli.redis_server import free_port
     from prefixq.openai.files import FileStore
-    from prefixq.redis_server import free_port
+    from prefixq.store.connection import async_client
 
     dead = settings.replace(
         redis_url=f"redis://127.0.0.1:{free_port()}", files_dir=str(tmp_path / "files")
@@ -360,8 +360,8 @@ def test_a_port_in_use_exits_1_instead_of_hanging(settings: Settings, tmp_path: 
 def test_the_sweeper_stops_when_a_redis_call_swallowed_its_cancel(settings: Settings) -> None:
     """Given a sweep that swallows the cancel (as redis-py's asyncio client does when the cancel
     lands while it connects), the sweeper's loop still ends, cancelled, after that sweep."""
-    from prefixq.connection import async_client
     from prefixq.openai.runner import Sweeper
+    from prefixq.store.connection import async_client
 
     async def go() -> bool:
         r = async_client(settings)
@@ -553,9 +553,9 @@ def test_health_answers_without_a_key(keyed: Server) -> None:
 def _orphan_batch(settings: Settings, tmp_path: Path, lines: list[dict[str, Any]]) -> str:
     """A batch as a server that died right after creating it leaves it: record written, status
     `validating`, its lease gone (expired). Returns the batch id."""
-    from prefixq.connection import async_client
     from prefixq.openai.batches import BatchStore
     from prefixq.openai.files import new_file_id
+    from prefixq.store.connection import async_client
 
     async def go() -> str:
         r = async_client(settings.replace(files_dir=str(tmp_path / "files")))
@@ -600,7 +600,7 @@ def test_a_burst_queued_by_a_dead_server_is_not_queued_twice(
 ) -> None:
     """Given a dead server that had queued the whole burst but not recorded it, the server that
     takes the batch over finds the burst complete and moves on without queueing it again."""
-    from prefixq.producer import Producer
+    from prefixq.client import Producer
 
     lines = [completion_line(f"d{i}", "x y") for i in range(3)]
     batch_id = _orphan_batch(settings, tmp_path, lines)
@@ -622,8 +622,8 @@ def test_a_cancel_while_the_input_file_is_checked_queues_nothing(
     """Given a batch cancelled while its input file is being checked (a big file takes seconds),
     it ends `cancelled` and none of its requests is queued. The cancel used to be applied only
     once the whole burst was queued, and workers ran thousands of its requests meanwhile."""
-    from prefixq.connection import async_client
     from prefixq.openai import lease, runner
+    from prefixq.store.connection import async_client
 
     batch_id = _orphan_batch(
         settings, tmp_path, [completion_line(f"v{i}", "x y") for i in range(5)]
@@ -667,8 +667,8 @@ def test_a_result_that_does_not_decode_becomes_an_error_line(
     """Given a finished burst whose second result is garbage (anything with write access to Redis
     could put it there), the batch still completes: the good result in the output file, a 500
     internal_error line for the garbage one, instead of a finalizer failing for ever."""
-    from prefixq import wire
-    from prefixq.records import Result
+    from prefixq.core import wire
+    from prefixq.core.records import Result
 
     lines = [completion_line("good", "a b"), completion_line("bad", "c d")]
     f = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
@@ -696,8 +696,8 @@ def test_finalizing_removes_what_a_killed_finalizer_left_half_written(
 ) -> None:
     """Given the half-written output of a finalizer killed mid-way (its temporary file), the
     finalizer that takes over removes it: nothing but the published files stays in files_dir."""
-    from prefixq import wire
-    from prefixq.records import Result
+    from prefixq.core import wire
+    from prefixq.core.records import Result
 
     f = client.files.create(
         file=("in.jsonl", jsonl([completion_line("a", "x y")])), purpose="batch"
@@ -725,9 +725,9 @@ def test_finalizing_removes_files_a_killed_finalizer_published_but_never_gave_th
     """Given a finalizer killed after it published an output file and before the batch pointed
     at it, the finalizer that takes over removes that file: the batch has one output file, and no
     second `<batch>_output.jsonl` is listed for ever."""
-    from prefixq import wire
+    from prefixq.core import wire
+    from prefixq.core.records import Result
     from prefixq.openai.files import new_file_id
-    from prefixq.records import Result
 
     f = client.files.create(
         file=("in.jsonl", jsonl([completion_line("a", "x y")])), purpose="batch"

@@ -21,7 +21,7 @@ from openai.types.chat import ChatCompletion
 from openai.types.completion import Completion
 
 from openai_server import Server, chat_line, completion_line
-from prefixq.consumers import control
+from prefixq.worker import control
 
 pytestmark = pytest.mark.engine
 

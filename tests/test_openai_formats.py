@@ -10,14 +10,14 @@ from openai.types import Batch
 from openai.types.chat import ChatCompletion
 from openai.types.completion import Completion
 
-from prefixq.errors import ConfigError
+from prefixq.core.errors import ConfigError
+from prefixq.core.records import Choice, Result, Timings, TokenLogprob
+from prefixq.core.settings import Settings
 from prefixq.openai.apierror import ApiError
 from prefixq.openai.auth import KeyRing, is_loopback
 from prefixq.openai.batches import batch_object, window_seconds
 from prefixq.openai.formats import COMPLETIONS, format_result
 from prefixq.openai.validate import MAX_ERRORS, check_input
-from prefixq.records import Choice, Result, Timings, TokenLogprob
-from prefixq.settings import Settings
 
 
 def ok_result(index: int = 0, **kw: object) -> Result:

@@ -15,10 +15,10 @@ import pytest
 import redis
 
 from helpers import cli, wait_burst, wait_until
-from prefixq.keys import Keys
-from prefixq.records import Result
-from prefixq.redis_server import RedisServer
-from prefixq.settings import Settings
+from prefixq.cli.redis_server import RedisServer
+from prefixq.core.keys import Keys
+from prefixq.core.records import Result
+from prefixq.core.settings import Settings
 
 pytestmark = pytest.mark.engine
 

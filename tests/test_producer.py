@@ -14,16 +14,16 @@ import pytest
 import redis
 
 from helpers import cli, queued_entries
-from prefixq import results, wire
 from prefixq.affinity.placement import HashPlacer
-from prefixq.entries import Entry
-from prefixq.errors import ValidationError
-from prefixq.keys import Keys
-from prefixq.producer import Producer
-from prefixq.producer import producer as producer_module
-from prefixq.producer.producer import HEAD
-from prefixq.records import Request
-from prefixq.settings import Settings
+from prefixq.client import Producer, results
+from prefixq.client import producer as producer_module
+from prefixq.client.producer import HEAD
+from prefixq.core import wire
+from prefixq.core.entries import Entry
+from prefixq.core.errors import ValidationError
+from prefixq.core.keys import Keys
+from prefixq.core.records import Request
+from prefixq.core.settings import Settings
 
 
 def entries(r: redis.Redis, s: Settings, shard: int = 0) -> list[Entry]:

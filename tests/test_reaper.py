@@ -1,4 +1,4 @@
-"""Engine processes die with their worker, even after kill -9 (consumers/reaper.py)."""
+"""Engine processes die with their worker, even after kill -9 (engine/reaper.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import psutil
 import pytest
 
 from ledger import LEDGER
-from prefixq.consumers.reaper import descendants
-from prefixq.settings import Settings
+from prefixq.core.settings import Settings
+from prefixq.engine.reaper import descendants
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -60,7 +60,7 @@ def test_kill_9_of_the_owner_kills_its_children(tmp_path: Path) -> None:
         textwrap.dedent(
             """
             import subprocess, sys, time
-            from prefixq.consumers.reaper import start_reaper
+            from prefixq.engine.reaper import start_reaper
             reaper = start_reaper()
             child = subprocess.Popen(["sleep", "300"])
             print(reaper.pid, child.pid, flush=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from prefixq.errors import ValidationError
-from prefixq.inputs import normalize
-from prefixq.settings import Settings
+from prefixq.core.errors import ValidationError
+from prefixq.core.inputs import normalize
+from prefixq.core.settings import Settings
 
 
 def test_a_dict_request_is_checked_against_the_settings_prompt_limit() -> None:

@@ -14,10 +14,10 @@ from collections.abc import Callable
 import redis
 
 from helpers import FakeWorker, cli, requests, wait_burst, wait_settled, wait_until
-from prefixq.consumers.recovery import Recovery, RequeueReport
-from prefixq.keys import FIELD, GROUP, Keys
-from prefixq.producer import Producer
-from prefixq.settings import Settings
+from prefixq.client import Producer
+from prefixq.core.keys import FIELD, GROUP, Keys
+from prefixq.core.settings import Settings
+from prefixq.ops.recovery import Recovery, RequeueReport
 
 MakeWorker = Callable[..., FakeWorker]
 

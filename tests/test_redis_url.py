@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 
 from helpers import cli
-from prefixq import results
-from prefixq.connection import async_client, redact, sync_client
-from prefixq.errors import ConfigError
-from prefixq.producer import Producer
-from prefixq.redis_server import RedisServer, free_port
-from prefixq.settings import Settings
+from prefixq.cli.redis_server import RedisServer, free_port
+from prefixq.client import Producer, results
+from prefixq.core.errors import ConfigError
+from prefixq.core.settings import Settings
+from prefixq.store.connection import async_client, redact, sync_client
 
 HOST = "127.0.0.1"
 

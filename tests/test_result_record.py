@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from prefixq import wire
-from prefixq.records import ERROR_CODES, Choice, Result, Timings, TokenLogprob
+from prefixq.core import wire
+from prefixq.core.records import ERROR_CODES, Choice, Result, Timings, TokenLogprob
 
 
 def _logprobs() -> list[TokenLogprob]:

@@ -1,4 +1,5 @@
-"""Reading a burst's results (`prefixq.results`, `prefixq results`) when its record is gone or
+"""Reading a burst's results (`prefixq.client.results`, `prefixq results`) when its record is gone
+or
 partial: nothing reads as finished that is not (issue 11 item 7)."""
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ import pytest
 import redis
 
 from helpers import FakeWorker, cli, wait_settled, wait_until
-from prefixq import results
-from prefixq.errors import BurstNotFound, BurstRecordLost, BurstTimeout, ValidationError
-from prefixq.producer import Producer
-from prefixq.settings import Settings
+from prefixq.client import Producer, results
+from prefixq.core.errors import BurstNotFound, BurstRecordLost, BurstTimeout, ValidationError
+from prefixq.core.settings import Settings
 
 
 def served_burst(s: Settings, n: int = 10) -> str:

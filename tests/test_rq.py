@@ -29,15 +29,15 @@ from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from helpers import FakeWorker, queue_empty, wait_until
-from prefixq import results, rq_jobs
-from prefixq.bursts import cancel
-from prefixq.callbacks import callback_job_id, callback_path, enqueue_on_complete
-from prefixq.consumers.recovery import Recovery
-from prefixq.errors import BurstTimeout, ValidationError
-from prefixq.keys import GROUP, Keys
-from prefixq.producer import Producer
-from prefixq.rq_jobs import _too_many_failed
-from prefixq.settings import Settings
+from prefixq.client import Producer, results
+from prefixq.core.errors import BurstTimeout, ValidationError
+from prefixq.core.keys import GROUP, Keys
+from prefixq.core.settings import Settings
+from prefixq.integrations import rq_jobs
+from prefixq.integrations.rq_callbacks import callback_job_id, callback_path, enqueue_on_complete
+from prefixq.integrations.rq_jobs import _too_many_failed
+from prefixq.ops.recovery import Recovery
+from prefixq.store.burst_end import cancel
 from rq_targets import calls_key
 
 TESTS = Path(__file__).resolve().parent

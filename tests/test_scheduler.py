@@ -1,4 +1,4 @@
-"""The worker's scheduler on its own (consumers/scheduler.py): what it reads and what it admits,
+"""The worker's scheduler on its own (worker/scheduler.py): what it reads and what it admits,
 by priority, tenant weight, cap and burst, with no Redis and no clock."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
-from prefixq.consumers.deliveries import Delivery
-from prefixq.consumers.scheduler import Lane, Scheduler
-from prefixq.entries import Entry
+from prefixq.core.entries import Entry
+from prefixq.worker.deliveries import Delivery
+from prefixq.worker.scheduler import Lane, Scheduler
 
 INTAKES = ["i:high", "i:normal", "i:low"]
 _ids = itertools.count()

@@ -8,9 +8,9 @@ import pytest
 import redis
 
 from helpers import cli
-from prefixq import settings as settings_module
-from prefixq.errors import ConfigError
-from prefixq.settings import Settings
+from prefixq.core import settings as settings_module
+from prefixq.core.errors import ConfigError
+from prefixq.core.settings import Settings
 
 
 @pytest.mark.parametrize(
@@ -115,7 +115,7 @@ def test_a_misspelt_environment_variable_is_warned_about(
     """`PREFIXQ_TENANT_WEIGHT=team-a=3` (no s) was ignored without a word: the weights the
     operator meant never applied. It is still ignored, with a warning naming the setting."""
     monkeypatch.setattr(settings_module, "_WARNED", set())
-    with caplog.at_level("WARNING", logger="prefixq.settings"):
+    with caplog.at_level("WARNING", logger="prefixq.core.settings"):
         s = Settings.from_env(
             {"PREFIXQ_TENANT_WEIGHT": "team-a=3", "PREFIXQ_VENV": ".venv", "PREFIXQ_SHARDS": "2"}
         )

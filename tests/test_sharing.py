@@ -17,13 +17,14 @@ from openai import OpenAI
 
 from helpers import FakeWorker, cli, queued_entries, wait_burst, wait_until
 from openai_server import Server, chat_line
-from prefixq import stats, wire
-from prefixq.entries import Entry
-from prefixq.errors import ConfigError, ValidationError
-from prefixq.keys import Keys
-from prefixq.lanes import LaneInfo
-from prefixq.producer import Producer
-from prefixq.settings import Settings
+from prefixq.client import Producer
+from prefixq.core import wire
+from prefixq.core.entries import Entry
+from prefixq.core.errors import ConfigError, ValidationError
+from prefixq.core.keys import Keys
+from prefixq.core.settings import Settings
+from prefixq.core.sharing import LaneInfo
+from prefixq.ops import stats
 
 
 def record(r: redis.Redis, s: Settings, burst: str) -> tuple[str, str]:
@@ -114,7 +115,7 @@ def test_rq_run_burst_takes_priority_and_tenant(
     settings: Settings, r: redis.Redis, fake_worker: Callable[..., FakeWorker]
 ) -> None:
     """`rq_jobs.run_burst(..., priority=, tenant=)` (the RQ job function) submits so."""
-    from prefixq.rq_jobs import run_burst
+    from prefixq.integrations.rq_jobs import run_burst
 
     fake_worker(settings)
     out = run_burst(

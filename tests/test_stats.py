@@ -1,4 +1,4 @@
-"""`prefixq inspect`'s numbers (prefixq/stats.py): bounded cost per burst, a self-pruning burst
+"""`prefixq inspect`'s numbers (prefixq/ops/stats.py): bounded cost per burst, a self-pruning burst
 index, and in-flight counts that agree with the results (issue 11 items 8 and 15)."""
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ import pytest
 import redis
 
 from helpers import cli
-from prefixq import results, stats
-from prefixq.bursts import cancel
-from prefixq.connection import lua
-from prefixq.consumers.shard import record_call
-from prefixq.errors import BurstRecordLost
-from prefixq.producer import Producer
-from prefixq.records import Result, Timings
-from prefixq.redis_server import RedisServer
-from prefixq.settings import Settings
+from prefixq.cli.redis_server import RedisServer
+from prefixq.client import Producer, results
+from prefixq.core.errors import BurstRecordLost
+from prefixq.core.records import Result, Timings
+from prefixq.core.settings import Settings
+from prefixq.ops import stats
+from prefixq.store.burst_end import cancel
+from prefixq.store.connection import lua
+from prefixq.worker.shard import record_call
 
 
 @pytest.fixture

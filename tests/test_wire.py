@@ -16,9 +16,9 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixq import wire
-from prefixq.errors import LimitExceeded, WireError
-from prefixq.settings import Settings
+from prefixq.core import wire
+from prefixq.core.errors import LimitExceeded, WireError
+from prefixq.core.settings import Settings
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -10,11 +10,11 @@ import redis
 
 from fake_engine import FakeEngine
 from helpers import FakeWorker, pending_on, queue_empty, wait_burst, wait_settled, wait_until
-from prefixq import wire
-from prefixq.consumers.worker import EXIT_ENGINE_DEAD, EXIT_OK
-from prefixq.keys import FIELD, GROUP, Keys
-from prefixq.producer import Producer
-from prefixq.settings import Settings
+from prefixq.client import Producer
+from prefixq.core import wire
+from prefixq.core.keys import FIELD, GROUP, Keys
+from prefixq.core.settings import Settings
+from prefixq.worker.worker import EXIT_ENGINE_DEAD, EXIT_OK
 
 MakeWorker = Callable[..., FakeWorker]
 

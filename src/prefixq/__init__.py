@@ -1,6 +1,7 @@
 """prefixq: durable, prefix-affine, queue-based batch inference for vLLM over Redis streams."""
 
-from prefixq.errors import (
+from prefixq.client.producer import Producer
+from prefixq.core.errors import (
     BurstFailed,
     BurstNotFound,
     BurstRecordLost,
@@ -18,9 +19,8 @@ from prefixq.errors import (
     ValidationError,
     WireError,
 )
-from prefixq.producer.producer import Producer
-from prefixq.records import Choice, Request, Result, Timings, TokenLogprob
-from prefixq.settings import Settings
+from prefixq.core.records import Choice, Request, Result, Timings, TokenLogprob
+from prefixq.core.settings import Settings
 
 __version__ = "0.1.0"
 

@@ -2,7 +2,7 @@
 
 import sys
 
-from prefixq.cli import main
+from prefixq.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import redis.asyncio as aredis
 
 from prefixq.affinity.placement import Item, Placed
-from prefixq.connection import lua
-from prefixq.settings import Settings
+from prefixq.core.settings import Settings
+from prefixq.store.connection import lua
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from rich.console import Console
 
-from prefixq.settings import Settings
+from prefixq.core.settings import Settings
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -60,8 +60,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     from prefixq.bench.report import plot, table
     from prefixq.bench.runner import BenchConfig, run_bench
     from prefixq.bench.workloads import Shape
-    from prefixq.consumers.reaper import start_reaper, stop_reaper
-    from prefixq.model import default_cache_dir, resolve_model
+    from prefixq.engine.embedded_model import default_cache_dir, resolve_model
+    from prefixq.engine.reaper import start_reaper, stop_reaper
 
     gpus: list[str | None] = (
         [g.strip() for g in args.gpus.split(",")] if args.gpus else [None] * (args.cpu or 1)
@@ -125,8 +125,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _orders(raw: str) -> list[str]:
-    from prefixq.errors import ConfigError
-    from prefixq.producer.order import ORDERS
+    from prefixq.client.order import ORDERS
+    from prefixq.core.errors import ConfigError
 
     orders = [o.strip() for o in raw.split(",") if o.strip()]
     bad = [o for o in orders if o not in ORDERS]

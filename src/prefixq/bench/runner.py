@@ -8,7 +8,7 @@ same `Producer`, run into a scratch namespace, entries read back); each pipeline
 its requests landed there. Pairs alternate which mode goes first. One `Producer` submits every
 pipeline run over one kept connection, as an upstream service would. Throughput = requests /
 seconds from the first enqueue (or engine call) to the last result; every run also records a
-timeline (bench/timeline.py). ``orders`` measures enqueue orders (producer/order.py) on the
+timeline (bench/timeline.py). ``orders`` measures enqueue orders (client/order.py) on the
 reuse workload against standalone engines given the same placement.
 """
 
@@ -28,21 +28,21 @@ from typing import Any
 
 import redis.asyncio as aredis
 
-from prefixq import results as results_api
-from prefixq import wire
 from prefixq.bench.engines import Standalone, Workers
 from prefixq.bench.standalone import ProcessStandalone
 from prefixq.bench.timeline import Stamp, gaps, medians, timeline, worker_stats
 from prefixq.bench.workloads import Shape, build
-from prefixq.connection import async_client
-from prefixq.consumers import control
-from prefixq.entries import Entry
-from prefixq.errors import SetupError
-from prefixq.inputs import normalize
-from prefixq.keys import FIELD, Keys
-from prefixq.producer import Producer
-from prefixq.records import Request
-from prefixq.settings import Settings
+from prefixq.client import Producer
+from prefixq.client import results as results_api
+from prefixq.core import wire
+from prefixq.core.entries import Entry
+from prefixq.core.errors import SetupError
+from prefixq.core.inputs import normalize
+from prefixq.core.keys import FIELD, Keys
+from prefixq.core.records import Request
+from prefixq.core.settings import Settings
+from prefixq.store.connection import async_client
+from prefixq.worker import control
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ async def run_bench(
     cfg: BenchConfig, settings: Settings, step: Step | None = None
 ) -> dict[str, Any]:
     """Run every workload and pair; returns the report (see docs/BENCHMARKS.md)."""
-    from prefixq.consumers.vllm_engine import cpu_defaults, parse_engine_args
+    from prefixq.engine.vllm_engine import cpu_defaults, parse_engine_args
 
     say = step or (lambda _msg: None)
     ns = f"{settings.namespace[:40]}-bench-{secrets.token_hex(3)}"  # within the 64-char limit
@@ -231,7 +231,7 @@ def _by_gen(stats: dict[str, dict[str, Any]], names: list[str]) -> list[dict[str
         {
             "max_pause_ms": stats[n]["gc_max_pause_ms_by_gen"],
             "collections": stats[n]["gc_pauses_by_gen"],
-            # collections in idle time (consumers/gc_policy.py): no request waits on them
+            # collections in idle time (worker/gc_policy.py): no request waits on them
             "idle_collections": stats[n]["gc_idle_collections"],
             "idle_max_ms": stats[n]["gc_idle_max_ms"],
         }

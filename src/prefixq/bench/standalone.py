@@ -22,9 +22,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from prefixq.bench.timeline import Stamp
-from prefixq.consumers.engine import EngineRequest
-from prefixq.errors import SetupError
-from prefixq.records import Request
+from prefixq.core.errors import SetupError
+from prefixq.core.records import Request
+from prefixq.engine.protocol import EngineRequest
 
 
 def _serve(conn: Connection, model: str, engine_args: dict[str, Any], gpu: str | None) -> None:
@@ -35,7 +35,7 @@ def _serve(conn: Connection, model: str, engine_args: dict[str, Any], gpu: str |
 
 
 async def _loop(conn: Connection, model: str, engine_args: dict[str, Any]) -> None:
-    from prefixq.consumers.vllm_engine import VllmEngine
+    from prefixq.engine.vllm_engine import VllmEngine
 
     engine = VllmEngine(model, engine_args)
     await engine.start()

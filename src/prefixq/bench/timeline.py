@@ -7,7 +7,7 @@ Points are seconds from the run's start (the first enqueue, or the first engine 
 which is Redis's clock in milliseconds), ``end`` (the run's end: the waiter saw the burst done, or
 the last engine call returned). Per run also: prompt tokens and those served from the prefix
 cache (a different admission order that loses cache hits shows here), and for the pipeline the
-workers' read-to-engine time and event-loop lag (consumers/probes.py). The gap between the modes,
+workers' read-to-engine time and event-loop lag (worker/probes.py). The gap between the modes,
 point by point, says which stage a pipeline's extra time is spent in (docs/BENCHMARKS.md).
 """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefixq.errors import PrefixqError
+from prefixq.core.errors import PrefixqError
 
 __all__ = ["ApiError", "bad_request", "not_found"]
 

@@ -22,14 +22,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
 
-from prefixq.connection import async_client, describe
-from prefixq.errors import PrefixqError, RedisUnavailable
+from prefixq.core.errors import PrefixqError, RedisUnavailable
+from prefixq.core.settings import Settings
 from prefixq.openai.apierror import ApiError, bad_request
 from prefixq.openai.auth import KeyRing
 from prefixq.openai.batches import BatchStore
 from prefixq.openai.pages import parse_limit
 from prefixq.openai.runner import Sweeper
-from prefixq.settings import Settings
+from prefixq.store.connection import async_client, describe
 
 __all__ = ["create_app"]
 

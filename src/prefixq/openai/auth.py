@@ -17,9 +17,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefixq.errors import ConfigError
+from prefixq.core.errors import ConfigError
+from prefixq.core.settings import Settings
 from prefixq.openai.apierror import ApiError
-from prefixq.settings import Settings
 
 __all__ = ["KeyRing", "is_loopback"]
 

@@ -1,6 +1,7 @@
 """Batches: the records behind ``/v1/batches`` and the Batch objects rendered from them.
 
-A batch record is a Redis hash (keys.py ``oai_batch``) written when the batch is created and moved
+A batch record is a Redis hash (core/keys.py ``oai_batch``) written when the batch is created and
+moved
 from status to status by lua/batch_transition.lua; its burst (``burst``, the batch id unless a
 recovery had to resubmit) carries the requests and results. Statuses::
 
@@ -26,17 +27,17 @@ from typing import Any
 
 import redis.asyncio as aredis
 
-from prefixq import bursts
-from prefixq.connection import lua
-from prefixq.errors import BurstNotFound, ValidationError
-from prefixq.keys import Keys
-from prefixq.lanes import DEFAULT_PRIORITY, check_priority, check_tenant
+from prefixq.core.errors import BurstNotFound, ValidationError
+from prefixq.core.keys import Keys
+from prefixq.core.settings import Settings
+from prefixq.core.sharing import DEFAULT_PRIORITY, check_priority, check_tenant
 from prefixq.openai.apierror import ApiError, bad_request, not_found
 from prefixq.openai.files import FileStore
 from prefixq.openai.formats import ENDPOINTS
 from prefixq.openai.lease import TTL_MS
 from prefixq.openai.pages import Page, page
-from prefixq.settings import Settings
+from prefixq.store import burst_end as bursts
+from prefixq.store.connection import lua
 
 __all__ = ["FINAL", "BatchStore", "batch_object", "cancel_burst", "window_seconds"]
 
@@ -91,7 +92,7 @@ def _check_metadata(metadata: Any) -> dict[str, str] | None:
             param="metadata",
             code="invalid_value",
         )
-    try:  # the burst's priority and tenant (prefixq.lanes), when the metadata names them
+    try:  # the burst's priority and tenant (prefixq.core.sharing), when the metadata names them
         check_priority(metadata.get("priority", DEFAULT_PRIORITY))
         if "tenant" in metadata:
             check_tenant(metadata["tenant"])
@@ -149,7 +150,8 @@ def batch_object(m: dict[str, str], live: dict[str, str] | None = None) -> dict[
 
 
 async def cancel_burst(r: aredis.Redis, settings: Settings, burst: str) -> None:
-    """Cancel the burst's unfinished requests (`prefixq.bursts.acancel`); a burst that is gone has
+    """Cancel the burst's unfinished requests (`prefixq.store.burst_end.acancel`); a burst that is
+    gone has
     nothing left to cancel."""
     try:
         await bursts.acancel(burst, settings, r)

@@ -19,12 +19,12 @@ from typing import Any
 
 import redis.asyncio as aredis
 
-from prefixq.keys import Keys
-from prefixq.model import default_cache_dir
+from prefixq.core.keys import Keys
+from prefixq.core.settings import Settings
+from prefixq.engine.embedded_model import default_cache_dir
 from prefixq.openai.apierror import bad_request, not_found
 from prefixq.openai.pages import Page, page
 from prefixq.openai.uploads import receive
-from prefixq.settings import Settings
 
 __all__ = ["FileStore", "files_root", "new_file_id"]
 

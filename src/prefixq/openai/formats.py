@@ -22,8 +22,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from prefixq.body import CHAT, COMPLETIONS, ENDPOINTS
-from prefixq.records import Choice, Result, TokenLogprob
+from prefixq.core.openai_lines import CHAT, COMPLETIONS, ENDPOINTS
+from prefixq.core.records import Choice, Result, TokenLogprob
 
 __all__ = [
     "CHAT",
@@ -57,7 +57,7 @@ def _uid(prefix: str, burst: str, index: int) -> str:
 
 
 def error_code(res: Result) -> str | None:
-    """The result's error code (None on success): one of `prefixq.records.ERROR_CODES`."""
+    """The result's error code (None on success): one of `prefixq.core.records.ERROR_CODES`."""
     if res.error is None:
         return None
     if res.error_code:

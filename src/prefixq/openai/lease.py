@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 import redis.asyncio as aredis
 
-from prefixq.connection import TRANSIENT, lua, raise_if_cancelled
+from prefixq.store.connection import TRANSIENT, lua, raise_if_cancelled
 
 __all__ = ["RENEW_S", "TTL_MS", "acquire", "held", "release"]
 

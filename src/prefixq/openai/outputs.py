@@ -13,11 +13,11 @@ import json
 from pathlib import Path
 from typing import IO, Any
 
-from prefixq import results
-from prefixq.errors import ConfigError
+from prefixq.client import results
+from prefixq.core.errors import ConfigError
+from prefixq.core.records import Result
+from prefixq.core.settings import Settings
 from prefixq.openai.formats import CHAT, format_result
-from prefixq.records import Result
-from prefixq.settings import Settings
 
 __all__ = ["burst_metadata", "input_metadata", "write_results"]
 

@@ -12,7 +12,8 @@ dead server left half done is redone by whichever server sweeps next (after the 
 - ``in_progress`` / ``cancelling`` with every result recorded: ``finalizing``, write both files
   (formats.py), then ``completed``, ``expired`` (some request expired) or ``cancelled``.
 
-Every pass also runs `prefixq.bursts.expire_due` for each namespace, so a batch's window ends on
+Every pass also runs `prefixq.store.burst_end.expire_due` for each namespace, so a batch's window
+ends on
 time even while no worker serves it (workers run it too; each request is expired once).
 """
 
@@ -30,18 +31,19 @@ from typing import Any
 import anyio
 import redis.asyncio as aredis
 
-from prefixq import bursts, wire
-from prefixq.connection import TRANSIENT, raise_if_cancelled
-from prefixq.errors import PrefixqError, ValidationError
+from prefixq.client import Producer
+from prefixq.client.results import read_stored
+from prefixq.core import wire
+from prefixq.core.errors import PrefixqError, ValidationError
+from prefixq.core.records import Result
+from prefixq.core.settings import Settings
 from prefixq.openai import lease
 from prefixq.openai.batches import FINAL, BatchStore, cancel_burst, sharing
 from prefixq.openai.files import new_file_id
 from prefixq.openai.formats import Line, Usage, format_result
 from prefixq.openai.validate import check_input
-from prefixq.producer import Producer
-from prefixq.records import Result
-from prefixq.results import read_stored
-from prefixq.settings import Settings
+from prefixq.store import burst_end as bursts
+from prefixq.store.connection import TRANSIENT, raise_if_cancelled
 
 __all__ = ["Sweeper"]
 

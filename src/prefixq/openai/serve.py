@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import logging
 
-from prefixq.connection import sync_client
-from prefixq.errors import ConfigError
+from prefixq.core.errors import ConfigError
+from prefixq.core.settings import Settings
 from prefixq.openai.auth import KeyRing, is_loopback
 from prefixq.openai.files import files_root
-from prefixq.settings import Settings
+from prefixq.store.connection import sync_client
 
 __all__ = ["serve"]
 

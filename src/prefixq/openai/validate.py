@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefixq.entries import check_size
-from prefixq.errors import ValidationError
-from prefixq.inputs import parse_line
-from prefixq.records import Request
-from prefixq.settings import Settings
+from prefixq.core.entries import check_size
+from prefixq.core.errors import ValidationError
+from prefixq.core.inputs import parse_line
+from prefixq.core.records import Request
+from prefixq.core.settings import Settings
 
 __all__ = ["MAX_ERRORS", "Checked", "check_input"]
 

@@ -1,0 +1,157 @@
+"""Process entry points: one worker bound to a GPU (or the CPU), and a supervisor of many."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from prefixq.core.settings import Settings
+from prefixq.engine.reaper import start_reaper, stop_reaper
+
+log = logging.getLogger(__name__)
+
+#: engine arguments every worker starts its engine with (an --engine-arg overrides them):
+#: "priority" orders the engine's waiting queue by priority, then arrival (with one priority:
+#: first come, first served, as vLLM's default "fcfs"), so a high-priority request the worker
+#: admits behind queued normal ones goes before them (docs/engine.md). Standalone engines in
+#: `prefixq bench` keep vLLM's defaults.
+WORKER_ENGINE_ARGS: dict[str, Any] = {"scheduling_policy": "priority"}
+
+#: `prefixq worker` exit code for a usage or configuration error (bad flag, refused credentials):
+#: the supervisor does not restart it, since a restart cannot fix it
+EXIT_CONFIG = 2
+
+
+def worker_command(
+    settings: Settings,
+    shard: int,
+    model: str = "",
+    *,
+    name: str = "",
+    gpu: str | None = None,
+    engine_args: Sequence[str] = (),
+    fields: Sequence[str] = ("redis_url", "namespace", "shards"),
+) -> list[str]:
+    """argv for a ``prefixq worker`` process of this interpreter, passing ``fields`` of
+    ``settings`` as flags (the rest comes from the environment)."""
+    cmd = [sys.executable, "-m", "prefixq", "worker", "--shard", str(shard)]
+    if model:
+        cmd += ["--model", model]
+    if name:
+        cmd += ["--name", name]
+    if gpu is not None:
+        cmd += ["--gpu", gpu]
+    for f in fields:
+        cmd += ["--" + f.replace("_", "-"), str(getattr(settings, f))]
+    for a in engine_args:
+        cmd += ["--engine-arg", a]
+    return cmd
+
+
+def run_worker(
+    settings: Settings,
+    shard: int,
+    model: str,
+    *,
+    gpu: str | None = None,
+    engine_args: dict[str, Any] | None = None,
+    name: str = "",
+) -> int:
+    """Run one worker in this process until SIGTERM/SIGINT or engine death; returns exit code."""
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu  # before vLLM/torch see any device
+    from prefixq.engine.vllm_engine import VllmEngine, cpu_defaults
+    from prefixq.worker.worker import Worker
+
+    args = WORKER_ENGINE_ARGS | ({} if gpu is not None else cpu_defaults()) | (engine_args or {})
+    engine = VllmEngine(model, args)
+
+    async def main() -> int:
+        from prefixq.integrations.rq_callbacks import RqCompletion
+
+        worker = Worker(
+            settings, shard, engine, name=name, gpu=gpu, middleware=[RqCompletion(settings)]
+        )
+        if settings.metrics_port > 0:
+            from prefixq.integrations.metrics import MetricsExporter
+
+            worker.add_middleware(MetricsExporter(worker, settings.metrics_port))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, worker.stop)
+        return await worker.run()
+
+    reaper = start_reaper()  # the engine's processes die with this one, even after kill -9
+    try:
+        return asyncio.run(main())
+    finally:
+        stop_reaper(reaper)
+
+
+def supervise(
+    settings_args: Sequence[str],
+    gpus: Sequence[str | None],
+    *,
+    restart_delay: float = 2.0,
+    max_restarts: int = 100,
+    metrics_port: int = 0,
+) -> int:
+    """Start ``prefixq worker`` for each GPU (shard i on gpus[i]) and restart any that exits
+    non-zero (engine death, crash; not 2, a configuration error). SIGTERM/SIGINT are passed on;
+    returns when all have exited.
+    With ``metrics_port`` N > 0, shard i serves its metrics on port N + i."""
+    procs: dict[int, subprocess.Popen[bytes]] = {}
+    restarts = dict.fromkeys(range(len(gpus)), 0)
+    stopping = False
+
+    def spawn(i: int) -> None:
+        cmd = [sys.executable, "-m", "prefixq", "worker", "--shard", str(i), *settings_args]
+        if gpus[i] is not None:
+            cmd += ["--gpu", str(gpus[i])]
+        if metrics_port > 0:
+            cmd += ["--metrics-port", str(metrics_port + i)]
+        procs[i] = subprocess.Popen(cmd)
+        log.info("started worker shard=%d gpu=%s pid=%d", i, gpus[i], procs[i].pid)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    for i in range(len(gpus)):
+        spawn(i)
+    worst = 0
+    while procs:
+        time.sleep(0.5)
+        for i, p in list(procs.items()):
+            rc = p.poll()
+            if rc is None:
+                continue
+            del procs[i]
+            if stopping or rc == 0:
+                worst = max(worst, rc)
+                continue
+            if rc == EXIT_CONFIG:
+                log.error("worker shard=%d: configuration error (exit 2); not restarting", i)
+                worst = max(worst, rc)
+                continue
+            if restarts[i] >= max_restarts:
+                log.error("worker shard=%d exited %d; restart limit reached", i, rc)
+                worst = max(worst, rc)
+                continue
+            restarts[i] += 1
+            log.warning("worker shard=%d exited %d; restarting (%d)", i, rc, restarts[i])
+            time.sleep(restart_delay)
+            spawn(i)
+    return worst

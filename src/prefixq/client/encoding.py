@@ -1,0 +1,181 @@
+"""Entries of one burst: which prefixes are stored once, the encoded entries, their byte counts.
+
+A shared prefix (a document, a system prompt) long enough (``prefix_store_min_chars``) and used by
+two or more requests of the burst is stored once, content-addressed (`Keys.prefix`), and the
+entries refer to it by digest; a prefix used once travels inline (a separate key would only add a
+write and a read). Uses are counted over the whole burst by a cheap fingerprint of each prefix
+(identity first: a prefix object shared by many requests is looked at once), before the encoding
+of the burst's body; the burst's small head (`Producer` sends it before anything else is looked
+at) carries its prefixes inline.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from prefixq.core import wire
+from prefixq.core.entries import digest, prefix_size, to_wire
+from prefixq.core.errors import ValidationError
+from prefixq.core.records import Request
+from prefixq.core.settings import Settings
+from prefixq.core.sharing import DEFAULT_PRIORITY, DEFAULT_TENANT
+
+#: a prefix object (`entries.split_prefix`) and the request's own part
+Parts = tuple[dict[str, Any] | None, dict[str, Any]]
+
+
+@dataclass(slots=True)
+class Sizes:
+    """Byte counts of a burst (kept on its record)."""
+
+    #: the entries as they would be with every prefix inline, uncompressed
+    raw: int = 0
+    #: the encoded entries
+    entries: int = 0
+    #: prefixes stored by this burst (not already in Redis)
+    prefixes_new: int = 0
+    #: prefixes the burst refers to that were already stored
+    prefixes_reused: int = 0
+    #: distinct prefixes the burst stored or referred to
+    prefixes: int = 0
+
+
+@dataclass(slots=True)
+class Encoded:
+    """One chunk, ready to send: entries by shard, and the prefixes they refer to."""
+
+    #: shard -> [(entry bytes, estimated work)]
+    by_shard: dict[int, list[tuple[bytes, int]]] = field(default_factory=dict)
+    #: digest -> compressed prefix, first referred to in this chunk
+    new_prefixes: dict[str, bytes] = field(default_factory=dict)
+
+
+def _fingerprint(value: Any) -> tuple[Any, ...]:
+    """A cheap content key of a prefix's value (text, token ids or messages): equal values get
+    equal keys; a collision only makes a single-use prefix travel by reference."""
+    if isinstance(value, str):
+        return ("x", len(value), hash(value))
+    try:
+        return ("t", len(value), xxhash.xxh3_64_intdigest(array("q", value).tobytes()))
+    except (TypeError, OverflowError, ValueError):  # messages, or not token ids at all
+        return ("m", xxhash.xxh3_64_intdigest(wire.pack(value)))
+
+
+class EntryEncoder:
+    """Encodes one burst's entries, chunk by chunk."""
+
+    def __init__(self, settings: Settings, *, burst: str, enqueued: float) -> None:
+        self.s = settings
+        self.burst = burst
+        self.enqueued = enqueued
+        self.deadline: float | None = None
+        self.priority = DEFAULT_PRIORITY
+        self.tenant = DEFAULT_TENANT
+        self.sizes = Sizes()
+        self._uses: Counter[tuple[Any, ...]] = Counter()
+        self._by_id: dict[int, tuple[Any, ...]] = {}
+        #: packed prefix -> (digest, packed size), for prefixes already decided by reference
+        self._stored: dict[bytes, tuple[str, int]] = {}
+        self._packed_by_id: dict[int, bytes] = {}
+        self._inline_key = len(wire.pack("x"))
+        self._ref_key = len(wire.pack("xr"))
+
+    def count(self, parts: list[Parts]) -> None:
+        """Count the uses of each long prefix (call once, over the whole burst)."""
+        for prefix, _ in parts:
+            if prefix is None or prefix_size(prefix) < self.s.prefix_store_min_chars:
+                continue
+            ((_, value),) = prefix.items()
+            fp = self._by_id.get(id(value))
+            if fp is None:
+                fp = self._by_id[id(value)] = _fingerprint(value)
+            self._uses[fp] += 1
+
+    def _shared(self, prefix: dict[str, Any]) -> bool:
+        ((_, value),) = prefix.items()
+        fp = self._by_id.get(id(value))
+        return fp is not None and self._uses[fp] > 1
+
+    def _packed(self, prefix: dict[str, Any]) -> bytes:
+        ((_, value),) = prefix.items()
+        key = id(value)
+        packed = self._packed_by_id.get(key)
+        if packed is None:
+            packed = self._packed_by_id[key] = wire.pack(prefix)
+        return packed
+
+    def encode(
+        self,
+        reqs: list[Request],
+        parts: list[Parts],
+        placed: list[Any],
+        start: int,
+        *,
+        inline: bool = False,
+    ) -> Encoded:
+        """Entries for requests ``start .. start + len(reqs)``; ``inline``: every prefix travels
+        inline and entries are not compressed (the head: sent before uses are counted, read
+        within milliseconds and deleted once acked, so compressing it would only delay the
+        engines' start). ValidationError for an entry over ``max_entry_bytes`` (naming its 1-based
+        position in the burst)."""
+        s, out = self.s, Encoded()
+        codec = "none" if inline else s.codec
+        for k, (q, (prefix, own), pl) in enumerate(zip(reqs, parts, placed, strict=True)):
+            i = start + k
+            ref: str | None = None
+            extra = 0  # what the prefix adds to the raw size when it travels by reference
+            if prefix is not None and not inline and self._shared(prefix):
+                packed = self._packed(prefix)
+                known = self._stored.get(packed)
+                if known is None:
+                    known = self._stored[packed] = (digest(packed), len(packed))
+                    value = wire.compress(packed, s.codec, s.codec_level)
+                    self._check(len(value), i, q, "its shared prefix")
+                    out.new_prefixes[known[0]] = value
+                ref = known[0]
+                extra = self._inline_key + known[1] - self._ref_key - len(wire.pack(ref))
+            entry = to_wire(
+                q,
+                prefix=None if ref is not None else prefix,
+                prefix_ref=ref,
+                burst=self.burst,
+                index=i,
+                shard=pl.shard,
+                enqueued=self.enqueued,
+                work=pl.work,
+                predicted_cached=pl.predicted_cached,
+                own=own,
+                deadline=self.deadline,
+                priority=self.priority,
+                tenant=self.tenant,
+            )
+            packed_entry = wire.pack(entry)
+            data = wire.compress(packed_entry, codec, s.codec_level)
+            if len(data) > s.max_entry_bytes and codec != s.codec:  # too big unless compressed
+                data = wire.compress(packed_entry, s.codec, s.codec_level)
+            self._check(len(data), i, q, "it")
+            self.sizes.raw += len(packed_entry) + extra
+            self.sizes.entries += len(data)
+            out.by_shard.setdefault(pl.shard, []).append((data, pl.work))
+        return out
+
+    def stored(self, new: dict[str, bytes], fresh: list[bool]) -> None:
+        """Account for prefixes sent with ``SET NX`` (``fresh``: whether each was new)."""
+        for value, was_new in zip(new.values(), fresh, strict=True):
+            self.sizes.prefixes += 1
+            if was_new:
+                self.sizes.prefixes_new += len(value)
+            else:
+                self.sizes.prefixes_reused += len(value)
+
+    def _check(self, n: int, i: int, q: Request, what: str) -> None:
+        if n > self.s.max_entry_bytes:
+            raise ValidationError(
+                f"request {i + 1} ({q.id!r}): {what} encodes to {n} bytes, over "
+                f"max_entry_bytes={self.s.max_entry_bytes}"
+            )

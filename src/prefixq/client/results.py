@@ -1,0 +1,300 @@
+"""Wait for, stream and collect a burst's results (blocking API: CLI, RQ jobs, scripts).
+
+Results live in one hash per burst (input index -> encoded `Result`); every recorded result also
+adds an entry to the burst's events stream, which waiters block on (XREAD) instead of polling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import redis
+from redis.exceptions import RedisError
+
+from prefixq.core import wire
+from prefixq.core.errors import (
+    BurstNotFound,
+    BurstRecordLost,
+    BurstTimeout,
+    ValidationError,
+    WireError,
+)
+from prefixq.core.records import Result
+from prefixq.core.settings import Settings
+from prefixq.store.connection import describe, sync_client
+
+__all__ = [
+    "BurstStatus",
+    "collect",
+    "iterate",
+    "read_stored",
+    "status",
+    "wait",
+    "write_jsonl",
+    "write_lines",
+]
+
+_FETCH = 512
+
+
+def out_path_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why a burst's results could not be written to ``path`` (checked before the burst is
+    submitted, not after it ran), as a phrase whose subject is the path; None when they can."""
+    if os.path.isdir(path):
+        return "is a folder, not a file path"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"is in a folder that does not exist ({folder!r})"
+    return None
+
+
+def read_stored(raw: bytes, index: int, rid: str, limits: wire.Limits) -> Result:
+    """A recorded result; one that does not decode (a value written over in Redis) becomes a
+    failed result that says so, with code ``internal_error``: one unreadable value costs its own
+    line, never the burst's other results."""
+    try:
+        return Result.from_wire(wire.decode(raw, limits))
+    except (WireError, KeyError, TypeError, ValueError, IndexError) as e:
+        return Result(
+            id=rid,
+            index=index,
+            error=f"its recorded result does not decode: {e}",
+            error_code="internal_error",
+        )
+
+
+@dataclass(slots=True)
+class BurstStatus:
+    """A burst's record and progress."""
+
+    burst: str
+    total: int
+    done: int
+    failed: int
+    status: str
+    created: float
+    finished_at: float
+    meta: dict[str, str]
+
+    @property
+    def finished(self) -> bool:
+        return self.total > 0 and self.done + self.failed >= self.total
+
+    @classmethod
+    def from_hash(cls, burst: str, h: dict[bytes, bytes]) -> BurstStatus:
+        """The status in a burst record; BurstRecordLost if the record has no valid ``total``
+        (a partial record: what is left of one that expired or was evicted)."""
+        m = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in h.items()}
+        try:
+            total = int(m["total"])
+            if total <= 0:
+                raise ValueError(total)
+            return cls(
+                burst=burst,
+                total=total,
+                done=int(m.get("done", 0)),
+                failed=int(m.get("failed", 0)),
+                status=m.get("status", "?"),
+                created=float(m.get("created", 0)),
+                finished_at=float(m.get("finished_at", 0)),
+                meta=m,
+            )
+        except (KeyError, ValueError):
+            raise BurstRecordLost(
+                f"burst {burst!r}: its record is incomplete (fields: {', '.join(sorted(m))}): it "
+                "expired or was evicted, and was partly written again; its results cannot be "
+                "read as complete or finished. Submit the burst again"
+            ) from None
+
+
+class _Session:
+    """One client and key set for the calls below."""
+
+    def __init__(self, burst: str, settings: Settings | None, client: redis.Redis | None) -> None:
+        self.settings = settings or Settings.from_env()
+        self.r = client or sync_client(self.settings)
+        self.keys = self.settings.keys
+        self.burst = burst
+        self.limits = wire.Limits.from_settings(self.settings)
+
+    def status(self) -> BurstStatus:
+        with self.redis_errors():
+            h = self.r.hgetall(self.keys.burst(self.burst))
+        if not h:
+            raise BurstNotFound(
+                f"no burst {self.burst!r} in namespace {self.settings.namespace!r}: it was never "
+                "submitted, or its record expired (result_ttl_s) or was evicted"
+            )
+        return BurstStatus.from_hash(self.burst, h)
+
+    def block(self, last: str, ms: int) -> str:
+        """Wait until a result is recorded after event ``last`` (or ``ms`` pass)."""
+        with self.redis_errors():
+            resp = self.r.xread({self.keys.events(self.burst): last}, count=1000, block=ms)
+        if resp:
+            return str(resp[0][1][-1][0].decode())
+        return last
+
+    def fetch(self, indexes: range) -> list[Result | None]:
+        with self.redis_errors():
+            raw = self.r.hmget(self.keys.results(self.burst), list(indexes))
+        out = [
+            None if v is None else read_stored(v, i, "", self.limits)
+            for i, v in zip(indexes, raw, strict=True)
+        ]
+        for res in out:
+            if res is not None and res.error_code == "internal_error" and not res.id:
+                with self.redis_errors():  # the unreadable result's request id, if still kept
+                    rid = self.r.lindex(self.keys.ids(self.burst), res.index)
+                res.id = (rid or b"").decode("utf-8", "replace")
+        return out
+
+    @contextlib.contextmanager
+    def redis_errors(self) -> Iterator[None]:
+        """Redis errors as ours: unreachable, refused (ConfigError), out of memory."""
+        try:
+            yield
+        except (RedisError, OSError) as e:
+            raise describe(self.settings, e) from e
+
+
+def status(
+    burst: str, settings: Settings | None = None, *, client: redis.Redis | None = None
+) -> BurstStatus:
+    """The burst's record and counters right now."""
+    return _Session(burst, settings, client).status()
+
+
+def _deadline(timeout: float | None) -> float | None:
+    """The monotonic time ``timeout`` s from now; None (no limit) for None or infinity."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or math.isnan(timeout):
+        raise ValidationError(f"timeout must be a number of seconds or None, not {timeout!r}")
+    if timeout == math.inf:
+        return None
+    return time.monotonic() + timeout
+
+
+def _wait_ms(deadline: float | None) -> int:
+    """How long one blocking read may wait: a second, or what is left before ``deadline``
+    (monotonic, None: no limit); 0 once it has passed."""
+    if deadline is None:
+        return 1000
+    left = deadline - time.monotonic()
+    return 0 if left <= 0 else max(1, min(1000, int(left * 1000)))
+
+
+def wait(
+    burst: str,
+    settings: Settings | None = None,
+    *,
+    timeout: float | None = None,
+    progress: Callable[[BurstStatus], None] | None = None,
+    client: redis.Redis | None = None,
+) -> BurstStatus:
+    """Block until every request of the burst has a result; BurstTimeout past ``timeout`` s."""
+    ses = _Session(burst, settings, client)
+    deadline = _deadline(timeout)
+    last = "0-0"
+    while True:
+        st = ses.status()
+        if progress:
+            progress(st)
+        if st.finished:
+            return st
+        ms = _wait_ms(deadline)
+        if not ms:
+            raise BurstTimeout(
+                f"burst {burst}: {st.done + st.failed}/{st.total} results after {timeout:.0f}s"
+            )
+        last = ses.block(last, ms)
+
+
+def iterate(
+    burst: str,
+    settings: Settings | None = None,
+    *,
+    timeout: float | None = None,
+    client: redis.Redis | None = None,
+) -> Iterator[Result]:
+    """Yield results in input order, each as soon as it and all before it are recorded."""
+    ses = _Session(burst, settings, client)
+    total = ses.status().total
+    deadline = _deadline(timeout)
+    nxt, last = 0, "0-0"
+    while nxt < total:
+        got = ses.fetch(range(nxt, min(total, nxt + _FETCH)))
+        for res in got:
+            if res is None:
+                break
+            yield res
+            nxt += 1
+        else:
+            continue
+        ms = _wait_ms(deadline)
+        if not ms:
+            raise BurstTimeout(f"burst {burst}: {nxt}/{total} results in order after {timeout}s")
+        last = ses.block(last, ms)
+
+
+def collect(
+    burst: str, settings: Settings | None = None, *, client: redis.Redis | None = None
+) -> list[Result]:
+    """Every recorded result, in input order (missing ones are skipped)."""
+    ses = _Session(burst, settings, client)
+    total = ses.status().total
+    out: list[Result] = []
+    for start in range(0, total, _FETCH):
+        out.extend(r for r in ses.fetch(range(start, min(total, start + _FETCH))) if r)
+    return out
+
+
+def write_jsonl(
+    burst: str,
+    out: str | Path | IO[str],
+    settings: Settings | None = None,
+    *,
+    timeout: float | None = None,
+    token_ids: bool = False,
+    client: redis.Redis | None = None,
+) -> int:
+    """Write the burst's results as JSON lines in input order (waiting for them); returns count."""
+
+    def line(res: Result) -> str:
+        return json.dumps(res.to_json(token_ids=token_ids), ensure_ascii=False) + "\n"
+
+    return write_lines(burst, out, line, settings, timeout=timeout, client=client)
+
+
+def write_lines(
+    burst: str,
+    out: str | Path | IO[str],
+    line: Callable[[Result], str],
+    settings: Settings | None = None,
+    *,
+    timeout: float | None = None,
+    client: redis.Redis | None = None,
+) -> int:
+    """Write ``line(result)`` for each of the burst's results in input order (waiting for them)
+    to a file path or an open text stream; returns how many (`write_jsonl`, the OpenAI format)."""
+
+    def dump(f: IO[str]) -> int:
+        n = 0
+        for res in iterate(burst, settings, timeout=timeout, client=client):
+            f.write(line(res))
+            n += 1
+        return n
+
+    if isinstance(out, str | Path):
+        with open(out, "w", encoding="utf-8") as f:
+            return dump(f)
+    return dump(out)

@@ -1,0 +1,285 @@
+"""Stream entries: a `Request` as the short-keyed map one shard's stream carries, and back.
+
+An entry holds the request's own part (``p`` prompt text, ``m`` trailing chat messages or ``t``
+token ids) and its shared prefix either inline (``x``) or by reference (``xr``: the digest of a
+prefix stored once, content-addressed, under `Keys.prefix`). A prefix object is ``{"x": text}``,
+``{"m": leading messages}`` or ``{"t": token ids}``. Other keys: ``v`` version, ``b`` burst,
+``i`` input index, ``id`` request id, ``s`` sampling, ``e`` enqueued (epoch s), ``k`` shard,
+``w`` estimated uncached prompt tokens (the placement's load unit), ``pc`` predicted cached tokens,
+``dl`` the burst's deadline (epoch s; absent = none), ``u`` the OpenAI url of the line (absent for
+a plain line) and ``md`` its body's model (absent when none): both only for the output objects;
+``pr`` the burst's priority and ``tn`` its tenant (absent: ``normal`` and ``default``, so that the
+default path's entries carry no extra byte; prefixq.core.sharing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from prefixq.core import wire
+from prefixq.core.errors import ValidationError, WireError
+from prefixq.core.records import Request, Result
+from prefixq.core.settings import Settings
+from prefixq.core.sharing import DEFAULT_PRIORITY, DEFAULT_TENANT, PRIORITIES, valid_tenant
+
+VERSION = 1
+
+
+def split_prefix(req: Request) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(prefix object or None, the request's own part) for one request."""
+    if req.prompt_token_ids is not None:
+        own: dict[str, Any] = {"t": req.prompt_token_ids}
+        return ({"t": req.prefix} if isinstance(req.prefix, list) else None), own
+    if req.messages is not None:
+        if len(req.messages) > 1:
+            return {"m": req.messages[:-1]}, {"m": req.messages[-1:]}
+        return None, {"m": req.messages}
+    own = {"p": req.prompt}
+    return ({"x": req.prefix} if isinstance(req.prefix, str) and req.prefix else None), own
+
+
+def prefix_size(prefix: dict[str, Any]) -> int:
+    """Characters (or token ids) in a prefix object, to decide whether to store it once."""
+    if "x" in prefix:
+        return len(prefix["x"])
+    if "t" in prefix:
+        return len(prefix["t"]) * 4
+    return sum(len(m.get("content") or "") for m in prefix["m"])
+
+
+def digest(packed_prefix: bytes) -> str:
+    """Content address of a packed prefix object (128-bit xxh3, hex)."""
+    return xxhash.xxh3_128_hexdigest(packed_prefix)
+
+
+@dataclass(slots=True)
+class Entry:
+    """A decoded stream entry, checked for shape (never trusted beyond that)."""
+
+    burst: str
+    index: int
+    id: str
+    own: dict[str, Any]
+    prefix: dict[str, Any] | None
+    prefix_ref: str | None
+    sampling: dict[str, Any]
+    enqueued: float
+    shard: int
+    work: int
+    predicted_cached: int
+    #: epoch seconds after which the request is not admitted any more (None: no deadline)
+    deadline: float | None = None
+    #: the OpenAI url the request's line named (None for a plain line), for the output objects
+    endpoint: str | None = None
+    #: the body's ``model`` of an OpenAI line (None if it named none)
+    model: str | None = None
+    #: the burst's priority (prefixq.core.sharing.PRIORITIES) and tenant
+    priority: str = DEFAULT_PRIORITY
+    tenant: str = DEFAULT_TENANT
+
+    @classmethod
+    def from_wire(cls, d: Any) -> Entry:
+        """Validate the shape of a decoded entry; WireError says what is wrong."""
+        if not isinstance(d, dict):
+            raise WireError(f"entry is a {type(d).__name__}, not a map")
+        if d.get("v") != VERSION:
+            raise WireError(f"unsupported entry version {d.get('v')!r}")
+        try:
+            e = cls(
+                burst=_typed(d, "b", str),
+                index=_typed(d, "i", int),
+                id=_typed(d, "id", str),
+                own={k: d[k] for k in ("p", "m", "t") if k in d},
+                prefix=d.get("x"),
+                prefix_ref=d.get("xr"),
+                sampling=d.get("s") or {},
+                enqueued=float(d.get("e", 0.0)),
+                shard=_count(d, "k"),
+                work=_count(d, "w"),
+                predicted_cached=_count(d, "pc"),
+                deadline=None if d.get("dl") is None else float(d["dl"]),
+                endpoint=_optional_str(d, "u"),
+                model=_optional_str(d, "md"),
+            )
+        except (TypeError, ValueError, OverflowError) as err:
+            raise WireError(f"malformed entry: {err}") from None
+        pr, tn = d.get("pr"), d.get("tn")  # absent on the default path: nothing to check
+        if pr is not None:
+            if not isinstance(pr, str) or pr not in PRIORITIES:
+                raise WireError(f"entry priority {pr!r} is not one of {', '.join(PRIORITIES)}")
+            e.priority = pr
+        if tn is not None:
+            if not isinstance(tn, str) or not valid_tenant(tn):
+                raise WireError(f"entry tenant {str(tn)[:80]!r} is not a tenant name")
+            e.tenant = tn
+        if not 0 <= e.index < _MAX_COUNT:
+            raise WireError(f"entry index {e.index} out of range")
+        if len(e.own) != 1:
+            raise WireError("entry needs exactly one of p, m, t")
+        if not isinstance(e.sampling, dict):
+            raise WireError("entry sampling is not a map")
+        if e.prefix is not None and not _is_prefix(e.prefix):
+            raise WireError("entry prefix is malformed")
+        if e.prefix_ref is not None and not isinstance(e.prefix_ref, str):
+            raise WireError("entry prefix reference is not a string")
+        return e
+
+    def result(self, shard: int, worker: str) -> Result:
+        """An empty result for this entry's request, as served by ``worker`` of ``shard``."""
+        res = Result(
+            id=self.id,
+            index=self.index,
+            shard=shard,
+            worker=worker,
+            predicted_cached_tokens=self.predicted_cached,
+            endpoint=self.endpoint,
+            model=self.model,
+        )
+        res.timings.enqueued = self.enqueued
+        return res
+
+    def to_request(self, prefix: dict[str, Any] | None) -> Request:
+        """The full request, given the resolved prefix object (inline or fetched)."""
+        prefix = prefix if prefix is not None else self.prefix
+        if prefix is not None and not _is_prefix(prefix):
+            raise WireError("stored prefix is malformed")
+        req = Request(
+            id=self.id, sampling=dict(self.sampling), endpoint=self.endpoint, model=self.model
+        )
+        ((key, value),) = self.own.items()
+        if not isinstance(value, str if key == "p" else list):
+            raise WireError(
+                f"entry field {key!r} must be {'a string' if key == 'p' else 'a list'}, "
+                f"not {type(value).__name__}"
+            )
+        if "t" in self.own:
+            req.prompt_token_ids = list((prefix or {}).get("t", ())) + list(self.own["t"])
+        elif "m" in self.own:
+            req.messages = list((prefix or {}).get("m", ())) + list(self.own["m"])
+        else:
+            req.prompt = str((prefix or {}).get("x", "")) + str(self.own["p"])
+        return req
+
+
+def to_wire(
+    req: Request,
+    *,
+    burst: str,
+    index: int,
+    shard: int,
+    enqueued: float,
+    work: int,
+    predicted_cached: int,
+    prefix: dict[str, Any] | None,
+    prefix_ref: str | None,
+    own: dict[str, Any],
+    deadline: float | None = None,
+    priority: str = DEFAULT_PRIORITY,
+    tenant: str = DEFAULT_TENANT,
+) -> dict[str, Any]:
+    """The entry map for one request (prefix inline or by reference, never both)."""
+    d: dict[str, Any] = {
+        "v": VERSION,
+        "b": burst,
+        "i": index,
+        "id": req.id,
+        **own,
+        "e": enqueued,
+        "k": shard,
+        "w": work,
+        "pc": predicted_cached,
+    }
+    if req.sampling:
+        d["s"] = req.sampling
+    if deadline is not None:
+        d["dl"] = deadline
+    if req.endpoint is not None:
+        d["u"] = req.endpoint
+    if req.model is not None:
+        d["md"] = req.model
+    if priority != DEFAULT_PRIORITY:
+        d["pr"] = priority
+    if tenant != DEFAULT_TENANT:
+        d["tn"] = tenant
+    if prefix_ref is not None:
+        d["xr"] = prefix_ref
+    elif prefix is not None:
+        d["x"] = prefix
+    return d
+
+
+#: bound on the entry's counters (index, shard, work, predicted cached tokens): they end up in
+#: Redis HINCRBY arguments, which must stay within 64 bits even when summed over a batch
+_MAX_COUNT = 1 << 40
+
+
+def _count(d: dict[str, Any], key: str) -> int:
+    value = int(d.get(key, 0))
+    if not 0 <= value < _MAX_COUNT:
+        raise ValueError(f"entry field {key!r}={value} out of range")
+    return value
+
+
+def _typed(d: dict[str, Any], key: str, kind: type) -> Any:
+    value = d.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise WireError(f"entry field {key!r} must be {kind.__name__}")
+    return value
+
+
+def _optional_str(d: dict[str, Any], key: str) -> str | None:
+    value = d.get(key)
+    if value is not None and not isinstance(value, str):
+        raise WireError(f"entry field {key!r} must be str")
+    return value
+
+
+def _is_prefix(p: Any) -> bool:
+    if not isinstance(p, dict) or len(p) != 1:
+        return False
+    ((key, value),) = p.items()
+    return (key == "x" and isinstance(value, str)) or (
+        key in ("m", "t") and isinstance(value, list)
+    )
+
+
+def size_bound(req: Request) -> int:
+    """An upper bound of the encoded size of ``req``'s entry with its prefix inline (UTF-8 is at
+    most 4 bytes a character, msgpack at most 9 bytes an integer, and compression adds at most
+    a few bytes per 16 KB), in microseconds for any request."""
+    text = len(req.prompt or "") + (len(req.prefix) if isinstance(req.prefix, str) else 0)
+    ids = len(req.prompt_token_ids or ()) + (len(req.prefix) if isinstance(req.prefix, list) else 0)
+    chat = sum(4 * len(str(m.get("content") or "")) + 64 for m in req.messages or ())
+    raw = 4 * text + 9 * ids + chat + 4 * len(req.id) + 16 * len(req.sampling) + 1024
+    return raw + raw // 1000 + 64
+
+
+def check_size(req: Request, settings: Settings, where: str) -> None:
+    """ValidationError if ``req``'s entry (prefix inline, compressed with the settings' codec)
+    would be over ``max_entry_bytes``, which a worker refuses to decode. Only requests whose
+    `size_bound` is over the limit are encoded to find out."""
+    limit = settings.max_entry_bytes
+    if size_bound(req) <= limit:
+        return
+    prefix, own = split_prefix(req)
+    entry = to_wire(
+        req,
+        burst="",
+        index=0,
+        shard=0,
+        enqueued=0.0,
+        work=0,
+        predicted_cached=0,
+        prefix=prefix,
+        prefix_ref=None,
+        own=own,
+    )
+    n = len(wire.compress(wire.pack(entry), settings.codec, settings.codec_level))
+    if n > limit:
+        raise ValidationError(
+            f"{where}: encodes to {n} bytes, over max_entry_bytes={limit} (a worker would refuse "
+            "it); shorten it or raise PREFIXQ_MAX_ENTRY_BYTES on producers and workers alike"
+        )

@@ -1,0 +1,169 @@
+"""Every Redis key prefixq uses, in one place.
+
+Per-shard keys carry the Cluster hash tag ``{s<k>}`` and per-burst keys ``{b<id>}``, so that the
+keys one Lua script touches always share a slot. A shard's request queues are its intake streams
+(one per priority) and its lanes (one per burst with more than its head there):
+prefixq.core.sharing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: the consumer group every worker of a shard joins
+GROUP = "workers"
+#: the one field of a stream entry; its value is a wire-encoded record
+FIELD = b"d"
+#: field of an entry that `prefixq reclaim` moved off a dead consumer: the deliveries it had
+#: before the move, which count towards ``max_attempts`` (store/dead_letters.py)
+CARRIED = b"n"
+#: field of an intake entry saying that its burst's lane on that shard has new entries (a lane's
+#: doorbell: the producer adds it after them; docs/architecture.md)
+LANE = b"l"
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key names under one namespace."""
+
+    ns: str
+
+    # deployment
+    @property
+    def config(self) -> str:
+        """Hash: shards and block_size, written by the first worker (or producer given shards)."""
+        return f"{self.ns}:config"
+
+    @property
+    def control(self) -> str:
+        """Stream of operator commands to every live worker (worker/control.py)."""
+        return f"{self.ns}:control"
+
+    @property
+    def control_acks(self) -> str:
+        """Hash: ``<command id>:<worker>`` -> the worker's JSON answer."""
+        return f"{self.ns}:control:acks"
+
+    # per shard
+    def stream(self, shard: int) -> str:
+        """The shard's intake stream of priority ``normal`` (consumer group `GROUP`): the heads of
+        bursts, lane doorbells, and requeued entries (`intake`)."""
+        return f"{self.ns}:{{s{shard}}}:requests"
+
+    def intake(self, shard: int, priority: str) -> str:
+        """The shard's intake stream of one priority (consumer group `GROUP`)."""
+        if priority == "normal":
+            return self.stream(shard)
+        return f"{self.ns}:{{s{shard}}}:requests:{priority}"
+
+    def lane(self, shard: int, burst: str) -> str:
+        """Stream of one burst's entries on one shard after its head (consumer group `GROUP`,
+        created by the producer with the stream)."""
+        return f"{self.ns}:{{s{shard}}}:lane:{burst}"
+
+    def lanes(self, shard: int) -> str:
+        """Hash: burst -> its lane's priority, tenant and sealed flag
+        (prefixq.core.sharing.LaneInfo)."""
+        return f"{self.ns}:{{s{shard}}}:lanes"
+
+    def dead(self, shard: int) -> str:
+        """Stream of dead letters: the original entry plus reason and delivery count."""
+        return f"{self.ns}:{{s{shard}}}:dead"
+
+    def workers(self, shard: int) -> str:
+        """Sorted set: worker name -> last heartbeat (epoch s)."""
+        return f"{self.ns}:{{s{shard}}}:workers"
+
+    def heartbeat(self, shard: int, worker: str) -> str:
+        """Hash with TTL: one live worker's state (pid, host, in flight, counters)."""
+        return f"{self.ns}:{{s{shard}}}:hb:{worker}"
+
+    # placement
+    @property
+    def load(self) -> str:
+        """Hash: shard -> estimated outstanding prefill tokens (producers add, workers subtract)."""
+        return f"{self.ns}:load"
+
+    @property
+    def prefix_map(self) -> str:
+        """Hash: prefix checkpoint hash (8 bytes) -> shard."""
+        return f"{self.ns}:{{pmap}}"
+
+    @property
+    def prefix_lru(self) -> str:
+        """Sorted set: prefix checkpoint hash -> last use, to bound `prefix_map` (same slot)."""
+        return f"{self.ns}:{{pmap}}:lru"
+
+    @property
+    def moves(self) -> str:
+        """Stream: one entry per prefix group the load guard moved."""
+        return f"{self.ns}:moves"
+
+    @property
+    def shard_stats(self) -> str:
+        """Hash: per-shard token counters (``<k>:prompt``, ``<k>:cached``, ``<k>:predicted``)."""
+        return f"{self.ns}:shardstats"
+
+    def prefix(self, digest: str) -> str:
+        """String with TTL: a shared prefix stored once, content-addressed."""
+        return f"{self.ns}:prefix:{digest}"
+
+    # bursts
+    @property
+    def bursts(self) -> str:
+        """Sorted set: burst id -> created (epoch s)."""
+        return f"{self.ns}:bursts"
+
+    def burst(self, burst: str) -> str:
+        """Hash: a burst's record and progress counters."""
+        return f"{self.ns}:{{b{burst}}}:meta"
+
+    def results(self, burst: str) -> str:
+        """Hash: input index -> wire-encoded result (written once per index)."""
+        return f"{self.ns}:{{b{burst}}}:results"
+
+    def ids(self, burst: str) -> str:
+        """List: the burst's request ids in input order (cancel and expiry fill their results)."""
+        return f"{self.ns}:{{b{burst}}}:ids"
+
+    @property
+    def deadlines(self) -> str:
+        """Sorted set: burst id -> deadline (epoch s), for bursts submitted with one."""
+        return f"{self.ns}:deadlines"
+
+    @property
+    def cancels(self) -> str:
+        """Stream: one entry ``{b: burst}`` per cancelled burst, read by every worker."""
+        return f"{self.ns}:cancels"
+
+    def events(self, burst: str) -> str:
+        """Stream: one entry per finished request, for waiters (capped)."""
+        return f"{self.ns}:{{b{burst}}}:events"
+
+    # OpenAI Batch API server (prefixq/openai/): one Cluster slot, hash tag {oai}, per namespace
+    @property
+    def oai_files(self) -> str:
+        """Sorted set: file id -> created (epoch ms), for listing files."""
+        return f"{self.ns}:{{oai}}:files"
+
+    def oai_file(self, file_id: str) -> str:
+        """Hash: one file's object (id, bytes, lines, created_at, filename, purpose)."""
+        return f"{self.ns}:{{oai}}:file:{file_id}"
+
+    @property
+    def oai_batches(self) -> str:
+        """Sorted set: batch id -> created (epoch ms), for listing batches."""
+        return f"{self.ns}:{{oai}}:batches"
+
+    def oai_batch(self, batch_id: str) -> str:
+        """Hash: one batch's record (status, timestamps, burst, file ids, errors, counts)."""
+        return f"{self.ns}:{{oai}}:batch:{batch_id}"
+
+    @property
+    def oai_open(self) -> str:
+        """Set: batches not yet in a final status, watched by every server's finalizer."""
+        return f"{self.ns}:{{oai}}:open"
+
+    def oai_lease(self, batch_id: str) -> str:
+        """String with TTL: the token of the server validating or finalizing the batch."""
+        return f"{self.ns}:{{oai}}:lease:{batch_id}"

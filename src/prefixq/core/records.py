@@ -1,0 +1,394 @@
+"""The records that travel: `Request` (input) and `Result` (output), validated and mapped to the
+short-keyed dicts that `wire` packs.
+
+A request line is either plain (``{"id", "prompt" | "messages" | "prompt_token_ids", "prefix"?,
+sampling fields...}``) or an OpenAI batch-file line (``{"custom_id", "method", "url", "body"}``),
+whose ``custom_id`` becomes the id and whose ``body`` holds the prompt or messages and sampling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixq.core import openai_lines as openai_body
+from prefixq.core.checks import check_nested, check_text
+from prefixq.core.choices import MIN_LOGPROB, Choice, TokenLogprob
+from prefixq.core.errors import (
+    EngineAborted,
+    EngineError,
+    EngineRefused,
+    ValidationError,
+    WireError,
+)
+from prefixq.core.sampling import (
+    DEFAULT_MAX_TOKENS,
+    SAMPLING_FIELDS,
+    check_sampling,
+    normalize_sampling,
+)
+
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "ERROR_CODES",
+    "MIN_LOGPROB",
+    "SAMPLING_FIELDS",
+    "Choice",
+    "Request",
+    "Result",
+    "Timings",
+    "TokenLogprob",
+    "error_code_of",
+]
+
+#: defaults of `Request.validate` (the settings' max_prompt_chars and max_messages)
+DEFAULT_MAX_CHARS = 4_000_000
+DEFAULT_MAX_MESSAGES = 1024
+_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+
+
+@dataclass(slots=True)
+class Request:
+    """One prompt to run. Exactly one of ``prompt``, ``messages``, ``prompt_token_ids`` is set.
+
+    ``prefix`` is shared leading text (a document) placed before ``prompt``; for chats the shared
+    leading messages play that role (everything but the last message). ``endpoint`` is the url
+    of the OpenAI batch line it came from (`body.ENDPOINTS`; None for a plain line) and ``model``
+    that line's ``body.model``: the output objects need them, the answer does not.
+    """
+
+    id: str
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    prompt_token_ids: list[int] | None = None
+    prefix: str | list[int] | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    endpoint: str | None = None
+    model: str | None = None
+
+    @classmethod
+    def from_json(
+        cls,
+        obj: Any,
+        *,
+        index: int = 0,
+        max_chars: int = DEFAULT_MAX_CHARS,
+        max_messages: int = DEFAULT_MAX_MESSAGES,
+    ) -> Request:
+        """Build from a plain or OpenAI batch line and validate it against the given limits
+        (the settings' ``max_prompt_chars`` / ``max_messages``); ValidationError names the line."""
+        where = f"line {index + 1}"
+        limits = {"max_chars": max_chars, "max_messages": max_messages}
+        if not isinstance(obj, Mapping):
+            raise ValidationError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        if openai_body.is_openai_line(obj):
+            rid, body, url, model = openai_body.parse_line(obj, where)
+            req = cls._from_body(rid, body, where)
+            req.endpoint, req.model = url, model
+        else:
+            body = dict(obj)
+            rid = body.pop("id", None)
+            req = cls._from_body(str(index) if rid is None else rid, body, where)
+        req.validate(where=where, **limits)
+        return req
+
+    @classmethod
+    def _from_body(cls, rid: Any, body: dict[str, Any], where: str) -> Request:
+        if not isinstance(rid, str | int) or isinstance(rid, bool):
+            raise ValidationError(f"{where}: id must be a string or integer")
+        req = cls(
+            id=str(rid),
+            prompt=body.pop("prompt", None),
+            messages=body.pop("messages", None),
+            prompt_token_ids=body.pop("prompt_token_ids", None),
+            prefix=body.pop("prefix", None),
+        )
+        sampling = body.pop("sampling", None) or {}
+        if not isinstance(sampling, dict):
+            raise ValidationError(f"{where}: 'sampling' must be an object")
+        top = {k: body.pop(k) for k in list(body) if k in SAMPLING_FIELDS}
+        both = sorted(k for k in top if k in sampling and sampling[k] != top[k])
+        if both:  # which one was meant? nothing that changes the answer is chosen silently
+            raise ValidationError(
+                f"{where}: {', '.join(both)} given both at the top level and in 'sampling', "
+                "with different values"
+            )
+        sampling = {**sampling, **top}
+        if body:
+            raise ValidationError(f"{where}: unknown fields: {', '.join(sorted(body))}")
+        req.sampling = normalize_sampling(sampling)
+        return req
+
+    def validate(
+        self,
+        *,
+        max_chars: int = DEFAULT_MAX_CHARS,
+        max_messages: int = DEFAULT_MAX_MESSAGES,
+        where: str = "",
+    ) -> None:
+        """Check shape, sizes and sampling values; raise ValidationError saying what is wrong."""
+        w = f"{where or 'request ' + repr(self.id)}: "
+        given = [
+            n for n in ("prompt", "messages", "prompt_token_ids") if getattr(self, n) is not None
+        ]
+        if len(given) != 1:
+            raise ValidationError(w + "needs exactly one of prompt, messages, prompt_token_ids")
+        if not isinstance(self.id, str):
+            raise ValidationError(w + "id must be a string")
+        if len(self.id) > 512:
+            raise ValidationError(w + "id longer than 512 characters")
+        for name in ("endpoint", "model"):
+            if not isinstance(getattr(self, name), str | None):
+                raise ValidationError(w + f"{name} must be a string")
+        if self.endpoint is not None and self.endpoint not in openai_body.ENDPOINTS:
+            raise ValidationError(w + f"unsupported endpoint {self.endpoint!r}")
+        if (self.endpoint == openai_body.CHAT) != (self.messages is not None) and self.endpoint:
+            raise ValidationError(w + f"{self.endpoint} does not go with this kind of prompt")
+        if self.prompt is not None and not isinstance(self.prompt, str):
+            raise ValidationError(w + "prompt must be a string")
+        if self.prefix is not None:
+            if isinstance(self.prefix, str) and self.prompt is None:
+                raise ValidationError(
+                    w + "a text prefix goes with prompt (chats: leading messages)"
+                )
+            if isinstance(self.prefix, list) and self.prompt_token_ids is None:
+                raise ValidationError(w + "a token-id prefix goes with prompt_token_ids")
+            if not isinstance(self.prefix, str | list):
+                raise ValidationError(w + "prefix must be a string or a list of token ids")
+            if isinstance(self.prefix, list) and not _token_ids(self.prefix):
+                raise ValidationError(w + "prefix token ids must be a non-empty list of ids")
+        if self.prompt_token_ids is not None and not _token_ids(self.prompt_token_ids):
+            raise ValidationError(w + "prompt_token_ids must be a non-empty list of token ids")
+        if self.messages is not None:
+            _check_messages(self.messages, max_messages, w)
+        if self.chars() > max_chars:
+            raise ValidationError(w + f"prompt is {self.chars()} characters, over {max_chars}")
+        if self.prompt == "" and not self.prefix:
+            raise ValidationError(w + "prompt is empty")
+        if not isinstance(self.sampling, dict):
+            raise ValidationError(w + "sampling must be a dict")
+        check_sampling(self.sampling, w)
+        self._check_texts(w)
+
+    def _check_texts(self, w: str) -> None:
+        """Every string is valid Unicode (core/checks.py); messages nest boundedly."""
+        check_text(self.id, "id", w)
+        if isinstance(self.prompt, str):
+            check_text(self.prompt, "prompt", w)
+        if isinstance(self.prefix, str):
+            check_text(self.prefix, "prefix", w)
+        for i, m in enumerate(self.messages or ()):
+            check_nested(m, f"message {i}", w)
+        for key, value in self.sampling.items():
+            check_nested(value, key, w)
+
+    def chars(self) -> int:
+        """Characters of text in the request (prefix, prompt and message contents)."""
+        n = len(self.prefix or ()) + len(self.prompt or "")
+        if self.messages:
+            n += sum(len(m.get("content") or "") for m in self.messages)
+        return n + len(self.prompt_token_ids or ())
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plain JSON form (what `from_json` reads back)."""
+        out: dict[str, Any] = {"id": self.id}
+        for name in ("prompt", "messages", "prompt_token_ids", "prefix"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        out.update(self.sampling)
+        return out
+
+
+def _token_ids(ids: Any) -> bool:
+    """A non-empty list of ints in [0, 2**31) (bools refused); C-speed passes, since prompts of
+    thousands of ids are checked by every producer and again by the worker."""
+    return (
+        isinstance(ids, list)
+        and bool(ids)
+        and set(map(type, ids)) == {int}
+        and min(ids) >= 0
+        and max(ids) < 1 << 31
+    )
+
+
+def _check_messages(messages: Any, max_messages: int, w: str) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValidationError(w + "messages must be a non-empty list")
+    if len(messages) > max_messages:
+        raise ValidationError(w + f"{len(messages)} messages, over {max_messages}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValidationError(w + f"message {i} needs a string 'role'")
+        if m["role"] not in _ROLES:
+            raise ValidationError(w + f"message {i} has unknown role {m['role']!r}")
+        if not isinstance(m.get("content"), str):
+            raise ValidationError(w + f"message {i} content must be a string")
+
+
+@dataclass(slots=True)
+class Timings:
+    """Epoch seconds of each stage of one request."""
+
+    enqueued: float = 0.0
+    admitted: float = 0.0
+    first_token: float = 0.0
+    finished: float = 0.0
+
+
+#: machine-readable classes of `Result.error` (`Result.error_code`): the request was cancelled
+#: with its burst; its burst's deadline passed before it was admitted; it was refused as invalid
+#: (by validation or by the engine: too long a prompt, a token id outside the vocabulary); the
+#: engine failed it; it was dead-lettered after ``max_attempts`` deliveries (or undecodable);
+#: something unexpected failed in prefixq itself
+ERROR_CODES = (
+    "cancelled",
+    "expired",
+    "invalid_request",
+    "engine_error",
+    "dead_lettered",
+    "internal_error",
+)
+
+
+def error_code_of(err: BaseException) -> str:
+    """The `ERROR_CODES` entry for an exception that failed one request."""
+    if isinstance(err, ValidationError | WireError | EngineRefused):
+        return "invalid_request"
+    if isinstance(err, EngineAborted):
+        return "cancelled"
+    if isinstance(err, EngineError):
+        return "engine_error"
+    return "internal_error"
+
+
+@dataclass(slots=True)
+class Result:
+    """The outcome of one request; ``error`` is None on success, else the reason, and
+    ``error_code`` one of `ERROR_CODES`.
+
+    ``choices`` is empty unless the request asked for ``n`` > 1 or for logprobs; then it holds
+    all ``n`` choices in order, and choice 0 is also in ``text``, ``token_ids`` and
+    ``finish_reason``. ``output_tokens`` counts the tokens of every choice. ``endpoint`` (the
+    OpenAI url the line named, None for a plain line) and ``model`` (its body's ``model``) are
+    what an OpenAI output object needs.
+    """
+
+    id: str
+    index: int
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    shard: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    predicted_cached_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    timings: Timings = field(default_factory=Timings)
+    worker: str = ""
+    error_code: str | None = None
+    choices: list[Choice] = field(default_factory=list)
+    endpoint: str | None = None
+    model: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        """Short-keyed dict for `wire.encode`."""
+        t = self.timings
+        d: dict[str, Any] = {
+            "id": self.id,
+            "i": self.index,
+            "x": self.text,
+            "f": self.finish_reason,
+            "e": self.error,
+            "k": self.shard,
+            "pt": self.prompt_tokens,
+            "ct": self.cached_tokens,
+            "ot": self.output_tokens,
+            "pc": self.predicted_cached_tokens,
+            "ti": self.token_ids,
+            "t": [t.enqueued, t.admitted, t.first_token, t.finished],
+            "w": self.worker,
+        }
+        if self.error_code is not None:
+            d["ec"] = self.error_code
+        if self.choices:
+            d["ch"] = [self._choice_wire(c) for c in self.choices]
+        if self.endpoint is not None:
+            d["u"] = self.endpoint
+        if self.model is not None:
+            d["md"] = self.model
+        return d
+
+    def _choice_wire(self, c: Choice) -> list[Any]:
+        """``[index, text, token ids, finish reason, logprobs]``; text and token ids are None
+        when they are the result's own (choice 0 is not stored twice)."""
+        same = c.text == self.text and c.token_ids == self.token_ids
+        return [
+            c.index,
+            None if same else c.text,
+            None if same else c.token_ids,
+            c.finish_reason,
+            None if c.logprobs is None else [t.to_wire() for t in c.logprobs],
+        ]
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Result:
+        """Inverse of `to_wire` (results written before a field existed decode with its
+        default)."""
+        t = d.get("t") or [0.0, 0.0, 0.0, 0.0]
+        res = cls(
+            id=d["id"],
+            index=d["i"],
+            text=d.get("x", ""),
+            finish_reason=d.get("f"),
+            error=d.get("e"),
+            shard=d.get("k", 0),
+            prompt_tokens=d.get("pt", 0),
+            cached_tokens=d.get("ct", 0),
+            output_tokens=d.get("ot", 0),
+            predicted_cached_tokens=d.get("pc", 0),
+            token_ids=list(d.get("ti") or ()),
+            timings=Timings(*t),
+            worker=d.get("w", ""),
+            error_code=d.get("ec"),
+            endpoint=d.get("u"),
+            model=d.get("md"),
+        )
+        for c in d.get("ch") or ():
+            res.choices.append(
+                Choice(
+                    index=c[0],
+                    text=res.text if c[1] is None else c[1],
+                    token_ids=list(res.token_ids if c[2] is None else c[2]),
+                    finish_reason=c[3],
+                    logprobs=None if c[4] is None else [TokenLogprob.from_wire(x) for x in c[4]],
+                )
+            )
+        return res
+
+    def to_json(self, *, token_ids: bool = False) -> dict[str, Any]:
+        """The documented output record (one JSONL line)."""
+        t = self.timings
+        out: dict[str, Any] = {
+            "id": self.id,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "error": self.error,
+            "error_code": self.error_code,
+            "shard": self.shard,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "output_tokens": self.output_tokens,
+            "timings": {
+                "enqueued": t.enqueued,
+                "admitted": t.admitted,
+                "first_token": t.first_token,
+                "finished": t.finished,
+            },
+        }
+        if self.choices:
+            out["choices"] = [c.to_json(token_ids=token_ids) for c in self.choices]
+        if token_ids:
+            out["token_ids"] = self.token_ids
+        return out

@@ -1,0 +1,292 @@
+"""One frozen `Settings` object, read once at the edge (env vars, then CLI flags) and passed down.
+
+Every field has a ``PREFIXQ_<FIELD>`` environment variable (``REDIS_URL`` for ``redis_url``) and a
+CLI flag of the same name. Nothing else in the package reads the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, get_type_hints
+
+from prefixq.core.errors import ConfigError, ValidationError
+from prefixq.core.keys import Keys
+from prefixq.core.sharing import check_priority, check_tenant, parse_caps, parse_weights
+
+log = logging.getLogger(__name__)
+
+CODECS = ("zlib", "zstd", "none")
+PLACEMENTS = ("affinity", "hash", "random", "round-robin")
+#: enqueue orders (prefixq.client.order)
+ORDERS = ("input", "leaders-first", "grouped")
+#: PREFIXQ_* variables that are not settings (the dev script's)
+_NOT_SETTINGS = frozenset({"PREFIXQ_VENV"})
+_WARNED: set[str] = set()
+#: codec levels allowed besides -1 (the codec's default for prefixq); codec none has none
+_CODEC_LEVELS = {"zlib": (0, 9), "zstd": (1, 22)}
+#: a namespace: every key starts with ``<namespace>:``, and ':' never occurs inside one, so the
+#: ACL pattern ``~<namespace>:*`` covers exactly one namespace (docs/delivery.md)
+_NAMESPACE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Configuration shared by producers, workers and tools; every field documented in README."""
+
+    # where and under which names
+    #: Redis URL; rediss:// for TLS, unix:///path for a socket, user:password@ for an ACL user,
+    #: ?ssl_ca_certs=... options
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    #: prefix of every key (1-64 of A-Z a-z 0-9 _ . -); each deployment sharing a Redis has its own
+    namespace: str = "prefixq"
+    #: accept a Redis whose maxmemory-policy evicts keys (it may drop queued work; warns at checks)
+    allow_eviction: bool = False
+    #: where the embedded model is prepared; empty = $XDG_CACHE_HOME/prefixq or ~/.cache/prefixq
+    cache_dir: str = ""
+    #: number of shards (one per GPU); 0 = read it from Redis, where the first deployment wrote it
+    shards: int = 0
+
+    # wire format and limits (docs/architecture.md, decision 3)
+    #: compression of entries and stored prefixes: zlib (level 1), zstd (level 3), none
+    codec: str = "zlib"
+    #: codec level; -1 = the codec's default for prefixq (zlib 1, zstd 3)
+    codec_level: int = -1
+    #: largest encoded entry accepted from the stream, bytes
+    max_entry_bytes: int = 4 << 20
+    #: largest decoded (decompressed msgpack) entry, bytes
+    max_decoded_bytes: int = 32 << 20
+    #: largest prompt (plus prefix and messages), characters
+    max_prompt_chars: int = 4_000_000
+    #: most messages in one chat request
+    max_messages: int = 1024
+    #: prefixes at least this long are stored once, content-addressed, and referenced by hash
+    prefix_store_min_chars: int = 512
+    #: seconds a stored prefix lives (refreshed on every submit that uses it)
+    prefix_ttl_s: int = 86_400
+    #: prefixes a worker keeps decoded in memory
+    prefix_cache_entries: int = 4096
+
+    # affinity and placement (docs/architecture.md, decision 4)
+    #: default placement: affinity, hash (first block), random, round-robin
+    placement: str = "affinity"
+    #: tokens per KV block; must equal the engine's block size
+    block_size: int = 16
+    #: characters per block when the producer has no tokenizer
+    block_chars: int = 64
+    #: one map entry every this many blocks (plus the last full block of each prefix)
+    checkpoint_every: int = 8
+    #: bound on the shared prefix map (entries); least recently used beyond it are evicted
+    map_max_entries: int = 100_000
+    #: a map match shorter than this share of the prompt (a common instruction) starts a new group
+    affinity_min_match: float = 0.5
+    #: move a prefix group when its shard's backlog exceeds the least loaded by this many tokens
+    guard_margin_tokens: int = 262_144
+    #: and by this factor (both must hold)
+    guard_factor: float = 2.0
+    #: order a burst is enqueued in: grouped (each shared prefix's requests together), input,
+    #: leaders-first (client/order.py)
+    enqueue_order: str = "grouped"
+    #: producer-side tokenizer (HF folder) for token block hashes; empty = character blocks
+    tokenizer: str = ""
+
+    # sharing the shards between bursts (prefixq.core.sharing, docs/architecture.md)
+    #: priority of the bursts this process submits: high, normal, low (workers admit higher first)
+    priority: str = "normal"
+    #: tenant of the bursts this process submits (1-64 of A-Z a-z 0-9 _ . -)
+    tenant: str = "default"
+    #: workers: each tenant's share of a shard within a priority, TENANT=WEIGHT,... (unlisted: 1)
+    tenant_weights: str = ""
+    #: workers: at most N requests of a tenant in one worker's engine, TENANT=N,... (unlisted: none)
+    tenant_caps: str = ""
+
+    # consumer (docs/architecture.md, decisions 5 and 6)
+    #: requests kept inside the engine; 0 = twice the engine's max_num_seqs
+    max_inflight: int = 0
+    #: entries read per XREADGROUP
+    read_count: int = 128
+    #: deliveries before an entry goes to the dead-letter stream
+    max_attempts: int = 3
+    #: an entry pending this long on another consumer is reclaimed
+    claim_idle_s: float = 60.0
+    #: seconds between worker heartbeats (health key, in-flight lease renewal)
+    heartbeat_s: float = 2.0
+    #: a worker whose heartbeat is older than this is dead to `check` and `inspect`
+    heartbeat_ttl_s: float = 15.0
+    #: SIGTERM: seconds to finish in-flight requests before exiting
+    grace_s: float = 60.0
+    #: seconds results and burst records live after the burst's last write
+    result_ttl_s: int = 7 * 86_400
+    #: results are written and acked in groups of up to this many
+    write_batch: int = 64
+    #: freeze the heap after warm-up, and what admitted requests hold (docs/engine.md)
+    gc_freeze: bool = True
+    #: workers serve Prometheus metrics on this port (docs/operations.md); 0 = off
+    metrics_port: int = 0
+
+    # OpenAI Batch API server (prefixq serve; docs/openai.md)
+    #: bearer API keys, comma-separated, each KEY or KEY=NAMESPACE; @PATH reads them from a file
+    #: (one a line); empty = no keys, and the server listens on loopback only
+    api_keys: str = field(default="", repr=False)  # secrets stay out of logs and tracebacks
+    #: where uploaded and output files are kept; empty = <cache_dir>/files
+    files_dir: str = ""
+    #: largest uploaded file, bytes
+    max_file_bytes: int = 200 << 20
+    #: most lines (requests) in an uploaded file
+    max_file_lines: int = 50_000
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        if self.codec not in CODECS:
+            raise ConfigError(f"codec must be one of {', '.join(CODECS)}, not {self.codec!r}")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(
+                f"placement must be one of {', '.join(PLACEMENTS)}, not {self.placement!r}"
+            )
+        if self.enqueue_order not in ORDERS:
+            raise ConfigError(
+                f"enqueue_order must be one of {', '.join(ORDERS)}, not {self.enqueue_order!r}"
+            )
+        if self.shards < 0:
+            raise ConfigError(f"shards must be >= 0, not {self.shards}")
+        try:  # the same checks producers and workers make (prefixq.core.sharing)
+            check_priority(self.priority)
+            check_tenant(self.tenant)
+            parse_weights(self.tenant_weights)
+            parse_caps(self.tenant_caps)
+        except ValidationError as e:
+            raise ConfigError(str(e)) from None
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be 0 (off) to 65535, not {self.metrics_port}")
+        if not _NAMESPACE.fullmatch(self.namespace):
+            raise ConfigError(
+                f"namespace {self.namespace!r} is not allowed: use 1 to 64 letters, digits, '_', "
+                "'.' or '-' (no ':', so that the ACL key pattern '<namespace>:*' of one "
+                "namespace matches no key of another)"
+            )
+        for name in (
+            "block_size",
+            "block_chars",
+            "checkpoint_every",
+            "read_count",
+            "max_attempts",
+            "write_batch",
+            "max_entry_bytes",
+            "max_decoded_bytes",
+            "max_prompt_chars",
+            "max_file_bytes",
+            "max_file_lines",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, not {getattr(self, name)}")
+        self._check_ranges()
+
+    def _check_types(self) -> None:
+        """Each field of its declared type (keyword values from Python or an RQ job's JSON are
+        not parsed like environment variables); an int is taken for a float."""
+        hints = get_type_hints(type(self))
+        for f in fields(self):
+            kind, value = hints[f.name], getattr(self, f.name)
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                object.__setattr__(self, f.name, float(value))
+                continue
+            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+                shown = "***" if f.name == "api_keys" else repr(value)
+                article = "an" if kind is int else "a"
+                raise ConfigError(f"{f.name} must be {article} {kind.__name__}, not {shown}")
+
+    def _check_ranges(self) -> None:
+        """Numbers a deployment can run with: what would fail later (mid-submit, in Redis) or
+        stall a worker silently is refused here."""
+        for name in ("max_messages", "prefix_ttl_s", "result_ttl_s", "map_max_entries"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, not {getattr(self, name)}")
+        for name in (
+            "max_inflight",
+            "prefix_store_min_chars",
+            "prefix_cache_entries",
+            "guard_margin_tokens",
+        ):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, not {getattr(self, name)}")
+        for name in ("claim_idle_s", "heartbeat_s", "heartbeat_ttl_s", "guard_factor"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ConfigError(f"{name} must be a positive number, not {v}")
+        if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
+            raise ConfigError(f"grace_s must be a number >= 0, not {self.grace_s}")
+        if not 0 <= self.affinity_min_match <= 1:
+            raise ConfigError(
+                f"affinity_min_match must be a share in [0, 1], not {self.affinity_min_match}"
+            )
+        levels = _CODEC_LEVELS.get(self.codec)  # codec none has no level
+        if levels and self.codec_level != -1 and not levels[0] <= self.codec_level <= levels[1]:
+            raise ConfigError(
+                f"codec_level for {self.codec} must be -1 (its default) or "
+                f"{levels[0]}..{levels[1]}, not {self.codec_level}"
+            )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Read ``REDIS_URL`` and ``PREFIXQ_*``; keyword overrides (CLI flags) win."""
+        env = os.environ if env is None else env
+        hints = get_type_hints(cls)
+        values: dict[str, Any] = {}
+        known: list[str] = []
+        for f in fields(cls):
+            var = "REDIS_URL" if f.name == "redis_url" else f"PREFIXQ_{f.name.upper()}"
+            known.append(var)
+            if var in env:
+                values[f.name] = _parse(var, env[var], hints[f.name])
+        for var in sorted(v for v in env if v.startswith("PREFIXQ_")):
+            if var not in known and var not in _NOT_SETTINGS and var not in _WARNED:
+                _WARNED.add(var)  # once per process: a typo would be ignored silently
+                names = {k.removeprefix("PREFIXQ_"): k for k in known}
+                near = [names[n] for n in difflib.get_close_matches(var[8:], names, n=1)]
+                log.warning(
+                    "%s is not a prefixq setting and is ignored%s",
+                    var,
+                    f" (did you mean {near[0]}?)" if near else "",
+                )
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        unknown = set(values) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ConfigError(f"unknown settings: {', '.join(sorted(unknown))}")
+        return cls(**values)
+
+    @property
+    def keys(self) -> Keys:
+        """The Redis key names of this namespace."""
+        return Keys(self.namespace)
+
+    def replace(self, **changes: Any) -> Settings:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def env_name(self, field: str) -> str:
+        """The environment variable that sets ``field``."""
+        return "REDIS_URL" if field == "redis_url" else f"PREFIXQ_{field.upper()}"
+
+
+def _parse(var: str, raw: str, kind: Any) -> Any:
+    try:
+        if kind is bool:
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if kind is int:
+            return int(raw)
+        if kind is float:
+            return float(raw)
+        return raw
+    except ValueError:
+        raise ConfigError(f"{var}={raw!r} is not a valid {kind.__name__}") from None

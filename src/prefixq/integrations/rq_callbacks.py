@@ -1,0 +1,164 @@
+"""A burst's ``on_complete`` callback: an RQ job enqueued once the burst has ended.
+
+``Producer.submit(..., on_complete="pkg.module:func", rq_queue="name")`` stores the callback in the
+burst record. Whoever ends the burst — the worker that records its last result (`RqCompletion`,
+a worker middleware), `prefixq reclaim`, a cancel or an expiry (prefixq.store.burst_end) — enqueues
+the RQ
+job ``pkg.module.func(burst_id)`` on that queue, exactly once: the claim (``HSETNX callback_job``)
+and RQ's enqueue commands run in one MULTI/EXEC, watched on the burst record, so any number of
+calls for one burst enqueue one job, and a call that fails midway enqueues nothing and claims
+nothing. Only RQ's public API is used, with its JSON serializer (never pickle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import re
+
+import redis
+import redis.asyncio as aredis
+from redis.exceptions import WatchError
+from rq import Queue
+from rq.serializers import JSONSerializer
+
+from prefixq.core.errors import ValidationError
+from prefixq.core.settings import Settings
+from prefixq.store.connection import TRANSIENT, describe, sync_client
+from prefixq.worker.middleware import Host, Middleware
+
+__all__ = [
+    "ENDED",
+    "RqCompletion",
+    "callback_job_id",
+    "callback_path",
+    "enqueue_on_complete",
+    "enqueue_on_complete_sync",
+]
+
+log = logging.getLogger(__name__)
+
+_IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
+_SPEC = re.compile(rf"({_IDENT}(?:\.{_IDENT})*):({_IDENT}(?:\.{_IDENT})*)")
+
+
+def callback_path(spec: str) -> str:
+    """``"pkg.module:func"`` -> ``"pkg.module.func"``, the dotted path RQ imports.
+
+    Raises ValidationError unless both sides are dotted Python identifiers.
+    """
+    m = _SPEC.fullmatch(spec.strip())
+    if m is None:
+        raise ValidationError(f"on_complete {spec!r} must look like 'package.module:function'")
+    return f"{m[1]}.{m[2]}"
+
+
+#: statuses of a burst that has ended: its callback may run (a cancel or a deadline ends a burst
+#: as surely as its last result does)
+ENDED = (b"finished", b"cancelled", b"expired")
+
+
+def callback_job_id(namespace: str, burst: str) -> str:
+    """The RQ job id of a burst's callback: fixed per (namespace, burst), in RQ's id alphabet."""
+    digest = hashlib.blake2b(f"{namespace}\0{burst}".encode(), digest_size=6).hexdigest()
+    return f"prefixq-done-{re.sub(r'[^A-Za-z0-9_-]', '_', burst)[:64]}-{digest}"
+
+
+def enqueue_on_complete_sync(client: redis.Redis, settings: Settings, burst: str) -> str | None:
+    """Enqueue the burst's ``on_complete`` RQ job unless it was already; returns the new job's id.
+
+    Returns None when the burst has no callback, has not ended (finished, cancelled or
+    expired), or its callback was already
+    enqueued (``callback_job`` is set). The claim and RQ's enqueue commands run in one MULTI/EXEC
+    under WATCH of the burst record, so concurrent calls enqueue one job between them.
+    """
+    meta = settings.keys.burst(burst)
+    with client.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(meta)
+                spec, queue_name, claimed, status = pipe.hmget(
+                    meta, "on_complete", "rq_queue", "callback_job", "status"
+                )
+                if spec is None:
+                    return None
+                if claimed is not None:
+                    log.debug("burst %s: callback already enqueued as %s", burst, claimed)
+                    return None
+                if status not in ENDED:
+                    log.info("burst %s is %s, not ended: no callback yet", burst, status)
+                    return None
+                try:
+                    func = callback_path(spec.decode(errors="replace"))
+                except ValidationError as e:  # a record written before submit checked it
+                    log.error("burst %s: its callback is not enqueued: %s", burst, e)
+                    return None
+                job_id = callback_job_id(settings.namespace, burst)
+                queue = Queue(
+                    (queue_name or b"default").decode(),
+                    connection=client,
+                    serializer=JSONSerializer,
+                )
+                # Given a pipeline still WATCHing, RQ (2.0 and later) starts its MULTI before it
+                # queues any command; RQ 2.0-2.2 refuse a pipeline already in MULTI.
+                queue.enqueue(
+                    func,
+                    burst,
+                    job_id=job_id,
+                    pipeline=pipe,
+                    meta={"prefixq_namespace": settings.namespace, "prefixq_burst": burst},
+                )
+                if not pipe.explicit_transaction:
+                    pipe.multi()
+                pipe.hsetnx(meta, "callback_job", job_id)
+                pipe.execute()
+            except WatchError:
+                continue  # the record changed between WATCH and EXEC: look again
+            log.info(
+                "burst %s: enqueued on_complete %s as RQ job %s on queue %s",
+                burst,
+                func,
+                job_id,
+                queue.name,
+            )
+            return job_id
+
+
+async def enqueue_on_complete(r: aredis.Redis, settings: Settings, burst: str) -> str | None:
+    """`enqueue_on_complete_sync` from an event loop; returns the new RQ job's id or None.
+
+    A burst without ``on_complete`` costs one HMGET on ``r``; otherwise RQ's blocking client runs
+    in a thread (``asyncio.to_thread``) on its own short-lived connection.
+    """
+    meta = settings.keys.burst(burst)
+    spec, claimed = await r.hmget(meta, "on_complete", "callback_job")
+    if spec is None or claimed is not None:
+        return None
+    return await asyncio.to_thread(_enqueue_with_own_client, settings, burst)
+
+
+def _enqueue_with_own_client(settings: Settings, burst: str) -> str | None:
+    client = sync_client(settings)
+    try:
+        return enqueue_on_complete_sync(client, settings, burst)
+    except TRANSIENT as e:
+        raise describe(settings, e) from e
+    finally:
+        client.close()
+
+
+class RqCompletion(Middleware):
+    """A worker middleware (worker/middleware.py): enqueues a burst's ``on_complete`` RQ job
+    when a result the worker recorded completes the burst (`enqueue_on_complete`, idempotent)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.r: aredis.Redis | None = None
+
+    async def before_start(self, worker: Host) -> None:
+        self.r = worker.r  # the worker's own client
+
+    async def after_burst_done(self, burst: str) -> None:
+        if self.r is not None:
+            await enqueue_on_complete(self.r, self.settings, burst)

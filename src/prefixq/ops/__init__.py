@@ -1,0 +1,2 @@
+"""Operations on a deployment: statistics, queue views, health checks, recovery (`reclaim`,
+`dead`)."""

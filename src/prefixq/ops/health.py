@@ -1,0 +1,105 @@
+"""`prefixq check`: does a live worker with its engine up serve each shard? (compose healthchecks)
+
+Every worker renews its heartbeat hash (`Keys.heartbeat`) each ``heartbeat_s`` with a TTL of
+``heartbeat_ttl_s`` and lists its name in the shard's workers set. A worker counts as healthy
+while its heartbeat exists (so it beat within the TTL), says ``engine_up`` 1 and is not stopping.
+The check first reads Redis's eviction policy (store/policy.py): an evicting Redis is a
+configuration error. Read-only: the check never writes to Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import redis
+from redis.exceptions import RedisError
+
+from prefixq.core.errors import ConfigError
+from prefixq.core.settings import Settings
+from prefixq.store.connection import describe, error_text, redact, refused, sync_client
+from prefixq.store.policy import check_policy_sync
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    """The verdict: ``ok``, one line saying why, and the healthy workers of each shard checked."""
+
+    ok: bool
+    reason: str
+    healthy: dict[int, list[str]] = field(default_factory=dict)
+
+
+def check(
+    settings: Settings, *, shard: int | None = None, client: redis.Redis | None = None
+) -> Health:
+    """Healthy if every shard checked (``shard``, else all of the deployment's) has at least one
+    healthy worker. Redis errors make it unhealthy; ConfigError (exit 2) when Redis refuses the
+    credentials or a command, or its maxmemory-policy evicts keys (unless allowed)."""
+    if shard is not None and shard < 0:
+        raise ConfigError(f"--shard must be >= 0, not {shard}")
+    r = client or sync_client(settings)
+    try:
+        check_policy_sync(r, settings)
+        return _check(r, settings, shard)
+    except (RedisError, OSError) as e:
+        if refused(e):  # no retry or restart fixes it: a configuration error
+            raise describe(settings, e) from e
+        return Health(False, f"redis at {redact(settings.redis_url)}: {error_text(e)}")
+    finally:
+        if client is None:
+            r.close()
+
+
+def _check(r: redis.Redis, settings: Settings, shard: int | None) -> Health:
+    keys = settings.keys
+    if shard is None:
+        stored = r.hget(keys.config, "shards")
+        n = int(stored) if stored is not None else settings.shards
+        if not n:
+            return Health(
+                False,
+                f"namespace {settings.namespace!r} has no shard count in Redis (no worker has "
+                "started there); pass --shard or --shards",
+            )
+        shards = list(range(n))
+    else:
+        stored = r.hget(keys.config, "shards")
+        if stored is not None and shard >= int(stored):  # no worker could ever serve it
+            raise ConfigError(
+                f"shard {shard} does not exist (namespace {settings.namespace!r} has shards "
+                f"0..{int(stored) - 1})"
+            )
+        shards = [shard]
+    healthy: dict[int, list[str]] = {}
+    problems: list[str] = []
+    for k in shards:
+        names = [x.decode() for x in r.zrange(keys.workers(k), 0, -1)]
+        pipe = r.pipeline(transaction=False)
+        for name in names:
+            pipe.hmget(keys.heartbeat(k, name), ["engine_up", "stopping"])
+        beats = pipe.execute() if names else []
+        healthy[k] = []
+        down: list[str] = []
+        expired = 0
+        for name, (engine_up, stopping) in zip(names, beats, strict=True):
+            if engine_up is None:
+                expired += 1
+            elif stopping == b"1":
+                down.append(f"{name} stopping")
+            elif engine_up != b"1":
+                down.append(f"{name} engine not up")
+            else:
+                healthy[k].append(name)
+        log.debug("shard %d: healthy %s, down %s, expired %d", k, healthy[k], down, expired)
+        if not healthy[k]:
+            why = ", ".join(down) if down else "no worker registered"
+            if expired:
+                why = (f"{why}; " if down else "") + f"{expired} heartbeat(s) expired"
+            problems.append(f"shard {k}: no healthy worker ({why})")
+    if problems:
+        return Health(False, "; ".join(problems), healthy)
+    listing = "; ".join(f"shard {k}: {', '.join(v)}" for k, v in healthy.items())
+    return Health(True, f"ok: {listing}", healthy)

@@ -1,0 +1,236 @@
+"""What waits in a shard's queues, by priority and tenant: `prefixq inspect` and the metrics
+exporter read the same code (sync and async drivers over one I/O-free `QueueRead`).
+
+A shard's queues are its intake streams (one per priority) and its lanes (one per burst: the
+lane index says its priority and tenant). Acked entries are deleted, so a stream holds exactly
+its waiting entries (not yet delivered: after its group's last-delivered id) and its pending ones
+(delivered, not acked: in flight). Lanes are counted whole; intake entries (heads, doorbells,
+requeued entries: few) are attributed to their tenant from their payload, at most `INTAKE_SCAN`
+per intake (the rest under tenant ``?``). Three round trips per shard whatever the number of
+bursts: the lane index, then XLEN + XINFO GROUPS per stream, then the oldest waiting entry of
+each stream that has one (and the intakes' entries).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+import redis.asyncio as aredis
+
+from prefixq.core import wire
+from prefixq.core.keys import FIELD, GROUP, Keys
+from prefixq.core.sharing import PRIORITIES, LaneInfo, band
+
+__all__ = ["INTAKE_SCAN", "Queue", "QueueRead", "ShardQueues", "aread", "entry_age", "read"]
+
+#: intake entries read per intake to attribute them to tenants
+INTAKE_SCAN = 1000
+
+
+def entry_age(entry_id: bytes | str | None, now: float) -> float:
+    """Seconds since a stream entry was added (its id's millisecond part); 0 for none."""
+    if not entry_id:
+        return 0.0
+    ms = int((entry_id.decode() if isinstance(entry_id, bytes) else entry_id).split("-")[0])
+    return round(max(0.0, now - ms / 1000), 3)
+
+
+def _id(raw: bytes | str) -> tuple[int, int]:
+    ms, _, seq = (raw.decode() if isinstance(raw, bytes) else raw).partition("-")
+    return int(ms or 0), int(seq or 0)
+
+
+@dataclass(slots=True)
+class Queue:
+    """Requests of one priority and tenant on one shard."""
+
+    priority: str
+    tenant: str
+    #: not yet delivered to any worker
+    waiting: int = 0
+    #: delivered, not acked: in a worker (stock, engine, or results being written)
+    pending: int = 0
+    #: age of the oldest waiting entry (its queue wait so far)
+    oldest_waiting_s: float = 0.0
+    #: bursts with a lane on the shard
+    bursts: int = 0
+    #: their ids (not in the JSON: `prefixq.ops.stats.sharing` counts each burst once over shards)
+    burst_ids: set[str] = field(default_factory=set)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "priority": self.priority,
+            "tenant": self.tenant,
+            "waiting": self.waiting,
+            "pending": self.pending,
+            "oldest_waiting_s": self.oldest_waiting_s,
+            "bursts": self.bursts,
+        }
+
+
+@dataclass(slots=True)
+class ShardQueues:
+    """Every stream of one shard, summed, and split by priority and tenant."""
+
+    waiting: int = 0
+    pending: int = 0
+    oldest_waiting_s: float = 0.0
+    #: age of the oldest entry of any stream (waiting or pending)
+    oldest_entry_age_s: float = 0.0
+    lanes: int = 0
+    #: (priority, tenant) -> its queue, highest priority first
+    by_tenant: dict[tuple[str, str], Queue] = field(default_factory=dict)
+
+    def queues(self) -> list[Queue]:
+        return sorted(self.by_tenant.values(), key=lambda q: (band(q.priority), q.tenant))
+
+
+class QueueRead:
+    """The commands and the arithmetic of reading one shard's queues (no I/O)."""
+
+    def __init__(self, keys: Keys, shard: int, now: float | None = None) -> None:
+        self.keys, self.shard = keys, shard
+        self.now = time.time() if now is None else now
+        self.intakes = {keys.intake(shard, p): p for p in PRIORITIES}
+        self.lanes: dict[str, LaneInfo] = {}
+        self.lane_burst: dict[str, str] = {}
+        self.streams: list[str] = []
+        self._groups: dict[str, tuple[int, int, bytes | None]] = {}
+
+    def index(self, pipe: Any) -> None:
+        pipe.hgetall(self.keys.lanes(self.shard))
+
+    def set_index(self, index: Mapping[bytes, bytes]) -> list[str]:
+        """The shard's streams, given its lane index: intakes, then lanes."""
+        for burst, raw in index.items():
+            info = LaneInfo.decode(raw)
+            if info is not None:
+                name = burst.decode(errors="replace")
+                key = self.keys.lane(self.shard, name)
+                self.lanes[key] = info
+                self.lane_burst[key] = name
+        self.streams = [*self.intakes, *sorted(self.lanes)]
+        return self.streams
+
+    def stats(self, index: Mapping[bytes, bytes], pipe: Any) -> None:
+        """Step 2, given the lane index: XLEN and XINFO GROUPS of every stream."""
+        for key in self.set_index(index):
+            pipe.xlen(key)
+            pipe.xinfo_groups(key)
+
+    def details(self, replies: list[Any], pipe: Any) -> None:
+        """Step 3, given step 2's replies: the oldest waiting entry of each stream with waiting
+        entries, the first entry of every stream, and the intakes' entries."""
+        for i, key in enumerate(self.streams):
+            length, groups = replies[2 * i], replies[2 * i + 1]
+            length = length if isinstance(length, int) else 0
+            group = None
+            if not isinstance(groups, Exception):
+                group = next((g for g in groups if _text(g.get("name")) == GROUP), None)
+            pending = int((group or {}).get("pending", 0) or 0)
+            last = (group or {}).get("last-delivered-id")
+            self._groups[key] = (length, pending, last)
+            start = "-" if last is None else "(" + _text(last)
+            pipe.xrange(key, min=start, count=1)
+            pipe.xrange(key, count=INTAKE_SCAN if key in self.intakes else 1)
+
+    def result(self, replies: list[Any]) -> ShardQueues:
+        out = ShardQueues(lanes=len(self.lanes))
+        for i, key in enumerate(self.streams):
+            first_waiting, head = replies[2 * i], replies[2 * i + 1]
+            length, pending, last = self._groups[key]
+            waiting = max(0, length - pending)
+            out.waiting += waiting
+            out.pending += pending
+            if not isinstance(head, Exception) and head:
+                out.oldest_entry_age_s = max(
+                    out.oldest_entry_age_s, entry_age(head[0][0], self.now)
+                )
+            oldest = 0.0
+            if waiting and not isinstance(first_waiting, Exception) and first_waiting:
+                oldest = entry_age(first_waiting[0][0], self.now)
+            out.oldest_waiting_s = max(out.oldest_waiting_s, oldest)
+            info = self.lanes.get(key)
+            if info is not None:
+                q = self._queue(out, info.priority, info.tenant)
+                q.waiting += waiting
+                q.pending += pending
+                q.bursts += 1
+                q.burst_ids.add(self.lane_burst[key])
+                q.oldest_waiting_s = max(q.oldest_waiting_s, oldest)
+            elif length:
+                rows = [] if isinstance(head, Exception) else head
+                self._intake(out, self.intakes[key], rows, length, pending, last)
+        return out
+
+    def _intake(
+        self,
+        out: ShardQueues,
+        priority: str,
+        rows: list[Any],
+        length: int,
+        pending: int,
+        last: bytes | None,
+    ) -> None:
+        delivered = _id(last) if last is not None else (-1, -1)
+        seen_w = seen_p = 0
+        for entry_id, fields in rows:
+            try:
+                tenant = wire.decode(fields[FIELD]).get("tn") or "default"
+            except Exception:  # anything in an intake: an undecodable entry is a dead letter soon
+                tenant = "?"
+            q = self._queue(out, priority, str(tenant)[:64])
+            if _id(entry_id) <= delivered:
+                q.pending += 1
+                seen_p += 1
+            else:
+                q.waiting += 1
+                seen_w += 1
+                q.oldest_waiting_s = max(q.oldest_waiting_s, entry_age(entry_id, self.now))
+        rest = self._queue(out, priority, "?") if length > len(rows) else None
+        if rest is not None:  # beyond the scan
+            rest.waiting += max(0, length - pending - seen_w)
+            rest.pending += max(0, pending - seen_p)
+
+    @staticmethod
+    def _queue(out: ShardQueues, priority: str, tenant: str) -> Queue:
+        q = out.by_tenant.get((priority, tenant))
+        if q is None:
+            q = out.by_tenant[(priority, tenant)] = Queue(priority, tenant)
+        return q
+
+
+def _text(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def read(r: redis.Redis, keys: Keys, shard: int) -> ShardQueues:
+    """A shard's queues over a blocking client (three round trips)."""
+    q = QueueRead(keys, shard)
+    pipe = r.pipeline(transaction=False)
+    q.index(pipe)
+    (index,) = pipe.execute()
+    pipe = r.pipeline(transaction=False)
+    q.stats(index, pipe)
+    stats = pipe.execute(raise_on_error=False)
+    pipe = r.pipeline(transaction=False)
+    q.details(stats, pipe)
+    return q.result(pipe.execute(raise_on_error=False))
+
+
+async def aread(r: aredis.Redis, keys: Keys, shard: int) -> ShardQueues:
+    """`read` inside an event loop."""
+    q = QueueRead(keys, shard)
+    pipe = r.pipeline(transaction=False)
+    q.index(pipe)
+    (index,) = await pipe.execute()
+    pipe = r.pipeline(transaction=False)
+    q.stats(index, pipe)
+    stats = await pipe.execute(raise_on_error=False)
+    pipe = r.pipeline(transaction=False)
+    q.details(stats, pipe)
+    return q.result(await pipe.execute(raise_on_error=False))

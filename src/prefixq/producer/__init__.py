@@ -1,5 +1,0 @@
-"""Producer side of prefixq."""
-
-from prefixq.producer.producer import Producer, new_burst_id
-
-__all__ = ["Producer", "new_burst_id"]

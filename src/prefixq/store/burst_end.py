@@ -1,0 +1,291 @@
+"""A burst's end before all its requests ran: `cancel` (an operator, the HTTP server, the CLI) and
+`expire_due` (its deadline passed; every worker calls it periodically).
+
+Both fail every request of the burst that has no result yet, with ``error_code`` ``cancelled`` or
+``expired``, through lua/finish_missing.lua: ``HSETNX`` per input index, exactly once, so a
+worker that records one of them afterwards gets "already recorded" and only acks its entry, and
+a result recorded before stays. The indexes are taken 1,000 at a time (one round trip to learn
+which have no result and read their request ids from `Keys.ids`, one script call to record them),
+so Redis is never blocked long. The burst record counts them as ``failed`` and per reason
+(``cancelled`` / ``expired``); its status is ``cancelling`` / ``expiring`` meanwhile and
+``cancelled`` / ``expired`` once nothing is missing. The call that completes the burst enqueues
+its ``on_complete`` RQ job (once per burst, as a worker does when its result completes one).
+
+Then (once every missing result is recorded, so that the counters and the final status are
+this module's) `cancel` posts ``{b: burst, c: created}`` to `Keys.cancels` (with ``r: expired``
+for an expiry), on which workers abort that burst's requests in their engine and skip its queued
+entries; whatever they record for them is "already recorded" and only acked. ``c`` ties the
+notice to this burst: a later burst of the same id (once this one's record expired) runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import redis
+import redis.asyncio as aredis
+
+from prefixq.core import wire
+from prefixq.core.errors import BurstNotFound, BurstRecordLost
+from prefixq.core.keys import Keys
+from prefixq.core.records import Result
+from prefixq.core.settings import Settings
+from prefixq.store.connection import TRANSIENT, describe, lua, sync_client
+
+__all__ = ["CHUNK", "CancelReport", "acancel", "cancel", "ended_result", "expire_due"]
+
+log = logging.getLogger(__name__)
+
+#: indexes per finish_missing call
+CHUNK = 1000
+#: cancel notices kept in `Keys.cancels` (workers read new ones only)
+_NOTICES_KEPT = 10_000
+_KEEP: dict[str, Any] = {"maxlen": _NOTICES_KEPT, "approximate": True}
+#: bursts `expire_due` takes per call
+_DUE_PER_CALL = 100
+_STILL_MISSING, _COMPLETED, _WAS_COMPLETE, _NO_RECORD = 1, 2, 3, -2
+_WHY = {
+    "cancelled": "cancelled: the burst was cancelled before this request finished",
+    "expired": "expired: the burst's deadline passed before this request finished",
+}
+#: the worker name failed results carry
+_WRITER = {"cancelled": "prefixq-cancel", "expired": "prefixq-expire"}
+
+
+@dataclass(slots=True)
+class CancelReport:
+    """What `cancel` found and did. ``already_finished``: the burst had no request left to
+    cancel (nothing was changed); ``cancelled``: requests this call failed as cancelled;
+    ``ended``: this call recorded the burst's last result (and enqueued its ``on_complete``)."""
+
+    burst: str
+    status: str
+    total: int
+    done: int
+    failed: int
+    cancelled: int
+    already_finished: bool
+    ended: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def ended_result(reason: str, request_id: str, index: int, worker: str, now: float) -> Result:
+    """The failed result of a request that its burst's end (``reason``: ``cancelled`` or
+    ``expired``) stopped before it finished; workers build the same for queued entries of such a
+    burst."""
+    res = Result(id=request_id, index=index, error=_WHY[reason], error_code=reason, worker=worker)
+    res.timings.finished = now
+    return res
+
+
+class _Finisher:
+    """The I/O-free part of finishing a burst's missing results, shared by the sync and async
+    drivers below: which commands to send for a chunk, and what to make of the replies."""
+
+    def __init__(self, keys: Keys, settings: Settings, burst: str, reason: str) -> None:
+        self.keys, self.settings, self.burst, self.reason = keys, settings, burst, reason
+        self.now = time.time()
+        self.recorded = 0
+        self.completed = False
+        self.state = _STILL_MISSING
+
+    @property
+    def script_keys(self) -> list[str]:
+        k, b = self.keys, self.burst
+        return [k.results(b), k.burst(b), k.events(b), k.ids(b)]
+
+    def chunks(self, total: int) -> Iterator[range]:
+        for start in range(0, total, CHUNK):
+            if self.state in (_WAS_COMPLETE, _NO_RECORD) or self.completed:
+                return
+            yield range(start, min(total, start + CHUNK))
+
+    def args(self, chunk: range, exists: list[Any], ids: list[bytes]) -> list[Any] | None:
+        """The script's ARGV for the indexes of ``chunk`` without a result (None: none)."""
+        missing = [i for i, there in zip(chunk, exists, strict=True) if not there]
+        if not missing:
+            return None
+        out: list[Any] = [self.reason, self.settings.result_ttl_s, repr(self.now)]
+        for i in missing:
+            at = i - chunk.start
+            rid = ids[at].decode("utf-8", "replace") if at < len(ids) else str(i)
+            res = ended_result(self.reason, rid, i, _WRITER[self.reason], self.now)
+            out += [i, wire.encode(res.to_wire(), self.settings.codec)]
+        return out
+
+    def absorb(self, reply: Any) -> None:
+        recorded, state = int(reply[0]), int(reply[1])
+        self.recorded += recorded
+        self.state = state
+        self.completed = self.completed or state == _COMPLETED
+
+
+def _no_index(f: _Finisher) -> list[Any]:
+    """ARGV for a call with no index: it marks the burst ``cancelling``/``expiring`` (first
+    call), or completes it if every result is in by now (last call)."""
+    return [f.reason, f.settings.result_ttl_s, repr(f.now)]
+
+
+# ---- sync -------------------------------------------------------------------------------------
+def cancel(burst: str, settings: Settings, *, client: redis.Redis | None = None) -> CancelReport:
+    """Cancel ``burst``: queued requests are not run, requests in an engine are aborted, every
+    request without a result gets one with ``error_code`` ``cancelled``; finished results stay.
+    Idempotent; a burst with nothing left to cancel is reported as such and left unchanged.
+    BurstNotFound for an unknown (or expired) burst."""
+    r = client or sync_client(settings)
+    try:
+        return _cancel(r, settings, burst)
+    except TRANSIENT as e:
+        raise describe(settings, e) from e
+    finally:
+        if client is None:
+            r.close()
+
+
+def _cancel(r: redis.Redis, settings: Settings, burst: str) -> CancelReport:
+    keys = settings.keys
+    before = _counts(r.hmget(keys.burst(burst), "total", "done", "failed", "status"), burst)
+    if before is None:
+        raise BurstNotFound(f"no burst {burst!r} in namespace {settings.namespace!r}")
+    total, done, failed, status = before
+    if done + failed >= total:
+        return CancelReport(burst, status, total, done, failed, 0, True)
+    f = _Finisher(keys, settings, burst, "cancelled")
+    _finish_sync(r, f, total)
+    r.xadd(keys.cancels, _notice(burst, r.hget(keys.burst(burst), "created")), **_KEEP)
+    r.zrem(keys.deadlines, burst)
+    if f.completed:
+        from prefixq.integrations.rq_callbacks import enqueue_on_complete_sync
+
+        enqueue_on_complete_sync(r, settings, burst)
+    after = _counts(r.hmget(keys.burst(burst), "total", "done", "failed", "status"), burst)
+    total, done, failed, status = after or before
+    log.info("burst %s cancelled: %d requests failed as cancelled", burst, f.recorded)
+    return CancelReport(burst, status, total, done, failed, f.recorded, False, f.completed)
+
+
+def _finish_sync(r: redis.Redis, f: _Finisher, total: int) -> None:
+    script = r.register_script(lua("finish_missing"))
+    f.absorb(script(keys=f.script_keys, args=_no_index(f)))
+    for chunk in f.chunks(total):
+        pipe = r.pipeline(transaction=False)
+        for i in chunk:
+            pipe.hexists(f.keys.results(f.burst), str(i))
+        pipe.lrange(f.keys.ids(f.burst), chunk.start, chunk.stop - 1)
+        *exists, ids = pipe.execute()
+        args = f.args(chunk, exists, ids)
+        if args is not None:
+            f.absorb(script(keys=f.script_keys, args=args))
+    if not f.completed and f.state == _STILL_MISSING:
+        f.absorb(script(keys=f.script_keys, args=_no_index(f)))
+
+
+# ---- async ------------------------------------------------------------------------------------
+async def acancel(burst: str, settings: Settings, r: aredis.Redis) -> CancelReport:
+    """`cancel` inside an event loop, on the caller's client."""
+    keys = settings.keys
+    before = _counts(await r.hmget(keys.burst(burst), "total", "done", "failed", "status"), burst)
+    if before is None:
+        raise BurstNotFound(f"no burst {burst!r} in namespace {settings.namespace!r}")
+    total, done, failed, status = before
+    if done + failed >= total:
+        return CancelReport(burst, status, total, done, failed, 0, True)
+    f = _Finisher(keys, settings, burst, "cancelled")
+    await _finish_async(r, f, total)
+    notice = _notice(burst, await r.hget(keys.burst(burst), "created"))
+    await r.xadd(keys.cancels, notice, **_KEEP)
+    await r.zrem(keys.deadlines, burst)
+    if f.completed:
+        from prefixq.integrations.rq_callbacks import enqueue_on_complete
+
+        await enqueue_on_complete(r, settings, burst)
+    after = _counts(await r.hmget(keys.burst(burst), "total", "done", "failed", "status"), burst)
+    total, done, failed, status = after or before
+    log.info("burst %s cancelled: %d requests failed as cancelled", burst, f.recorded)
+    return CancelReport(burst, status, total, done, failed, f.recorded, False, f.completed)
+
+
+async def expire_due(r: aredis.Redis, settings: Settings, now: float | None = None) -> list[str]:
+    """Expire every burst whose deadline is at or before ``now``: its requests without a result
+    get one with ``error_code`` ``expired``, its status becomes ``expired`` (finished results
+    stay), and it leaves `Keys.deadlines`. Safe to run from several workers at once (each index
+    is recorded once); returns the bursts this call expired. Bursts that had finished anyway,
+    or whose record is gone or corrupt, and members that are no burst id, only leave the index."""
+    keys = settings.keys
+    now = time.time() if now is None else now
+    due = await r.zrangebyscore(keys.deadlines, "-inf", now, start=0, num=_DUE_PER_CALL)
+    expired: list[str] = []
+    for raw in due:
+        try:  # anything with write access may have written the index: skip what is not a burst
+            burst = raw.decode() if isinstance(raw, bytes) else str(raw)
+            before = _counts(
+                await r.hmget(keys.burst(burst), "total", "done", "failed", "status"), burst
+            )
+        except (UnicodeDecodeError, BurstRecordLost) as e:
+            log.warning("deadline index entry %r dropped: %s", raw, e)
+            await r.zrem(keys.deadlines, raw)
+            continue
+        if before is not None and before[1] + before[2] < before[0]:
+            f = _Finisher(keys, settings, burst, "expired")
+            await _finish_async(r, f, before[0])
+            notice = _notice(burst, await r.hget(keys.burst(burst), "created"), "expired")
+            await r.xadd(keys.cancels, notice, **_KEEP)
+            if f.completed:
+                from prefixq.integrations.rq_callbacks import enqueue_on_complete
+
+                await enqueue_on_complete(r, settings, burst)
+            if f.recorded:
+                expired.append(burst)
+                log.info("burst %s expired: %d requests failed as expired", burst, f.recorded)
+        await r.zrem(keys.deadlines, burst)
+    return expired
+
+
+async def _finish_async(r: aredis.Redis, f: _Finisher, total: int) -> None:
+    script = r.register_script(lua("finish_missing"))
+    f.absorb(await script(keys=f.script_keys, args=_no_index(f)))
+    for chunk in f.chunks(total):
+        pipe = r.pipeline(transaction=False)
+        for i in chunk:
+            pipe.hexists(f.keys.results(f.burst), str(i))
+        pipe.lrange(f.keys.ids(f.burst), chunk.start, chunk.stop - 1)
+        *exists, ids = await pipe.execute()
+        args = f.args(chunk, exists, ids)
+        if args is not None:
+            f.absorb(await script(keys=f.script_keys, args=args))
+    if not f.completed and f.state == _STILL_MISSING:
+        f.absorb(await script(keys=f.script_keys, args=_no_index(f)))
+
+
+def _notice(burst: str, created: bytes | None, reason: str = "") -> dict[Any, Any]:
+    """A burst-end notice: the burst, why (absent: cancelled) and when the ended burst was
+    created (``c``), so that workers do not apply it to a later burst of the same id."""
+    notice: dict[Any, Any] = {"b": burst}
+    if reason:
+        notice["r"] = reason
+    if created is not None:
+        notice["c"] = created
+    return notice
+
+
+def _counts(raw: list[Any], burst: str = "") -> tuple[int, int, int, str] | None:
+    """(total, done, failed, status) of a burst record, None if there is none (or no total);
+    BurstRecordLost if its counters are not counts (a corrupt record)."""
+    total, done, failed, status = raw
+    if total is None:
+        return None
+    text = status.decode(errors="replace") if isinstance(status, bytes) else (status or "queued")
+    try:
+        counts = int(total), int(done or 0), int(failed or 0)
+    except ValueError:
+        raise BurstRecordLost(
+            f"burst {burst!r}: its record is corrupt (total {total!r}, done {done!r}, failed "
+            f"{failed!r} are not counts); nothing was changed"
+        ) from None
+    return (*counts, text)

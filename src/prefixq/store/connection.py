@@ -1,0 +1,325 @@
+"""Redis clients built from `Settings`: asyncio for the data plane, sync for tools and waiters.
+
+Both retry transient connection errors with exponential backoff; refused credentials or
+permissions and an untrusted server certificate are not retried (`refused`): retrying cannot fix
+them. TLS (``rediss://``) and ACL credentials come from the URL
+(``rediss://user:password@host:port/db?ssl_ca_certs=/path/ca.crt``); redis-py reads the ``ssl_*``
+options from the query string, and an unknown option or a missing certificate file is a
+`ConfigError` at once.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import contextlib
+import importlib.resources
+import logging
+import os
+import re
+from functools import cache
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import redis
+import redis.asyncio as aredis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialBackoff
+from redis.connection import URL_QUERY_ARGUMENT_PARSERS
+from redis.exceptions import (
+    AuthenticationError,
+    BusyLoadingError,
+    NoPermissionError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from prefixq.core.errors import ConfigError, RedisOutOfMemory, RedisUnavailable
+from prefixq.core.settings import Settings
+
+#: errors that mean "try again later", never "this request is bad" (but see `refused`: redis-py's
+#: AuthenticationError is a ConnectionError too)
+TRANSIENT = (RedisConnectionError, RedisTimeoutError, OSError)
+
+log = logging.getLogger(__name__)
+
+
+def raise_if_cancelled() -> None:
+    """Raise CancelledError if the current task was asked to stop. redis-py's asyncio client can
+    swallow a cancel that arrives while it opens a connection (the command then returns as if
+    nothing happened), so a loop that runs until cancelled calls this after its Redis calls."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+class Backoff:
+    """The waits between retries of one Redis operation in a worker loop: ``first`` seconds,
+    doubling up to ``cap``; `reset()` after a success."""
+
+    def __init__(self, first: float = 0.1, cap: float = 5.0) -> None:
+        self.first, self.cap, self.delay = first, cap, first
+
+    async def wait(self, what: str, err: BaseException, level: int = logging.WARNING) -> None:
+        """Log that ``what`` failed with ``err``, sleep the current delay, double it."""
+        log.log(level, "%s failed (%s); retrying in %.2fs", what, error_text(err), self.delay)
+        await asyncio.sleep(self.delay)
+        self.delay = min(self.delay * 2, self.cap)
+
+    def reset(self) -> None:
+        self.delay = self.first
+
+
+#: query options a REDIS_URL may carry besides redis-py's typed ones (all ``ssl_*`` need rediss://)
+_SSL_OPTIONS = frozenset(
+    {
+        "ssl_ca_certs",
+        "ssl_ca_path",
+        "ssl_ca_data",
+        "ssl_cert_reqs",
+        "ssl_certfile",
+        "ssl_keyfile",
+        "ssl_password",
+        "ssl_ciphers",
+        "ssl_check_hostname",
+        "ssl_min_version",
+        "ssl_include_verify_flags",
+        "ssl_exclude_verify_flags",
+    }
+)
+_FILE_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+
+
+def refused(err: BaseException) -> bool:
+    """True for errors that retrying cannot fix: wrong or missing credentials, an ACL that denies
+    a command or key, a server certificate that does not verify."""
+    if isinstance(err, AuthenticationError | NoPermissionError):
+        return True
+    if isinstance(err, ResponseError) and str(err).startswith(("NOPERM", "WRONGPASS", "NOAUTH")):
+        return True
+    return isinstance(err, RedisConnectionError) and "CERTIFICATE_VERIFY_FAILED" in str(err)
+
+
+def _not_refused(is_retryable: Any) -> Any:
+    def check(err: Exception) -> bool:
+        return not refused(err) and (is_retryable is None or bool(is_retryable(err)))
+
+    return check
+
+
+class _Retry(Retry):  # type: ignore[misc]
+    """redis-py's blocking Retry, failing at once on `refused` errors."""
+
+    def call_with_retry(self, do: Any, fail: Any, is_retryable: Any = None, **kw: Any) -> Any:
+        return super().call_with_retry(do, fail, _not_refused(is_retryable), **kw)
+
+
+class _AsyncRetry(AsyncRetry):  # type: ignore[misc]
+    """redis-py's asyncio Retry, failing at once on `refused` errors."""
+
+    async def call_with_retry(self, do: Any, fail: Any, is_retryable: Any = None, **kw: Any) -> Any:
+        return await super().call_with_retry(do, fail, _not_refused(is_retryable), **kw)
+
+
+def check_url(url: str) -> None:
+    """ConfigError for a REDIS_URL option redis-py would reject late (at the first command) or
+    a certificate file that does not exist."""
+    parts = urlsplit(url)
+    db = parts.path.strip("/")
+    if parts.scheme in ("redis", "rediss") and db and not db.isdigit():
+        # redis-py ignores a database it cannot read as a number: db 0, someone else's data
+        raise ConfigError(f"REDIS_URL database {db!r} is not a number (redis://host:port/0)")
+    known = set(URL_QUERY_ARGUMENT_PARSERS) | _SSL_OPTIONS | {"client_name"}
+    for name, values in parse_qs(parts.query).items():
+        if name not in known:
+            raise ConfigError(
+                f"REDIS_URL option {name!r} is unknown (known: {', '.join(sorted(known))})"
+            )
+        if name.startswith("ssl_") and parts.scheme != "rediss":
+            raise ConfigError(f"REDIS_URL option {name!r} needs a rediss:// (TLS) URL")
+        if name in _FILE_OPTIONS and not os.path.isfile(values[-1]):
+            raise ConfigError(f"REDIS_URL option {name}={values[-1]!r}: no such file")
+
+
+def _options(settings: Settings) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "socket_connect_timeout": 5.0,
+        "health_check_interval": 30,
+        "retry_on_error": [RedisConnectionError, RedisTimeoutError],
+        "client_name": f"prefixq-{settings.namespace}",
+    }
+    if urlsplit(settings.redis_url).scheme != "unix":  # TCP only: a unix socket has no keepalive
+        options["socket_keepalive"] = True
+    return options
+
+
+def async_client(settings: Settings) -> aredis.Redis:
+    """An asyncio client (hiredis parser when installed) with retries."""
+    check_url(settings.redis_url)
+    try:
+        return aredis.Redis.from_url(
+            settings.redis_url,
+            retry=_AsyncRetry(ExponentialBackoff(cap=2.0, base=0.05), 8),
+            **_options(settings),
+        )
+    except ValueError as e:
+        raise ConfigError(f"bad REDIS_URL {settings.redis_url!r}: {e}") from None
+
+
+def sync_client(settings: Settings) -> redis.Redis:
+    """A blocking client with retries, for the CLI, waiters and RQ jobs."""
+    check_url(settings.redis_url)
+    try:
+        return redis.Redis.from_url(
+            settings.redis_url,
+            retry=_Retry(ExponentialBackoff(cap=2.0, base=0.05), 8),
+            **_options(settings),
+        )
+    except ValueError as e:
+        raise ConfigError(f"bad REDIS_URL {settings.redis_url!r}: {e}") from None
+
+
+def describe(
+    settings: Settings, err: BaseException, client: redis.Redis | None = None
+) -> PrefixqErrorLike:
+    """Turn a redis-py error into our error with a hint, hiding the password and any command
+    arguments. For an OOM refusal, ``client`` (when given) adds Redis's memory figures."""
+    return _describe(settings, err, memory_figures(client) if client and is_oom(err) else None)
+
+
+async def describe_async(
+    settings: Settings, err: BaseException, client: aredis.Redis | None = None
+) -> PrefixqErrorLike:
+    """`describe` with an asyncio client for the memory figures."""
+    figures = await memory_figures_async(client) if client and is_oom(err) else None
+    return _describe(settings, err, figures)
+
+
+def _describe(settings: Settings, err: BaseException, figures: str | None) -> PrefixqErrorLike:
+    url = redact(settings.redis_url)
+    text = error_text(err)
+    if isinstance(err, RedisConnectionError) and "CERTIFICATE_VERIFY_FAILED" in str(err):
+        return ConfigError(
+            f"the TLS certificate of Redis at {url} does not verify: {text} (give the CA that "
+            "signed it as ?ssl_ca_certs=/path/ca.crt in REDIS_URL)"
+        )
+    if "DB index is out of range" in text:
+        return ConfigError(
+            f"REDIS_URL {url}: Redis has no such database ({text}; see its `databases` setting)"
+        )
+    if refused(err):
+        return ConfigError(
+            f"Redis at {url} refused the credentials or command: {text} (check the user and "
+            f"password in REDIS_URL, and that the user's ACL allows the keys "
+            f"{settings.namespace}:* and the commands docs/delivery.md lists)"
+        )
+    if is_oom(err):
+        state = f" ({figures})" if figures else ""
+        return RedisOutOfMemory(
+            f"Redis at {url} is out of memory{state}: {text} (raise maxmemory, or let the "
+            "workers drain the queues and try again; under the noeviction policy prefixq needs, "
+            "Redis refuses writes instead of dropping data)"
+        )
+    if isinstance(err, TRANSIENT):
+        return RedisUnavailable(f"cannot reach Redis at {url}: {text} (is redis-server running?)")
+    return RedisUnavailable(f"Redis at {url} answered with an error: {text}")
+
+
+PrefixqErrorLike = ConfigError | RedisUnavailable
+
+
+def is_oom(err: BaseException) -> bool:
+    """True when Redis refused a command because used memory reached ``maxmemory``."""
+    return isinstance(err, OutOfMemoryError) or (
+        isinstance(err, ResponseError) and str(err).startswith("OOM")
+    )
+
+
+def _figures(info: dict[str, Any]) -> str:
+    return (
+        f"used {info.get('used_memory_human', '?')} of maxmemory "
+        f"{info.get('maxmemory_human', '?')}, policy {info.get('maxmemory_policy', '?')}"
+    )
+
+
+def memory_figures(client: redis.Redis) -> str | None:
+    """ "used X of maxmemory Y, policy P" from ``INFO memory``; None if that fails too."""
+    try:
+        return _figures(client.info("memory"))
+    except (RedisError, OSError):
+        return None
+
+
+async def memory_figures_async(client: aredis.Redis) -> str | None:
+    """`memory_figures` with an asyncio client."""
+    try:
+        return _figures(await client.info("memory"))
+    except (RedisError, OSError):
+        return None
+
+
+#: redis-py's pipeline errors: "Command # N (COMMAND ARGS...) of pipeline caused error: MESSAGE",
+#: with the arguments (binary, compressed payloads) in the middle
+_PIPELINE_MARK = " of pipeline caused error: "
+_PIPELINE_HEAD = re.compile(r"Command # (\d+) \((\S*)")
+#: the reply codes redis-py drops from the message when it maps a reply to an exception class
+_CODES: tuple[tuple[type[BaseException], str], ...] = (
+    (OutOfMemoryError, "OOM"),
+    (NoPermissionError, "NOPERM"),
+    (NoScriptError, "NOSCRIPT"),
+    (ReadOnlyError, "READONLY"),
+    (BusyLoadingError, "LOADING"),
+)
+#: longest `error_text`
+_MAX_TEXT = 300
+
+
+def error_text(err: BaseException) -> str:
+    """One printable line for a log message or an error: a redis-py error without the command
+    arguments that pipeline errors embed (binary, compressed payloads), with the reply code
+    (OOM, NOPERM, ...) that redis-py drops, at most 300 characters."""
+    text, where = str(err), ""
+    if _PIPELINE_MARK in text:
+        head, _, text = text.rpartition(_PIPELINE_MARK)
+        m = _PIPELINE_HEAD.match(head)
+        if m:
+            where = f" (pipeline command {m.group(1)}, {m.group(2)[:32]})"
+        if text.startswith("(") and text.endswith(")"):  # the asyncio client's args tuple
+            with contextlib.suppress(ValueError, SyntaxError, MemoryError, RecursionError):
+                args = ast.literal_eval(text)
+                if isinstance(args, tuple) and args and isinstance(args[0], str):
+                    text = args[0]
+    for kind, code in _CODES:
+        if isinstance(err, kind) and not text.startswith(code):
+            text = f"{code} {text}"
+            break
+    text = " ".join(text.split())
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text) + where
+    return text if len(text) <= _MAX_TEXT else text[: _MAX_TEXT - 3] + "..."
+
+
+#: query options of a REDIS_URL whose value is a secret (the TLS key file's password)
+_SECRET_OPTION = re.compile(r"([?&](?:ssl_)?password=)[^&#]*", re.IGNORECASE)
+
+
+def redact(url: str) -> str:
+    """The URL with any password (its own, or ``ssl_password=``) replaced by ***."""
+    url = _SECRET_OPTION.sub(r"\1***", url)
+    if "@" not in url:
+        return url
+    scheme, _, rest = url.partition("://")
+    cred, _, host = rest.rpartition("@")
+    user = cred.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}" if ":" in cred else f"{scheme}://{user}@{host}"
+
+
+@cache
+def lua(name: str) -> str:
+    """The text of a Lua script shipped in prefixq/store/lua/."""
+    return (importlib.resources.files("prefixq") / "store" / "lua" / f"{name}.lua").read_text()

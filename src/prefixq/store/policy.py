@@ -1,0 +1,110 @@
+"""Redis's eviction policy: prefixq needs ``maxmemory-policy noeviction``.
+
+Under an evicting policy (``allkeys-lru``, ``volatile-ttl``, ...) Redis deletes keys without a
+word when it reaches ``maxmemory``: queued entries, burst records, results, heartbeats. Under
+``noeviction`` it refuses writes instead (OOM), which prefixq reports and retries. So a Redis that
+evicts is refused with a `ConfigError`, unless the ``allow_eviction`` setting accepts the risk, in
+which case every check logs a warning.
+
+The policy is read with ``CONFIG GET maxmemory-policy``; when an ACL (or a managed service)
+refuses CONFIG, from ``INFO memory``; when both are refused, a warning says it could not be
+checked and the caller goes on. Workers check at start, `prefixq check` at every run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import redis
+import redis.asyncio as aredis
+from redis.exceptions import ResponseError
+
+from prefixq.core.errors import ConfigError
+from prefixq.core.settings import Settings
+from prefixq.store.connection import error_text, redact
+
+__all__ = ["REQUIRED", "check_policy", "check_policy_sync", "verdict"]
+
+log = logging.getLogger(__name__)
+
+#: the one policy under which Redis never drops a key on its own
+REQUIRED = "noeviction"
+
+
+def verdict(policy: str | None, settings: Settings) -> str | None:
+    """What to say about ``policy`` (None: it could not be read): None when it is `REQUIRED`, a
+    warning to log when it cannot be checked or eviction is allowed; ConfigError otherwise."""
+    url = redact(settings.redis_url)
+    if policy is None:
+        return (
+            f"could not check the maxmemory-policy of Redis at {url} (CONFIG GET and INFO were "
+            f"refused); prefixq needs {REQUIRED}: under an evicting policy Redis may drop "
+            "queued requests and results"
+        )
+    if policy == REQUIRED:
+        return None
+    if not settings.allow_eviction:
+        raise ConfigError(
+            f"Redis at {url} has maxmemory-policy {policy}: at maxmemory it evicts keys, losing "
+            f"queued requests, burst records and results. prefixq needs {REQUIRED}: run "
+            f"`redis-cli CONFIG SET maxmemory-policy {REQUIRED}` (and `CONFIG REWRITE` to keep "
+            f"it), or put `maxmemory-policy {REQUIRED}` in redis.conf; or accept the risk with "
+            "PREFIXQ_ALLOW_EVICTION=1 (--allow-eviction)"
+        )
+    return (
+        f"Redis at {url} has maxmemory-policy {policy} (allowed by allow_eviction): keys it "
+        "evicts at maxmemory are lost work (queued requests, burst records, results)"
+    )
+
+
+def check_policy_sync(r: redis.Redis, settings: Settings) -> None:
+    """Read the policy with a blocking client and apply `verdict` (log its warning)."""
+    try:
+        policy = _from_config(r.config_get("maxmemory-policy"))
+    except ResponseError as e:
+        log.debug("CONFIG GET refused (%s); reading INFO memory", error_text(e))
+        try:
+            policy = _from_info(r.info("memory"))
+        except ResponseError as e2:
+            log.debug("INFO memory refused too (%s)", error_text(e2))
+            policy = None
+    _apply(policy, settings)
+
+
+async def check_policy(r: aredis.Redis, settings: Settings) -> None:
+    """Read the policy with an asyncio client and apply `verdict` (log its warning)."""
+    try:
+        policy = _from_config(await r.config_get("maxmemory-policy"))
+    except ResponseError as e:
+        log.debug("CONFIG GET refused (%s); reading INFO memory", error_text(e))
+        try:
+            policy = _from_info(await r.info("memory"))
+        except ResponseError as e2:
+            log.debug("INFO memory refused too (%s)", error_text(e2))
+            policy = None
+    _apply(policy, settings)
+
+
+def _apply(policy: str | None, settings: Settings) -> None:
+    warning = verdict(policy, settings)
+    if warning:
+        log.warning("%s", warning)
+
+
+def _text(v: Any) -> str | None:
+    if isinstance(v, bytes):
+        return v.decode(errors="replace")
+    return None if v is None else str(v)
+
+
+def _from_config(reply: Mapping[Any, Any]) -> str | None:
+    for k, v in reply.items():
+        if _text(k) == "maxmemory-policy":
+            return _text(v)
+    return None
+
+
+def _from_info(info: Mapping[str, Any]) -> str | None:
+    return _text(info.get("maxmemory_policy"))

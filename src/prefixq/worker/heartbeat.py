@@ -1,0 +1,107 @@
+"""A worker's heartbeat: its health key (TTL), its lease on the entries it holds, idle-time GC.
+
+Every ``heartbeat_s``: the health hash (pid, host, GPU, in flight, counters, GC pauses) is
+rewritten with a ``heartbeat_ttl_s`` TTL and the worker's score in the shard's worker set is
+refreshed (`inspect`, `check`); the lease on the entries the worker holds — read and waiting for a
+slot, in flight, or finished with their results not yet acked — is renewed (`ShardStream.renew`),
+so no other worker's reclaimer takes them while they are served or written; the requests admitted
+since the last beat and their queue waits, per priority and tenant, are added to the shard's
+counters (`prefixq inspect`: off the requests' path). After a burst, once
+nothing has been in flight for a second, the heap is collected and frozen again
+(worker/gc_policy.py), so objects that survived the burst leave the generations the next burst
+collects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from redis.exceptions import ResponseError
+
+from prefixq.store.connection import TRANSIENT
+from prefixq.worker.deliveries import Ref
+from prefixq.worker.gc_policy import GcPolicy
+from prefixq.worker.shard import ShardStream
+
+log = logging.getLogger(__name__)
+
+#: seconds with nothing in flight before the heap is collected and frozen again
+IDLE_FREEZE_S = 1.0
+
+
+class Heartbeat:
+    """Runs inside a worker (`run`); the worker calls `request_done()` per finished request."""
+
+    def __init__(
+        self,
+        shard: ShardStream,
+        *,
+        every_s: float,
+        ttl_s: float,
+        health: Callable[[float], dict[str, Any]],
+        holding: Callable[[], list[Ref]],
+        tallies: Callable[[], list[tuple[str, str, int, float]]] = list,
+        busy: Callable[[], bool],
+        gc_policy: GcPolicy,
+    ) -> None:
+        self.shard = shard
+        self.every_s = every_s
+        self.ttl_s = max(1, int(ttl_s))
+        #: the health hash's fields at a given time (read by inspect and check)
+        self.health = health
+        self.holding = holding
+        #: requests admitted and their queue waits per priority and tenant since the last beat
+        self.tallies = tallies
+        self._untold: list[tuple[str, str, int, float]] = []
+        self.busy = busy
+        self.gc_policy = gc_policy
+        self._served_since_collect = 0
+        self._last_done = 0.0
+
+    def request_done(self) -> None:
+        self._served_since_collect += 1
+        self._last_done = time.monotonic()
+
+    async def run(self) -> None:
+        keys, shard = self.shard.keys, self.shard
+        hb = keys.heartbeat(shard.shard, shard.consumer)
+        while True:
+            try:
+                await self.beat(hb)
+            except (*TRANSIENT, ResponseError) as e:  # never let the heartbeat task die
+                log.warning("heartbeat failed: %s", e)
+            self.collect_when_idle()
+            await asyncio.sleep(self.every_s)
+
+    async def beat(self, hb: str) -> None:
+        now = time.time()
+        pipe = self.shard.r.pipeline(transaction=False)
+        pipe.hset(hb, mapping=self.health(now))
+        pipe.expire(hb, self.ttl_s)
+        pipe.zadd(self.shard.keys.workers(self.shard.shard), {self.shard.consumer: now})
+        await pipe.execute()
+        await self.shard.renew(self.holding())
+        self._untold += self.tallies()
+        await self.shard.tally(self._untold)  # kept for the next beat if Redis refused them
+        self._untold = []
+
+    def collect_when_idle(self) -> None:
+        """Collect (worker/gc_policy.py) after a burst, in idle time only: no request waits."""
+        if self.busy() or not self._served_since_collect:
+            return
+        if time.monotonic() - self._last_done < IDLE_FREEZE_S:
+            return
+        self.gc_policy.idle(self._served_since_collect)
+        self._served_since_collect = 0
+
+    async def unregister(self) -> None:
+        shard = self.shard
+        with contextlib.suppress(*TRANSIENT, ResponseError):
+            await shard.tally(self._untold + self.tallies())
+            await shard.r.delete(shard.keys.heartbeat(shard.shard, shard.consumer))
+            await shard.r.zrem(shard.keys.workers(shard.shard), shard.consumer)

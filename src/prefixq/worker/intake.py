@@ -1,0 +1,119 @@
+"""Entries in, requests out: what a worker does with a delivery before its engine sees it.
+
+`Intake.decode` decodes each delivered entry (bounded: core/wire.py), dead-letters what cannot run
+(no payload, undecodable), gives the requests of cancelled or expired bursts their ended result
+without running them (worker/ends.py), and acks entries already deleted (their result is
+recorded). `Intake.take` also resolves the stored prefixes the rest refer to, with one MGET per
+read (worker/prefixes.py); the reader resolves them when it admits what it read
+(worker/reader.py). The worker launches what is left.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from redis.exceptions import ResponseError
+
+from prefixq.core import wire
+from prefixq.core.entries import Entry
+from prefixq.core.errors import PrefixqError
+from prefixq.core.keys import FIELD
+from prefixq.store.burst_end import ended_result
+from prefixq.store.connection import TRANSIENT
+from prefixq.store.dead_letters import failed_result
+from prefixq.worker.deliveries import Delivery, Ref
+from prefixq.worker.ends import BurstEnds
+from prefixq.worker.prefixes import PrefixCache, Resolved
+from prefixq.worker.shard import ShardStream
+from prefixq.worker.writer import ResultWriter
+
+log = logging.getLogger(__name__)
+
+#: `Worker._retry`: retry a Redis call until it is taken
+Retry = Callable[[str, Callable[[], Awaitable[Any]]], Awaitable[None]]
+
+
+class Intake:
+    """One worker's intake; ``counts`` are the worker's counters (``dead``, ``failed``)."""
+
+    def __init__(
+        self,
+        *,
+        stream: ShardStream,
+        writer: ResultWriter,
+        ends: BurstEnds,
+        prefixes: PrefixCache,
+        counts: dict[str, int],
+        retry: Retry,
+    ) -> None:
+        self.stream, self.writer, self.ends, self.prefixes = stream, writer, ends, prefixes
+        self.counts, self.retry = counts, retry
+
+    async def take(
+        self, deliveries: list[Delivery]
+    ) -> tuple[list[tuple[Delivery, Entry]], dict[str, Resolved]]:
+        """The deliveries to run with their decoded entries, and the stored prefixes they need
+        (digest -> prefix, or why it is unavailable)."""
+        ready = await self.decode(deliveries)
+        return ready, await self.prefixes.resolve([e for _, e in ready])
+
+    async def decode(self, deliveries: list[Delivery]) -> list[tuple[Delivery, Entry]]:
+        """The deliveries to run, with their decoded entries (the rest is taken care of)."""
+        decoded: list[tuple[Delivery, Entry]] = []
+        empty: list[Ref] = []
+        for d in deliveries:
+            data = d.fields.get(FIELD)
+            if data is None:
+                if not d.fields:  # deleted after its result was recorded: only ack it
+                    empty.append(d.ref)
+                else:
+                    await self.dead_letter(d, "entry has no 'd' field")
+                continue
+            try:
+                decoded.append((d, Entry.from_wire(wire.decode(data, self.stream.limits))))
+            except PrefixqError as err:
+                await self.dead_letter(d, f"undecodable: {err}")
+            except Exception as err:  # a payload must never take the worker down
+                log.exception("unexpected error decoding entry %s", d.entry_id.decode())
+                await self.dead_letter(d, f"undecodable: {type(err).__name__}: {err}")
+        if empty:
+            await self.retry("acking deleted entries", lambda: self.stream.ack_refs(empty))
+        now = time.time()
+        return [(d, e) for d, e in decoded if not self.ended(d, e, now)]
+
+    def ended(self, d: Delivery, e: Entry, now: float) -> bool:
+        """An entry of a cancelled or expired burst, or past its deadline, is not run: its
+        request gets the ended result (recorded once: the burst's end usually recorded it
+        already, and this then only acks the entry)."""
+        reason = self.ends.reason(e, now)
+        if reason is None:
+            return False
+        res = ended_result(reason, e.id, e.index, self.stream.consumer, now)
+        res.shard, res.timings.enqueued = self.stream.shard, e.enqueued
+        res.predicted_cached_tokens = e.predicted_cached
+        res.endpoint, res.model = e.endpoint, e.model
+        self.counts["failed"] += 1
+        self.writer.put(d.ref, e, res)
+        return True
+
+    async def dead_letter(self, delivery: Delivery, reason: str) -> None:
+        """Move an entry to the dead-letter stream; its request (if identifiable) gets a failed
+        result, recorded and acked before this returns. A Redis error leaves the entry pending:
+        it is reclaimed and dead-lettered again later."""
+        shard = self.stream
+        log.warning(
+            "dead letter %s on shard %d: %s", delivery.entry_id.decode(), shard.shard, reason
+        )
+        try:
+            entry = await shard.dead_letter(delivery, reason)
+        except (*TRANSIENT, ResponseError) as e:
+            log.error("dead-lettering %s failed (%s); left pending", delivery.entry_id, e)
+            return
+        self.counts["dead"] += 1
+        if entry is not None:
+            self.counts["failed"] += 1
+            res = failed_result(entry, shard.shard, shard.consumer, reason)
+            await self.writer.write_now(delivery.ref, entry, res)

@@ -1,0 +1,66 @@
+"""A worker's bounded cache of stored prefixes (content-addressed, so entries never go stale).
+
+Entries that reference a prefix (``xr``) are resolved from a local LRU first and with one MGET
+for the rest of a read batch. A missing or undecodable prefix resolves to the reason (a string),
+which fails only the requests that need it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import redis.asyncio as aredis
+
+from prefixq.core import wire
+from prefixq.core.entries import Entry
+from prefixq.core.errors import PrefixqError
+from prefixq.core.keys import Keys
+
+#: a resolved prefix object, or why it could not be resolved
+Resolved = dict[str, Any] | str
+
+
+class PrefixCache:
+    """LRU of decoded prefix objects, at most ``entries`` of them."""
+
+    def __init__(self, r: aredis.Redis, keys: Keys, limits: wire.Limits, entries: int) -> None:
+        self.r, self.keys, self.limits, self.entries = r, keys, limits, entries
+        self._lru: OrderedDict[str, dict[str, Any]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    async def resolve(self, batch: list[Entry]) -> dict[str, Resolved]:
+        """digest -> prefix object (or the reason it is unavailable) for every reference."""
+        found: dict[str, Resolved] = {}
+        missing = []
+        for e in batch:
+            ref = e.prefix_ref
+            if ref is None or ref in found:
+                continue
+            if ref in self._lru:
+                self._lru.move_to_end(ref)
+                found[ref] = self._lru[ref]
+            else:
+                missing.append(ref)
+                found[ref] = "missing"
+        if missing:
+            values = await self.r.mget([self.keys.prefix(ref) for ref in missing])
+            for ref, raw in zip(missing, values, strict=True):
+                found[ref] = self._decode(ref, raw)
+        return found
+
+    def _decode(self, ref: str, raw: bytes | None) -> Resolved:
+        if raw is None:
+            return f"stored prefix {ref} not found (expired or never stored)"
+        try:
+            obj = wire.decode(raw, self.limits)
+        except PrefixqError as err:
+            return f"stored prefix {ref} undecodable: {err}"
+        if not isinstance(obj, dict):
+            return f"stored prefix {ref} is not a map"
+        self._lru[ref] = obj
+        while len(self._lru) > self.entries:
+            self._lru.popitem(last=False)
+        return obj

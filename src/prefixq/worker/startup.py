@@ -1,0 +1,94 @@
+"""A worker's start: what it checks and records in Redis before it serves, and the engine's
+warm-up. Every Redis step is retried until Redis takes it (unreachable, out of memory, loading:
+a worker started too early waits instead of dying); refused credentials or permissions are a
+`ConfigError` at once (exit 2: a restart cannot fix them)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from redis.exceptions import ResponseError
+
+from prefixq.core.errors import ConfigError
+from prefixq.core.settings import Settings
+from prefixq.engine.protocol import Engine, EngineRequest
+from prefixq.store.connection import TRANSIENT, Backoff, describe, raise_if_cancelled, refused
+from prefixq.store.policy import check_policy
+from prefixq.worker.shard import ShardStream
+
+log = logging.getLogger(__name__)
+
+
+async def retry(settings: Settings, what: str, call: Callable[[], Awaitable[Any]]) -> None:
+    """``await call()`` until Redis takes it."""
+    backoff = Backoff()
+    while True:
+        try:
+            await call()
+            return
+        except (*TRANSIENT, ResponseError) as e:
+            if refused(e):  # wrong credentials, an ACL, an untrusted certificate
+                raise describe(settings, e) from e
+            raise_if_cancelled()  # the worker stops (a cancel redis-py's connect swallowed)
+            await backoff.wait(what, e)
+
+
+async def register(stream: ShardStream, settings: Settings) -> None:
+    """Check the server's eviction policy (store/policy.py), make sure the deployment's shard
+    count is recorded, and join the shard's group. A worker without ``--shards`` on a Redis that
+    has none, with a ``--shards`` other than the recorded count, or for a shard outside it is a
+    ConfigError (producers would never send it work, or send work no worker serves)."""
+    r, keys = stream.r, stream.keys
+    await retry(settings, "reading the eviction policy", lambda: check_policy(r, settings))
+    count = 0
+
+    async def shards() -> None:
+        nonlocal count
+        if settings.shards:
+            await r.hsetnx(keys.config, "shards", settings.shards)
+        raw = await r.hget(keys.config, "shards")
+        if raw is None:
+            raise ConfigError(
+                f"no shard count in Redis for namespace {settings.namespace!r}: start the "
+                "first worker of a deployment with --shards N (or PREFIXQ_SHARDS)"
+            )
+        count = int(raw)
+
+    await retry(settings, "recording the shard count", shards)
+    if settings.shards and settings.shards != count:
+        raise ConfigError(
+            f"--shards {settings.shards} but namespace {settings.namespace!r} has {count} shards "
+            f"in Redis ({keys.config}); drop the setting, use {count}, or use another namespace"
+        )
+    if not 0 <= stream.shard < count:
+        raise ConfigError(
+            f"shard {stream.shard} does not exist (namespace {settings.namespace!r} has shards "
+            f"0..{count - 1})"
+        )
+    await stream.join()
+
+
+async def record_engine(stream: ShardStream, settings: Settings, engine: Engine) -> None:
+    """Tell producers the engine's KV block size (predicted hits are rounded to it)."""
+    await retry(
+        settings,
+        "recording the engine's block size",
+        lambda: stream.r.hset(stream.keys.config, "block_size", engine.block_size),
+    )
+
+
+async def warm_up(engine: Engine, request_id: str) -> float:
+    """One tiny request through the engine, then an empty prefix cache; returns seconds."""
+    t0 = time.perf_counter()
+    await engine.generate(
+        EngineRequest(
+            request_id=request_id,
+            prompt_token_ids=[1] * 8,
+            sampling={"max_tokens": 2, "ignore_eos": True},
+        )
+    )
+    await engine.reset_prefix_cache()
+    return time.perf_counter() - t0

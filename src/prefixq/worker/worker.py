@@ -1,0 +1,425 @@
+"""The long-lived consumer of one shard: stream -> engine -> results, with continuous admission.
+
+`Worker` owns the in-flight window and admission: up to ``max_inflight`` requests inside the
+engine or waiting to be written; the reader (reader.py) reads more as room frees up, in the order
+the scheduler (scheduler.py: priorities, tenants, bursts) picks, after the worker's own pending
+entries of a restart (backlog.py), and each request is handed to the engine as soon as it is
+picked. Everything else is a collaborator with its own module: the stream protocol (shard.py),
+intake (intake.py), the writer, heartbeat, reclaimer, burst ends, probes and middleware;
+docs/architecture.md draws who owns what.
+``stop()`` (SIGTERM) stops reading, lets in-flight requests finish within ``grace_s``, writes and
+acks their results; what did not finish stays pending for a restart or a reclaim. An engine death
+leaves in-flight entries pending (not failed) and exits with code 3.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import redis.asyncio as aredis
+
+from prefixq.core.entries import Entry
+from prefixq.core.errors import EngineAborted, EngineDead, EngineError, PrefixqError
+from prefixq.core.records import error_code_of
+from prefixq.core.settings import Settings
+from prefixq.core.sharing import DEFAULT_PRIORITY, PRIORITIES, band
+from prefixq.engine.protocol import Engine, EngineRequest
+from prefixq.store.burst_end import ended_result
+from prefixq.store.connection import async_client
+from prefixq.worker.aio import cancel_all, drain, first_of, unless_stopped
+from prefixq.worker.backlog import replay_backlog
+from prefixq.worker.control import control_loop
+from prefixq.worker.ends import BurstEnds
+from prefixq.worker.heartbeat import Heartbeat
+from prefixq.worker.intake import Intake
+from prefixq.worker.middleware import Middleware
+from prefixq.worker.prefixes import PrefixCache
+from prefixq.worker.probes import Probes
+from prefixq.worker.reader import Reader, retried
+from prefixq.worker.reclaim import Reclaimer
+from prefixq.worker.scheduler import Picked, Scheduler, Tenant
+from prefixq.worker.shard import Delivery, Ref, ShardStream, last_allowed
+from prefixq.worker.solo import SoloGate
+from prefixq.worker.startup import record_engine, register, retry, warm_up
+from prefixq.worker.writer import ResultWriter
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_ENGINE_DEAD = 3
+#: a request's place in its engine's own queue (vLLM: lower first), by its burst's priority
+ENGINE_PRIORITY = {p: band(p) - band(DEFAULT_PRIORITY) for p in PRIORITIES}
+
+
+def default_name(shard: int, gpu: str | None) -> str:
+    """Stable per host, shard and GPU, so a restarted worker resumes its own pending entries."""
+    return f"{socket.gethostname()}-s{shard}-{'gpu' + gpu if gpu else 'cpu'}"
+
+
+class Worker:
+    """Drains shard ``shard`` into ``engine``. One per GPU; run with `run()`."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        shard: int,
+        engine: Engine,
+        *,
+        name: str = "",
+        gpu: str | None = None,
+        redis: aredis.Redis | None = None,
+        middleware: Iterable[Middleware] = (),
+    ) -> None:
+        self.settings, self.shard, self.engine, self.gpu = settings, shard, engine, gpu
+        self.name = name or default_name(shard, gpu)
+        self.r = redis or async_client(settings)
+        self.stream = ShardStream(self.r, settings, shard, self.name)
+        self.keys = self.stream.keys
+        self.limits = self.stream.limits
+        self.middleware: list[Middleware] = list(middleware)
+        self.max_inflight = settings.max_inflight
+        #: requests inside the engine (or on their way in), by entry
+        self.inflight: dict[Ref, asyncio.Task[None]] = {}
+        self.counts = {"admitted": 0, "finished": 0, "failed": 0, "dead": 0}
+        self.started = time.time()
+        self.engine_up = False
+        self.probes = Probes(gc_freeze=settings.gc_freeze)
+        self.gc, self.gc_policy = self.probes.gc, self.probes.gc_policy
+        self._stopping = asyncio.Event()
+        self._room = asyncio.Event()
+        self._gate = SoloGate()
+        self._dead: str | None = None
+        #: bursts cancelled or expired: their queued entries are not run (worker/ends.py)
+        self.ends = BurstEnds(self.r, settings)
+        self.prefixes = PrefixCache(self.r, self.keys, self.limits, settings.prefix_cache_entries)
+        self.writer = ResultWriter(
+            self.stream,
+            write_batch=settings.write_batch,
+            grace_s=settings.grace_s,
+            on_burst_done=self._burst_done,
+            on_written=self._room.set,
+        )
+        self.intake = Intake(
+            stream=self.stream,
+            writer=self.writer,
+            ends=self.ends,
+            prefixes=self.prefixes,
+            counts=self.counts,
+            retry=self._retry,
+        )
+        self.sched = Scheduler.of(self.stream, settings)
+        self.reader = Reader(
+            stream=self.stream,
+            sched=self.sched,
+            intake=self.intake,
+            work=self,
+            ended=self.ends.ended,
+        )
+        self.reclaimer = Reclaimer(self.stream, self, settings)
+        self.heartbeat = Heartbeat(
+            self.stream,
+            every_s=settings.heartbeat_s,
+            ttl_s=settings.heartbeat_ttl_s,
+            health=self.health,
+            holding=self.holding,
+            tallies=self.sched.tallies,
+            busy=self.busy,
+            gc_policy=self.gc_policy,
+        )
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    @property
+    def stopping(self) -> bool:
+        """`stop()` was called (or the engine died): no more reading."""
+        return self._stopping.is_set()
+
+    @property
+    def serving(self) -> bool:
+        """The engine is up and alive."""
+        return self.engine_up and self._dead is None
+
+    @property
+    def gate(self) -> SoloGate:
+        return self._gate
+
+    def stop(self) -> None:
+        """Stop reading; in-flight requests get ``grace_s`` to finish."""
+        if not self._stopping.is_set():
+            log.info("worker %s stopping (grace %.0fs)", self.name, self.settings.grace_s)
+        self._stopping.set()
+
+    def add_middleware(self, m: Middleware) -> None:
+        self.middleware.append(m)
+
+    async def run(self) -> int:
+        """Serve until `stop()` or engine death; returns the process exit code."""
+        for m in self.middleware:
+            await m.before_start(self)
+        try:
+            return await self._run()
+        finally:
+            for m in reversed(self.middleware):
+                await m.after_stop(self)
+
+    async def _prepare(self) -> None:
+        await register(self.stream, self.settings)
+        await self._retry("reading the burst-end notices", self.ends.load)
+
+    async def _run(self) -> int:
+        # the Redis steps of the start wait for Redis as long as it takes; stop() ends them
+        started = await unless_stopped(self._prepare(), self._stopping)
+        if started:
+            await self.engine.start()
+            recorded = record_engine(self.stream, self.settings, self.engine)
+            started = await unless_stopped(recorded, self._stopping)
+        if not started:
+            log.info("worker %s stopped before it served", self.name)
+            await self.engine.close()
+            await self.r.aclose()
+            return EXIT_OK
+        if not self.max_inflight:
+            self.max_inflight = max(2 * self.engine.max_num_seqs, 1)
+        await self._warm_up()
+        self.engine_up = True
+        probes = self.probes
+        commands = {"reset_prefix_cache": self.engine.reset_prefix_cache, **probes.commands()}
+        tasks = [
+            asyncio.create_task(c, name=n)
+            for n, c in (
+                ("writer", self.writer.run()),
+                ("heartbeat", self.heartbeat.run()),
+                ("reclaim", self.reclaimer.run()),
+                ("loop-watch", probes.loop.run()),
+                ("burst-ends", self.ends.watch(self.engine.abort)),
+                ("expiry", self.ends.expire()),
+                ("control", control_loop(self.r, self.keys, self.name, commands, probes.stats)),
+                ("lanes", self.reader.refresh_loop()),
+            )
+        ]
+        try:
+            await self._retry("reading the lane index", self.reader.refresh)
+            await self.reclaimer.dead_letter_over_limit()
+            await self._read_loop()
+            await self.reader.release()
+            await drain(list(self.inflight.values()), self.settings.grace_s)
+        finally:
+            await self.writer.close()
+            await cancel_all(tasks)
+            await self.heartbeat.unregister()
+            self.gc.stop()
+            await self.engine.close()
+            await self.r.aclose()
+        if self._dead:
+            log.error("worker %s exits: %s", self.name, self._dead)
+            return EXIT_ENGINE_DEAD
+        return EXIT_OK
+
+    async def _retry(self, what: str, call: Callable[[], Awaitable[Any]]) -> None:
+        await retry(self.settings, what, call)
+
+    async def _warm_up(self) -> None:
+        took = await warm_up(self.engine, f"warmup-{self.name}-{os.getpid()}")
+        if self.gc_policy.enabled:
+            self.gc_policy.freeze()
+        self.gc.start()
+        log.info(
+            "worker %s warm in %.2fs; max_inflight=%d; serving %s",
+            self.name,
+            took,
+            self.max_inflight,
+            self.stream.stream,
+        )
+
+    # ---- what the helpers see (worker/admission.py) --------------------------------------
+    def room(self) -> int:
+        return self.max_inflight - len(self.inflight) - self.writer.backlog
+
+    def busy(self) -> bool:
+        return bool(self.inflight)
+
+    def holds(self, ref: Ref) -> bool:
+        return ref in self.inflight or self.writer.holds(ref) or ref in self.sched.held
+
+    def holding(self) -> list[Ref]:
+        """Entries this worker holds: read and not yet admitted, in flight, or finished with
+        results not yet acked."""
+        return [*self.sched.held, *self.inflight, *self.writer.holding()]
+
+    def queue_keys(self) -> list[str]:
+        return self.reader.keys()
+
+    async def wait_room(self) -> None:
+        """Until room frees up (a request finished, results were written), or `stop()`."""
+        self._room.clear()
+        await first_of(self._room.wait(), self._stopping.wait())
+
+    async def wait_done(self, ref: Ref) -> None:
+        """Until the request of entry ``ref`` has left the engine, or `stop()`."""
+        task = self.inflight.get(ref)
+        if task is None:
+            return
+        stop = asyncio.ensure_future(self._stopping.wait())
+        await asyncio.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+
+    async def dead_letter(self, delivery: Delivery, reason: str) -> None:
+        await self.intake.dead_letter(delivery, reason)
+
+    # ---- reading and admission -------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        s = self.settings
+        # our own pending entries first (a restart)
+        await replay_backlog(self.stream, self, page=s.read_count, max_attempts=s.max_attempts)
+        await self.reader.run()
+
+    async def admit(self, deliveries: list[Delivery]) -> None:
+        """Take the entries in (worker/intake.py) and hand each request to the engine at
+        once (the backlog replay: no scheduling)."""
+        t_read = time.perf_counter()
+        now, sched = time.time(), self.sched
+        picked = []
+        for d, e in await self.intake.decode(deliveries):
+            t = sched.tenant_of(e)
+            sched.admitted(t, e, now)
+            picked.append((d, e, t))
+        await self.launch(picked, t_read)
+
+    async def take_over(self, deliveries: list[Delivery]) -> None:
+        """Entries claimed from a dead worker: admitted before anything else (consumers/
+        scheduler.py), in turn as room frees up."""
+        for item in await self.intake.decode(deliveries):
+            self.sched.take_over(item)
+        self._room.set()
+
+    async def launch(self, items: list[Picked], t_read: float) -> None:
+        """Hand each admitted request to the engine at once (counted in flight for its tenant
+        already). An entry whose delivery is its last allowed one runs alone
+        (worker/solo.py); one of a burst that ended meanwhile gets its ended result."""
+        ready = items
+        if self.ends.ended or any(e.deadline is not None for _, e, _ in items):
+            now, ready = time.time(), []
+            for d, e, t in items:
+                if self.intake.ended(d, e, now):
+                    self.sched.left(t)
+                else:
+                    ready.append((d, e, t))
+            if not ready:
+                return
+        entries = [e for _, e, _ in ready]
+        prefixes = await retried("reading stored prefixes", lambda: self.prefixes.resolve(entries))
+        max_attempts = self.settings.max_attempts
+        for d, e, t in ready:
+            self.counts["admitted"] += 1
+            solo = last_allowed(d.deliveries, max_attempts)
+            ref = d.ref
+            self.inflight[ref] = asyncio.create_task(self._serve(ref, e, t, prefixes, solo, t_read))
+        # one loop step: each task runs until it awaits the engine, which then holds its
+        # request; what they all hold is frozen (worker/gc_policy.py)
+        await asyncio.sleep(0)
+        self.gc_policy.admitted(len(ready))
+
+    async def _serve(
+        self,
+        ref: Ref,
+        e: Entry,
+        tenant: Tenant,
+        prefixes: dict[str, dict[str, Any] | str],
+        solo: bool,
+        t_read: float,
+    ) -> None:
+        res = e.result(self.shard, self.name)
+        try:
+            prefix = prefixes.get(e.prefix_ref) if e.prefix_ref else None
+            if isinstance(prefix, str):
+                raise EngineError(prefix)
+            req = e.to_request(prefix)
+            req.validate(
+                max_chars=self.settings.max_prompt_chars, max_messages=self.settings.max_messages
+            )
+            prompt = self.engine.render_chat(req.messages) if req.messages else req.prompt
+            async with self._gate.call(solo):
+                why = self.ends.ended_reason(e)
+                if why is not None:  # it ended while this waited for the gate
+                    raise EngineAborted(why)
+                res.timings.admitted = time.time()
+                self.probes.read_to_engine.add(time.perf_counter() - t_read)
+                rid = f"{e.burst}:{e.index}:{ref[1].decode()}"
+                self.ends.running(ref, e.burst, rid)
+                out = await self.engine.generate(
+                    EngineRequest(
+                        request_id=rid,
+                        prompt=prompt,
+                        prompt_token_ids=req.prompt_token_ids,
+                        sampling=req.sampling,
+                        chat=req.messages is not None,
+                        priority=ENGINE_PRIORITY[e.priority],
+                    )
+                )
+            out.apply(res)
+        except EngineDead as err:
+            self._engine_died(str(err))
+            return
+        except EngineAborted:  # its burst was cancelled or expired (`_on_notice`)
+            why = self.ends.ended_reason(e) or "cancelled"
+            ended = ended_result(why, e.id, e.index, "", 0.0)
+            res.error, res.error_code = ended.error, ended.error_code
+        except PrefixqError as err:  # EngineError, ValidationError, WireError: this request only
+            res.error, res.error_code = str(err), error_code_of(err)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # never let one payload take the worker down
+            log.exception("unexpected error serving %s", e.id)
+            res.error = f"internal error: {type(err).__name__}: {err}"
+            res.error_code = error_code_of(err)
+        finally:
+            self.inflight.pop(ref, None)
+            self.sched.left(tenant)
+            self.ends.done(ref)
+            self._room.set()
+            self.heartbeat.request_done()
+        if not res.timings.admitted:
+            res.timings.admitted = time.time()
+        res.timings.finished = time.time()
+        self.counts["failed" if res.error else "finished"] += 1
+        for m in self.middleware:
+            m.after_result(res)
+        self.writer.put(ref, e, res)
+
+    def _engine_died(self, why: str) -> None:
+        if self._dead is None:
+            self._dead = why
+            log.error(
+                "engine died (%s): %d in-flight entries stay pending", why, len(self.inflight)
+            )
+        self.stop()
+
+    async def _burst_done(self, burst: str) -> None:
+        for m in self.middleware:
+            await m.after_burst_done(burst)
+
+    # ---- what inspect, check, metrics and the control stream read ---------------------------
+    def health(self, now: float) -> dict[str, Any]:
+        """The heartbeat hash's fields (read by inspect and check)."""
+        return {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "gpu": self.gpu or "cpu",
+            "shard": self.shard,
+            "beat": now,
+            "started": self.started,
+            "inflight": len(self.inflight),
+            "unwritten": self.writer.backlog,
+            "max_inflight": self.max_inflight,
+            "engine_up": int(self.serving),
+            "stopping": int(self.stopping),
+            "gc_max_pause_ms": round(self.gc.max_pause * 1000, 3),
+            "gc_pauses": self.gc.count,
+            "reclaimed": self.reclaimer.reclaimed,
+            **self.counts,
+        }

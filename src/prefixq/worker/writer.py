@@ -1,0 +1,172 @@
+"""The worker's single writer: records finished results in pipelined groups, then acks them.
+
+A group is whatever finished while the previous group was being written, up to ``write_batch``:
+no timer, so a lone result is written at once and a burst of completions shares a round trip.
+Each group goes through `ShardStream.record` (exactly once per request, Lua) and then
+`ShardStream.ack` for the results that were recorded; a result Redis refused (out of memory, a
+lost script) stays queued and its entry pending, and the group is tried again with backoff.
+
+Back-pressure: results not yet written count against the worker's in-flight window (`backlog`),
+so while Redis refuses writes the reader stops reading instead of piling up finished work; and
+the entries of unwritten results stay leased to this worker (`holding`), so no other worker
+reclaims them meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from prefixq.core.entries import Entry
+from prefixq.core.records import Result
+from prefixq.store.connection import TRANSIENT, Backoff
+from prefixq.worker.deliveries import Ref, Written
+from prefixq.worker.shard import (
+    BURST_DONE,
+    DUPLICATE,
+    FINISHED_DUPLICATE,
+    OUT_OF_RANGE,
+    RECORD_LOST,
+    ShardStream,
+)
+
+log = logging.getLogger(__name__)
+
+#: called with a burst id when a result completes it (again after a duplicate of a finished one)
+BurstDone = Callable[[str], Awaitable[None]]
+
+
+class ResultWriter:
+    """Runs as one task (`run`); the worker hands it results with `put`."""
+
+    def __init__(
+        self,
+        shard: ShardStream,
+        *,
+        write_batch: int,
+        grace_s: float,
+        on_burst_done: BurstDone | None = None,
+        on_written: Callable[[], None] | None = None,
+    ) -> None:
+        self.shard = shard
+        self.write_batch = write_batch
+        self.grace_s = grace_s
+        self.on_burst_done = on_burst_done
+        #: called after each group is acked (the reader waits on room)
+        self.on_written = on_written or (lambda: None)
+        self.queue: asyncio.Queue[Written | None] = asyncio.Queue()
+        #: entries whose results are queued or being written, still pending on this consumer
+        self._unwritten: set[Ref] = set()
+        self.duplicates = 0
+        self.written = 0
+        self._closed = asyncio.Event()
+
+    @property
+    def backlog(self) -> int:
+        """Results finished but not yet recorded and acked."""
+        return len(self._unwritten)
+
+    def holds(self, ref: Ref) -> bool:
+        return ref in self._unwritten
+
+    def holding(self) -> list[Ref]:
+        """Entries of results not yet acked (leased to this worker)."""
+        return list(self._unwritten)
+
+    def put(self, ref: Ref, entry: Entry, result: Result) -> None:
+        self._unwritten.add(ref)
+        self.queue.put_nowait(Written(ref[0], ref[1], entry, result))
+
+    async def write_now(self, ref: Ref, entry: Entry, result: Result) -> None:
+        """Record and ack one result before returning (a dead letter's failed result: its entry
+        must be acked before the reader could be delivered it again)."""
+        self._unwritten.add(ref)
+        await self._write([Written(ref[0], ref[1], entry, result)])
+
+    async def run(self) -> None:
+        try:
+            while True:
+                item = await self.queue.get()
+                batch: list[Written] = []
+                stop = item is None
+                if item is not None:
+                    batch.append(item)
+                while len(batch) < self.write_batch and not self.queue.empty():
+                    nxt = self.queue.get_nowait()
+                    if nxt is None:
+                        stop = True
+                        break
+                    batch.append(nxt)
+                if batch:
+                    await self._write(batch)
+                if stop and self.queue.empty():
+                    return
+        finally:
+            self._closed.set()
+
+    async def close(self) -> None:
+        """Flush what is queued, then stop."""
+        self.queue.put_nowait(None)
+        try:
+            await asyncio.wait_for(self._closed.wait(), timeout=self.grace_s + 30)
+        except TimeoutError:
+            log.error(
+                "results still unwritten at exit: %d (their entries stay pending)", self.backlog
+            )
+
+    async def _write(self, batch: list[Written]) -> None:
+        """Record ``batch``, ack what was recorded, retry what was refused, until all is done."""
+        backoff = Backoff(first=0.05)
+        todo = batch
+        while todo:
+            try:
+                replies = await self.shard.record(todo)
+            except TRANSIENT as e:
+                await backoff.wait(f"recording {len(todo)} results", e)
+                continue
+            done = [(w, r) for w, r in zip(todo, replies, strict=True) if isinstance(r, int)]
+            errors = [r for r in replies if not isinstance(r, int)]
+            await self._ack([w for w, _ in done])
+            for w, reply in done:
+                await self._settled(w, reply)
+            todo = [w for w, r in zip(todo, replies, strict=True) if not isinstance(r, int)]
+            if errors:  # out of memory, a lost script, a read-only replica, ...
+                await backoff.wait(f"recording {len(todo)} results", errors[0], logging.ERROR)
+            else:
+                backoff.reset()
+
+    async def _ack(self, done: list[Written]) -> None:
+        backoff = Backoff(first=0.05)
+        while done:
+            try:
+                await self.shard.ack(done)
+                break
+            except Exception as e:  # acking twice is harmless: retry until it lands
+                await backoff.wait(f"acking {len(done)} recorded results", e, logging.ERROR)
+        for w in done:
+            self._unwritten.discard((w.key, w.entry_id))
+        self.written += len(done)
+        self.on_written()
+
+    async def _settled(self, w: Written, reply: int) -> None:
+        e = w.entry
+        if reply in (DUPLICATE, FINISHED_DUPLICATE):
+            self.duplicates += 1
+            log.info("result for %s:%d already recorded; acked the redelivery", e.burst, e.index)
+        elif reply == OUT_OF_RANGE:
+            log.warning("entry for %s:%d is outside its burst; acked", e.burst, e.index)
+        elif reply == RECORD_LOST:
+            log.warning(
+                "burst %s has no record of this entry (expired, evicted, never created, or the "
+                "id submitted again since): result %d dropped",
+                e.burst,
+                e.index,
+            )
+        elif reply == BURST_DONE:
+            log.info("burst %s finished", e.burst)
+        if reply in (BURST_DONE, FINISHED_DUPLICATE) and self.on_burst_done is not None:
+            try:
+                await self.on_burst_done(e.burst)
+            except Exception:  # a hook must not stop result writing
+                log.exception("burst-done hook failed for %s", e.burst)
