@@ -26,9 +26,9 @@ import redis
 
 from helpers import FakeWorker
 from prefixq.cli.redis_server import RedisServer
-from prefixq.cli.worker_process import worker_command
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
+from prefixq.worker.command import worker_command
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 ENGINE_START_TIMEOUT = 900

@@ -159,3 +159,36 @@ def test_queued_entries_of_an_expired_cancelled_burst_do_not_land_in_a_new_burst
     got = wait_burst(r, s, "nightly", 20)
     assert [(x.id, x.error_code) for x in got] == [(f"new{i}", None) for i in range(30)]
     wait_settled(r, s)
+
+
+def test_a_deadline_that_ends_a_burst_in_a_worker_enqueues_its_on_complete_through_middleware(
+    make_settings: Callable[..., Settings],
+    r: redis.Redis,
+    fake_worker: Callable[..., FakeWorker],
+) -> None:
+    """Given a 2-shard burst with an RQ on_complete whose shard-0 request a worker ran (RQ's
+    middleware registered, as `prefixq worker` does) and whose shard-1 request no worker serves,
+    when its deadline passes, then that worker's expiry ends the burst and the on_complete job is
+    enqueued once: the expiry hands the end to the worker's middleware (store/burst_end imports
+    no integration, and no result the worker records completes this burst)."""
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from prefixq.integrations.rq_callbacks import callback_job_id
+
+    s = make_settings(shards=2)
+    fake_worker(s, shard=0)
+    q = Queue(f"rq-{s.namespace}", connection=r, serializer=JSONSerializer)
+    burst = Producer(s).submit(
+        slow(2, 0.0),
+        placement="round-robin",
+        deadline=time.time() + 1.5,
+        on_complete="rq_targets:mark_done",
+        rq_queue=q.name,
+    )
+    wait_until(lambda: r.hget(s.keys.burst(burst), "done") == b"1", 10, "shard 0's request ran")
+    assert q.job_ids == []
+    wait_burst(r, s, burst, 15)
+    assert results.status(burst, s).status == "expired"
+    wait_until(lambda: q.job_ids != [], 10, "the on_complete job was enqueued")
+    assert q.job_ids == [callback_job_id(s.namespace, burst)]

@@ -266,17 +266,25 @@ def test_acancel_is_the_same_inside_an_event_loop(settings: Settings, r: redis.R
 def test_the_cancel_that_ends_a_burst_enqueues_its_on_complete_job_once(
     settings: Settings, r: redis.Redis
 ) -> None:
-    """A burst with an RQ callback, cancelled twice: one RQ job, whose id is the burst's
-    callback job id."""
+    """A burst with an RQ callback, cancelled twice with RQ's hook (as `prefixq cancel` does): one
+    RQ job, whose id is the burst's callback job id; the hook runs only for the cancel that ends
+    the burst."""
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from prefixq.integrations.rq_callbacks import callback_job_id
+    from prefixq.integrations.rq_callbacks import callback_job_id, enqueue_on_complete_sync
+
+    calls: list[str] = []
+
+    def hook(client: redis.Redis, s: Settings, burst: str) -> None:
+        calls.append(burst)
+        enqueue_on_complete_sync(client, s, burst)
 
     q = Queue(f"rq-{settings.namespace}", connection=r, serializer=JSONSerializer)
     burst = submit(settings, 3, on_complete="rq_targets:mark_done", rq_queue=q.name)
-    assert bursts.cancel(burst, settings).ended
-    bursts.cancel(burst, settings)
+    assert bursts.cancel(burst, settings, on_burst_done=hook).ended
+    bursts.cancel(burst, settings, on_burst_done=hook)
+    assert calls == [burst]
     assert q.job_ids == [callback_job_id(settings.namespace, burst)]
 
 

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from prefixq.bench.timeline import Stamp
-from prefixq.cli.worker_process import worker_command
 from prefixq.core.errors import SetupError
 from prefixq.core.records import Request
 from prefixq.core.settings import Settings
 from prefixq.engine.protocol import EngineOutput, EngineRequest
 from prefixq.engine.vllm_engine import VllmEngine
+from prefixq.worker.command import worker_command
 
 
 @contextlib.contextmanager

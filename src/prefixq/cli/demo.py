@@ -28,12 +28,12 @@ import redis
 from rich.console import Console
 
 from prefixq.cli.redis_server import RedisServer
-from prefixq.cli.worker_process import worker_command
 from prefixq.client import results
 from prefixq.core.errors import SetupError
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from prefixq.store.connection import error_text, redact, sync_client
+from prefixq.worker.command import worker_command
 
 DOCUMENTS = ("while", "assert", "return", "global")
 QUESTIONS = (

@@ -14,6 +14,9 @@ from typing import Any
 
 from prefixq.core.settings import Settings
 from prefixq.engine.reaper import start_reaper, stop_reaper
+from prefixq.worker.command import worker_command
+
+__all__ = ["EXIT_CONFIG", "WORKER_ENGINE_ARGS", "run_worker", "supervise", "worker_command"]
 
 log = logging.getLogger(__name__)
 
@@ -27,32 +30,6 @@ WORKER_ENGINE_ARGS: dict[str, Any] = {"scheduling_policy": "priority"}
 #: `prefixq worker` exit code for a usage or configuration error (bad flag, refused credentials):
 #: the supervisor does not restart it, since a restart cannot fix it
 EXIT_CONFIG = 2
-
-
-def worker_command(
-    settings: Settings,
-    shard: int,
-    model: str = "",
-    *,
-    name: str = "",
-    gpu: str | None = None,
-    engine_args: Sequence[str] = (),
-    fields: Sequence[str] = ("redis_url", "namespace", "shards"),
-) -> list[str]:
-    """argv for a ``prefixq worker`` process of this interpreter, passing ``fields`` of
-    ``settings`` as flags (the rest comes from the environment)."""
-    cmd = [sys.executable, "-m", "prefixq", "worker", "--shard", str(shard)]
-    if model:
-        cmd += ["--model", model]
-    if name:
-        cmd += ["--name", name]
-    if gpu is not None:
-        cmd += ["--gpu", gpu]
-    for f in fields:
-        cmd += ["--" + f.replace("_", "-"), str(getattr(settings, f))]
-    for a in engine_args:
-        cmd += ["--engine-arg", a]
-    return cmd
 
 
 def run_worker(

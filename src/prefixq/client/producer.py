@@ -55,6 +55,7 @@ from prefixq.client.encoding import Encoded, EntryEncoder, Parts
 from prefixq.client.items import ItemBuilder
 from prefixq.client.layout import Layout
 from prefixq.client.order import ORDERS, enqueue_order, peek_prefix
+from prefixq.core.checks import callback_path
 from prefixq.core.entries import split_prefix
 from prefixq.core.errors import BurstIdTaken, ValidationError
 from prefixq.core.inputs import IdCheck, normalize_one
@@ -62,7 +63,7 @@ from prefixq.core.keys import Keys
 from prefixq.core.records import Request
 from prefixq.core.settings import Settings
 from prefixq.core.sharing import check_priority, check_tenant
-from prefixq.store.burst_end import acancel
+from prefixq.store.burst_end import BurstDoneAsync, acancel
 from prefixq.store.connection import TRANSIENT, async_client, describe_async, lua
 from prefixq.store.deployment import resolve_shards
 
@@ -105,9 +106,18 @@ class Producer:
     """Submits bursts. ``submit`` blocks; ``asubmit`` is the same inside an event loop."""
 
     def __init__(
-        self, settings: Settings | None = None, *, tokenizer: Any = None, model: str = ""
+        self,
+        settings: Settings | None = None,
+        *,
+        tokenizer: Any = None,
+        model: str = "",
+        on_burst_done: BurstDoneAsync | None = None,
     ) -> None:
         self.settings = settings or Settings.from_env()
+        #: runs when a submit that failed midway cancels its burst and that ends it (the burst's
+        #: ``on_complete``: `prefixq submit` and `run_burst` pass RQ's, from
+        #: prefixq.integrations.rq_callbacks)
+        self.on_burst_done = on_burst_done
         self.keys = Keys(self.settings.namespace)
         self.items = ItemBuilder(self.settings, tokenizer=tokenizer, model=model)
         #: the connection kept inside ``async with``; the deployment's shard count and engine block
@@ -183,10 +193,6 @@ class Producer:
                 raise ValidationError(
                     f"on_complete must look like 'package.module:function', not {on_complete!r}"
                 )
-            from prefixq.integrations.rq_callbacks import (
-                callback_path,  # RQ's import, only for bursts with one
-            )
-
             callback_path(on_complete)  # ValidationError unless dotted names around one colon
         if rq_queue is not None and (not isinstance(rq_queue, str) or not rq_queue.strip()):
             raise ValidationError(f"rq_queue must be an RQ queue name, not {rq_queue!r}")
@@ -474,7 +480,7 @@ class _Submission:
             err,
         )
         try:
-            await acancel(self.burst, self.s, self.r)
+            await acancel(self.burst, self.s, self.r, on_burst_done=self.p.on_burst_done)
             if self.layout.lanes:
                 pipe = self.r.pipeline(transaction=False)
                 self.layout.seal(pipe)

@@ -20,7 +20,7 @@ from typing import Any
 
 from prefixq.core.errors import ValidationError
 
-__all__ = ["MAX_DEPTH", "check_nested", "check_text"]
+__all__ = ["MAX_DEPTH", "callback_path", "check_nested", "check_text"]
 
 #: deepest nesting of lists and maps inside one chat message (the wire format allows 32 in all)
 MAX_DEPTH = 16
@@ -66,3 +66,19 @@ def check_nested(value: Any, what: str, w: str, depth: int = 0) -> None:
             if isinstance(k, str):
                 check_text(k, f"{what} key", w)
             check_nested(v, f"{what} {k}" if isinstance(k, str) else f"{what}[{k}]", w, depth + 1)
+
+
+_IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
+_SPEC = re.compile(rf"({_IDENT}(?:\.{_IDENT})*):({_IDENT}(?:\.{_IDENT})*)")
+
+
+def callback_path(spec: str) -> str:
+    """A burst's ``on_complete``: ``"pkg.module:func"`` -> ``"pkg.module.func"``, the dotted path
+    RQ imports (prefixq.integrations.rq_callbacks).
+
+    Raises ValidationError unless both sides are dotted Python identifiers.
+    """
+    m = _SPEC.fullmatch(spec.strip())
+    if m is None:
+        raise ValidationError(f"on_complete {spec!r} must look like 'package.module:function'")
+    return f"{m[1]}.{m[2]}"

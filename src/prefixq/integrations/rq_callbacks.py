@@ -23,6 +23,7 @@ from redis.exceptions import WatchError
 from rq import Queue
 from rq.serializers import JSONSerializer
 
+from prefixq.core.checks import callback_path
 from prefixq.core.errors import ValidationError
 from prefixq.core.settings import Settings
 from prefixq.store.connection import TRANSIENT, describe, sync_client
@@ -38,21 +39,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-_IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
-_SPEC = re.compile(rf"({_IDENT}(?:\.{_IDENT})*):({_IDENT}(?:\.{_IDENT})*)")
-
-
-def callback_path(spec: str) -> str:
-    """``"pkg.module:func"`` -> ``"pkg.module.func"``, the dotted path RQ imports.
-
-    Raises ValidationError unless both sides are dotted Python identifiers.
-    """
-    m = _SPEC.fullmatch(spec.strip())
-    if m is None:
-        raise ValidationError(f"on_complete {spec!r} must look like 'package.module:function'")
-    return f"{m[1]}.{m[2]}"
-
 
 #: statuses of a burst that has ended: its callback may run (a cancel or a deadline ends a burst
 #: as surely as its last result does)

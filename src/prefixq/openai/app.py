@@ -29,6 +29,7 @@ from prefixq.openai.auth import KeyRing
 from prefixq.openai.batches import BatchStore
 from prefixq.openai.pages import parse_limit
 from prefixq.openai.runner import Sweeper
+from prefixq.store.burst_end import BurstDoneAsync
 from prefixq.store.connection import async_client, describe
 
 __all__ = ["create_app"]
@@ -45,15 +46,22 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> JS
     return JSONResponse(ApiError(status, message, type=kind).body(), status_code=status)
 
 
-def create_app(settings: Settings, *, sweep_interval: float = 0.5) -> FastAPI:
-    """The app; its lifespan opens the Redis client and runs the batch sweeper (runner.py)."""
+def create_app(
+    settings: Settings,
+    *,
+    sweep_interval: float = 0.5,
+    on_burst_done: BurstDoneAsync | None = None,
+) -> FastAPI:
+    """The app; its lifespan opens the Redis client and runs the batch sweeper (runner.py).
+    ``on_burst_done`` runs for a burst that a cancel or an expiry here ends (its ``on_complete``:
+    `prefixq serve` passes RQ's)."""
     keyring = KeyRing.from_settings(settings)
     holder: dict[str, Any] = {}
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         r = async_client(settings)
-        sweeper = Sweeper(r, settings, keyring.namespaces)
+        sweeper = Sweeper(r, settings, keyring.namespaces, on_burst_done)
         holder["sweeper"] = sweeper
         task = asyncio.create_task(sweeper.run(sweep_interval))
         try:

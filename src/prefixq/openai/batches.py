@@ -149,12 +149,16 @@ def batch_object(m: dict[str, str], live: dict[str, str] | None = None) -> dict[
     }
 
 
-async def cancel_burst(r: aredis.Redis, settings: Settings, burst: str) -> None:
+async def cancel_burst(
+    r: aredis.Redis,
+    settings: Settings,
+    burst: str,
+    on_burst_done: bursts.BurstDoneAsync | None = None,
+) -> None:
     """Cancel the burst's unfinished requests (`prefixq.store.burst_end.acancel`); a burst that is
-    gone has
-    nothing left to cancel."""
+    gone has nothing left to cancel."""
     try:
-        await bursts.acancel(burst, settings, r)
+        await bursts.acancel(burst, settings, r, on_burst_done=on_burst_done)
     except BurstNotFound:
         log.warning("burst %s: nothing to cancel, its record is gone", burst)
 
@@ -166,8 +170,16 @@ def _decode(h: dict[bytes, bytes]) -> dict[str, str]:
 class BatchStore:
     """Batches of one namespace."""
 
-    def __init__(self, r: aredis.Redis, settings: Settings, namespace: str) -> None:
+    def __init__(
+        self,
+        r: aredis.Redis,
+        settings: Settings,
+        namespace: str,
+        on_burst_done: bursts.BurstDoneAsync | None = None,
+    ) -> None:
         self.r, self.keys = r, Keys(namespace)
+        #: a burst's ``on_complete`` when a cancel or an expiry here ends it (from the CLI)
+        self.on_burst_done = on_burst_done
         self.settings = settings.replace(namespace=namespace)
         self.files = FileStore(r, settings, namespace)
         self._move = r.register_script(lua("batch_transition"))
@@ -304,5 +316,5 @@ class BatchStore:
         # meanwhile); the runner also cancels a burst it queued for a batch found cancelling
         m = await self.record(batch_id)
         if await self.r.exists(self.keys.burst(m["burst"])):
-            await cancel_burst(self.r, self.settings, m["burst"])
+            await cancel_burst(self.r, self.settings, m["burst"], self.on_burst_done)
         return batch_object(m, await self.live(m))

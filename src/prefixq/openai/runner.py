@@ -124,9 +124,16 @@ class _Files:
 class Sweeper:
     """Validates, queues and finalizes the open batches of the given namespaces."""
 
-    def __init__(self, r: aredis.Redis, settings: Settings, namespaces: list[str]) -> None:
+    def __init__(
+        self,
+        r: aredis.Redis,
+        settings: Settings,
+        namespaces: list[str],
+        on_burst_done: bursts.BurstDoneAsync | None = None,
+    ) -> None:
         self.r, self.settings = r, settings
-        self.stores = {ns: BatchStore(r, settings, ns) for ns in namespaces}
+        self.on_burst_done = on_burst_done
+        self.stores = {ns: BatchStore(r, settings, ns, on_burst_done) for ns in namespaces}
         self.tasks: set[asyncio.Task[None]] = set()
         self.busy: set[tuple[str, str]] = set()
         #: batches whose last step failed: (not before, last delay), doubling up to a minute
@@ -166,7 +173,7 @@ class Sweeper:
                 done = {"cancelled_at": time.time(), "total": 0, "completed": 0, "failed": 0}
                 await store.move(batch_id, ("cancelling",), "cancelled", done, token=token)
             else:  # queued (in part) by an attempt that died: cancel it, then finalize it
-                await cancel_burst(self.r, store.settings, burst)
+                await cancel_burst(self.r, store.settings, burst, self.on_burst_done)
                 await self.r.hset(store.keys.oai_batch(batch_id), "total", int(exists[0]))
             return
         if m["status"] != "validating":
@@ -177,7 +184,9 @@ class Sweeper:
                     store, batch_id, burst, int(exists[0]), m.get("model", ""), token
                 )
                 return
-            await cancel_burst(self.r, store.settings, burst)  # partly queued: none of it may run
+            await cancel_burst(
+                self.r, store.settings, burst, self.on_burst_done
+            )  # partly queued: none of it may run
             attempt = await self.r.hincrby(store.keys.oai_batch(batch_id), "attempts", 1)
             burst = f"{batch_id}-{attempt}"
             await self.r.hset(store.keys.oai_batch(batch_id), "burst", burst)
@@ -238,7 +247,7 @@ class Sweeper:
             batch_id, ("validating",), "in_progress", {"in_progress_at": time.time()}, token=token
         )
         if moved == 0 and (await store.record(batch_id))["status"] == "cancelling":
-            await cancel_burst(self.r, store.settings, burst)
+            await cancel_burst(self.r, store.settings, burst, self.on_burst_done)
 
     async def finalize(self, store: BatchStore, batch_id: str, token: str) -> None:
         """Write the output and error files of a batch whose burst has every result."""
@@ -320,7 +329,9 @@ class Sweeper:
         one and whose lease is free."""
         for store in self.stores.values():
             ns = store.keys.ns
-            await bursts.expire_due(self.r, store.settings)  # batches past their window
+            await bursts.expire_due(  # batches past their window
+                self.r, store.settings, on_burst_done=self.on_burst_done
+            )
             open_ids = {x.decode() for x in await self.r.smembers(store.keys.oai_open)}
             for key in [k for k in self.retry if k[0] == ns and k[1] not in open_ids]:
                 del self.retry[key]  # finished elsewhere meanwhile

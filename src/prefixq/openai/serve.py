@@ -12,6 +12,7 @@ from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
 from prefixq.openai.auth import KeyRing, is_loopback
 from prefixq.openai.files import files_root
+from prefixq.store.burst_end import BurstDoneAsync
 from prefixq.store.connection import sync_client
 
 __all__ = ["serve"]
@@ -19,8 +20,15 @@ __all__ = ["serve"]
 log = logging.getLogger(__name__)
 
 
-def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8000) -> int:
-    """Check the settings and Redis, then serve until SIGINT/SIGTERM; returns the exit code."""
+def serve(
+    settings: Settings,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    on_burst_done: BurstDoneAsync | None = None,
+) -> int:
+    """Check the settings and Redis, then serve until SIGINT/SIGTERM; returns the exit code.
+    ``on_burst_done``: see `create_app`."""
     import uvicorn
 
     from prefixq.openai.app import create_app
@@ -58,7 +66,7 @@ def serve(settings: Settings, *, host: str = "127.0.0.1", port: int = 8000) -> i
     )
     try:
         uvicorn.run(
-            create_app(settings),
+            create_app(settings, on_burst_done=on_burst_done),
             host=host,
             port=port,
             log_config=None,

@@ -9,7 +9,9 @@ which have no result and read their request ids from `Keys.ids`, one script call
 so Redis is never blocked long. The burst record counts them as ``failed`` and per reason
 (``cancelled`` / ``expired``); its status is ``cancelling`` / ``expiring`` meanwhile and
 ``cancelled`` / ``expired`` once nothing is missing. The call that completes the burst enqueues
-its ``on_complete`` RQ job (once per burst, as a worker does when its result completes one).
+its ``on_complete`` through the ``on_burst_done`` hook its caller passes (the CLI, the HTTP server
+and the worker pass prefixq.integrations.rq_callbacks' enqueue functions; this module imports no
+integration), as a worker does when its result completes one.
 
 Then (once every missing result is recorded, so that the counters and the final status are
 this module's) `cancel` posts ``{b: burst, c: created}`` to `Keys.cancels` (with ``r: expired``
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -36,9 +38,24 @@ from prefixq.core.records import Result
 from prefixq.core.settings import Settings
 from prefixq.store.connection import TRANSIENT, describe, lua, sync_client
 
-__all__ = ["CHUNK", "CancelReport", "acancel", "cancel", "ended_result", "expire_due"]
+__all__ = [
+    "CHUNK",
+    "BurstDone",
+    "BurstDoneAsync",
+    "CancelReport",
+    "acancel",
+    "cancel",
+    "ended_result",
+    "expire_due",
+]
 
 log = logging.getLogger(__name__)
+
+#: what runs when a call here records a burst's last result (``client, settings, burst``): the
+#: burst's ``on_complete`` (prefixq.integrations.rq_callbacks.enqueue_on_complete_sync); idempotent
+BurstDone = Callable[[redis.Redis, Settings, str], object]
+#: the same on an event loop (prefixq.integrations.rq_callbacks.enqueue_on_complete)
+BurstDoneAsync = Callable[[aredis.Redis, Settings, str], Awaitable[object]]
 
 #: indexes per finish_missing call
 CHUNK = 1000
@@ -133,14 +150,21 @@ def _no_index(f: _Finisher) -> list[Any]:
 
 
 # ---- sync -------------------------------------------------------------------------------------
-def cancel(burst: str, settings: Settings, *, client: redis.Redis | None = None) -> CancelReport:
+def cancel(
+    burst: str,
+    settings: Settings,
+    *,
+    client: redis.Redis | None = None,
+    on_burst_done: BurstDone | None = None,
+) -> CancelReport:
     """Cancel ``burst``: queued requests are not run, requests in an engine are aborted, every
     request without a result gets one with ``error_code`` ``cancelled``; finished results stay.
     Idempotent; a burst with nothing left to cancel is reported as such and left unchanged.
-    BurstNotFound for an unknown (or expired) burst."""
+    BurstNotFound for an unknown (or expired) burst. ``on_burst_done`` runs if this call ends it.
+    """
     r = client or sync_client(settings)
     try:
-        return _cancel(r, settings, burst)
+        return _cancel(r, settings, burst, on_burst_done)
     except TRANSIENT as e:
         raise describe(settings, e) from e
     finally:
@@ -148,7 +172,9 @@ def cancel(burst: str, settings: Settings, *, client: redis.Redis | None = None)
             r.close()
 
 
-def _cancel(r: redis.Redis, settings: Settings, burst: str) -> CancelReport:
+def _cancel(
+    r: redis.Redis, settings: Settings, burst: str, on_burst_done: BurstDone | None
+) -> CancelReport:
     keys = settings.keys
     before = _counts(r.hmget(keys.burst(burst), "total", "done", "failed", "status"), burst)
     if before is None:
@@ -160,10 +186,8 @@ def _cancel(r: redis.Redis, settings: Settings, burst: str) -> CancelReport:
     _finish_sync(r, f, total)
     r.xadd(keys.cancels, _notice(burst, r.hget(keys.burst(burst), "created")), **_KEEP)
     r.zrem(keys.deadlines, burst)
-    if f.completed:
-        from prefixq.integrations.rq_callbacks import enqueue_on_complete_sync
-
-        enqueue_on_complete_sync(r, settings, burst)
+    if f.completed and on_burst_done is not None:
+        on_burst_done(r, settings, burst)
     after = _counts(r.hmget(keys.burst(burst), "total", "done", "failed", "status"), burst)
     total, done, failed, status = after or before
     log.info("burst %s cancelled: %d requests failed as cancelled", burst, f.recorded)
@@ -187,7 +211,13 @@ def _finish_sync(r: redis.Redis, f: _Finisher, total: int) -> None:
 
 
 # ---- async ------------------------------------------------------------------------------------
-async def acancel(burst: str, settings: Settings, r: aredis.Redis) -> CancelReport:
+async def acancel(
+    burst: str,
+    settings: Settings,
+    r: aredis.Redis,
+    *,
+    on_burst_done: BurstDoneAsync | None = None,
+) -> CancelReport:
     """`cancel` inside an event loop, on the caller's client."""
     keys = settings.keys
     before = _counts(await r.hmget(keys.burst(burst), "total", "done", "failed", "status"), burst)
@@ -201,17 +231,21 @@ async def acancel(burst: str, settings: Settings, r: aredis.Redis) -> CancelRepo
     notice = _notice(burst, await r.hget(keys.burst(burst), "created"))
     await r.xadd(keys.cancels, notice, **_KEEP)
     await r.zrem(keys.deadlines, burst)
-    if f.completed:
-        from prefixq.integrations.rq_callbacks import enqueue_on_complete
-
-        await enqueue_on_complete(r, settings, burst)
+    if f.completed and on_burst_done is not None:
+        await on_burst_done(r, settings, burst)
     after = _counts(await r.hmget(keys.burst(burst), "total", "done", "failed", "status"), burst)
     total, done, failed, status = after or before
     log.info("burst %s cancelled: %d requests failed as cancelled", burst, f.recorded)
     return CancelReport(burst, status, total, done, failed, f.recorded, False, f.completed)
 
 
-async def expire_due(r: aredis.Redis, settings: Settings, now: float | None = None) -> list[str]:
+async def expire_due(
+    r: aredis.Redis,
+    settings: Settings,
+    now: float | None = None,
+    *,
+    on_burst_done: BurstDoneAsync | None = None,
+) -> list[str]:
     """Expire every burst whose deadline is at or before ``now``: its requests without a result
     get one with ``error_code`` ``expired``, its status becomes ``expired`` (finished results
     stay), and it leaves `Keys.deadlines`. Safe to run from several workers at once (each index
@@ -236,10 +270,8 @@ async def expire_due(r: aredis.Redis, settings: Settings, now: float | None = No
             await _finish_async(r, f, before[0])
             notice = _notice(burst, await r.hget(keys.burst(burst), "created"), "expired")
             await r.xadd(keys.cancels, notice, **_KEEP)
-            if f.completed:
-                from prefixq.integrations.rq_callbacks import enqueue_on_complete
-
-                await enqueue_on_complete(r, settings, burst)
+            if f.completed and on_burst_done is not None:
+                await on_burst_done(r, settings, burst)
             if f.recorded:
                 expired.append(burst)
                 log.info("burst %s expired: %d requests failed as expired", burst, f.recorded)

@@ -23,7 +23,7 @@ from redis.exceptions import ResponseError
 from prefixq.core.entries import Entry
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
-from prefixq.store.burst_end import expire_due
+from prefixq.store.burst_end import BurstDoneAsync, expire_due
 from prefixq.store.connection import TRANSIENT, Backoff
 
 log = logging.getLogger(__name__)
@@ -37,9 +37,13 @@ KEPT = 10_000
 class BurstEnds:
     """One worker's view of ended bursts."""
 
-    def __init__(self, r: aredis.Redis, settings: Settings) -> None:
+    def __init__(
+        self, r: aredis.Redis, settings: Settings, *, on_burst_done: BurstDoneAsync | None = None
+    ) -> None:
         self.r = r
         self.settings = settings
+        #: runs for a burst that an expiry here ended (the worker's middleware hooks)
+        self.on_burst_done = on_burst_done
         self.keys = Keys(settings.namespace)
         #: burst -> "cancelled" or "expired"
         self.ended: OrderedDict[str, str] = OrderedDict()
@@ -110,7 +114,7 @@ class BurstEnds:
         while True:
             await asyncio.sleep(EXPIRY_EVERY_S)
             try:
-                await expire_due(self.r, self.settings)
+                await expire_due(self.r, self.settings, on_burst_done=self.on_burst_done)
             except (*TRANSIENT, ResponseError) as e:
                 log.warning("expiring bursts failed: %s", e)
             except Exception:  # whatever Redis holds, deadlines must keep being enforced

@@ -96,7 +96,9 @@ class Worker:
         self._gate = SoloGate()
         self._dead: str | None = None
         #: bursts cancelled or expired: their queued entries are not run (worker/ends.py)
-        self.ends = BurstEnds(self.r, settings)
+        self.ends = BurstEnds(
+            self.r, settings, on_burst_done=lambda _r, _s, burst: self._burst_done(burst)
+        )
         self.prefixes = PrefixCache(self.r, self.keys, self.limits, settings.prefix_cache_entries)
         self.writer = ResultWriter(
             self.stream,
