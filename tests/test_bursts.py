@@ -272,13 +272,13 @@ def test_the_cancel_that_ends_a_burst_enqueues_its_on_complete_job_once(
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from prefixq.integrations.rq_callbacks import callback_job_id, enqueue_on_complete_sync
+    from prefixq.integrations.rq_callbacks import callback_job_id, enqueue_on_complete
 
     calls: list[str] = []
 
     def hook(client: redis.Redis, s: Settings, burst: str) -> None:
         calls.append(burst)
-        enqueue_on_complete_sync(client, s, burst)
+        enqueue_on_complete(client, s, burst)
 
     q = Queue(f"rq-{settings.namespace}", connection=r, serializer=JSONSerializer)
     burst = submit(settings, 3, on_complete="rq_targets:mark_done", rq_queue=q.name)

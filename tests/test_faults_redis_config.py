@@ -28,7 +28,7 @@ from prefixq.client import Producer, results
 from prefixq.core.errors import ConfigError, RedisOutOfMemory
 from prefixq.core.settings import Settings
 from prefixq.store.connection import describe, error_text, lua
-from prefixq.store.policy import check_policy, check_policy_sync
+from prefixq.store.policy import acheck_policy, check_policy
 
 pytestmark = pytest.mark.slow
 
@@ -113,7 +113,7 @@ def test_policy_is_read_from_info_when_the_acl_refuses_config(
         with pytest.raises(redis.exceptions.NoPermissionError):
             r.config_get("maxmemory-policy")
         with pytest.raises(ConfigError, match="maxmemory-policy allkeys-random"):
-            check_policy_sync(r, s)
+            check_policy(r, s)
     finally:
         r.close()
 
@@ -121,7 +121,7 @@ def test_policy_is_read_from_info_when_the_acl_refuses_config(
         ar = aredis.Redis.from_url(s.redis_url)
         try:
             with pytest.raises(ConfigError, match="maxmemory-policy allkeys-random"):
-                await check_policy(ar, s)
+                await acheck_policy(ar, s)
         finally:
             await ar.aclose()
 
@@ -140,7 +140,7 @@ def test_policy_that_cannot_be_read_is_a_warning_not_an_error(
     r = redis.Redis.from_url(s.redis_url)
     try:
         with caplog.at_level(logging.WARNING, logger="prefixq.store.policy"):
-            check_policy_sync(r, s)
+            check_policy(r, s)
     finally:
         r.close()
     assert any("could not check the maxmemory-policy" in m for m in caplog.messages)

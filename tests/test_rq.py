@@ -34,7 +34,7 @@ from prefixq.core.errors import BurstTimeout, ValidationError
 from prefixq.core.keys import GROUP, Keys
 from prefixq.core.settings import Settings
 from prefixq.integrations import rq_jobs
-from prefixq.integrations.rq_callbacks import callback_job_id, callback_path, enqueue_on_complete
+from prefixq.integrations.rq_callbacks import aenqueue_on_complete, callback_job_id, callback_path
 from prefixq.integrations.rq_jobs import _too_many_failed
 from prefixq.ops.recovery import Recovery
 from prefixq.store.burst_end import cancel
@@ -418,7 +418,7 @@ def test_concurrent_enqueue_on_complete_enqueues_one_job(s: Settings, r: redis.R
     async def main() -> list[str | None]:
         clients = [aredis.Redis.from_url(s.redis_url) for _ in range(8)]
         try:
-            return await asyncio.gather(*(enqueue_on_complete(c, s, burst) for c in clients))
+            return await asyncio.gather(*(aenqueue_on_complete(c, s, burst) for c in clients))
         finally:
             await asyncio.gather(*(c.aclose() for c in clients))
 
@@ -429,12 +429,12 @@ def test_concurrent_enqueue_on_complete_enqueues_one_job(s: Settings, r: redis.R
 
 
 def enqueue_once(s: Settings, burst: str) -> str | None:
-    """`enqueue_on_complete` for ``burst`` from a fresh asyncio client, as a worker calls it."""
+    """`aenqueue_on_complete` for ``burst`` from a fresh asyncio client, as a worker calls it."""
 
     async def main() -> str | None:
         c = aredis.Redis.from_url(s.redis_url)
         try:
-            return await enqueue_on_complete(c, s, burst)
+            return await aenqueue_on_complete(c, s, burst)
         finally:
             await c.aclose()
 

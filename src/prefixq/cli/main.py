@@ -231,7 +231,7 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     from prefixq.cli.progress import BurstProgress, EnqueueProgress
     from prefixq.client import Producer, results
     from prefixq.core.inputs import read_requests
-    from prefixq.integrations.rq_callbacks import enqueue_on_complete
+    from prefixq.integrations.rq_callbacks import aenqueue_on_complete
     from prefixq.openai.outputs import input_metadata, write_results
 
     _check_timeout(args.timeout)
@@ -248,7 +248,7 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     if args.token_ids and fmt == "openai":  # refused before the burst is submitted, not after
         raise ConfigError("--token-ids goes with the prefixq format, not openai")
     with EnqueueProgress(len(reqs)) as bar:
-        burst = Producer(settings, on_burst_done=enqueue_on_complete).submit(
+        burst = Producer(settings, on_burst_done=aenqueue_on_complete).submit(
             reqs, burst_id=args.burst_id, progress=bar.update, metadata=meta
         )
     print(f"submitted {len(reqs)} requests as burst {burst}", file=sys.stderr)
@@ -293,18 +293,18 @@ def cmd_results(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     """The OpenAI-compatible Batch API (docs/openai.md), until SIGINT or SIGTERM."""
-    from prefixq.integrations.rq_callbacks import enqueue_on_complete
+    from prefixq.integrations.rq_callbacks import aenqueue_on_complete
     from prefixq.openai.serve import serve
 
-    return serve(settings, host=args.host, port=args.port, on_burst_done=enqueue_on_complete)
+    return serve(settings, host=args.host, port=args.port, on_burst_done=aenqueue_on_complete)
 
 
 def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
     """Cancel a burst (prefixq.store.burst_end.cancel); exit 0 also when it had finished already."""
-    from prefixq.integrations.rq_callbacks import enqueue_on_complete_sync
+    from prefixq.integrations.rq_callbacks import enqueue_on_complete
     from prefixq.store.burst_end import cancel
 
-    rep = cancel(args.burst, settings, on_burst_done=enqueue_on_complete_sync)
+    rep = cancel(args.burst, settings, on_burst_done=enqueue_on_complete)
     if args.json:
         print(json.dumps(rep.to_json(), indent=2))
     elif rep.already_finished:
@@ -366,14 +366,12 @@ def cmd_check(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_reclaim(args: argparse.Namespace, settings: Settings) -> int:
     """Entries idle on dead consumers back to live workers; over-limit ones to dead letters."""
-    from prefixq.integrations.rq_callbacks import enqueue_on_complete_sync
+    from prefixq.integrations.rq_callbacks import enqueue_on_complete
     from prefixq.ops.recovery import Recovery
 
     if args.idle_s is not None and not args.idle_s >= 0:
         raise ConfigError(f"--idle-s must be >= 0, not {args.idle_s}")
-    reports = Recovery(settings, on_burst_done=enqueue_on_complete_sync).reclaim(
-        args.shard, args.idle_s
-    )
+    reports = Recovery(settings, on_burst_done=enqueue_on_complete).reclaim(args.shard, args.idle_s)
     if args.json:
         print(json.dumps([r.to_json() for r in reports], indent=2))
         return 0
@@ -389,10 +387,10 @@ def cmd_dead(args: argparse.Namespace, settings: Settings) -> int:
     """List dead letters, or re-submit them with --requeue."""
     import time
 
-    from prefixq.integrations.rq_callbacks import enqueue_on_complete_sync
+    from prefixq.integrations.rq_callbacks import enqueue_on_complete
     from prefixq.ops.recovery import Recovery
 
-    rec = Recovery(settings, on_burst_done=enqueue_on_complete_sync)
+    rec = Recovery(settings, on_burst_done=enqueue_on_complete)
     if args.requeue:
         rep = rec.requeue(args.shard, args.id or None)
         if args.json:

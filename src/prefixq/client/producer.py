@@ -63,9 +63,9 @@ from prefixq.core.keys import Keys
 from prefixq.core.records import Request
 from prefixq.core.settings import Settings
 from prefixq.core.sharing import check_priority, check_tenant
-from prefixq.store.burst_end import BurstDoneAsync, acancel
-from prefixq.store.connection import TRANSIENT, async_client, describe_async, lua
-from prefixq.store.deployment import resolve_shards
+from prefixq.store.burst_end import AsyncBurstDone, acancel
+from prefixq.store.connection import TRANSIENT, adescribe, async_client, lua
+from prefixq.store.deployment import aresolve_shards
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class Producer:
         *,
         tokenizer: Any = None,
         model: str = "",
-        on_burst_done: BurstDoneAsync | None = None,
+        on_burst_done: AsyncBurstDone | None = None,
     ) -> None:
         self.settings = settings or Settings.from_env()
         #: runs when a submit that failed midway cancels its burst and that ends it (the burst's
@@ -236,7 +236,7 @@ class Producer:
                         raise
             raise AssertionError("unreachable")
         except (*TRANSIENT, RedisError) as e:  # ours, with a hint (one exception root)
-            raise await describe_async(s, e, r) from e
+            raise await adescribe(s, e, r) from e
         finally:
             if kept is None:
                 await r.aclose()
@@ -256,7 +256,7 @@ class Producer:
     async def shards(self, r: aredis.Redis) -> int:
         """The deployment's shard count (read once)."""
         if not self._shards:
-            self._shards = await resolve_shards(r, self.settings)
+            self._shards = await aresolve_shards(r, self.settings)
         return self._shards
 
     async def placer(self, r: aredis.Redis, name: str | Placer, seed: int | None) -> Placer:

@@ -32,10 +32,10 @@ from prefixq.worker.middleware import Host, Middleware
 __all__ = [
     "ENDED",
     "RqCompletion",
+    "aenqueue_on_complete",
     "callback_job_id",
     "callback_path",
     "enqueue_on_complete",
-    "enqueue_on_complete_sync",
 ]
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ def callback_job_id(namespace: str, burst: str) -> str:
     return f"prefixq-done-{re.sub(r'[^A-Za-z0-9_-]', '_', burst)[:64]}-{digest}"
 
 
-def enqueue_on_complete_sync(client: redis.Redis, settings: Settings, burst: str) -> str | None:
+def enqueue_on_complete(client: redis.Redis, settings: Settings, burst: str) -> str | None:
     """Enqueue the burst's ``on_complete`` RQ job unless it was already; returns the new job's id.
 
     Returns None when the burst has no callback, has not ended (finished, cancelled or
@@ -111,8 +111,8 @@ def enqueue_on_complete_sync(client: redis.Redis, settings: Settings, burst: str
             return job_id
 
 
-async def enqueue_on_complete(r: aredis.Redis, settings: Settings, burst: str) -> str | None:
-    """`enqueue_on_complete_sync` from an event loop; returns the new RQ job's id or None.
+async def aenqueue_on_complete(r: aredis.Redis, settings: Settings, burst: str) -> str | None:
+    """`enqueue_on_complete` from an event loop; returns the new RQ job's id or None.
 
     A burst without ``on_complete`` costs one HMGET on ``r``; otherwise RQ's blocking client runs
     in a thread (``asyncio.to_thread``) on its own short-lived connection.
@@ -127,7 +127,7 @@ async def enqueue_on_complete(r: aredis.Redis, settings: Settings, burst: str) -
 def _enqueue_with_own_client(settings: Settings, burst: str) -> str | None:
     client = sync_client(settings)
     try:
-        return enqueue_on_complete_sync(client, settings, burst)
+        return enqueue_on_complete(client, settings, burst)
     except TRANSIENT as e:
         raise describe(settings, e) from e
     finally:
@@ -136,7 +136,7 @@ def _enqueue_with_own_client(settings: Settings, burst: str) -> str | None:
 
 class RqCompletion(Middleware):
     """A worker middleware (worker/middleware.py): enqueues a burst's ``on_complete`` RQ job
-    when a result the worker recorded completes the burst (`enqueue_on_complete`, idempotent)."""
+    when a result the worker recorded completes the burst (`aenqueue_on_complete`, idempotent)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -147,4 +147,4 @@ class RqCompletion(Middleware):
 
     async def after_burst_done(self, burst: str) -> None:
         if self.r is not None:
-            await enqueue_on_complete(self.r, self.settings, burst)
+            await aenqueue_on_complete(self.r, self.settings, burst)

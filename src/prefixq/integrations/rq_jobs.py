@@ -35,7 +35,7 @@ from prefixq.core.errors import (
 from prefixq.core.inputs import read_requests
 from prefixq.core.records import Request
 from prefixq.core.settings import Settings
-from prefixq.integrations.rq_callbacks import enqueue_on_complete, enqueue_on_complete_sync
+from prefixq.integrations.rq_callbacks import aenqueue_on_complete, enqueue_on_complete
 from prefixq.store import burst_end as bursts
 from prefixq.store.connection import redact, sync_client
 
@@ -155,7 +155,7 @@ def _earlier_attempt(
         job.id,
         prior,
     )
-    bursts.cancel(prior, settings, client=client, on_burst_done=enqueue_on_complete_sync)
+    bursts.cancel(prior, settings, client=client, on_burst_done=enqueue_on_complete)
     if burst_id == prior:
         raise ValidationError(
             f"burst {prior}: an earlier attempt of RQ job {job.id} died while submitting it, so it "
@@ -183,7 +183,7 @@ def _submit(settings: Settings, reqs: list[Any], burst_id: str | None) -> str:
             job.meta.update({META_BURST: burst, META_NAMESPACE: settings.namespace})
             job.save_meta()  # type: ignore[no-untyped-call]
         try:
-            Producer(settings, on_burst_done=enqueue_on_complete).submit(
+            Producer(settings, on_burst_done=aenqueue_on_complete).submit(
                 reqs, burst_id=burst, metadata=metadata
             )
         except BurstIdTaken:  # another producer drew the same new id: draw again

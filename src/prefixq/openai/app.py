@@ -29,7 +29,7 @@ from prefixq.openai.auth import KeyRing
 from prefixq.openai.batches import BatchStore
 from prefixq.openai.pages import parse_limit
 from prefixq.openai.runner import Sweeper
-from prefixq.store.burst_end import BurstDoneAsync
+from prefixq.store.burst_end import AsyncBurstDone
 from prefixq.store.connection import async_client, describe
 
 __all__ = ["create_app"]
@@ -50,7 +50,7 @@ def create_app(
     settings: Settings,
     *,
     sweep_interval: float = 0.5,
-    on_burst_done: BurstDoneAsync | None = None,
+    on_burst_done: AsyncBurstDone | None = None,
 ) -> FastAPI:
     """The app; its lifespan opens the Redis client and runs the batch sweeper (runner.py).
     ``on_burst_done`` runs for a burst that a cancel or an expiry here ends (its ``on_complete``:

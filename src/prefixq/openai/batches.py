@@ -153,7 +153,7 @@ async def cancel_burst(
     r: aredis.Redis,
     settings: Settings,
     burst: str,
-    on_burst_done: bursts.BurstDoneAsync | None = None,
+    on_burst_done: bursts.AsyncBurstDone | None = None,
 ) -> None:
     """Cancel the burst's unfinished requests (`prefixq.store.burst_end.acancel`); a burst that is
     gone has nothing left to cancel."""
@@ -175,7 +175,7 @@ class BatchStore:
         r: aredis.Redis,
         settings: Settings,
         namespace: str,
-        on_burst_done: bursts.BurstDoneAsync | None = None,
+        on_burst_done: bursts.AsyncBurstDone | None = None,
     ) -> None:
         self.r, self.keys = r, Keys(namespace)
         #: a burst's ``on_complete`` when a cancel or an expiry here ends it (from the CLI)

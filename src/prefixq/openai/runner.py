@@ -129,7 +129,7 @@ class Sweeper:
         r: aredis.Redis,
         settings: Settings,
         namespaces: list[str],
-        on_burst_done: bursts.BurstDoneAsync | None = None,
+        on_burst_done: bursts.AsyncBurstDone | None = None,
     ) -> None:
         self.r, self.settings = r, settings
         self.on_burst_done = on_burst_done

@@ -12,7 +12,7 @@ from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
 from prefixq.openai.auth import KeyRing, is_loopback
 from prefixq.openai.files import files_root
-from prefixq.store.burst_end import BurstDoneAsync
+from prefixq.store.burst_end import AsyncBurstDone
 from prefixq.store.connection import sync_client
 
 __all__ = ["serve"]
@@ -25,7 +25,7 @@ def serve(
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
-    on_burst_done: BurstDoneAsync | None = None,
+    on_burst_done: AsyncBurstDone | None = None,
 ) -> int:
     """Check the settings and Redis, then serve until SIGINT/SIGTERM; returns the exit code.
     ``on_burst_done``: see `create_app`."""

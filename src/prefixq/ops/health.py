@@ -18,7 +18,7 @@ from redis.exceptions import RedisError
 from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
 from prefixq.store.connection import describe, error_text, redact, refused, sync_client
-from prefixq.store.policy import check_policy_sync
+from prefixq.store.policy import check_policy
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def check(
         raise ConfigError(f"--shard must be >= 0, not {shard}")
     r = client or sync_client(settings)
     try:
-        check_policy_sync(r, settings)
+        check_policy(r, settings)
         return _check(r, settings, shard)
     except (RedisError, OSError) as e:
         if refused(e):  # no retry or restart fixes it: a configuration error

@@ -60,7 +60,7 @@ from prefixq.store.dead_letters import (
     failed_result,
     identify,
 )
-from prefixq.store.deployment import resolve_shards_sync
+from prefixq.store.deployment import resolve_shards
 from prefixq.worker.reclaim import over_limit
 from prefixq.worker.shard import BURST_DONE, FINISHED_DUPLICATE, group_lost, record_call
 
@@ -131,7 +131,7 @@ class Recovery:
     ) -> None:
         """``on_burst_done(client, settings, burst)`` runs when a failed result this records
         completes a burst (the CLI passes
-        prefixq.integrations.rq_callbacks.enqueue_on_complete_sync)."""
+        prefixq.integrations.rq_callbacks.enqueue_on_complete)."""
         self.s = settings
         self.on_burst_done = on_burst_done
         self.r = client or sync_client(settings)
@@ -144,7 +144,7 @@ class Recovery:
 
     def shards(self, shard: int | None = None) -> list[int]:
         """``[shard]`` (checked against the deployment's shard count), or every shard."""
-        n = resolve_shards_sync(self.r, self.s)
+        n = resolve_shards(self.r, self.s)
         if shard is None:
             return list(range(n))
         if not 0 <= shard < n:

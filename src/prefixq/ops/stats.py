@@ -33,7 +33,7 @@ from prefixq.core.records import Result
 from prefixq.core.settings import Settings
 from prefixq.core.sharing import band
 from prefixq.ops import queues
-from prefixq.store.deployment import resolve_shards_sync
+from prefixq.store.deployment import resolve_shards
 
 PERCENTILES = (50, 95, 99)
 #: results read per burst for its latency percentiles (a uniform random sample beyond that)
@@ -322,7 +322,7 @@ def snapshot(
     from prefixq.store.connection import sync_client
 
     r = client or sync_client(settings)
-    shards = resolve_shards_sync(r, settings)
+    shards = resolve_shards(r, settings)
     bursts = [burst] if burst else recent_bursts(r, settings.keys, recent)
     lane_bursts: dict[tuple[str, str], set[str]] = {}
     per_shard = shard_stats(r, settings, shards, lane_bursts)

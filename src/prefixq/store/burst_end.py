@@ -40,8 +40,8 @@ from prefixq.store.connection import TRANSIENT, describe, lua, sync_client
 
 __all__ = [
     "CHUNK",
+    "AsyncBurstDone",
     "BurstDone",
-    "BurstDoneAsync",
     "CancelReport",
     "acancel",
     "cancel",
@@ -52,10 +52,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: what runs when a call here records a burst's last result (``client, settings, burst``): the
-#: burst's ``on_complete`` (prefixq.integrations.rq_callbacks.enqueue_on_complete_sync); idempotent
+#: burst's ``on_complete`` (prefixq.integrations.rq_callbacks.enqueue_on_complete); idempotent
 BurstDone = Callable[[redis.Redis, Settings, str], object]
-#: the same on an event loop (prefixq.integrations.rq_callbacks.enqueue_on_complete)
-BurstDoneAsync = Callable[[aredis.Redis, Settings, str], Awaitable[object]]
+#: the same on an event loop (prefixq.integrations.rq_callbacks.aenqueue_on_complete)
+AsyncBurstDone = Callable[[aredis.Redis, Settings, str], Awaitable[object]]
 
 #: indexes per finish_missing call
 CHUNK = 1000
@@ -183,7 +183,7 @@ def _cancel(
     if done + failed >= total:
         return CancelReport(burst, status, total, done, failed, 0, True)
     f = _Finisher(keys, settings, burst, "cancelled")
-    _finish_sync(r, f, total)
+    _finish(r, f, total)
     r.xadd(keys.cancels, _notice(burst, r.hget(keys.burst(burst), "created")), **_KEEP)
     r.zrem(keys.deadlines, burst)
     if f.completed and on_burst_done is not None:
@@ -194,7 +194,7 @@ def _cancel(
     return CancelReport(burst, status, total, done, failed, f.recorded, False, f.completed)
 
 
-def _finish_sync(r: redis.Redis, f: _Finisher, total: int) -> None:
+def _finish(r: redis.Redis, f: _Finisher, total: int) -> None:
     script = r.register_script(lua("finish_missing"))
     f.absorb(script(keys=f.script_keys, args=_no_index(f)))
     for chunk in f.chunks(total):
@@ -216,7 +216,7 @@ async def acancel(
     settings: Settings,
     r: aredis.Redis,
     *,
-    on_burst_done: BurstDoneAsync | None = None,
+    on_burst_done: AsyncBurstDone | None = None,
 ) -> CancelReport:
     """`cancel` inside an event loop, on the caller's client."""
     keys = settings.keys
@@ -227,7 +227,7 @@ async def acancel(
     if done + failed >= total:
         return CancelReport(burst, status, total, done, failed, 0, True)
     f = _Finisher(keys, settings, burst, "cancelled")
-    await _finish_async(r, f, total)
+    await _afinish(r, f, total)
     notice = _notice(burst, await r.hget(keys.burst(burst), "created"))
     await r.xadd(keys.cancels, notice, **_KEEP)
     await r.zrem(keys.deadlines, burst)
@@ -244,7 +244,7 @@ async def expire_due(
     settings: Settings,
     now: float | None = None,
     *,
-    on_burst_done: BurstDoneAsync | None = None,
+    on_burst_done: AsyncBurstDone | None = None,
 ) -> list[str]:
     """Expire every burst whose deadline is at or before ``now``: its requests without a result
     get one with ``error_code`` ``expired``, its status becomes ``expired`` (finished results
@@ -267,7 +267,7 @@ async def expire_due(
             continue
         if before is not None and before[1] + before[2] < before[0]:
             f = _Finisher(keys, settings, burst, "expired")
-            await _finish_async(r, f, before[0])
+            await _afinish(r, f, before[0])
             notice = _notice(burst, await r.hget(keys.burst(burst), "created"), "expired")
             await r.xadd(keys.cancels, notice, **_KEEP)
             if f.completed and on_burst_done is not None:
@@ -279,7 +279,7 @@ async def expire_due(
     return expired
 
 
-async def _finish_async(r: aredis.Redis, f: _Finisher, total: int) -> None:
+async def _afinish(r: aredis.Redis, f: _Finisher, total: int) -> None:
     script = r.register_script(lua("finish_missing"))
     f.absorb(await script(keys=f.script_keys, args=_no_index(f)))
     for chunk in f.chunks(total):

@@ -193,11 +193,11 @@ def describe(
     return _describe(settings, err, memory_figures(client) if client and is_oom(err) else None)
 
 
-async def describe_async(
+async def adescribe(
     settings: Settings, err: BaseException, client: aredis.Redis | None = None
 ) -> PrefixqErrorLike:
     """`describe` with an asyncio client for the memory figures."""
-    figures = await memory_figures_async(client) if client and is_oom(err) else None
+    figures = await amemory_figures(client) if client and is_oom(err) else None
     return _describe(settings, err, figures)
 
 
@@ -256,7 +256,7 @@ def memory_figures(client: redis.Redis) -> str | None:
         return None
 
 
-async def memory_figures_async(client: aredis.Redis) -> str | None:
+async def amemory_figures(client: aredis.Redis) -> str | None:
     """`memory_figures` with an asyncio client."""
     try:
         return _figures(await client.info("memory"))

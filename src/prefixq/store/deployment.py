@@ -12,7 +12,7 @@ import redis.asyncio as aredis
 from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
 
-__all__ = ["resolve_shards", "resolve_shards_sync"]
+__all__ = ["aresolve_shards", "resolve_shards"]
 
 
 def _shards(stored: bytes | None, settings: Settings) -> tuple[int, bool]:
@@ -42,7 +42,7 @@ def _shards(stored: bytes | None, settings: Settings) -> tuple[int, bool]:
     return settings.shards, True
 
 
-async def resolve_shards(r: aredis.Redis, settings: Settings) -> int:
+async def aresolve_shards(r: aredis.Redis, settings: Settings) -> int:
     """The deployment's shard count (asyncio client); records it on first use."""
     n, record = _shards(await r.hget(settings.keys.config, "shards"), settings)
     if record:
@@ -50,7 +50,7 @@ async def resolve_shards(r: aredis.Redis, settings: Settings) -> int:
     return n
 
 
-def resolve_shards_sync(r: redis.Redis, settings: Settings) -> int:
+def resolve_shards(r: redis.Redis, settings: Settings) -> int:
     """The same with a blocking client."""
     n, record = _shards(r.hget(settings.keys.config, "shards"), settings)
     if record:

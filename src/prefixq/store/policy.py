@@ -25,7 +25,7 @@ from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
 from prefixq.store.connection import error_text, redact
 
-__all__ = ["REQUIRED", "check_policy", "check_policy_sync", "verdict"]
+__all__ = ["REQUIRED", "acheck_policy", "check_policy", "verdict"]
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def verdict(policy: str | None, settings: Settings) -> str | None:
     )
 
 
-def check_policy_sync(r: redis.Redis, settings: Settings) -> None:
+def check_policy(r: redis.Redis, settings: Settings) -> None:
     """Read the policy with a blocking client and apply `verdict` (log its warning)."""
     try:
         policy = _from_config(r.config_get("maxmemory-policy"))
@@ -73,7 +73,7 @@ def check_policy_sync(r: redis.Redis, settings: Settings) -> None:
     _apply(policy, settings)
 
 
-async def check_policy(r: aredis.Redis, settings: Settings) -> None:
+async def acheck_policy(r: aredis.Redis, settings: Settings) -> None:
     """Read the policy with an asyncio client and apply `verdict` (log its warning)."""
     try:
         policy = _from_config(await r.config_get("maxmemory-policy"))

@@ -23,7 +23,7 @@ from redis.exceptions import ResponseError
 from prefixq.core.entries import Entry
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
-from prefixq.store.burst_end import BurstDoneAsync, expire_due
+from prefixq.store.burst_end import AsyncBurstDone, expire_due
 from prefixq.store.connection import TRANSIENT, Backoff
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class BurstEnds:
     """One worker's view of ended bursts."""
 
     def __init__(
-        self, r: aredis.Redis, settings: Settings, *, on_burst_done: BurstDoneAsync | None = None
+        self, r: aredis.Redis, settings: Settings, *, on_burst_done: AsyncBurstDone | None = None
     ) -> None:
         self.r = r
         self.settings = settings

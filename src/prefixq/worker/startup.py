@@ -16,7 +16,7 @@ from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
 from prefixq.engine.protocol import Engine, EngineRequest
 from prefixq.store.connection import TRANSIENT, Backoff, describe, raise_if_cancelled, refused
-from prefixq.store.policy import check_policy
+from prefixq.store.policy import acheck_policy
 from prefixq.worker.shard import ShardStream
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ async def register(stream: ShardStream, settings: Settings) -> None:
     has none, with a ``--shards`` other than the recorded count, or for a shard outside it is a
     ConfigError (producers would never send it work, or send work no worker serves)."""
     r, keys = stream.r, stream.keys
-    await retry(settings, "reading the eviction policy", lambda: check_policy(r, settings))
+    await retry(settings, "reading the eviction policy", lambda: acheck_policy(r, settings))
     count = 0
 
     async def shards() -> None:
