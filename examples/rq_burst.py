@@ -22,7 +22,7 @@ from rq import Queue, get_current_job
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from prefixq.client import results
+from prefixq import Burst
 from prefixq.core.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ def report(burst_job_id: str) -> dict[str, Any]:
     assert summary is not None, f"run_burst job {burst_job_id} has no result"
     # the summary names the namespace; REDIS_URL comes from this worker's environment
     settings = Settings.from_env(namespace=summary["namespace"])
-    answers = {res.id: res.text.strip() for res in results.iterate(summary["burst"], settings)}
+    answers = {res.id: res.text.strip() for res in Burst(summary["burst"], settings).iterate()}
     return {
         "burst": summary["burst"],
         "requests_per_s": summary["requests_per_s"],

@@ -1,10 +1,10 @@
 """Pattern 2: an upstream RQ job calls prefixq directly and chains a downstream job on completion.
 
 ``summarize`` submits the burst with ``Producer(...).submit(..., on_complete=..., rq_queue=...)``
-and waits for it with ``results.wait``. When the burst's last request is recorded, the prefixq
-worker that recorded it enqueues ``on_burst_done(burst_id)`` on ``rq_queue`` exactly once, and any
-RQ worker on that queue runs it. The upstream job need not wait at all (``wait=False``): the
-callback does not depend on it. Run it (from the repository root)::
+and waits on the ``Burst`` it returns (``burst.wait()``). When the burst's last request is
+recorded, the prefixq worker that recorded it enqueues ``on_burst_done(burst_id)`` on ``rq_queue``
+exactly once, and any RQ worker on that queue runs it. The upstream job need not wait at all
+(``wait=False``): the callback does not depend on it. Run it (from the repository root)::
 
     export REDIS_URL=redis://127.0.0.1:6379/0
     prefixq workers --cpu 1 &
@@ -25,9 +25,7 @@ from rq import Queue, get_current_job
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from prefixq import Producer
-from prefixq.client import results
-from prefixq.core.settings import Settings
+from prefixq import Burst, Producer, Settings
 from prefixq.integrations.rq_callbacks import callback_job_id
 
 log = logging.getLogger(__name__)
@@ -62,9 +60,14 @@ def summarize(wait: bool = True) -> dict[str, Any]:
     )
     log.info("submitted burst %s (%d requests)", burst, len(requests))
     if not wait:
-        return {"burst": burst, "namespace": settings.namespace}
-    st = results.wait(burst, settings, timeout=600)
-    return {"burst": burst, "namespace": settings.namespace, "done": st.done, "failed": st.failed}
+        return {"burst": burst.id, "namespace": settings.namespace}
+    st = burst.wait(timeout=600)  # the Burst handle; str(burst) is the id
+    return {
+        "burst": burst.id,
+        "namespace": settings.namespace,
+        "done": st.done,
+        "failed": st.failed,
+    }
 
 
 def on_burst_done(burst_id: str) -> dict[str, Any]:
@@ -73,8 +76,9 @@ def on_burst_done(burst_id: str) -> dict[str, Any]:
     assert job is not None, "on_burst_done runs as an RQ job"
     # prefixq puts the burst's namespace in the job's meta; REDIS_URL comes from the environment
     settings = Settings.from_env(namespace=job.meta["prefixq_namespace"])
-    labels = {res.id: res.text.strip() for res in results.collect(burst_id, settings)}
-    st = results.status(burst_id, settings)
+    burst = Burst(burst_id, settings)  # the handle of an id passed on as a string
+    labels = {res.id: res.text.strip() for res in burst.collect()}
+    st = burst.status()
     return {"burst": burst_id, "done": st.done, "failed": st.failed, "labels": labels}
 
 

@@ -1,5 +1,6 @@
 """prefixq: durable, prefix-affine, queue-based batch inference for vLLM over Redis streams."""
 
+from prefixq.client.burst import Burst
 from prefixq.client.producer import Producer
 from prefixq.core.errors import (
     BurstFailed,
@@ -25,6 +26,7 @@ from prefixq.core.settings import Settings
 __version__ = "0.1.0"
 
 __all__ = [
+    "Burst",
     "BurstFailed",
     "BurstNotFound",
     "BurstRecordLost",

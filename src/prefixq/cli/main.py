@@ -231,7 +231,7 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     from prefixq.cli.progress import BurstProgress, EnqueueProgress
     from prefixq.client import Producer, results
     from prefixq.core.inputs import read_requests
-    from prefixq.integrations.rq_callbacks import aenqueue_on_complete
+    from prefixq.integrations.rq_callbacks import RQ_ON_COMPLETE
     from prefixq.openai.outputs import input_metadata, write_results
 
     _check_timeout(args.timeout)
@@ -248,7 +248,7 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     if args.token_ids and fmt == "openai":  # refused before the burst is submitted, not after
         raise ConfigError("--token-ids goes with the prefixq format, not openai")
     with EnqueueProgress(len(reqs)) as bar:
-        burst = Producer(settings, on_burst_done=aenqueue_on_complete).submit(
+        burst = Producer(settings, on_burst_done=RQ_ON_COMPLETE).submit(
             reqs, burst_id=args.burst_id, progress=bar.update, metadata=meta
         )
     print(f"submitted {len(reqs)} requests as burst {burst}", file=sys.stderr)

@@ -1,5 +1,7 @@
-"""Producer side of prefixq."""
+"""The client side: `Producer` submits a burst and hands back its `Burst`; results are read
+through the handle (or prefixq.client.results for a bare id)."""
 
+from prefixq.client.burst import Burst
 from prefixq.client.producer import Producer, new_burst_id
 
-__all__ = ["Producer", "new_burst_id"]
+__all__ = ["Burst", "Producer", "new_burst_id"]

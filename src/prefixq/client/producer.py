@@ -51,6 +51,7 @@ from prefixq.affinity.placement import (
     RoundRobinPlacer,
 )
 from prefixq.affinity.prefix_map import AffinityPlacer
+from prefixq.client.burst import Burst
 from prefixq.client.encoding import Encoded, EntryEncoder, Parts
 from prefixq.client.items import ItemBuilder
 from prefixq.client.layout import Layout
@@ -63,7 +64,7 @@ from prefixq.core.keys import Keys
 from prefixq.core.records import Request
 from prefixq.core.settings import Settings
 from prefixq.core.sharing import check_priority, check_tenant
-from prefixq.store.burst_end import AsyncBurstDone, acancel
+from prefixq.store.burst_end import OnBurstDone, acancel
 from prefixq.store.connection import TRANSIENT, adescribe, async_client, lua
 from prefixq.store.deployment import aresolve_shards
 
@@ -111,12 +112,12 @@ class Producer:
         *,
         tokenizer: Any = None,
         model: str = "",
-        on_burst_done: AsyncBurstDone | None = None,
+        on_burst_done: OnBurstDone | None = None,
     ) -> None:
         self.settings = settings or Settings.from_env()
-        #: runs when a submit that failed midway cancels its burst and that ends it (the burst's
-        #: ``on_complete``: `prefixq submit` and `run_burst` pass RQ's, from
-        #: prefixq.integrations.rq_callbacks)
+        #: runs when a cancel ends a burst: that of a submit that failed midway, and those of the
+        #: `Burst` handles returned (the burst's ``on_complete``: `prefixq submit` and `run_burst`
+        #: pass prefixq.integrations.rq_callbacks.RQ_ON_COMPLETE)
         self.on_burst_done = on_burst_done
         self.keys = Keys(self.settings.namespace)
         self.items = ItemBuilder(self.settings, tokenizer=tokenizer, model=model)
@@ -127,8 +128,9 @@ class Producer:
         self._shards = 0
         self._block = 0
 
-    def submit(self, requests: Iterable[Request | Mapping[str, Any]], **options: Any) -> str:
-        """Enqueue a burst; returns its id. Options as for `asubmit`.
+    def submit(self, requests: Iterable[Request | Mapping[str, Any]], **options: Any) -> Burst:
+        """Enqueue a burst; returns its `Burst` handle (``str(burst)`` is its id). Options as for
+        `asubmit`.
 
         Called where an event loop runs already (a notebook, an async service), it submits from
         a thread of its own and blocks the caller until the burst is enqueued; ``await
@@ -155,8 +157,8 @@ class Producer:
         order: str | None = None,
         priority: str | None = None,
         tenant: str | None = None,
-    ) -> str:
-        """Validate, place and enqueue ``requests``; returns the burst id.
+    ) -> Burst:
+        """Validate, place and enqueue ``requests``; returns the burst's `Burst` handle.
 
         ``placement`` overrides the setting (a name, or a `Placer` of your own);
         ``on_complete`` ("pkg.module:func") is enqueued as an RQ job on ``rq_queue`` with the
@@ -230,7 +232,8 @@ class Producer:
                 burst = new_burst_id() if burst_id is None else check_burst_id(burst_id)
                 sub = _Submission(self, r, raw, burst, meta, progress)
                 try:
-                    return await sub.run(placement or s.placement, seed, order)
+                    burst = await sub.run(placement or s.placement, seed, order)
+                    return Burst(burst, s, on_burst_done=self.on_burst_done)
                 except BurstIdTaken:  # nothing written yet: a new id of ours is tried again
                     if burst_id is not None or attempt + 1 == _NEW_ID_ATTEMPTS:
                         raise
@@ -480,7 +483,8 @@ class _Submission:
             err,
         )
         try:
-            await acancel(self.burst, self.s, self.r, on_burst_done=self.p.on_burst_done)
+            done = self.p.on_burst_done
+            await acancel(self.burst, self.s, self.r, on_burst_done=done.adone if done else None)
             if self.layout.lanes:
                 pipe = self.r.pipeline(transaction=False)
                 self.layout.seal(pipe)

@@ -1,4 +1,7 @@
-"""Wait for, stream and collect a burst's results (blocking API: CLI, RQ jobs, scripts).
+"""Wait for, stream and collect a burst's results: blocking (`wait`, `iterate`, `collect`,
+`status`: CLI, RQ jobs, scripts) and on an event loop (`await_`, `aiterate`, `acollect`,
+`astatus`). A `Burst` handle (client/burst.py) calls these with its own settings and clients;
+they take a burst id for code that only has the id as a string.
 
 Results live in one hash per burst (input index -> encoded `Result`); every recorded result also
 adds an entry to the burst's events stream, which waiters block on (XREAD) instead of polling.
@@ -11,12 +14,13 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import redis
+import redis.asyncio as aredis
 from redis.exceptions import RedisError
 
 from prefixq.core import wire
@@ -29,10 +33,14 @@ from prefixq.core.errors import (
 )
 from prefixq.core.records import Result
 from prefixq.core.settings import Settings
-from prefixq.store.connection import describe, sync_client
+from prefixq.store.connection import adescribe, async_client, describe, sync_client
 
 __all__ = [
     "BurstStatus",
+    "acollect",
+    "aiterate",
+    "astatus",
+    "await_",
     "collect",
     "iterate",
     "read_stored",
@@ -128,12 +136,7 @@ class _Session:
     def status(self) -> BurstStatus:
         with self.redis_errors():
             h = self.r.hgetall(self.keys.burst(self.burst))
-        if not h:
-            raise BurstNotFound(
-                f"no burst {self.burst!r} in namespace {self.settings.namespace!r}: it was never "
-                "submitted, or its record expired (result_ttl_s) or was evicted"
-            )
-        return BurstStatus.from_hash(self.burst, h)
+        return _status(self.burst, self.settings, h)
 
     def block(self, last: str, ms: int) -> str:
         """Wait until a result is recorded after event ``last`` (or ``ms`` pass)."""
@@ -146,15 +149,11 @@ class _Session:
     def fetch(self, indexes: range) -> list[Result | None]:
         with self.redis_errors():
             raw = self.r.hmget(self.keys.results(self.burst), list(indexes))
-        out = [
-            None if v is None else read_stored(v, i, "", self.limits)
-            for i, v in zip(indexes, raw, strict=True)
-        ]
-        for res in out:
-            if res is not None and res.error_code == "internal_error" and not res.id:
-                with self.redis_errors():  # the unreadable result's request id, if still kept
-                    rid = self.r.lindex(self.keys.ids(self.burst), res.index)
-                res.id = (rid or b"").decode("utf-8", "replace")
+        out = _decoded(indexes, raw, self.limits)
+        for res in _unreadable(out):
+            with self.redis_errors():  # the unreadable result's request id, if still kept
+                rid = self.r.lindex(self.keys.ids(self.burst), res.index)
+            res.id = (rid or b"").decode("utf-8", "replace")
         return out
 
     @contextlib.contextmanager
@@ -164,6 +163,67 @@ class _Session:
             yield
         except (RedisError, OSError) as e:
             raise describe(self.settings, e) from e
+
+
+def _status(burst: str, settings: Settings, h: dict[bytes, bytes]) -> BurstStatus:
+    if not h:
+        raise BurstNotFound(
+            f"no burst {burst!r} in namespace {settings.namespace!r}: it was never "
+            "submitted, or its record expired (result_ttl_s) or was evicted"
+        )
+    return BurstStatus.from_hash(burst, h)
+
+
+def _decoded(indexes: range, raw: list[bytes | None], limits: wire.Limits) -> list[Result | None]:
+    return [
+        None if v is None else read_stored(v, i, "", limits)
+        for i, v in zip(indexes, raw, strict=True)
+    ]
+
+
+def _unreadable(results: list[Result | None]) -> list[Result]:
+    """Results stored unreadably (read as internal_error without their request id)."""
+    return [r for r in results if r is not None and r.error_code == "internal_error" and not r.id]
+
+
+class _AsyncSession:
+    """`_Session` on an event loop: the caller's client, or one of its own for the call."""
+
+    def __init__(self, burst: str, settings: Settings | None, client: aredis.Redis | None) -> None:
+        self.settings = settings or Settings.from_env()
+        self.own = client is None
+        self.r = client if client is not None else async_client(self.settings)
+        self.keys = self.settings.keys
+        self.burst = burst
+        self.limits = wire.Limits.from_settings(self.settings)
+
+    async def close(self) -> None:
+        if self.own:
+            await self.r.aclose()
+
+    async def status(self) -> BurstStatus:
+        h = await self._call(self.r.hgetall(self.keys.burst(self.burst)))
+        return _status(self.burst, self.settings, h)
+
+    async def block(self, last: str, ms: int) -> str:
+        events = {self.keys.events(self.burst): last}
+        resp = await self._call(self.r.xread(events, count=1000, block=ms))
+        return str(resp[0][1][-1][0].decode()) if resp else last
+
+    async def fetch(self, indexes: range) -> list[Result | None]:
+        raw = await self._call(self.r.hmget(self.keys.results(self.burst), list(indexes)))
+        out = _decoded(indexes, raw, self.limits)
+        for res in _unreadable(out):
+            rid = await self._call(self.r.lindex(self.keys.ids(self.burst), res.index))
+            res.id = (rid or b"").decode("utf-8", "replace")
+        return out
+
+    async def _call(self, aw: Any) -> Any:
+        """Await a Redis call; its errors as ours (see `_Session.redis_errors`)."""
+        try:
+            return await aw
+        except (RedisError, OSError) as e:
+            raise await adescribe(self.settings, e, self.r) from e
 
 
 def status(
@@ -256,6 +316,95 @@ def collect(
     for start in range(0, total, _FETCH):
         out.extend(r for r in ses.fetch(range(start, min(total, start + _FETCH))) if r)
     return out
+
+
+async def astatus(
+    burst: str, settings: Settings | None = None, *, client: aredis.Redis | None = None
+) -> BurstStatus:
+    """`status` on an event loop."""
+    ses = _AsyncSession(burst, settings, client)
+    try:
+        return await ses.status()
+    finally:
+        await ses.close()
+
+
+async def await_(
+    burst: str,
+    settings: Settings | None = None,
+    *,
+    timeout: float | None = None,  # noqa: ASYNC109 -- BurstTimeout says how far it got, as the sync twin
+    progress: Callable[[BurstStatus], None] | None = None,
+    client: aredis.Redis | None = None,
+) -> BurstStatus:
+    """`wait` on an event loop (``await`` is Python's, so the a-prefixed name takes PEP 8's
+    trailing underscore)."""
+    ses = _AsyncSession(burst, settings, client)
+    deadline = _deadline(timeout)
+    last = "0-0"
+    try:
+        while True:
+            st = await ses.status()
+            if progress:
+                progress(st)
+            if st.finished:
+                return st
+            ms = _wait_ms(deadline)
+            if not ms:
+                raise BurstTimeout(
+                    f"burst {burst}: {st.done + st.failed}/{st.total} results after {timeout:.0f}s"
+                )
+            last = await ses.block(last, ms)
+    finally:
+        await ses.close()
+
+
+async def aiterate(
+    burst: str,
+    settings: Settings | None = None,
+    *,
+    timeout: float | None = None,  # noqa: ASYNC109 -- BurstTimeout says how far it got, as the sync twin
+    client: aredis.Redis | None = None,
+) -> AsyncIterator[Result]:
+    """`iterate` on an event loop: ``async for result in aiterate(...)``."""
+    ses = _AsyncSession(burst, settings, client)
+    try:
+        total = (await ses.status()).total
+        deadline = _deadline(timeout)
+        nxt, last = 0, "0-0"
+        while nxt < total:
+            got = await ses.fetch(range(nxt, min(total, nxt + _FETCH)))
+            for res in got:
+                if res is None:
+                    break
+                yield res
+                nxt += 1
+            else:
+                continue
+            ms = _wait_ms(deadline)
+            if not ms:
+                raise BurstTimeout(
+                    f"burst {burst}: {nxt}/{total} results in order after {timeout}s"
+                )
+            last = await ses.block(last, ms)
+    finally:
+        await ses.close()
+
+
+async def acollect(
+    burst: str, settings: Settings | None = None, *, client: aredis.Redis | None = None
+) -> list[Result]:
+    """`collect` on an event loop."""
+    ses = _AsyncSession(burst, settings, client)
+    try:
+        total = (await ses.status()).total
+        out: list[Result] = []
+        for start in range(0, total, _FETCH):
+            got = await ses.fetch(range(start, min(total, start + _FETCH)))
+            out.extend(r for r in got if r)
+        return out
+    finally:
+        await ses.close()
 
 
 def write_jsonl(

@@ -26,11 +26,13 @@ from rq.serializers import JSONSerializer
 from prefixq.core.checks import callback_path
 from prefixq.core.errors import ValidationError
 from prefixq.core.settings import Settings
+from prefixq.store.burst_end import OnBurstDone
 from prefixq.store.connection import TRANSIENT, describe, sync_client
 from prefixq.worker.middleware import Host, Middleware
 
 __all__ = [
     "ENDED",
+    "RQ_ON_COMPLETE",
     "RqCompletion",
     "aenqueue_on_complete",
     "callback_job_id",
@@ -132,6 +134,11 @@ def _enqueue_with_own_client(settings: Settings, burst: str) -> str | None:
         raise describe(settings, e) from e
     finally:
         client.close()
+
+
+#: the RQ callback as the hook a `Producer` (and its `Burst` handles) runs when a cancel ends a
+#: burst: ``Producer(settings, on_burst_done=RQ_ON_COMPLETE)``
+RQ_ON_COMPLETE = OnBurstDone(done=enqueue_on_complete, adone=aenqueue_on_complete)
 
 
 class RqCompletion(Middleware):

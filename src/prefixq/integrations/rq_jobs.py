@@ -17,6 +17,7 @@ import os
 import socket
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 import redis
@@ -35,7 +36,7 @@ from prefixq.core.errors import (
 from prefixq.core.inputs import read_requests
 from prefixq.core.records import Request
 from prefixq.core.settings import Settings
-from prefixq.integrations.rq_callbacks import aenqueue_on_complete, enqueue_on_complete
+from prefixq.integrations.rq_callbacks import RQ_ON_COMPLETE, enqueue_on_complete
 from prefixq.store import burst_end as bursts
 from prefixq.store.connection import redact, sync_client
 
@@ -183,7 +184,7 @@ def _submit(settings: Settings, reqs: list[Any], burst_id: str | None) -> str:
             job.meta.update({META_BURST: burst, META_NAMESPACE: settings.namespace})
             job.save_meta()  # type: ignore[no-untyped-call]
         try:
-            Producer(settings, on_burst_done=aenqueue_on_complete).submit(
+            Producer(settings, on_burst_done=RQ_ON_COMPLETE).submit(
                 reqs, burst_id=burst, metadata=metadata
             )
         except BurstIdTaken:  # another producer drew the same new id: draw again
@@ -270,7 +271,9 @@ def _wait_budget(timeout: float) -> float:
     job_timeout = getattr(job, "timeout", None) if job is not None else None
     if not isinstance(job_timeout, int | float) or job_timeout <= 0:
         return timeout  # not under RQ, or an RQ job without a time limit (-1)
-    cap = max(job_timeout - min(_JOB_TIMEOUT_MARGIN_S, job_timeout / 10), 0.1 * job_timeout)
+    # RQ's clock runs from the job's start (started_at, just before it imports and calls this
+    # function), not from now: what went before (the import, a loaded machine) counts against it
+    cap = max(job_timeout - _spent(job) - min(_JOB_TIMEOUT_MARGIN_S, job_timeout / 10), 0.001)
     if cap < timeout:
         log.warning(
             "RQ job timeout %ss is under run_burst timeout %ss: waiting at most %.1fs "
@@ -281,6 +284,16 @@ def _wait_budget(timeout: float) -> float:
         )
         return cap
     return timeout
+
+
+def _spent(job: Job | None) -> float:
+    """Seconds since RQ started ``job`` (0 when it does not say)."""
+    started = getattr(job, "started_at", None)
+    if not isinstance(started, datetime):
+        return 0.0
+    if started.tzinfo is None:  # RQ 2.x keeps naive UTC
+        started = started.replace(tzinfo=UTC)
+    return max((datetime.now(UTC) - started).total_seconds(), 0.0)
 
 
 def _summary(

@@ -43,6 +43,7 @@ __all__ = [
     "AsyncBurstDone",
     "BurstDone",
     "CancelReport",
+    "OnBurstDone",
     "acancel",
     "cancel",
     "ended_result",
@@ -56,6 +57,17 @@ log = logging.getLogger(__name__)
 BurstDone = Callable[[redis.Redis, Settings, str], object]
 #: the same on an event loop (prefixq.integrations.rq_callbacks.aenqueue_on_complete)
 AsyncBurstDone = Callable[[aredis.Redis, Settings, str], Awaitable[object]]
+
+
+@dataclass(frozen=True, slots=True)
+class OnBurstDone:
+    """Both forms of one burst-done hook, for what cancels from blocking code and from an event
+    loop alike (a `Producer` and the `Burst` handles it returns):
+    prefixq.integrations.rq_callbacks.RQ_ON_COMPLETE."""
+
+    done: BurstDone
+    adone: AsyncBurstDone
+
 
 #: indexes per finish_missing call
 CHUNK = 1000
