@@ -8,7 +8,10 @@ prefixq.core.sharing.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+from prefixq.core.sharing import PRIORITIES
 
 #: the consumer group every worker of a shard joins
 GROUP = "workers"
@@ -55,6 +58,15 @@ class Keys:
         if priority == "normal":
             return self.stream(shard)
         return f"{self.ns}:{{s{shard}}}:requests:{priority}"
+
+    def intakes(self, shard: int) -> list[str]:
+        """The shard's intake streams, one per priority, highest first."""
+        return [self.intake(shard, p) for p in PRIORITIES]
+
+    def streams(self, shard: int, lane_bursts: Iterable[str] = ()) -> list[str]:
+        """Every request stream of the shard: its intakes (highest priority first), then the lanes
+        of ``lane_bursts`` (the bursts of its lane index, or those a worker knows), sorted."""
+        return [*self.intakes(shard), *sorted(self.lane(shard, b) for b in lane_bursts)]
 
     def lane(self, shard: int, burst: str) -> str:
         """Stream of one burst's entries on one shard after its head (consumer group `GROUP`,

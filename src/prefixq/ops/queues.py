@@ -95,7 +95,7 @@ class QueueRead:
     def __init__(self, keys: Keys, shard: int, now: float | None = None) -> None:
         self.keys, self.shard = keys, shard
         self.now = time.time() if now is None else now
-        self.intakes = {keys.intake(shard, p): p for p in PRIORITIES}
+        self.intakes = dict(zip(keys.intakes(shard), PRIORITIES, strict=True))
         self.lanes: dict[str, LaneInfo] = {}
         self.lane_burst: dict[str, str] = {}
         self.streams: list[str] = []
@@ -113,7 +113,7 @@ class QueueRead:
                 key = self.keys.lane(self.shard, name)
                 self.lanes[key] = info
                 self.lane_burst[key] = name
-        self.streams = [*self.intakes, *sorted(self.lanes)]
+        self.streams = self.keys.streams(self.shard, self.lane_burst.values())
         return self.streams
 
     def stats(self, index: Mapping[bytes, bytes], pipe: Any) -> None:

@@ -51,7 +51,7 @@ from prefixq.core.errors import ConfigError, PrefixqError
 from prefixq.core.keys import CARRIED, FIELD, GROUP, LANE, Keys
 from prefixq.core.records import Result
 from prefixq.core.settings import Settings
-from prefixq.core.sharing import DEFAULT_PRIORITY, PRIORITIES
+from prefixq.core.sharing import DEFAULT_PRIORITY
 from prefixq.store.connection import lua, sync_client
 from prefixq.store.dead_letters import (
     DeadLetter,
@@ -159,11 +159,8 @@ class Recovery:
 
     def queue_keys(self, k: int) -> list[str]:
         """Every stream of shard ``k``: its intakes, then the lanes of its lane index."""
-        lanes = sorted(b.decode(errors="replace") for b in self.r.hkeys(self.keys.lanes(k)))
-        return [
-            *(self.keys.intake(k, p) for p in PRIORITIES),
-            *(self.keys.lane(k, b) for b in lanes),
-        ]
+        lanes = [b.decode(errors="replace") for b in self.r.hkeys(self.keys.lanes(k))]
+        return self.keys.streams(k, lanes)
 
     def _reclaim_shard(self, k: int, idle_ms: int) -> ReclaimReport:
         rep = ReclaimReport(shard=k)

@@ -59,23 +59,6 @@ def raise_if_cancelled() -> None:
         raise asyncio.CancelledError
 
 
-class Backoff:
-    """The waits between retries of one Redis operation in a worker loop: ``first`` seconds,
-    doubling up to ``cap``; `reset()` after a success."""
-
-    def __init__(self, first: float = 0.1, cap: float = 5.0) -> None:
-        self.first, self.cap, self.delay = first, cap, first
-
-    async def wait(self, what: str, err: BaseException, level: int = logging.WARNING) -> None:
-        """Log that ``what`` failed with ``err``, sleep the current delay, double it."""
-        log.log(level, "%s failed (%s); retrying in %.2fs", what, error_text(err), self.delay)
-        await asyncio.sleep(self.delay)
-        self.delay = min(self.delay * 2, self.cap)
-
-    def reset(self) -> None:
-        self.delay = self.first
-
-
 #: query options a REDIS_URL may carry besides redis-py's typed ones (all ``ssl_*`` need rediss://)
 _SSL_OPTIONS = frozenset(
     {

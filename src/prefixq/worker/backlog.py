@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from redis.exceptions import ResponseError
-
-from prefixq.store.connection import TRANSIENT, Backoff
+from prefixq.store.retry import retry
 from prefixq.worker.admission import Admission
 from prefixq.worker.shard import Pending, ShardStream, last_allowed
 
@@ -24,19 +22,21 @@ async def replay_backlog(
     """Serve ``shard.consumer``'s own pending entries, oldest first in each of the shard's
     streams, until none is left or the worker stops."""
     for key in work.queue_keys():
-        start, backoff = "-", Backoff()
-        while not work.stopping:
-            try:
-                rows = await shard.pending([key], count=page, start=start, consumer=shard.consumer)
-                if not rows:
+        start = "-"
+
+        async def one_page(key: str = key) -> bool:
+            """Serve the next page of ``key``'s backlog; False once nothing is left."""
+            nonlocal start
+            rows = await shard.pending([key], count=page, start=start, consumer=shard.consumer)
+            for p in rows:
+                await _replay_one(shard, work, p, max_attempts)
+                start = "(" + p.entry_id.decode()
+                if work.stopping:
                     break
-                for p in rows:
-                    await _replay_one(shard, work, p, max_attempts)
-                    start = "(" + p.entry_id.decode()
-                    if work.stopping:
-                        return
-            except (*TRANSIENT, ResponseError) as e:
-                await backoff.wait("replaying the backlog", e)
+            return bool(rows)
+
+        while not work.stopping and await retry("replaying the backlog", one_page):
+            pass
 
 
 async def _replay_one(shard: ShardStream, work: Admission, p: Pending, max_attempts: int) -> None:

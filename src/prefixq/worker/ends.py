@@ -24,7 +24,8 @@ from prefixq.core.entries import Entry
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from prefixq.store.burst_end import AsyncBurstDone, expire_due
-from prefixq.store.connection import TRANSIENT, Backoff
+from prefixq.store.connection import TRANSIENT
+from prefixq.store.retry import retry
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +94,11 @@ class BurstEnds:
     async def watch(self, abort: Callable[[str], Awaitable[None]]) -> None:
         """For every burst ended from now on, ``abort(request_id)`` each of its requests inside
         the engine (runs as a task)."""
-        backoff = Backoff()
         while True:
-            try:
-                resp = await self.r.xread({self.keys.cancels: self._seen}, count=100, block=1000)
-                backoff.reset()
-            except (*TRANSIENT, ResponseError) as e:
-                await backoff.wait("reading burst-end notices", e)
-                continue
+            resp = await retry(
+                "reading burst-end notices",
+                lambda: self.r.xread({self.keys.cancels: self._seen}, count=100, block=1000),
+            )
             for entry_id, fields in resp[0][1] if resp else []:
                 burst = self._note(entry_id, fields)
                 rids = [rid for b, rid in self._running.values() if b == burst]

@@ -18,14 +18,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Container
+from collections.abc import Container
 from typing import Protocol, TypeVar
 
 from redis.exceptions import ResponseError
 
 from prefixq.core.keys import LANE
 from prefixq.core.sharing import LaneInfo, band
-from prefixq.store.connection import TRANSIENT, Backoff
+from prefixq.store.connection import TRANSIENT
+from prefixq.store.retry import repeat
 from prefixq.worker.deliveries import Delivery, GroupLost
 from prefixq.worker.intake import Intake
 from prefixq.worker.scheduler import Lane, Picked, Plan, Scheduler
@@ -74,18 +75,13 @@ class Reader:
 
     def keys(self) -> list[str]:
         """Every stream of the shard this worker knows: intakes, then lanes."""
-        return [*self.stream.intakes, *(k for k, lane in self.sched.by_key.items() if lane.exists)]
+        known = (lane.burst for lane in self.sched.by_key.values() if lane.exists)
+        return self.stream.keys.streams(self.stream.shard, known)
 
     # ---- reading -----------------------------------------------------------------------------
     async def run(self) -> None:
         """Rounds until the worker stops."""
-        backoff = Backoff()
-        while not self.work.stopping:
-            try:
-                await self.round()
-                backoff.reset()
-            except (*TRANSIENT, ResponseError) as e:
-                await backoff.wait("reading the shard's queues", e)
+        await repeat("reading the shard's queues", self.round, until=lambda: self.work.stopping)
 
     async def round(self) -> None:
         room = self.work.room()
@@ -214,13 +210,3 @@ class Reader:
             elif not lane.exists:
                 sched.drop(lane)
         return closable
-
-
-async def retried(what: str, call: Callable[[], Awaitable[T]]) -> T:
-    """``await call()`` until it does not fail with a Redis error; its result."""
-    backoff = Backoff()
-    while True:
-        try:
-            return await call()
-        except (*TRANSIENT, ResponseError) as e:
-            await backoff.wait(what, e)

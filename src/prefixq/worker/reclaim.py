@@ -21,7 +21,8 @@ import logging
 from redis.exceptions import ResponseError
 
 from prefixq.core.settings import Settings
-from prefixq.store.connection import TRANSIENT, Backoff
+from prefixq.store.connection import TRANSIENT
+from prefixq.store.retry import retry
 from prefixq.worker.admission import Admission
 from prefixq.worker.deliveries import Delivery, Pending, last_allowed
 from prefixq.worker.shard import ShardStream
@@ -88,15 +89,12 @@ class Reclaimer:
 
         Redis may be down or have restarted empty since the worker joined: a transient error is
         retried with backoff, and a lost group means nothing is pending (the reader rejoins)."""
-        backoff = Backoff()
-        while True:
-            try:
-                rows = await self.shard.pending(
-                    self.work.queue_keys(), count=10_000, consumer=self.shard.consumer
-                )
-                break
-            except (*TRANSIENT, ResponseError) as e:
-                await backoff.wait("reading this worker's pending entries", e)
+        rows = await retry(
+            "reading this worker's pending entries",
+            lambda: self.shard.pending(
+                self.work.queue_keys(), count=10_000, consumer=self.shard.consumer
+            ),
+        )
         for p in rows:
             if p.deliveries >= self.max_attempts:
                 await self._dead(p)

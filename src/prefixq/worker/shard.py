@@ -37,9 +37,9 @@ from prefixq.core import wire
 from prefixq.core.entries import Entry
 from prefixq.core.keys import CARRIED, GROUP, Keys
 from prefixq.core.settings import Settings
-from prefixq.core.sharing import PRIORITIES
-from prefixq.store.connection import TRANSIENT, Backoff, describe, lua, refused
+from prefixq.store.connection import lua
 from prefixq.store.dead_letters import DEAD_MAXLEN, carried, dead_letter_record
+from prefixq.store.retry import retry
 from prefixq.store.scripts import (
     BURST_DONE,
     DUPLICATE,
@@ -91,7 +91,7 @@ class ShardStream:
         self.consumer = consumer
         self.keys = Keys(settings.namespace)
         #: the intake stream of each priority, highest first (`Keys.stream` is ``normal``'s)
-        self.intakes = [self.keys.intake(shard, p) for p in PRIORITIES]
+        self.intakes = self.keys.intakes(shard)
         self.stream = self.keys.stream(shard)
         self.dead = self.keys.dead(shard)
         self.index = self.keys.lanes(shard)
@@ -108,16 +108,12 @@ class ShardStream:
         """Create the consumer group on each intake stream (and the stream) if missing and load
         the record script. Retried while Redis is unreachable, out of memory or loading; refused
         credentials or permissions raise ConfigError at once."""
-        backoff = Backoff()
-        while True:
-            try:
-                await self.create_groups(self.intakes, mkstream=True)
-                self._record_sha = await self.r.script_load(self._record_lua)
-                return
-            except (*TRANSIENT, ResponseError) as e:
-                if refused(e):  # wrong credentials, an ACL, an untrusted certificate
-                    raise describe(self.settings, e) from e
-                await backoff.wait(f"joining the consumer group of {self.stream}", e)
+
+        async def join() -> None:
+            await self.create_groups(self.intakes, mkstream=True)
+            self._record_sha = await self.r.script_load(self._record_lua)
+
+        await retry(f"joining the consumer group of {self.stream}", join, settings=self.settings)
 
     async def create_groups(self, keys: Sequence[str], *, mkstream: bool) -> list[str]:
         """Create the group on ``keys`` where it is missing (from id 0: acked entries are deleted,

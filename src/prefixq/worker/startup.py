@@ -7,33 +7,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
-
-from redis.exceptions import ResponseError
 
 from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
 from prefixq.engine.protocol import Engine, EngineRequest
-from prefixq.store.connection import TRANSIENT, Backoff, describe, raise_if_cancelled, refused
 from prefixq.store.policy import acheck_policy
+from prefixq.store.retry import retry
 from prefixq.worker.shard import ShardStream
 
 log = logging.getLogger(__name__)
-
-
-async def retry(settings: Settings, what: str, call: Callable[[], Awaitable[Any]]) -> None:
-    """``await call()`` until Redis takes it."""
-    backoff = Backoff()
-    while True:
-        try:
-            await call()
-            return
-        except (*TRANSIENT, ResponseError) as e:
-            if refused(e):  # wrong credentials, an ACL, an untrusted certificate
-                raise describe(settings, e) from e
-            raise_if_cancelled()  # the worker stops (a cancel redis-py's connect swallowed)
-            await backoff.wait(what, e)
 
 
 async def register(stream: ShardStream, settings: Settings) -> None:
@@ -42,7 +24,9 @@ async def register(stream: ShardStream, settings: Settings) -> None:
     has none, with a ``--shards`` other than the recorded count, or for a shard outside it is a
     ConfigError (producers would never send it work, or send work no worker serves)."""
     r, keys = stream.r, stream.keys
-    await retry(settings, "reading the eviction policy", lambda: acheck_policy(r, settings))
+    await retry(
+        "reading the eviction policy", lambda: acheck_policy(r, settings), settings=settings
+    )
     count = 0
 
     async def shards() -> None:
@@ -57,7 +41,7 @@ async def register(stream: ShardStream, settings: Settings) -> None:
             )
         count = int(raw)
 
-    await retry(settings, "recording the shard count", shards)
+    await retry("recording the shard count", shards, settings=settings)
     if settings.shards and settings.shards != count:
         raise ConfigError(
             f"--shards {settings.shards} but namespace {settings.namespace!r} has {count} shards "
@@ -74,9 +58,9 @@ async def register(stream: ShardStream, settings: Settings) -> None:
 async def record_engine(stream: ShardStream, settings: Settings, engine: Engine) -> None:
     """Tell producers the engine's KV block size (predicted hits are rounded to it)."""
     await retry(
-        settings,
         "recording the engine's block size",
         lambda: stream.r.hset(stream.keys.config, "block_size", engine.block_size),
+        settings=settings,
     )
 
 

@@ -32,6 +32,7 @@ from prefixq.core.sharing import DEFAULT_PRIORITY, PRIORITIES, band
 from prefixq.engine.protocol import Engine, EngineRequest
 from prefixq.store.burst_end import ended_result
 from prefixq.store.connection import async_client
+from prefixq.store.retry import retry
 from prefixq.worker.aio import cancel_all, drain, first_of, unless_stopped
 from prefixq.worker.backlog import replay_backlog
 from prefixq.worker.control import control_loop
@@ -41,12 +42,12 @@ from prefixq.worker.intake import Intake
 from prefixq.worker.middleware import Middleware
 from prefixq.worker.prefixes import PrefixCache
 from prefixq.worker.probes import Probes
-from prefixq.worker.reader import Reader, retried
+from prefixq.worker.reader import Reader
 from prefixq.worker.reclaim import Reclaimer
 from prefixq.worker.scheduler import Picked, Scheduler, Tenant
 from prefixq.worker.shard import Delivery, Ref, ShardStream, last_allowed
 from prefixq.worker.solo import SoloGate
-from prefixq.worker.startup import record_engine, register, retry, warm_up
+from prefixq.worker.startup import record_engine, register, warm_up
 from prefixq.worker.writer import ResultWriter
 
 log = logging.getLogger(__name__)
@@ -223,7 +224,7 @@ class Worker:
         return EXIT_OK
 
     async def _retry(self, what: str, call: Callable[[], Awaitable[Any]]) -> None:
-        await retry(self.settings, what, call)
+        await retry(what, call, settings=self.settings)
 
     async def _warm_up(self) -> None:
         took = await warm_up(self.engine, f"warmup-{self.name}-{os.getpid()}")
@@ -314,7 +315,7 @@ class Worker:
             if not ready:
                 return
         entries = [e for _, e, _ in ready]
-        prefixes = await retried("reading stored prefixes", lambda: self.prefixes.resolve(entries))
+        prefixes = await retry("reading stored prefixes", lambda: self.prefixes.resolve(entries))
         max_attempts = self.settings.max_attempts
         for d, e, t in ready:
             self.counts["admitted"] += 1

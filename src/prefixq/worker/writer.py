@@ -20,7 +20,8 @@ from collections.abc import Awaitable, Callable
 
 from prefixq.core.entries import Entry
 from prefixq.core.records import Result
-from prefixq.store.connection import TRANSIENT, Backoff
+from prefixq.store.connection import TRANSIENT
+from prefixq.store.retry import Backoff, retry
 from prefixq.worker.deliveries import Ref, Written
 from prefixq.worker.shard import (
     BURST_DONE,
@@ -137,13 +138,14 @@ class ResultWriter:
                 backoff.reset()
 
     async def _ack(self, done: list[Written]) -> None:
-        backoff = Backoff(first=0.05)
-        while done:
-            try:
-                await self.shard.ack(done)
-                break
-            except Exception as e:  # acking twice is harmless: retry until it lands
-                await backoff.wait(f"acking {len(done)} recorded results", e, logging.ERROR)
+        if done:  # acking twice is harmless: retry whatever fails until it lands
+            await retry(
+                f"acking {len(done)} recorded results",
+                lambda: self.shard.ack(done),
+                errors=(Exception,),
+                backoff=Backoff(first=0.05),
+                level=logging.ERROR,
+            )
         for w in done:
             self._unwritten.discard((w.key, w.entry_id))
         self.written += len(done)

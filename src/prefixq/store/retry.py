@@ -1,0 +1,83 @@
+"""Retrying Redis work in long-lived loops: one `Backoff` policy and the two shapes of loop every
+worker task uses, `retry` (one operation, until Redis takes it) and `repeat` (a step run over and
+over, each failure retried).
+
+Retried: what `TRANSIENT` holds (unreachable, timeouts) and error replies (out of memory,
+loading, a lost group, a read-only replica); with ``settings``, errors retrying cannot fix
+(wrong credentials, an ACL that denies a command: `refused`) raise ConfigError at once. Each
+failure is logged with what failed and the wait before the next try.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from redis.exceptions import ResponseError
+
+from prefixq.core.settings import Settings
+from prefixq.store.connection import TRANSIENT, describe, error_text, raise_if_cancelled, refused
+
+__all__ = ["RETRIED", "Backoff", "repeat", "retry"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: the errors `retry` and `repeat` retry
+RETRIED: tuple[type[BaseException], ...] = (*TRANSIENT, ResponseError)
+
+
+class Backoff:
+    """The waits between retries of one Redis operation in a worker loop: ``first`` seconds,
+    doubling up to ``cap``; `reset()` after a success."""
+
+    def __init__(self, first: float = 0.1, cap: float = 5.0) -> None:
+        self.first, self.cap, self.delay = first, cap, first
+
+    async def wait(self, what: str, err: BaseException, level: int = logging.WARNING) -> None:
+        """Log that ``what`` failed with ``err``, sleep the current delay, double it."""
+        log.log(level, "%s failed (%s); retrying in %.2fs", what, error_text(err), self.delay)
+        await asyncio.sleep(self.delay)
+        self.delay = min(self.delay * 2, self.cap)
+
+    def reset(self) -> None:
+        self.delay = self.first
+
+
+async def retry(
+    what: str,
+    call: Callable[[], Awaitable[T]],
+    *,
+    settings: Settings | None = None,
+    errors: tuple[type[BaseException], ...] = RETRIED,
+    backoff: Backoff | None = None,
+    level: int = logging.WARNING,
+) -> T:
+    """``await call()`` until it does not fail with one of ``errors``; its result. With
+    ``settings``, a refused connection (credentials, ACL, certificate) raises ConfigError."""
+    backoff = backoff or Backoff()
+    while True:
+        try:
+            return await call()
+        except errors as e:
+            if settings is not None and refused(e):
+                raise describe(settings, e) from e
+            raise_if_cancelled()  # the task stops (a cancel redis-py's connect swallowed)
+            await backoff.wait(what, e, level)
+
+
+async def repeat(
+    what: str, step: Callable[[], Awaitable[object]], until: Callable[[], bool]
+) -> None:
+    """Run ``step`` until ``until()`` says stop; a step that fails with a Redis error is logged
+    and run again after a backoff, which each success resets."""
+    backoff = Backoff()
+    while not until():
+        try:
+            await step()
+            backoff.reset()
+        except RETRIED as e:
+            raise_if_cancelled()
+            await backoff.wait(what, e)
