@@ -1,13 +1,13 @@
 """`Burst`: the handle `Producer.submit` returns, the one way to ask about what was submitted (as
 arq's ``enqueue_job`` returns a ``Job`` and RQ's ``enqueue`` a ``Job``).
 
-A `Burst` is its id (a ``str`` subclass: ``str(burst)``, ``burst == "..."``, JSON, f-strings and
-Redis arguments see the id, so code that passed the id on keeps working) plus the settings it was
-submitted with and a client of its own. Blocking methods (`status`, `wait`, `iterate`, `collect`,
-`cancel`) share one connection, opened on first use (`close` or ``with`` closes it); their event
-loop twins (`astatus`, `await_`, `aiterate`, `acollect`, `acancel`) take one per call. For an id
-you only have as a string: ``Burst(burst_id, settings)``, or the module functions of
-prefixq.client.results and prefixq.store.burst_end.
+A `Burst` is its id (a ``str`` subclass: ``str(burst)``, ``repr``, ``burst == "..."``, JSON,
+f-strings and Redis arguments see the id, so code that passed the id on keeps working) plus the
+settings it was submitted with and a client of its own. Blocking methods (`status`, `wait`,
+`iterate`, `collect`, `cancel`) share one connection, opened on first use (`close` or ``with``
+closes it); their event-loop twins (`astatus`, `await_`, `aiterate`, `acollect`, `acancel`) take
+one per call. For an id you only have as a string: ``Burst(burst_id, settings)``, or the module
+functions of prefixq.client.results and prefixq.store.burst_end.
 """
 
 from __future__ import annotations
@@ -48,9 +48,6 @@ class Burst(str):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (str(self), self.settings))
-
-    def __repr__(self) -> str:
-        return f"Burst({str(self)!r}, namespace={self.settings.namespace!r})"
 
     @property
     def id(self) -> str:

@@ -141,6 +141,15 @@ class Entry:
         res.timings.enqueued = self.enqueued
         return res
 
+    def failed(self, shard: int, worker: str, code: str, error: str, now: float) -> Result:
+        """This entry's request failed without being served (`Result.failed`, with what the
+        entry knows: shard, enqueue time, predicted cache hits, endpoint and model)."""
+        res = Result.failed(self.id, self.index, code, error, worker=worker, now=now)
+        res.shard, res.timings.enqueued = shard, self.enqueued
+        res.predicted_cached_tokens = self.predicted_cached
+        res.endpoint, res.model = self.endpoint, self.model
+        return res
+
     def to_request(self, prefix: dict[str, Any] | None) -> Request:
         """The full request, given the resolved prefix object (inline or fetched)."""
         prefix = prefix if prefix is not None else self.prefix

@@ -31,6 +31,7 @@ from prefixq.core.sampling import (
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
+    "ENDED_ERRORS",
     "ERROR_CODES",
     "MIN_LOGPROB",
     "SAMPLING_FIELDS",
@@ -251,6 +252,14 @@ ERROR_CODES = (
 )
 
 
+#: the error of a request that its burst's end stopped before it finished, by reason (the
+#: reason is its ``error_code``): a cancel, or the burst's deadline
+ENDED_ERRORS = {
+    "cancelled": "cancelled: the burst was cancelled before this request finished",
+    "expired": "expired: the burst's deadline passed before this request finished",
+}
+
+
 def error_code_of(err: BaseException) -> str:
     """The `ERROR_CODES` entry for an exception that failed one request."""
     if isinstance(err, ValidationError | WireError | EngineRefused):
@@ -291,6 +300,17 @@ class Result:
     choices: list[Choice] = field(default_factory=list)
     endpoint: str | None = None
     model: str | None = None
+
+    @classmethod
+    def failed(
+        cls, request_id: str, index: int, code: str, error: str, *, worker: str, now: float
+    ) -> Result:
+        """The one constructor of a request's failed result that no engine served (cancelled,
+        expired, dead-lettered: ``code`` of `ERROR_CODES`); `Entry.failed` adds what the
+        stream entry knows."""
+        res = cls(id=request_id, index=index, error=error, error_code=code, worker=worker)
+        res.timings.finished = now
+        return res
 
     def to_wire(self) -> dict[str, Any]:
         """Short-keyed dict for `wire.encode`."""

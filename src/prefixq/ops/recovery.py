@@ -57,7 +57,7 @@ from prefixq.store.dead_letters import (
     DeadLetter,
     carried,
     dead_letter_record,
-    failed_result,
+    dead_lettered_result,
     identify,
 )
 from prefixq.store.deployment import resolve_shards
@@ -77,7 +77,7 @@ _ENDED_EARLY = {
     b"expiring": "expired",
     b"expired": "expired",
 }
-#: the error code of the failed result dead-lettering records (letters.failed_result)
+#: the error code of the failed result dead-lettering records (dead_letters.dead_lettered_result)
 DEAD_LETTERED = "dead_lettered"
 
 
@@ -234,7 +234,7 @@ class Recovery:
             return
         rep.dead += 1
         if entry is not None:
-            self.record_failure(entry, failed_result(entry, k, CLI_WORKER, reason))
+            self.record_failure(entry, dead_lettered_result(entry, k, CLI_WORKER, reason))
             self.r.hincrby(self.keys.load, str(k), -entry.work)
 
     def record_failure(self, e: Entry, res: Result) -> None:

@@ -34,7 +34,7 @@ import redis.asyncio as aredis
 from prefixq.core import wire
 from prefixq.core.errors import BurstNotFound, BurstRecordLost
 from prefixq.core.keys import Keys
-from prefixq.core.records import Result
+from prefixq.core.records import ENDED_ERRORS, Result
 from prefixq.core.settings import Settings
 from prefixq.store.connection import TRANSIENT, describe, lua, sync_client
 
@@ -46,7 +46,6 @@ __all__ = [
     "OnBurstDone",
     "acancel",
     "cancel",
-    "ended_result",
     "expire_due",
 ]
 
@@ -77,10 +76,6 @@ _KEEP: dict[str, Any] = {"maxlen": _NOTICES_KEPT, "approximate": True}
 #: bursts `expire_due` takes per call
 _DUE_PER_CALL = 100
 _STILL_MISSING, _COMPLETED, _WAS_COMPLETE, _NO_RECORD = 1, 2, 3, -2
-_WHY = {
-    "cancelled": "cancelled: the burst was cancelled before this request finished",
-    "expired": "expired: the burst's deadline passed before this request finished",
-}
 #: the worker name failed results carry
 _WRITER = {"cancelled": "prefixq-cancel", "expired": "prefixq-expire"}
 
@@ -102,15 +97,6 @@ class CancelReport:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def ended_result(reason: str, request_id: str, index: int, worker: str, now: float) -> Result:
-    """The failed result of a request that its burst's end (``reason``: ``cancelled`` or
-    ``expired``) stopped before it finished; workers build the same for queued entries of such a
-    burst."""
-    res = Result(id=request_id, index=index, error=_WHY[reason], error_code=reason, worker=worker)
-    res.timings.finished = now
-    return res
 
 
 class _Finisher:
@@ -144,7 +130,8 @@ class _Finisher:
         for i in missing:
             at = i - chunk.start
             rid = ids[at].decode("utf-8", "replace") if at < len(ids) else str(i)
-            res = ended_result(self.reason, rid, i, _WRITER[self.reason], self.now)
+            why = ENDED_ERRORS[self.reason]
+            res = Result.failed(rid, i, self.reason, why, worker=_WRITER[self.reason], now=self.now)
             out += [i, wire.encode(res.to_wire(), self.settings.codec)]
         return out
 

@@ -20,7 +20,7 @@ from prefixq.core.errors import PrefixqError, WireError
 from prefixq.core.keys import CARRIED, FIELD
 from prefixq.core.records import Result
 
-__all__ = ["DeadLetter", "carried", "dead_letter_record", "failed_result", "identify"]
+__all__ = ["DeadLetter", "carried", "dead_letter_record", "dead_lettered_result", "identify"]
 
 #: dead letters a shard keeps (the stream is capped, oldest first)
 DEAD_MAXLEN = 100_000
@@ -102,21 +102,9 @@ def dead_letter_record(
     return record, entry
 
 
-def failed_result(entry: Entry, shard: int, worker: str, reason: str) -> Result:
-    """The failed result a dead-lettered request gets."""
-    res = Result(
-        id=entry.id,
-        index=entry.index,
-        shard=shard,
-        worker=worker,
-        error=f"dead-lettered: {reason}",
-        error_code="dead_lettered",
-        endpoint=entry.endpoint,
-        model=entry.model,
-    )
-    res.timings.enqueued = entry.enqueued
-    res.timings.finished = time.time()
-    return res
+def dead_lettered_result(entry: Entry, shard: int, worker: str, reason: str) -> Result:
+    """The failed result a dead-lettered request gets (`Entry.failed`)."""
+    return entry.failed(shard, worker, "dead_lettered", f"dead-lettered: {reason}", time.time())
 
 
 @dataclass(slots=True)

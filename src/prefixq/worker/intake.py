@@ -21,9 +21,9 @@ from prefixq.core import wire
 from prefixq.core.entries import Entry
 from prefixq.core.errors import PrefixqError
 from prefixq.core.keys import FIELD
-from prefixq.store.burst_end import ended_result
+from prefixq.core.records import ENDED_ERRORS
 from prefixq.store.connection import TRANSIENT
-from prefixq.store.dead_letters import failed_result
+from prefixq.store.dead_letters import dead_lettered_result
 from prefixq.worker.deliveries import Delivery, Ref
 from prefixq.worker.ends import BurstEnds
 from prefixq.worker.prefixes import PrefixCache, Resolved
@@ -91,10 +91,7 @@ class Intake:
         reason = self.ends.reason(e, now)
         if reason is None:
             return False
-        res = ended_result(reason, e.id, e.index, self.stream.consumer, now)
-        res.shard, res.timings.enqueued = self.stream.shard, e.enqueued
-        res.predicted_cached_tokens = e.predicted_cached
-        res.endpoint, res.model = e.endpoint, e.model
+        res = e.failed(self.stream.shard, self.stream.consumer, reason, ENDED_ERRORS[reason], now)
         self.counts["failed"] += 1
         self.writer.put(d.ref, e, res)
         return True
@@ -115,5 +112,5 @@ class Intake:
         self.counts["dead"] += 1
         if entry is not None:
             self.counts["failed"] += 1
-            res = failed_result(entry, shard.shard, shard.consumer, reason)
+            res = dead_lettered_result(entry, shard.shard, shard.consumer, reason)
             await self.writer.write_now(delivery.ref, entry, res)

@@ -26,11 +26,10 @@ import redis.asyncio as aredis
 
 from prefixq.core.entries import Entry
 from prefixq.core.errors import EngineAborted, EngineDead, EngineError, PrefixqError
-from prefixq.core.records import error_code_of
+from prefixq.core.records import ENDED_ERRORS, error_code_of
 from prefixq.core.settings import Settings
 from prefixq.core.sharing import DEFAULT_PRIORITY, PRIORITIES, band
 from prefixq.engine.protocol import Engine, EngineRequest
-from prefixq.store.burst_end import ended_result
 from prefixq.store.connection import async_client
 from prefixq.store.retry import retry
 from prefixq.worker.aio import cancel_all, drain, first_of, unless_stopped
@@ -370,8 +369,7 @@ class Worker:
             return
         except EngineAborted:  # its burst was cancelled or expired (`_on_notice`)
             why = self.ends.ended_reason(e) or "cancelled"
-            ended = ended_result(why, e.id, e.index, "", 0.0)
-            res.error, res.error_code = ended.error, ended.error_code
+            res.error, res.error_code = ENDED_ERRORS[why], why
         except PrefixqError as err:  # EngineError, ValidationError, WireError: this request only
             res.error, res.error_code = str(err), error_code_of(err)
         except asyncio.CancelledError:
