@@ -21,6 +21,7 @@ from fake_engine import FakeEngine
 from helpers import FakeWorker, wait_burst
 from prefixq.cli.main import build_parser, settings_from
 from prefixq.cli.redis_server import free_port
+from prefixq.cli.worker_process import metrics_exporter
 from prefixq.client import Producer
 from prefixq.core.errors import ConfigError, SetupError
 from prefixq.core.keys import FIELD, Keys
@@ -93,7 +94,8 @@ def test_a_burst_is_counted_timed_and_its_queue_seen_before_and_after(
     exporters: list[MetricsExporter] = []
 
     def exporter(w: Worker) -> MetricsExporter:
-        exporters.append(MetricsExporter(w, port, addr="127.0.0.1"))
+        exporters.append(metrics_exporter(w, port, addr="127.0.0.1"))
+        w.add_middleware(exporters[-1])  # as `prefixq worker --metrics-port` registers it
         return exporters[-1]
 
     engine = GatedEngine()
@@ -138,7 +140,9 @@ def test_a_burst_is_counted_timed_and_its_queue_seen_before_and_after(
         ),
     )
     assert fw.stop() == EXIT_OK
-    assert exp not in fw.worker.middleware and fw.worker.gc.observer is None
+    assert fw.worker.gc.observer is None, "the stopped exporter let go of the GC watch"
+    with pytest.raises(OSError):  # and no longer serves
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
 
     assert m["prefixq_engine_up"] == 1
     assert m["prefixq_inflight"] == 0
@@ -222,7 +226,7 @@ def test_a_taken_port_is_a_setup_error(make_settings: Callable[..., Settings]) -
             sock.listen()
             port = sock.getsockname()[1]
             with pytest.raises(SetupError, match=str(port)):
-                async with MetricsExporter(w, port, addr="127.0.0.1"):
+                async with metrics_exporter(w, port, addr="127.0.0.1"):
                     pass
         assert not w.middleware
         await w.r.aclose()

@@ -10,13 +10,24 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixq.core.settings import Settings
 from prefixq.engine.reaper import start_reaper, stop_reaper
 from prefixq.worker.command import worker_command
 
-__all__ = ["EXIT_CONFIG", "WORKER_ENGINE_ARGS", "run_worker", "supervise", "worker_command"]
+__all__ = [
+    "EXIT_CONFIG",
+    "WORKER_ENGINE_ARGS",
+    "metrics_exporter",
+    "run_worker",
+    "supervise",
+    "worker_command",
+]
+
+if TYPE_CHECKING:
+    from prefixq.integrations.metrics import MetricsExporter
+    from prefixq.worker.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +41,23 @@ WORKER_ENGINE_ARGS: dict[str, Any] = {"scheduling_policy": "priority"}
 #: `prefixq worker` exit code for a usage or configuration error (bad flag, refused credentials):
 #: the supervisor does not restart it, since a restart cannot fix it
 EXIT_CONFIG = 2
+
+
+def metrics_exporter(worker: Worker, port: int, *, addr: str = "0.0.0.0") -> MetricsExporter:
+    """The Prometheus exporter of ``worker``, given the collaborators it reads (not registered:
+    ``worker.add_middleware(...)``)."""
+    from prefixq.integrations.metrics import MetricsExporter
+
+    return MetricsExporter(
+        port,
+        settings=worker.settings,
+        shard=worker.shard,
+        name=worker.name,
+        health=worker.health,
+        sched=worker.sched,
+        gc=worker.gc,
+        addr=addr,
+    )
 
 
 def run_worker(
@@ -57,9 +85,7 @@ def run_worker(
             settings, shard, engine, name=name, gpu=gpu, middleware=[RqCompletion(settings)]
         )
         if settings.metrics_port > 0:
-            from prefixq.integrations.metrics import MetricsExporter
-
-            worker.add_middleware(MetricsExporter(worker, settings.metrics_port))
+            worker.add_middleware(metrics_exporter(worker, settings.metrics_port))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, worker.stop)

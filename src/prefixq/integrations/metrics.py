@@ -44,15 +44,17 @@ from redis.exceptions import ResponseError
 
 from prefixq.core.errors import SetupError
 from prefixq.core.records import Result
+from prefixq.core.settings import Settings
 from prefixq.ops.queues import Queue, aread
 from prefixq.store.connection import TRANSIENT, async_client
-from prefixq.worker.middleware import Host, Middleware
+from prefixq.worker.middleware import Middleware
+from prefixq.worker.view import WorkerView
 
 if TYPE_CHECKING:
     import redis.asyncio as aredis
 
+    from prefixq.worker.gcwatch import GcWatch
     from prefixq.worker.scheduler import Scheduler
-    from prefixq.worker.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -299,21 +301,32 @@ class MetricsExporter(Middleware):
     """Serves ``/metrics`` over HTTP (a daemon thread) and refreshes the queue gauges every
     ``refresh_s`` (default: ``heartbeat_s``). A worker middleware (worker/middleware.py):
     registered on a worker, it starts with it, observes each finished request and stops after
-    it; ``async with MetricsExporter(worker, port):`` starts it at once and registers it."""
+    it; ``async with exporter:`` starts it at once and closes it.
+
+    It is given what it reads, not the worker: the settings, the worker's shard and name, its
+    ``health(now)`` (the heartbeat's fields), its scheduler (queued and in-flight per priority
+    and tenant) and its GC watch (whose observer it sets while it serves):
+    prefixq.cli.worker_process.metrics_exporter builds one for a worker."""
 
     def __init__(
         self,
-        worker: Worker,
         port: int,
         *,
+        settings: Settings,
+        shard: int,
+        name: str,
+        health: Callable[[float], Mapping[str, Any]],
+        sched: Scheduler | None = None,
+        gc: GcWatch | None = None,
         addr: str = "0.0.0.0",
         refresh_s: float | None = None,
     ) -> None:
-        self.worker = worker
+        self.settings, self.shard, self.gc = settings, shard, gc
+        self.keys = settings.keys
         self.port = port
         self.addr = addr
-        self.refresh_s = refresh_s if refresh_s is not None else worker.settings.heartbeat_s
-        self.metrics = WorkerMetrics(worker.shard, worker.name, worker.health, worker.sched)
+        self.refresh_s = refresh_s if refresh_s is not None else settings.heartbeat_s
+        self.metrics = WorkerMetrics(shard, name, health, sched)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
         self._task: asyncio.Task[None] | None = None
@@ -321,28 +334,24 @@ class MetricsExporter(Middleware):
         self._failing = False
 
     # ---- middleware hooks -----------------------------------------------------------------
-    async def before_start(self, worker: Host) -> None:
+    async def before_start(self, worker: WorkerView) -> None:
         await self.start()
 
     def after_result(self, result: Result) -> None:
         self.metrics.observe(result)
 
-    async def after_stop(self, worker: Host) -> None:
+    async def after_stop(self, worker: WorkerView) -> None:
         await self.close()
 
     # ---- life -----------------------------------------------------------------------------
     async def __aenter__(self) -> Self:
         await self.start()
-        if self not in self.worker.middleware:
-            self.worker.add_middleware(self)
         return self
 
     async def __aexit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.close()
-        if self in self.worker.middleware:
-            self.worker.middleware.remove(self)
 
     async def start(self) -> None:
         """Serve and refresh (once; later calls do nothing)."""
@@ -357,8 +366,9 @@ class MetricsExporter(Middleware):
                 f"cannot serve metrics on {self.addr}:{self.port}: {e.strerror or e}"
             ) from None
         self.port = self._server.server_port
-        self.worker.gc.observer = self.metrics.gc_pause.observe
-        self._r = async_client(self.worker.settings)
+        if self.gc is not None:
+            self.gc.observer = self.metrics.gc_pause.observe
+        self._r = async_client(self.settings)
         self._task = asyncio.create_task(self._refresh_loop(), name="metrics-refresh")
         log.info("metrics on http://%s:%d/metrics", self.addr, self.port)
 
@@ -370,7 +380,8 @@ class MetricsExporter(Middleware):
             task.cancel()
             await asyncio.wait([task], timeout=5)  # never hold up the worker's exit
         if server is not None:
-            self.worker.gc.observer = None
+            if self.gc is not None:
+                self.gc.observer = None
             await asyncio.to_thread(server.shutdown)
             server.server_close()
         if thread is not None:
@@ -398,9 +409,9 @@ class MetricsExporter(Middleware):
     async def refresh(self) -> None:
         """Read the shard's queues from Redis into the gauges (four round trips)."""
         assert self._r is not None, "use `async with MetricsExporter(...)`"
-        w, r = self.worker, self._r
-        q = await aread(r, w.keys, w.shard)
-        dead = await r.xlen(w.keys.dead(w.shard))
+        r = self._r
+        q = await aread(r, self.keys, self.shard)
+        dead = await r.xlen(self.keys.dead(self.shard))
         # one assignment, so a scrape in the HTTP thread sees the old state or the new one
         self.metrics.queue = QueueState(
             q.waiting, q.pending, q.oldest_waiting_s, dead, time.time(), tuple(q.queues())

@@ -28,7 +28,8 @@ from prefixq.core.errors import ValidationError
 from prefixq.core.settings import Settings
 from prefixq.store.burst_end import OnBurstDone
 from prefixq.store.connection import TRANSIENT, describe, sync_client
-from prefixq.worker.middleware import Host, Middleware
+from prefixq.worker.middleware import Middleware
+from prefixq.worker.view import WorkerView
 
 __all__ = [
     "ENDED",
@@ -149,7 +150,7 @@ class RqCompletion(Middleware):
         self.settings = settings
         self.r: aredis.Redis | None = None
 
-    async def before_start(self, worker: Host) -> None:
+    async def before_start(self, worker: WorkerView) -> None:
         self.r = worker.r  # the worker's own client
 
     async def after_burst_done(self, burst: str) -> None:

@@ -10,14 +10,14 @@ from __future__ import annotations
 import logging
 
 from prefixq.store.retry import retry
-from prefixq.worker.admission import Admission
 from prefixq.worker.shard import Pending, ShardStream, last_allowed
+from prefixq.worker.view import WorkerView
 
 log = logging.getLogger(__name__)
 
 
 async def replay_backlog(
-    shard: ShardStream, work: Admission, *, page: int, max_attempts: int
+    shard: ShardStream, work: WorkerView, *, page: int, max_attempts: int
 ) -> None:
     """Serve ``shard.consumer``'s own pending entries, oldest first in each of the shard's
     streams, until none is left or the worker stops."""
@@ -39,7 +39,7 @@ async def replay_backlog(
             pass
 
 
-async def _replay_one(shard: ShardStream, work: Admission, p: Pending, max_attempts: int) -> None:
+async def _replay_one(shard: ShardStream, work: WorkerView, p: Pending, max_attempts: int) -> None:
     if work.holds(p.ref):
         return
     last = last_allowed(p.deliveries + 1, max_attempts)

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Container
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from redis.exceptions import ResponseError
 
@@ -29,8 +29,9 @@ from prefixq.store.connection import TRANSIENT
 from prefixq.store.retry import repeat
 from prefixq.worker.deliveries import Delivery, GroupLost
 from prefixq.worker.intake import Intake
-from prefixq.worker.scheduler import Lane, Picked, Plan, Scheduler
+from prefixq.worker.scheduler import Lane, Plan, Scheduler
 from prefixq.worker.shard import ShardStream
+from prefixq.worker.view import WorkerView
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -39,21 +40,6 @@ T = TypeVar("T")
 REFRESH_S = 1.0
 #: ms a round blocks on the intakes when idle (shorter while stock waits for a capped tenant)
 BLOCK_MS, CAPPED_BLOCK_MS = 500, 50
-
-
-class Work(Protocol):
-    """What the reader needs of the worker."""
-
-    @property
-    def stopping(self) -> bool: ...
-
-    def room(self) -> int: ...
-
-    def holds(self, ref: tuple[str, bytes]) -> bool: ...
-
-    async def wait_room(self) -> None: ...
-
-    async def launch(self, items: list[Picked], t_read: float) -> None: ...
 
 
 class Reader:
@@ -65,7 +51,7 @@ class Reader:
         stream: ShardStream,
         sched: Scheduler,
         intake: Intake,
-        work: Work,
+        work: WorkerView,
         ended: Container[str],
     ) -> None:
         self.stream, self.sched, self.intake, self.work = stream, sched, intake, work

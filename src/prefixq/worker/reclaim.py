@@ -23,9 +23,9 @@ from redis.exceptions import ResponseError
 from prefixq.core.settings import Settings
 from prefixq.store.connection import TRANSIENT
 from prefixq.store.retry import retry
-from prefixq.worker.admission import Admission
 from prefixq.worker.deliveries import Delivery, Pending, last_allowed
 from prefixq.worker.shard import ShardStream
+from prefixq.worker.view import WorkerView
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def over_limit(deliveries: int, max_attempts: int) -> str:
 class Reclaimer:
     """Runs inside a worker (`run`); `dead_letter_over_limit` runs once at start-up."""
 
-    def __init__(self, shard: ShardStream, work: Admission, settings: Settings) -> None:
+    def __init__(self, shard: ShardStream, work: WorkerView, settings: Settings) -> None:
         self.shard = shard
         self.work = work
         self.max_attempts = settings.max_attempts

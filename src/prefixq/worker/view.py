@@ -1,21 +1,36 @@
-"""The narrow interface the worker's helpers admit work through (`Admission`).
+"""`WorkerView`: what the worker's helpers and its middleware see of the `Worker` (one protocol).
 
-The reclaimer (reclaim.py) and the backlog replay (backlog.py) hand entries to the worker's
-engine through this protocol and nothing else of the `Worker`: the shard's queue keys, how much
-room the in-flight window has, whether an entry is already held, admitting deliveries (or handing
-over entries taken from dead workers), waiting for room or for one entry, and dead-lettering.
+The reader (reader.py), the reclaimer (reclaim.py), the backlog replay (backlog.py) and the
+middleware hooks (middleware.py) reach the worker through it and nothing else: its client and
+settings, the shard's queue keys, how much room the in-flight window has, whether an entry is
+already held, admitting deliveries (launching picked ones, or handing over entries taken from
+dead workers), waiting for room or for one entry, and dead-lettering.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+import redis.asyncio as aredis
+
+from prefixq.core.settings import Settings
 from prefixq.worker.deliveries import Delivery, Ref
 from prefixq.worker.solo import SoloGate
 
+if TYPE_CHECKING:
+    from prefixq.worker.scheduler import Picked
 
-class Admission(Protocol):
-    """What `Worker` offers its helpers."""
+
+class WorkerView(Protocol):
+    """What `Worker` offers its helpers and middleware."""
+
+    @property
+    def r(self) -> aredis.Redis:
+        """The worker's own asyncio client."""
+        ...
+
+    @property
+    def settings(self) -> Settings: ...
 
     @property
     def stopping(self) -> bool:
@@ -46,6 +61,10 @@ class Admission(Protocol):
 
     async def admit(self, deliveries: list[Delivery]) -> None:
         """Decode the entries and hand each to the engine; bad ones are dead-lettered."""
+        ...
+
+    async def launch(self, items: list[Picked], t_read: float) -> None:
+        """Hand picked entries (a read round's admissions) to the engine."""
         ...
 
     async def take_over(self, deliveries: list[Delivery]) -> None:
