@@ -57,9 +57,9 @@ MUTATIONS = (
         "ack-before-record",
         "record-then-ack",
         "worker/writer.py",
-        "                replies = await self.shard.record(todo)\n",
-        "                await self.shard.ack(todo)\n"
-        "                replies = await self.shard.record(todo)\n",
+        "                replies = await self.stream.record(todo)\n",
+        "                await self.stream.ack(todo)\n"
+        "                replies = await self.stream.record(todo)\n",
     ),
     Mutation(
         "ack-refused-records",
@@ -107,8 +107,8 @@ MUTATIONS = (
         "lease-not-renewed",
         "lease renewal (heartbeat re-claims held entries)",
         "worker/heartbeat.py",
-        "        await self.shard.renew(self.holding())\n",
-        "        await self.shard.renew([])\n",
+        "        await self.stream.renew(self.holding())\n",
+        "        await self.stream.renew([])\n",
     ),
     Mutation(
         "reclaimer-ignores-deliveries",

@@ -141,7 +141,7 @@ def test_a_burst_is_counted_timed_and_its_queue_seen_before_and_after(
     )
     assert fw.stop() == EXIT_OK
     assert fw.worker.gc.observer is None, "the stopped exporter let go of the GC watch"
-    with pytest.raises(OSError):  # and no longer serves
+    with pytest.raises(ConnectionRefusedError):  # and no longer serves
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
 
     assert m["prefixq_engine_up"] == 1

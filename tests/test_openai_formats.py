@@ -206,7 +206,7 @@ def test_input_check_skips_a_byte_order_mark_and_takes_crlf_lines(tmp_path: Path
 
 
 def test_submit_recognises_openai_lines_in_a_file_with_a_byte_order_mark(tmp_path: Path) -> None:
-    """`prefixq submit` takes a file with a BOM (inputs.parse_line); it must also see that the
+    """`prefixq submit` takes a file with a BOM (inputs.read_json_line); it must also see that the
     file holds OpenAI lines, or its results come out in prefixq's format."""
     from prefixq.openai.outputs import input_metadata
 

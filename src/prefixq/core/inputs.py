@@ -18,7 +18,7 @@ from prefixq.core.errors import ValidationError
 from prefixq.core.records import Request
 from prefixq.core.settings import Settings
 
-__all__ = ["IdCheck", "normalize", "normalize_one", "parse_line", "read_requests"]
+__all__ = ["IdCheck", "normalize", "normalize_one", "read_json_line", "read_requests"]
 
 
 def read_requests(path: str, settings: Settings | None = None) -> list[Request]:
@@ -36,7 +36,7 @@ def read_requests(path: str, settings: Settings | None = None) -> list[Request]:
     lines: list[int] = []
     with f:
         for n, raw in enumerate(f, 1):
-            obj = parse_line(raw, n, name)
+            obj = read_json_line(raw, n, name)
             if obj is None:
                 continue
             try:
@@ -52,7 +52,7 @@ def read_requests(path: str, settings: Settings | None = None) -> list[Request]:
     return out
 
 
-def parse_line(raw: bytes, n: int, name: str = "input") -> Any:
+def read_json_line(raw: bytes, n: int, name: str = "input") -> Any:
     """The JSON value of line ``n`` (1-based) of ``name``, or None for a blank line;
     ValidationError naming the line for bytes that are not UTF-8 or text that is not JSON."""
     where = f"{name}: line {n}"

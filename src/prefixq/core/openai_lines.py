@@ -79,7 +79,9 @@ def is_openai_line(obj: Mapping[str, Any]) -> bool:
     return not obj.keys().isdisjoint(("custom_id", "body", "method", "url"))
 
 
-def parse_line(obj: Mapping[str, Any], where: str) -> tuple[Any, dict[str, Any], str, str | None]:
+def split_openai_line(
+    obj: Mapping[str, Any], where: str
+) -> tuple[Any, dict[str, Any], str, str | None]:
     """``(custom_id, the plain request body, endpoint url, model)`` of an OpenAI batch line;
     ValidationError names ``where`` and the field."""
     w = where + ": "

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixq.core import openai_lines as openai_body
+from prefixq.core import openai_lines
 from prefixq.core.checks import check_nested, check_text
 from prefixq.core.choices import MIN_LOGPROB, Choice, TokenLogprob
 from prefixq.core.errors import (
@@ -83,8 +83,8 @@ class Request:
         limits = {"max_chars": max_chars, "max_messages": max_messages}
         if not isinstance(obj, Mapping):
             raise ValidationError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-        if openai_body.is_openai_line(obj):
-            rid, body, url, model = openai_body.parse_line(obj, where)
+        if openai_lines.is_openai_line(obj):
+            rid, body, url, model = openai_lines.split_openai_line(obj, where)
             req = cls._from_body(rid, body, where)
             req.endpoint, req.model = url, model
         else:
@@ -142,9 +142,9 @@ class Request:
         for name in ("endpoint", "model"):
             if not isinstance(getattr(self, name), str | None):
                 raise ValidationError(w + f"{name} must be a string")
-        if self.endpoint is not None and self.endpoint not in openai_body.ENDPOINTS:
+        if self.endpoint is not None and self.endpoint not in openai_lines.ENDPOINTS:
             raise ValidationError(w + f"unsupported endpoint {self.endpoint!r}")
-        if (self.endpoint == openai_body.CHAT) != (self.messages is not None) and self.endpoint:
+        if (self.endpoint == openai_lines.CHAT) != (self.messages is not None) and self.endpoint:
             raise ValidationError(w + f"{self.endpoint} does not go with this kind of prompt")
         if self.prompt is not None and not isinstance(self.prompt, str):
             raise ValidationError(w + "prompt must be a string")

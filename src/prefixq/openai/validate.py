@@ -18,7 +18,7 @@ from typing import Any
 
 from prefixq.core.entries import check_size
 from prefixq.core.errors import ValidationError
-from prefixq.core.inputs import parse_line
+from prefixq.core.inputs import read_json_line
 from prefixq.core.records import Request
 from prefixq.core.settings import Settings
 
@@ -133,7 +133,7 @@ def check_input(path: Path, endpoint: str, settings: Settings) -> Checked:
             # a BOM on line 1 is skipped; bytes that are not UTF-8, text that is not JSON, JSON
             # nested too deep or an integer too long to read are the line's error, not the batch's
             try:
-                obj = parse_line(raw, n)
+                obj = read_json_line(raw, n)
             except ValidationError:
                 out.add(n, "invalid_json_line", "This line is not parseable as valid JSON.")
                 continue

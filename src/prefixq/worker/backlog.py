@@ -17,9 +17,9 @@ log = logging.getLogger(__name__)
 
 
 async def replay_backlog(
-    shard: ShardStream, work: WorkerView, *, page: int, max_attempts: int
+    stream: ShardStream, work: WorkerView, *, page: int, max_attempts: int
 ) -> None:
-    """Serve ``shard.consumer``'s own pending entries, oldest first in each of the shard's
+    """Serve ``stream.consumer``'s own pending entries, oldest first in each of the shard's
     streams, until none is left or the worker stops."""
     for key in work.queue_keys():
         start = "-"
@@ -27,9 +27,9 @@ async def replay_backlog(
         async def one_page(key: str = key) -> bool:
             """Serve the next page of ``key``'s backlog; False once nothing is left."""
             nonlocal start
-            rows = await shard.pending([key], count=page, start=start, consumer=shard.consumer)
+            rows = await stream.pending([key], count=page, start=start, consumer=stream.consumer)
             for p in rows:
-                await _replay_one(shard, work, p, max_attempts)
+                await _replay_one(stream, work, p, max_attempts)
                 start = "(" + p.entry_id.decode()
                 if work.stopping:
                     break
@@ -39,7 +39,7 @@ async def replay_backlog(
             pass
 
 
-async def _replay_one(shard: ShardStream, work: WorkerView, p: Pending, max_attempts: int) -> None:
+async def _replay_one(stream: ShardStream, work: WorkerView, p: Pending, max_attempts: int) -> None:
     if work.holds(p.ref):
         return
     last = last_allowed(p.deliveries + 1, max_attempts)
@@ -47,7 +47,7 @@ async def _replay_one(shard: ShardStream, work: WorkerView, p: Pending, max_atte
         await work.wait_room()
     if work.stopping:
         return
-    got = await shard.claim([p], 0)
+    got = await stream.claim([p], 0)
     if not got:  # acked meanwhile, or deleted (XCLAIM then drops it from the list)
         return
     await work.admit(got)

@@ -39,7 +39,7 @@ class Heartbeat:
 
     def __init__(
         self,
-        shard: ShardStream,
+        stream: ShardStream,
         *,
         every_s: float,
         ttl_s: float,
@@ -49,7 +49,7 @@ class Heartbeat:
         busy: Callable[[], bool],
         gc_policy: GcPolicy,
     ) -> None:
-        self.shard = shard
+        self.stream = stream
         self.every_s = every_s
         self.ttl_s = max(1, int(ttl_s))
         #: the health hash's fields at a given time (read by inspect and check)
@@ -68,8 +68,8 @@ class Heartbeat:
         self._last_done = time.monotonic()
 
     async def run(self) -> None:
-        keys, shard = self.shard.keys, self.shard
-        hb = keys.heartbeat(shard.shard, shard.consumer)
+        keys, stream = self.stream.keys, self.stream
+        hb = keys.heartbeat(stream.shard, stream.consumer)
         while True:
             try:
                 await self.beat(hb)
@@ -80,14 +80,14 @@ class Heartbeat:
 
     async def beat(self, hb: str) -> None:
         now = time.time()
-        pipe = self.shard.r.pipeline(transaction=False)
+        pipe = self.stream.r.pipeline(transaction=False)
         pipe.hset(hb, mapping=self.health(now))
         pipe.expire(hb, self.ttl_s)
-        pipe.zadd(self.shard.keys.workers(self.shard.shard), {self.shard.consumer: now})
+        pipe.zadd(self.stream.keys.workers(self.stream.shard), {self.stream.consumer: now})
         await pipe.execute()
-        await self.shard.renew(self.holding())
+        await self.stream.renew(self.holding())
         self._untold += self.tallies()
-        await self.shard.tally(self._untold)  # kept for the next beat if Redis refused them
+        await self.stream.tally(self._untold)  # kept for the next beat if Redis refused them
         self._untold = []
 
     def collect_when_idle(self) -> None:
@@ -100,8 +100,8 @@ class Heartbeat:
         self._served_since_collect = 0
 
     async def unregister(self) -> None:
-        shard = self.shard
+        stream = self.stream
         with contextlib.suppress(*TRANSIENT, ResponseError):
-            await shard.tally(self._untold + self.tallies())
-            await shard.r.delete(shard.keys.heartbeat(shard.shard, shard.consumer))
-            await shard.r.zrem(shard.keys.workers(shard.shard), shard.consumer)
+            await stream.tally(self._untold + self.tallies())
+            await stream.r.delete(stream.keys.heartbeat(stream.shard, stream.consumer))
+            await stream.r.zrem(stream.keys.workers(stream.shard), stream.consumer)

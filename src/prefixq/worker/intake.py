@@ -100,17 +100,17 @@ class Intake:
         """Move an entry to the dead-letter stream; its request (if identifiable) gets a failed
         result, recorded and acked before this returns. A Redis error leaves the entry pending:
         it is reclaimed and dead-lettered again later."""
-        shard = self.stream
+        stream = self.stream
         log.warning(
-            "dead letter %s on shard %d: %s", delivery.entry_id.decode(), shard.shard, reason
+            "dead letter %s on shard %d: %s", delivery.entry_id.decode(), stream.shard, reason
         )
         try:
-            entry = await shard.dead_letter(delivery, reason)
+            entry = await stream.dead_letter(delivery, reason)
         except (*TRANSIENT, ResponseError) as e:
             log.error("dead-lettering %s failed (%s); left pending", delivery.entry_id, e)
             return
         self.counts["dead"] += 1
         if entry is not None:
             self.counts["failed"] += 1
-            res = dead_lettered_result(entry, shard.shard, shard.consumer, reason)
+            res = dead_lettered_result(entry, stream.shard, stream.consumer, reason)
             await self.writer.write_now(delivery.ref, entry, res)

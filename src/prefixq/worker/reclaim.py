@@ -38,8 +38,8 @@ def over_limit(deliveries: int, max_attempts: int) -> str:
 class Reclaimer:
     """Runs inside a worker (`run`); `dead_letter_over_limit` runs once at start-up."""
 
-    def __init__(self, shard: ShardStream, work: WorkerView, settings: Settings) -> None:
-        self.shard = shard
+    def __init__(self, stream: ShardStream, work: WorkerView, settings: Settings) -> None:
+        self.stream = stream
         self.work = work
         self.max_attempts = settings.max_attempts
         self.idle_ms = int(settings.claim_idle_s * 1000)
@@ -60,7 +60,7 @@ class Reclaimer:
     async def reclaim_once(self) -> int:
         """Claim entries idle past ``claim_idle_s``, oldest first; returns how many."""
         work = self.work
-        rows = await self.shard.pending(
+        rows = await self.stream.pending(
             work.queue_keys(), count=self.batch, min_idle_ms=self.idle_ms
         )
         rows = sorted((p for p in rows if not work.holds(p.ref)), key=_age)
@@ -77,9 +77,9 @@ class Reclaimer:
             # one per round, run alone (worker/solo.py): a poison entry among them takes
             # only itself past the limit
             claim.append(last[0])
-        got = await self.shard.claim(claim, self.idle_ms)
+        got = await self.stream.claim(claim, self.idle_ms)
         if got:
-            log.info("reclaimed %d idle entries on shard %d", len(got), self.shard.shard)
+            log.info("reclaimed %d idle entries on shard %d", len(got), self.stream.shard)
             self.reclaimed += len(got)
             await work.take_over(got)
         return len(got)
@@ -91,8 +91,8 @@ class Reclaimer:
         retried with backoff, and a lost group means nothing is pending (the reader rejoins)."""
         rows = await retry(
             "reading this worker's pending entries",
-            lambda: self.shard.pending(
-                self.work.queue_keys(), count=10_000, consumer=self.shard.consumer
+            lambda: self.stream.pending(
+                self.work.queue_keys(), count=10_000, consumer=self.stream.consumer
             ),
         )
         for p in rows:

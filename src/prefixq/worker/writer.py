@@ -43,14 +43,14 @@ class ResultWriter:
 
     def __init__(
         self,
-        shard: ShardStream,
+        stream: ShardStream,
         *,
         write_batch: int,
         grace_s: float,
         on_burst_done: BurstDone | None = None,
         on_written: Callable[[], None] | None = None,
     ) -> None:
-        self.shard = shard
+        self.stream = stream
         self.write_batch = write_batch
         self.grace_s = grace_s
         self.on_burst_done = on_burst_done
@@ -122,7 +122,7 @@ class ResultWriter:
         todo = batch
         while todo:
             try:
-                replies = await self.shard.record(todo)
+                replies = await self.stream.record(todo)
             except TRANSIENT as e:
                 await backoff.wait(f"recording {len(todo)} results", e)
                 continue
@@ -141,7 +141,7 @@ class ResultWriter:
         if done:  # acking twice is harmless: retry whatever fails until it lands
             await retry(
                 f"acking {len(done)} recorded results",
-                lambda: self.shard.ack(done),
+                lambda: self.stream.ack(done),
                 errors=(Exception,),
                 backoff=Backoff(first=0.05),
                 level=logging.ERROR,
