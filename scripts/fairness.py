@@ -8,8 +8,8 @@ loop is all there is to measure). docs/BENCHMARKS.md ("Many bursts at once") has
     python scripts/fairness.py sharing         # priority, equal bursts, tenants 3:1
 
 Run it with another tree first on PYTHONPATH (``PYTHONPATH=/tmp/before/src``) for that tree's
-figures: ``overhead`` and the ``equal`` scenario use nothing issue 13 added. Workers are separate
-processes (this script's ``worker`` command); the producer runs here.
+figures: ``overhead`` and the ``equal`` scenario use none of the fair-share machinery. Workers
+are separate processes (this script's ``worker`` command); the producer runs here.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """OpenAI batch lines: every body field is honoured or refused with the line and the field named;
-nothing that changes the answer is ignored (issue 12, issue 11 item 10)."""
+nothing that changes the answer is ignored."""
 
 from __future__ import annotations
 

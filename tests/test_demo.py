@@ -1,4 +1,4 @@
-"""`prefixq demo` on a Redis it finds leaves none of its keys there (issue 11 item 14): at the end
+"""`prefixq demo` on a Redis it finds leaves none of its keys there: at the end
 of a run, and when it is interrupted. The real engine (the demo's own worker process)."""
 
 from __future__ import annotations

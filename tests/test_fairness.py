@@ -1,4 +1,4 @@
-"""Bursts sharing a worker (issue 13): priorities, equal shares between bursts, tenant weights and
+"""Bursts sharing a worker: priorities, equal shares between bursts, tenant weights and
 caps, measured on the real worker loop and real Redis with the deterministic FakeEngine, whose
 ``sleep:S`` prompts take a fixed service time. Bounds are the issue's, over enough requests that
 a loaded machine does not move them (scripts/fairness.py measures the same at full size)."""

@@ -1,4 +1,4 @@
-"""Faults with several bursts, priorities and lanes on one shard (issue 13; docs/delivery.md): a
+"""Faults with several bursts, priorities and lanes on one shard (docs/delivery.md): a
 worker killed -9 while it holds entries of several bursts and priorities loses and doubles
 nothing, and what another worker reclaims runs even while a higher priority has a backlog."""
 

@@ -1,5 +1,5 @@
 """Faults in Redis's own configuration: an evicting maxmemory-policy, Redis at maxmemory (OOM), ACL
-users per namespace (issue 11 items 2, 11 and 12; docs/delivery.md, "Redis settings prefixq
+users per namespace (docs/delivery.md, "Redis settings prefixq
 requires and checks" and "One ACL user per namespace").
 
 Each test starts its own private redis-server configured with the fault (an eviction policy, a

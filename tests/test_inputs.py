@@ -1,4 +1,4 @@
-"""Bad input never crashes `prefixq submit` or the Python API (issue 11 item 9, and item 10's ids):
+"""Bad input never crashes `prefixq submit` or the Python API:
 invalid UTF-8, JSON too deep to read, lone surrogates, empty and duplicate ids each get a one-line
 error naming the line (files) or the request (API), exit 1, and nothing is enqueued."""
 

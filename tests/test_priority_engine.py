@@ -1,4 +1,4 @@
-"""Priorities end to end on a real vLLM CPU worker, through the CLI (issue 13): a high-priority
+"""Priorities end to end on a real vLLM CPU worker, through the CLI: a high-priority
 burst submitted while a 2,000-request normal one runs finishes within 1.5x its own service time
 plus one admission round."""
 

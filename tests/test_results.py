@@ -1,6 +1,6 @@
 """Reading a burst's results (`prefixq.client.results`, `prefixq results`) when its record is gone
 or
-partial: nothing reads as finished that is not (issue 11 item 7)."""
+partial: nothing reads as finished that is not."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`Settings`: the namespace's characters (issue 11 item 11), types and ranges of the rest."""
+"""`Settings`: the namespace's characters, types and ranges of the rest."""
 
 from __future__ import annotations
 

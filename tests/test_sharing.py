@@ -1,4 +1,4 @@
-"""A burst's priority and tenant from every way in (issue 13): the Python API, the CLI, RQ's
+"""A burst's priority and tenant from every way in: the Python API, the CLI, RQ's
 `run_burst`, OpenAI batch metadata; the settings that weigh and cap tenants; bad values refused
 with the field named. The scheduling itself: test_scheduler.py, test_fairness.py."""
 

@@ -1,5 +1,5 @@
 """`prefixq inspect`'s numbers (prefixq/ops/stats.py): bounded cost per burst, a self-pruning burst
-index, and in-flight counts that agree with the results (issue 11 items 8 and 15)."""
+index, and in-flight counts that agree with the results."""
 
 from __future__ import annotations
 

@@ -191,15 +191,6 @@ class Request:
             n += sum(len(m.get("content") or "") for m in self.messages)
         return n + len(self.prompt_token_ids or ())
 
-    def to_dict(self) -> dict[str, Any]:
-        """The plain JSON form (what `from_json` reads back)."""
-        out: dict[str, Any] = {"id": self.id}
-        for name in ("prompt", "messages", "prompt_token_ids", "prefix"):
-            if getattr(self, name) is not None:
-                out[name] = getattr(self, name)
-        out.update(self.sampling)
-        return out
-
 
 def _token_ids(ids: Any) -> bool:
     """A non-empty list of ints in [0, 2**31) (bools refused); C-speed passes, since prompts of

@@ -1,4 +1,5 @@
-"""Priorities, tenants and lanes: how a burst shares a shard with the others (issue 13).
+"""Priorities, tenants and lanes: how a burst shares a shard with the others
+(docs/architecture.md, "Sharing a shard").
 
 A burst has a **priority**, one of `PRIORITIES` (highest first; default ``normal``), and a
 **tenant** (a name like a namespace's; default ``default``). Each shard has one *intake* stream per

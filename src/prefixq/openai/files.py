@@ -32,7 +32,6 @@ log = logging.getLogger(__name__)
 
 #: purposes a client may upload with, and those the server writes
 UPLOAD_PURPOSES = frozenset({"batch"})
-PURPOSES = frozenset({"batch", "batch_output"})
 
 
 _ID = re.compile(r"file-[0-9a-f]{24}")

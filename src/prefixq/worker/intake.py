@@ -3,9 +3,8 @@
 `Intake.decode` decodes each delivered entry (bounded: core/wire.py), dead-letters what cannot run
 (no payload, undecodable), gives the requests of cancelled or expired bursts their ended result
 without running them (worker/ends.py), and acks entries already deleted (their result is
-recorded). `Intake.take` also resolves the stored prefixes the rest refer to, with one MGET per
-read (worker/prefixes.py); the reader resolves them when it admits what it read
-(worker/reader.py). The worker launches what is left.
+recorded). The worker resolves the stored prefixes the rest refer to (worker/prefixes.py, one MGET
+per read round) and launches them.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from prefixq.store.connection import TRANSIENT
 from prefixq.store.dead_letters import dead_lettered_result
 from prefixq.worker.deliveries import Delivery, Ref
 from prefixq.worker.ends import BurstEnds
-from prefixq.worker.prefixes import PrefixCache, Resolved
+from prefixq.worker.prefixes import PrefixCache
 from prefixq.worker.shard import ShardStream
 from prefixq.worker.writer import ResultWriter
 
@@ -51,14 +50,6 @@ class Intake:
     ) -> None:
         self.stream, self.writer, self.ends, self.prefixes = stream, writer, ends, prefixes
         self.counts, self.retry = counts, retry
-
-    async def take(
-        self, deliveries: list[Delivery]
-    ) -> tuple[list[tuple[Delivery, Entry]], dict[str, Resolved]]:
-        """The deliveries to run with their decoded entries, and the stored prefixes they need
-        (digest -> prefix, or why it is unavailable)."""
-        ready = await self.decode(deliveries)
-        return ready, await self.prefixes.resolve([e for _, e in ready])
 
     async def decode(self, deliveries: list[Delivery]) -> list[tuple[Delivery, Entry]]:
         """The deliveries to run, with their decoded entries (the rest is taken care of)."""

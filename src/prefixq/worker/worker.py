@@ -367,7 +367,7 @@ class Worker:
         except EngineDead as err:
             self._engine_died(str(err))
             return
-        except EngineAborted:  # its burst was cancelled or expired (`_on_notice`)
+        except EngineAborted:  # its burst was cancelled or expired (BurstEnds.watch)
             why = self.ends.ended_reason(e) or "cancelled"
             res.error, res.error_code = ENDED_ERRORS[why], why
         except PrefixqError as err:  # EngineError, ValidationError, WireError: this request only
