@@ -1,16 +1,11 @@
 """What the values of a request may hold: valid Unicode (no lone surrogates), integers that fit in
-64 bits, bounded nesting.
+64 bits, bounded nesting; and the shape of a burst's ``on_complete`` (`callback_path`).
 
-A Python ``str`` may hold a lone surrogate (``"\\ud800"``, which ``json.loads`` makes from the
-escape ``"\\ud800"``); it cannot be encoded as UTF-8, so msgpack, the engine and the JSON output
-would fail on it deep inside the producer. `check_text` refuses it at validation, naming the field;
-`check_nested` does the same for every string inside a chat message or the sampling fields, and
-refuses integers msgpack cannot carry (beyond 64 bits) and nesting the wire format would refuse.
-
-Cheap by design: an ASCII string is accepted in O(1) (``str.isascii``); others are searched once
-with a regular expression; and a long string already found clean is remembered by identity, so a
-document shared by every request of a burst (the same ``str`` object) is searched once, not once
-per request.
+A Python ``str`` may hold a lone surrogate (``"\\ud800"``, which ``json.loads`` makes from that
+escape); it cannot be encoded as UTF-8, so msgpack, the engine and the JSON output would fail on
+it deep inside the producer. `check_text` and `check_nested` refuse it at validation, naming the
+field. They run on every string of every request, twice (producer and worker): keep them cheap
+(`check_text` says how). docs/delivery.md, "Bad input never stops a worker", lists every check.
 """
 
 from __future__ import annotations
@@ -33,7 +28,12 @@ _clean: dict[int, str] = {}
 
 
 def check_text(s: str, what: str, w: str) -> None:
-    """ValidationError ``w + what ...`` if ``s`` holds a lone surrogate."""
+    """ValidationError ``w + what ...`` if ``s`` holds a lone surrogate.
+
+    Cheap by design: an ASCII string is accepted in O(1) (``str.isascii``); others are searched
+    once with a regular expression; and a long string already found clean is remembered by
+    identity, so a document shared by every request of a burst (the same ``str`` object) is
+    searched once, not once per request."""
     if s.isascii():
         return
     long = len(s) >= _REMEMBER_CHARS

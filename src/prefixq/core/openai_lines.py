@@ -1,23 +1,12 @@
 """OpenAI batch-file lines: ``{"custom_id", "method": "POST", "url", "body"}`` into the plain
 request form, honouring every body field vLLM supports offline and refusing the rest.
 
-Each field of a /v1/chat/completions or /v1/completions body is one of:
-
-* honoured: ``messages`` (chat) or ``prompt`` (completions: a string, a list of token ids, or a
-  list holding one of those), ``max_tokens`` / ``max_completion_tokens``, ``temperature``,
-  ``top_p``, ``presence_penalty``, ``frequency_penalty``, ``stop``, ``seed``, ``n``,
-  ``logit_bias``, ``response_format``, chat ``logprobs`` + ``top_logprobs``, completions
-  ``logprobs``, and vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
-  ``stop_token_ids``, ``ignore_eos``), plus prefixq's ``prefix``;
-* kept for the output object, without effect on the answer: ``model`` (the worker serves the
-  model it was started with, whatever a line names);
-* accepted and ignored, since they cannot change the answer: `IGNORED`;
-* refused unless absent, null or a value that changes nothing (`_NO_OP`): streaming, tools and
-  functions, audio, other modalities, predicted outputs, web search, reasoning effort,
-  verbosity, ``suffix``, ``echo``, ``best_of`` other than ``n``;
-* anything else: refused as an unknown field.
-
-A null value means the field's default, as in OpenAI's API. Errors name the line and the field.
+Each body field is honoured, kept for the output object (``model``), accepted and ignored because
+it cannot change the answer (`IGNORED`), refused unless absent, null or a value that changes
+nothing (`_NO_OP`), or refused as unknown. Nothing that would change the answer is silently
+ignored: a field moves to `IGNORED` only if no value of it can. A null value means the field's
+default, as in OpenAI's API; errors name the line and the field. docs/requests.md, "OpenAI batch
+lines", has the table of every field: change it with these sets.
 """
 
 from __future__ import annotations

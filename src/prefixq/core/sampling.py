@@ -1,17 +1,10 @@
-"""A request's sampling fields: which exist, their types and ranges.
+"""A request's sampling fields: which exist, their types and ranges (`check_sampling`).
 
 The same checks run when a producer accepts a request and again when a worker reads it (an entry
 may come from anything with write access to the stream). The dict travels to the engine as it is
-here; the engine adapter (engine/vllm_engine.py) turns it into vLLM's ``SamplingParams``:
-
-* ``n`` (1..128): completions per request, all returned (`Result.choices`);
-* ``logprobs`` (0..20): return each output token's logprob and this many most likely
-  alternatives (the completions API's integer; a chat line's ``logprobs: true`` +
-  ``top_logprobs: k`` becomes ``logprobs: k``);
-* ``logit_bias``: token id (a string of digits, as JSON keys are) -> bias in [-100, 100];
-* ``response_format``: OpenAI's object: ``{"type": "text"}`` (the default, dropped),
-  ``{"type": "json_object"}``, or ``{"type": "json_schema", "json_schema": {"name", "schema",
-  "strict", "description"}}``; JSON output is enforced by vLLM's structured outputs.
+here; the engine adapter (engine/vllm_engine.py) turns it into vLLM's ``SamplingParams``, so a
+field added here needs its translation there. docs/requests.md ("Sampling values") lists every
+field and range; docs/engine.md ("Sampling, choices and abort") says what vLLM makes of them.
 """
 
 from __future__ import annotations

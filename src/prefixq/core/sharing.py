@@ -1,16 +1,12 @@
 """Priorities, tenants and lanes: how a burst shares a shard with the others
-(docs/architecture.md, "Sharing a shard").
+(docs/architecture.md, "Sharing a shard", has the design, the layout and its costs).
 
 A burst has a **priority**, one of `PRIORITIES` (highest first; default ``normal``), and a
 **tenant** (a name like a namespace's; default ``default``). Each shard has one *intake* stream per
 priority (`Keys.intake`) and one *lane* stream per burst that sends it more than its head
-(`Keys.lane`); the shard's lane index (`Keys.lanes`, a hash: burst -> `LaneInfo`) lists the lanes
-with their priority, tenant and whether the producer has sent everything (sealed).
-docs/architecture.md describes the layout and what it costs.
-
-Workers share a shard by priority first (strictly), then by tenant (weights: `parse_weights`),
-then equally between the bursts of a tenant; a tenant may be capped (`parse_caps`: at most N of its
-requests inside one worker's engine). Nothing here does I/O.
+(`Keys.lane`); the shard's lane index (`Keys.lanes`: burst -> `LaneInfo`) lists the lanes. Workers
+share a shard by priority first (strictly), then by tenant weight (`parse_weights`), then equally
+between a tenant's bursts; a tenant may be capped (`parse_caps`). Nothing here does I/O.
 """
 
 from __future__ import annotations
