@@ -1,17 +1,12 @@
-"""Engine processes die with the process that started them, even after kill -9.
+"""Engine processes die with the process that started them, even after kill -9 (`start_reaper`,
+`stop_reaper`).
 
-vLLM starts its engine core in a separate process; if the worker that owns it is killed with
-SIGKILL, nothing tells the engine core, which is re-parented to PID 1 and keeps its memory (and
-on a GPU, the GPU: a restarted worker on that GPU then fails to start). `start_reaper` starts a
-small watcher process (its own session, so a terminal's Ctrl-C does not reach it) that notes the
-owner's descendants every ``every_s`` seconds through /proc, and waits for the owner's end of a
-pipe to close — which the kernel does however the owner ends. It then kills every noted process
-still alive (checking its start time, so a reused PID is never hit) and exits. On a clean exit
-the engine has already shut down and there is nothing left to kill. Linux only (/proc); elsewhere
-it does nothing.
-
-Runs as ``python .../reaper.py OWNER_PID`` (the file itself, so the watcher imports nothing but
-the standard library).
+vLLM's engine core runs in a process of its own, which a SIGKILL of its worker leaves alive with
+its memory and its GPU. `start_reaper` starts a watcher process that notes the owner's
+descendants and, once the owner's end of a pipe closes (however the owner ended), kills those
+still alive. Linux only (/proc); elsewhere it does nothing. The watcher runs this file itself
+(``python .../reaper.py OWNER_PID``), so this module must import nothing but the standard
+library. docs/engine.md, "Engine processes after a kill -9", has the design.
 """
 
 from __future__ import annotations

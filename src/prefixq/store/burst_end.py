@@ -1,23 +1,14 @@
 """A burst's end before all its requests ran: `cancel` (an operator, the HTTP server, the CLI) and
 `expire_due` (its deadline passed; every worker calls it periodically).
 
-Both fail every request of the burst that has no result yet, with ``error_code`` ``cancelled`` or
-``expired``, through lua/finish_missing.lua: ``HSETNX`` per input index, exactly once, so a
-worker that records one of them afterwards gets "already recorded" and only acks its entry, and
-a result recorded before stays. The indexes are taken 1,000 at a time (one round trip to learn
-which have no result and read their request ids from `Keys.ids`, one script call to record them),
-so Redis is never blocked long. The burst record counts them as ``failed`` and per reason
-(``cancelled`` / ``expired``); its status is ``cancelling`` / ``expiring`` meanwhile and
-``cancelled`` / ``expired`` once nothing is missing. The call that completes the burst enqueues
-its ``on_complete`` through the ``on_burst_done`` hook its caller passes (the CLI, the HTTP server
-and the worker pass prefixq.integrations.rq_callbacks' enqueue functions; this module imports no
-integration), as a worker does when its result completes one.
-
-Then (once every missing result is recorded, so that the counters and the final status are
-this module's) `cancel` posts ``{b: burst, c: created}`` to `Keys.cancels` (with ``r: expired``
-for an expiry), on which workers abort that burst's requests in their engine and skip its queued
-entries; whatever they record for them is "already recorded" and only acked. ``c`` ties the
-notice to this burst: a later burst of the same id (once this one's record expired) runs.
+Both fail every request of the burst that has no result yet (``error_code`` ``cancelled`` or
+``expired``) through lua/finish_missing.lua, ``HSETNX`` per input index and 1,000 indexes per
+call: each request keeps exactly one result, and a result recorded before stays. Only once nothing
+is missing is the notice posted to `Keys.cancels` (workers then abort the burst's requests and
+skip its entries), so the counters and the final status are this module's. The call that
+completes the burst runs the ``on_burst_done`` hook its caller passes (RQ's enqueue, from
+prefixq.integrations.rq_callbacks): this module imports no integration. docs/delivery.md,
+"Cancel and deadlines", has the steps, the statuses and the exactly-once argument.
 """
 
 from __future__ import annotations
