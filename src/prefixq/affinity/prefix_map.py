@@ -1,20 +1,12 @@
-"""Affinity placement over a prefix map shared in Redis by every producer.
+"""Affinity placement over a prefix map shared in Redis by every producer (`AffinityPlacer`).
 
-docs/architecture.md ("Affinity") has the design and its measured costs.
-
-For each request: its checkpoints (every ``checkpoint_every``-th chained block hash, the last block
-of its shared prefix, and its last block) are looked up; the deepest one the map knows (or this
-burst already placed) names the shard that holds those KV blocks, and the request goes there with
-``predicted_cached`` = the matched tokens. A request with no known checkpoint starts a new prefix
-group on the shard with the least estimated outstanding prefill work (the load counters producers
-raise and workers lower, plus what this burst already placed; ties to the lowest shard index).
-
-New checkpoints are claimed atomically (HSETNX in lua/claim_prefixes.lua): when two producers race
-for one prefix, the loser follows the winner. The load guard moves a whole prefix group to the
-least loaded shard when its shard's backlog runs ahead by more than ``guard_margin_tokens`` (and
-``guard_factor`` times); the map is updated so later requests follow, and each move is recorded
-in the moves stream. The map is bounded: at most ``map_max_entries`` checkpoints, least recently
-used evicted first (an evicted prefix is simply placed as new).
+A request goes to the shard named by the deepest of its checkpoints (chained block hashes) that
+the map knows or this burst has already placed; a request with none starts a new prefix group on
+the shard with the least estimated outstanding prefill work. Two invariants: new checkpoints are
+claimed atomically (``HSETNX`` in lua/claim_prefixes.lua), so when two producers race for one
+prefix the loser follows the winner; and the map stays bounded (``map_max_entries``, least
+recently used evicted first). docs/architecture.md, "Affinity", has the design (checkpoints, the
+load guard, moves) and its measured costs.
 """
 
 from __future__ import annotations

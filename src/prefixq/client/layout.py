@@ -1,19 +1,12 @@
 """Where a burst's entries go: the shards' intake streams and the burst's lanes
-(prefixq.core.sharing).
+(prefixq.core.sharing); `Layout.add` per chunk, `Layout.seal` once the burst is sent.
 
-The head (`Producer` sends it first) goes to each shard's intake stream of the burst's priority,
-which idle workers block on: it reaches an engine within one round trip. Each later chunk's
-entries for a shard go to the burst's lane there — a stream of its own, made with its consumer
-group and its lane index entry by the first chunk that needs it — except the chunk's last one,
-which goes to the intake, marked as the lane's doorbell (`LANE`) and added after the others: a
-worker that reads the doorbell then reads the lane, and a worker idle on the intakes wakes. A
-chunk with a single entry for a shard sends it to the intake alone. Once the burst is sent, its
-lanes are sealed: a worker deletes a sealed lane once it is empty (lua/close_lane.lua).
-
-Costs: per shard a burst reaches beyond its head, one stream (the lane) and one lane index
-field, made by two commands in a pipeline the chunk sends anyway; one doorbell per chunk and
-shard; and one seal per lane in the last round trip. A burst of at most `HEAD` requests makes no
-lane at all.
+The head goes to each shard's intake of the burst's priority, which idle workers block on. Each
+later chunk's entries for a shard go to the burst's lane there (made, with its group and lane
+index entry, by the first chunk that needs it), except the chunk's last one, which goes to the
+intake as the lane's doorbell (`LANE`). The doorbells are added after every lane entry they
+announce: a worker that reads a doorbell must find its entries in the lane. docs/architecture.md,
+"Sharing a shard" ("Layout", "Costs"), has the design and what it costs.
 """
 
 from __future__ import annotations

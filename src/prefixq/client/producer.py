@@ -1,29 +1,13 @@
 """`Producer`: a burst in, entries on the shards' streams out — its head first.
 
-The order is chosen so that the engines start within milliseconds of ``submit``, whatever the
-burst's size (docs/BENCHMARKS.md measures it):
-
-1. the burst's head (its first `HEAD` requests in enqueue order) is validated, placed and encoded,
-   its prefixes inline;
-2. the burst record is created atomically (lua/create_burst.lua: a burst id is taken once, so two
-   producers racing for one id cannot both write under it), and the head's entries go out in the
-   same round trip's successor, with the request ids (`Keys.ids`) and the burst index entries;
-3. the rest is validated (ids checked across the whole burst), the uses of each shared prefix are
-   counted (encoding.py), and it is placed, encoded and sent in growing chunks, each in one
-   pipeline with the prefixes it is first to refer to (``SET NX`` with TTL, before its entries)
-   and the shards' load counters.
-
-Where the entries go — the shards' intake streams and the burst's lanes, by priority — is
-layout.py's.
-
-A request refused in step 1, or an item that is not a request object at all, leaves nothing
-behind. A request refused in step 3, a Redis failure there or any other error (a placer of the
-caller's own, say), cancels the burst as a whole (prefixq.store.burst_end): what the head started
-may
-finish, every other request gets a cancelled result, and the error says so.
-
-``order`` (`ORDERS`) chooses the enqueue order; each request keeps its input index, and results
-are always read back in input order.
+`Producer.asubmit` validates, places and encodes the burst's head (its first `HEAD` requests in
+enqueue order), creates the burst record (lua/create_burst.lua: an id is taken once), sends the
+head, and only then validates, places and sends the rest in growing chunks (`_Submission.run`),
+so that the engines start within milliseconds whatever the burst's size. Where the entries go is
+layout.py's; the enqueue order is order.py's. The invariant to keep: once the record exists, no
+failure may leave the burst half sent (`_Submission._abandon` cancels it as a whole); before
+that, a refusal leaves nothing behind. docs/architecture.md, "The producer: the head first", has
+the steps, the failure cases and the measured start.
 """
 
 from __future__ import annotations
