@@ -1,21 +1,14 @@
-"""The worker's garbage-collector policy: what is frozen, and when the heap is collected whole.
+"""The worker's garbage-collector policy: what is frozen, and when the heap is collected whole
+(`GcPolicy`).
 
-CPython's cyclic collector traverses every tracked object of the generations it collects. After
-warm-up a worker's heap is large and long-lived (vLLM, torch, the tokenizer: some 600k objects),
-so it is collected once and frozen (`gc.freeze`: frozen objects are never traversed again).
-Requests in flight add young objects of their own (entries, prompts, vLLM's per-request state);
-with hundreds in flight a generation-1 collection traverses all of them: 5.6 ms, measured on the
-CPU with 256 requests in flight (docs/BENCHMARKS.md), while the event loop that feeds the engine
-waits. So what a batch of admitted requests holds is frozen too, once it has been handed to the
-engine: `gc.freeze` moves the generations' lists to the frozen set in O(1).
-
-Objects freed by reference counting leave the frozen set as usual; only reference cycles wait.
-Once `WHOLE_HEAP_AFTER` requests were frozen, the next idle moment (nothing in flight for a
-second) unfreezes the heap, collects it whole and freezes it again: ~360 ms for a vLLM worker on
-the CPU, which no request waits on (a request arriving meanwhile waits at most that long); it is
-timed apart from the pauses (`GcWatch.apart`). Other idle moments collect only what is not
-frozen. A worker that is never idle stops freezing admissions after `FREEZE_BUDGET` requests,
-which bounds what cycles can wait; ordinary collection takes over until it is idle.
+After warm-up the heap is frozen (`gc.freeze`), and so is what each batch of admitted requests
+holds once it has been handed to the engine (`GcPolicy.admitted`), so that collections of the
+young generations stop traversing hundreds of requests in flight while the event loop waits.
+Cycles among frozen objects wait for an idle moment (`GcPolicy.idle`), which collects the whole
+heap once `WHOLE_HEAP_AFTER` requests were frozen; a worker never idle stops freezing after
+`FREEZE_BUDGET`, so what can wait stays bounded. `admitted` runs at every admission and must stay
+O(1); `idle` runs only when nothing is in flight. docs/engine.md, "Garbage collection in the
+worker", has the design and the measured pauses.
 """
 
 from __future__ import annotations

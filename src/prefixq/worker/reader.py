@@ -1,16 +1,13 @@
 """The worker's reader: read rounds over the shard's intakes and lanes, and the lane index.
 
-One round (`Reader.round`): ask the scheduler what to read for the free slots (consumers/
-scheduler.py), read it in one round trip (`ShardStream.read`: one XREADGROUP per distinct COUNT,
-pipelined; one XREADGROUP for the default path), decode what came (worker/intake.py), stock it
-under its burst's lane, and admit what the scheduler picks. When nothing is left to read or pick,
-the round blocks on the intake streams: a new burst's head, and the doorbell every chunk of a
-lane sends after its entries (docs/architecture.md), wake it.
-
-Every `REFRESH_S` (`Reader.refresh`) the lane index is read: lanes this worker has not seen (a
-restart, or a doorbell another worker of the shard read) are probed, lanes that may still grow
-are probed again, and lanes that are drained and sealed (or whose burst ended) are closed
-(lua/close_lane.lua deletes a lane only when it holds no entry at all).
+One round (`Reader.round`): ask the scheduler (worker/scheduler.py) what to read for the free
+slots, read it in one round trip (`ShardStream.read`), decode what came (worker/intake.py), stock
+it under its burst's lane, and admit what the scheduler picks; with nothing to read or pick, block
+on the intake streams, where new bursts' heads and lane doorbells arrive. Every `REFRESH_S`
+(`Reader.refresh`) the lane index is read: unseen lanes and lanes that may still grow are probed,
+drained and sealed ones (or those of ended bursts) closed. A lane is only ever deleted by
+lua/close_lane.lua, which checks that it holds no entry at all. docs/architecture.md, "Sharing a
+shard" ("A read round", "Costs"), has the design.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
-"""Recovery of stuck work: reclaim entries idle on dead workers, dead-letter poison entries.
+"""Recovery of stuck work: reclaim entries idle on dead workers, dead-letter poison entries
+(`Reclaimer`).
 
-An entry is pending from its delivery until its result is recorded and it is acked. A live worker
-renews the lease on the entries it holds on every heartbeat, so only entries of dead or stuck
-workers go idle past ``claim_idle_s``; the reclaimer of any live worker of that shard (or
-`prefixq reclaim`) takes them over with XCLAIM, which counts a delivery. An entry delivered
-``max_attempts`` times goes to the shard's dead-letter stream with the reason, and its request
-gets a failed result.
-
-It looks in every stream of the shard (intakes and lanes, whatever their priority) and takes the
-oldest idle entries first, up to ``read_count`` per round whatever the worker's free room: what it
-takes is admitted before anything else (worker/scheduler.py), since it was admitted once
-already. So a busy worker still reclaims, and no priority waits behind another to be reclaimed.
+A live worker renews the lease on every entry it holds, so only entries of dead or stuck workers
+go idle past ``claim_idle_s``; the reclaimer of any live worker of the shard takes the oldest of
+them over with XCLAIM (which counts a delivery), in every stream of the shard, up to
+``read_count`` per round whatever its free room, and they are admitted before anything else. An
+entry delivered ``max_attempts`` times goes to the dead-letter stream instead, and its request
+gets a failed result. docs/delivery.md, "Stuck work: heartbeats, reclaim, dead letters", has the
+design.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """Who gets the engine's free slots: priorities first, then tenants by weight, then bursts equally.
 
-`Scheduler` is the worker's in-memory view of its shard's queues (no I/O: worker/reader.py
-does the reading). Each burst with work on the shard is a `Lane`: its entries already read but
-not admitted (its *stock*), and whether its Redis lane may hold entries not yet delivered
+`Scheduler` is the worker's in-memory view of its shard's queues (no I/O: worker/reader.py does
+the reading). Each burst with work on the shard is a `Lane`: its entries already read but not
+admitted (its *stock*), and whether its Redis lane may hold entries not yet delivered
 (``remote``). Lanes belong to a `Tenant` of their priority band. Two decisions per read round:
-
-- `plan`: what to read. Only the highest band that has work (strict priority) is read, as many
-  entries as the free slots its stock cannot fill, spread over its tenants by weight (the tenant
-  with the least virtual time first; a tenant's virtual time grows by 1/weight per admission)
-  and over each tenant's lanes in turn; the intakes of that band and of the bands above it are
-  read too (new bursts' heads, lane doorbells). Lanes of ended bursts are read out apart.
-- `pick`: what to admit, one slot at a time, from the stock, in the same order: entries taken
-  over from dead workers first, then the highest band with work, the tenant with the least
-  virtual time (not at its cap), its next lane in turn.
-
-A tenant that comes back after an idle spell starts at the least virtual time of its band's active
-tenants, so it gets its share from then on and no credit for the past. The default path — one
-burst, one tenant — plans one read and picks in O(1) per entry.
+`Scheduler.plan` (what to read) and `Scheduler.pick` (what to admit), in the same order. Keep the
+default path cheap: one burst, one tenant plans one read and picks in O(1) per entry.
+docs/architecture.md, "Sharing a shard", has the rules, the read round and the costs.
 """
 
 from __future__ import annotations
@@ -178,6 +168,8 @@ class Scheduler:
             self.by_key.pop(lane.key, None)
 
     def _activate(self, t: Tenant) -> None:
+        """A tenant back after an idle spell starts at the least virtual time of its band's
+        active tenants: its share from then on, no credit for the past."""
         if t.active:
             return
         others = [  # no credit for the idle time, no debt either
@@ -309,7 +301,13 @@ class Scheduler:
         return None
 
     def plan(self, room: int) -> Plan:
-        """What to read this round, for ``room`` free slots."""
+        """What to read this round, for ``room`` free slots.
+
+        Only the highest band that has work (strict priority) is read, as many entries as the
+        free slots its stock cannot fill, spread over its tenants by weight (the tenant with the
+        least virtual time first; a tenant's virtual time grows by 1/weight per admission) and
+        over each tenant's lanes in turn; the intakes of that band and of the bands above it are
+        read too (new bursts' heads, lane doorbells). Lanes of ended bursts are read out apart."""
         plan = Plan()
         drain = [lane.key for lane in self.draining]
         top = self.top_band()
@@ -379,7 +377,9 @@ class Scheduler:
                 self.intake_more[self.intakes.index(key)] = got >= asked
 
     def pick(self, n: int, now: float) -> list[Picked]:
-        """Up to ``n`` entries to admit now, in admission order."""
+        """Up to ``n`` entries to admit now, in admission order: one slot at a time, from the
+        stock, entries taken over from dead workers first, then the highest band with work, the
+        tenant with the least virtual time (not at its cap), its next lane in turn."""
         out: list[Picked] = []
         held = self.held
         while self.first and len(out) < n:

@@ -1,26 +1,15 @@
 """One shard's stream protocol, owned by one object: `ShardStream`.
 
-A shard's requests wait in several streams, all read through one consumer group (`GROUP`): its
-intake streams (one per priority, `Keys.intake`) and the lanes of its bursts (`Keys.lane`;
-prefixq.core.sharing and docs/architecture.md say why). `ShardStream` holds the keys' names, this
-worker's consumer name and its Redis client, and sends every command a worker sends about entries:
-join the group, read new entries from several streams in one round trip, claim idle ones, renew
-the lease on the entries it holds, page through pending entries with their delivery counts, record
-results and acknowledge their entries, dead-letter, close a drained lane. An entry is named by its
-stream and its id together (`Ref`: two streams may hand out the same id). The reader, the writer,
-the reclaimer, the heartbeat and the backlog replay all go through it.
-
-**Record, then acknowledge.** Results are recorded by lua/record_result.lua (exactly once per
-request index) in one pipeline; only the entries whose record succeeded are then acknowledged and
-deleted, in a second round trip (the entry's stream and the burst's keys live in different Cluster
-slots, so one script cannot touch both). A refused record — Redis out of memory, the script gone
-after a restart — leaves its entry pending: the writer retries it, and if the worker dies first the
-entry is delivered again and recorded then. A crash between the two round trips leaves recorded
-results whose entries are pending: their redelivery finds the result and is only acknowledged.
-
-**Deliveries** of an entry are the stream's delivery count plus the count it carried over a move
-by `prefixq reclaim` (the entry's ``n`` field, store/dead_letters.py), so ``max_attempts`` holds
-across such moves; `last_allowed` says whether a delivery is the last one allowed.
+A shard's requests wait in several streams read through one consumer group (`GROUP`): its intakes
+(one per priority) and its bursts' lanes. `ShardStream` holds their keys, this worker's consumer
+name and its Redis client, and sends every command a worker sends about entries (join, read,
+claim, renew the lease, page through pending entries, record and ack, dead-letter, close a lane);
+the reader, writer, reclaimer, heartbeat and backlog replay all go through it. An entry is named
+by its stream and its id together (worker/deliveries.py). The invariant: **record, then
+acknowledge** — only entries whose result was recorded (lua/record_result.lua, exactly once per
+index) are acked, in a second round trip, so a refused record or a crash leaves the entry
+pending, to be redelivered and found recorded. docs/delivery.md, "At-least-once delivery,
+exactly-once results", has the crash windows and the delivery count.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """`SoloGate`: an entry on its last allowed delivery runs with nothing else in the engine.
 
-When a request kills the engine, every request in flight dies with it and is delivered again, and
-each of those deliveries counts towards ``max_attempts``. Were they all run together again, an
-engine-killing ("poison") entry would take its neighbours past ``max_attempts`` with it, into the
-dead-letter stream. So an entry whose delivery is its last allowed one (``max_attempts`` >= 2)
-runs alone: it waits until no engine call is in progress, and no other call starts until it is
-done. If it kills the engine, only it is charged again; each neighbour gets its own last delivery
-alone and succeeds. After a restart the worker charges its own pending entries their deliveries
-one by one as it admits them (not all at once, as a re-read of its backlog would), and a
-last-chance one only once nothing else is in flight, so that the crash of another request cannot
-use up its last delivery before it has run; the reclaimer takes last-chance entries of dead
-workers one per round.
-
-Ordinary calls pay one comparison while no solo entry waits or runs.
+When a request kills the engine, every request in flight dies with it and is charged a delivery;
+run together again, an engine-killing ("poison") entry would take its neighbours past
+``max_attempts`` into the dead-letter stream. So an entry whose delivery is its last allowed one
+(``max_attempts`` >= 2) runs alone: it waits until no engine call is in progress, and no other
+call starts until it is done; if it kills the engine, only it is charged again. The backlog
+replay and the reclaimer keep their side of this (deliveries charged one by one, last-chance
+entries one per round). docs/delivery.md, "Stuck work" ("Poison entries do not take their
+neighbours with them"), has the argument.
 """
 
 from __future__ import annotations
@@ -23,7 +18,8 @@ from collections.abc import AsyncIterator
 
 
 class SoloGate:
-    """Counts engine calls; `call(solo=True)` gets the engine to itself."""
+    """Counts engine calls; `call(solo=True)` gets the engine to itself. Ordinary calls pay one
+    comparison while no solo entry waits or runs."""
 
     def __init__(self) -> None:
         #: engine calls in progress
