@@ -1,38 +1,15 @@
-"""Recovery without an engine: `prefixq reclaim` and `prefixq dead` (list, ``--requeue``).
+"""Recovery without an engine: `prefixq reclaim` and `prefixq dead` (list, ``--requeue``), as
+`Recovery.reclaim`, `Recovery.letters` and `Recovery.requeue`.
 
 Dead letters are described in store/dead_letters.py; workers write them through
-`ShardStream.dead_letter` and `Recovery.reclaim` with the same `dead_letter_record`.
-
-``prefixq reclaim`` runs where there is no engine, so it cannot serve an entry, and it must not
-XCLAIM one to a live worker's consumer name either: that worker never read it, so it would not
-keep it alive in its heartbeat, and its own reclaimer would claim it again later (counting a second
-delivery). Instead, for each entry idle past ``--idle-s`` on a consumer without a live heartbeat:
-
-* delivered ``max_attempts`` times or more -> the dead-letter stream, with a failed result for its
-  request (exactly once: the result is recorded by the same Lua script the writer uses);
-* otherwise -> re-added at the tail of the shard's intake stream of its priority as a new,
-  undelivered entry whose ``n`` field (`CARRIED`) holds the deliveries it had, and the old entry
-  acked and deleted, in one Lua script (lua/reclaim_entry.lua) that first checks that the entry is
-  still idle on that consumer. Any live worker of the shard then reads it like a new entry;
-  workers add ``n`` to the stream's delivery count wherever they compare it with
-  ``max_attempts``, so the limit still holds.
-
-It looks at every stream of the shard: the intakes and every lane in the shard's lane index.
-
-Entries pending on a consumer with a live heartbeat are left alone (that worker's own reclaimer
-handles its strays).
-
-``prefixq dead --requeue`` re-submits dead letters: it takes back the failed result that
-dead-lettering recorded (compare-and-delete of that exact result, lowering the burst's ``failed``
-count: lua/unrecord_result.lua), then re-adds the original payload to its shard's stream and
-deletes the dead letter in one step (lua/requeue_dead.lua), so the request runs again and its new
-outcome is the one result recorded (it goes to the intake stream of its burst's priority). The
-two steps touch different Cluster slots, so they cannot be
-one script; in this order a crash between them leaves the dead letter in place and a re-run
-finishes the job. A requeued entry starts its delivery count afresh. A dead letter whose request
-already has a result other than dead-lettering's is only deleted; one without a decodable payload,
-or whose burst was cancelled, expired or has no record, is skipped (a cancelled burst's request
-does not run again, and its status and counts stay the cancel's).
+`ShardStream.dead_letter`, and `Recovery.reclaim` with the same `dead_letter_record`. Two
+invariants. ``reclaim`` never XCLAIMs an entry to a live worker's consumer name (that worker never
+read it: its heartbeat would not keep it alive, and its reclaimer would count a second delivery);
+it moves the entry to its intake with the deliveries it had (``n``, `CARRIED`), in one script
+that first checks the entry is still idle there. ``requeue`` takes back the dead-lettered result
+before it re-adds the entry and deletes the dead letter: the two steps touch different Cluster
+slots, and in this order a crash between them is repaired by running it again. docs/delivery.md,
+"`prefixq reclaim`" and "`prefixq dead` and `prefixq dead --requeue`", has the rest.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
-"""Queue and latency statistics: what `prefixq inspect` prints and the metrics exporter serves.
+"""Queue and latency statistics: what `prefixq inspect` prints and the metrics exporter serves
+(`snapshot`; per shard `shard_stats`, per priority and tenant `sharing`, per burst `burst_stats`).
 
-Per shard, over all its streams (intakes and lanes: prefixq.ops.queues): entries waiting (not yet
-delivered) and pending (in flight: delivered, not acked; from the consumer groups, so exact once
-results are acked), age of the oldest waiting entry, the same per priority and tenant
-(``queues``), live workers (each with its pending entries and the in-flight count of its last
-heartbeat), estimated outstanding prefill tokens, dead letters, predicted vs actual cached prompt
-tokens, and per priority and tenant the requests admitted and their queue waits summed (workers
-count them as they ack). ``sharing`` sums the per-tenant figures over the shards.
-
-Per burst: progress and token counters from its record (exact), and p50/p95/p99 of queue wait
-(enqueued -> admitted), admit -> first token and end to end (enqueued -> finished) from a uniform
-random sample of at most `SAMPLE` results (``HRANDFIELD``), so a call costs the same for a burst of
-10 results or of 100,000. Index entries of bursts whose record is gone are dropped as they are met
-(a bounded number per call).
+Nothing here writes to Redis but the pruning of burst index entries whose record is gone. What
+could grow without end costs a bounded amount per call: a burst's percentiles come from a uniform
+random sample of at most `SAMPLE` results (``HRANDFIELD``), and at most `PRUNE` of the oldest
+index entries are checked. Counts from burst records and consumer groups are exact; percentiles
+are a sample's. docs/operations.md, "Live view: `prefixq inspect --watch`", says what each figure
+means.
 """
 
 from __future__ import annotations
@@ -72,8 +66,14 @@ def shard_stats(
     shards: int,
     lane_bursts: dict[tuple[str, str], set[str]] | None = None,
 ) -> list[dict[str, Any]]:
-    """One dict per shard (see module docstring); ``lane_bursts`` gets the ids of the bursts with
-    a lane, per priority and tenant, over all shards."""
+    """One dict per shard, over all its streams (intakes and lanes: prefixq.ops.queues): entries
+    waiting (not yet delivered) and pending (in flight: delivered, not acked; from the consumer
+    groups, so exact once results are acked), age of the oldest waiting entry, the same per
+    priority and tenant (``queues``), live workers (each with its pending entries and the
+    in-flight count of its last heartbeat), estimated outstanding prefill tokens, dead letters,
+    predicted vs actual cached prompt tokens, and per priority and tenant the requests admitted
+    and their queue waits summed (workers count them as they ack). ``lane_bursts`` gets the ids
+    of the bursts with a lane, per priority and tenant, over all shards."""
     keys = settings.keys
     now = time.time()
     load = {k.decode(): int(v) for k, v in r.hgetall(keys.load).items()}
