@@ -1,23 +1,14 @@
 """Prometheus metrics of one worker (``prefixq worker --metrics-port N``), every one labelled with
-``shard`` and ``worker``; docs/operations.md lists them.
+``shard`` and ``worker``: `MetricsExporter` (a worker middleware) and `WorkerMetrics` (one
+`CollectorRegistry` per worker, no module state).
 
-One `CollectorRegistry` per worker, no module state. Values come from three places, none of which
-makes the worker's event loop wait:
-
-* per finished request, the exporter's `after_result` hook (a worker middleware) calls
-  `WorkerMetrics.observe` once: three lock-free
-  histogram observations (a bisect and two additions each) and three integer additions, about a
-  microsecond in all (prometheus_client's own Histogram takes a lock and scans its buckets: ~2 us
-  per observation);
-* from `GcWatch`'s callback, one lock-free observation per collection (a GC callback must never
-  wait on a lock that the interrupted code may hold);
-* at scrape time, in the HTTP server's thread: the worker's `health()` (the counters the heartbeat
-  also carries, in flight, engine up), the token totals and the histograms;
-* every ``heartbeat_s``, an asyncio task with its own Redis connection reads the shard's queues
-  (waiting, pending, oldest waiting entry, dead letters; also per priority and tenant) with the
-  same code as `inspect` (prefixq.ops.queues);
-* at scrape time, the worker's scheduler's counters per priority and tenant: requests in its
-  engine, admitted, and their queue waits summed (copied whole: a C-level dict copy).
+The invariant: nothing here makes the worker's event loop wait. Per finished request the
+`after_result` hook calls `WorkerMetrics.observe` once (about a microsecond: `FastHistogram`
+takes no lock); `GcWatch`'s callback observes GC pauses without a lock; everything else is read
+at scrape time in the HTTP server's thread (the worker's `health()`, the token totals, the
+histograms, the scheduler's per-tenant counters) or every ``heartbeat_s`` by an asyncio task with
+its own Redis connection (the shard's queues, read by the same code as `inspect`:
+prefixq.ops.queues). docs/operations.md, "Metrics", lists the series and their costs.
 """
 
 from __future__ import annotations
@@ -93,7 +84,11 @@ COUNTERS = {
 class FastHistogram:
     """Bucket counts and a sum, without a lock: written by one thread at a time (the event loop,
     or the GC callback for GC pauses) and read at scrape time, where a scrape racing an
-    observation may see the sum one observation ahead of the counts."""
+    observation may see the sum one observation ahead of the counts.
+
+    An observation is a bisect and two additions; prometheus_client's own Histogram takes a lock
+    and scans its buckets (~2 us per observation), and a GC callback must never wait on a lock
+    that the code it interrupted may hold."""
 
     __slots__ = ("bounds", "counts", "doc", "name", "sum")
 

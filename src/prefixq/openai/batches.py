@@ -1,19 +1,12 @@
-"""Batches: the records behind ``/v1/batches`` and the Batch objects rendered from them.
+"""Batches: the records behind ``/v1/batches`` (`BatchStore`) and the Batch objects rendered from
+them (`batch_object`).
 
 A batch record is a Redis hash (core/keys.py ``oai_batch``) written when the batch is created and
-moved
-from status to status by lua/batch_transition.lua; its burst (``burst``, the batch id unless a
-recovery had to resubmit) carries the requests and results. Statuses::
-
-    validating ─► failed                       (the input file has errors)
-        │
-        ▼
-    in_progress ─► finalizing ─► completed | expired
-        │
-        └─► cancelling ─► cancelled            (also from validating)
-
-While a batch runs, ``request_counts`` are read live from its burst's counters; the final ones are
-written with the final status.
+moved from status to status only by lua/batch_transition.lua, which checks the caller's lease
+(if it holds one) in the same script; its burst (``burst``: the batch id, unless a recovery had
+to resubmit) carries the requests and results. While a batch runs, ``request_counts`` are read
+live from its burst's counters; the final ones are written with the final status.
+docs/openai.md, "Batches", has the statuses and their transitions.
 """
 
 from __future__ import annotations

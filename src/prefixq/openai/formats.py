@@ -1,18 +1,12 @@
-"""prefixq results as OpenAI Batch output lines (the server's output and error files, and
-``prefixq results --format openai``).
+"""prefixq results as OpenAI Batch output lines (`format_result`): the server's output and error
+files, and ``prefixq results --format openai``.
 
-One line per request, in input order::
-
-    {"id": "batch_req_…", "custom_id": "…", "response": {"status_code": 200, "request_id": "req_…",
-     "body": {chat.completion | text_completion}}, "error": null}
-
-A request that failed inside the engine or was refused gets an HTTP-style response (status 400 or
-500, ``body = {"error": {"message", "type", "param", "code"}}``) and ``error: null``; a request
-that never ran gets ``response: null`` and ``error = {"code", "message"}``: ``batch_expired``
-(the completion window ended before it was admitted) or ``batch_cancelled``. Ids are derived from
-the burst id and the input index, so writing a burst's lines twice gives the same bytes.
-
-This module imports no web framework: the CLI uses it without the ``serve`` extra.
+One line per request, in input order: a ``chat.completion`` or ``text_completion`` body with
+status 200, an HTTP-style error response (400 or 500) for a request that failed inside the engine
+or was refused, and ``response: null`` with ``batch_expired`` or ``batch_cancelled`` for one that
+never ran. Ids are derived from the burst id and the input index, so writing a burst's lines
+twice gives the same bytes. This module imports no web framework: the CLI uses it without the
+``serve`` extra. docs/openai.md, "Output and error files", has the shapes and the error table.
 """
 
 from __future__ import annotations

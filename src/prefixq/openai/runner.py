@@ -1,20 +1,14 @@
-"""What moves a batch along without any client asking: validating and queueing its burst, and
-finalizing it (writing the output and error files) once every request has a result.
+"""What moves a batch along without any client asking (`Sweeper`): validating and queueing its
+burst, and finalizing it (writing the output and error files) once every request has a result.
 
-Each server runs a `Sweeper` over the open batches of every namespace it serves. Work on a batch is
-done under its lease (lease.py), so with two servers on one Redis each step runs once, and a step a
-dead server left half done is redone by whichever server sweeps next (after the lease's TTL):
-
-- ``validating``: check the input file (validate.py), then ``Producer.asubmit`` the requests as the
-  batch's burst (``deadline`` = created + completion window). A burst an earlier attempt queued
-  completely is kept; one it queued partly is cancelled and the batch queued again under a new
-  burst id (``<batch id>-<attempt>``).
-- ``in_progress`` / ``cancelling`` with every result recorded: ``finalizing``, write both files
-  (formats.py), then ``completed``, ``expired`` (some request expired) or ``cancelled``.
-
-Every pass also runs `prefixq.store.burst_end.expire_due` for each namespace, so a batch's window
-ends on
-time even while no worker serves it (workers run it too; each request is expired once).
+Each server sweeps the open batches of every namespace it serves. Every step on a batch runs under
+its lease (lease.py), so with two servers on one Redis each step runs once, and a step a dead
+server left half done is redone by whichever server sweeps next, after the lease's TTL: keep each
+step safe to redo (a burst queued in part is cancelled and queued again as
+``<batch id>-<attempt>``; half-written files are removed). Every pass also runs
+`prefixq.store.burst_end.expire_due` for each namespace, so a batch's window ends on time even
+while no worker serves it. docs/openai.md, "Several servers, restarts and finalizing", has the
+design.
 """
 
 from __future__ import annotations
