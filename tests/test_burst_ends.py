@@ -15,7 +15,7 @@ from ledger import LEDGER, account
 from prefixq.client import Producer, results
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
-from prefixq.store import burst_end as bursts
+from prefixq.store import burst_end
 
 
 def slow(n: int, secs: float, tag: str = "q") -> list[dict[str, Any]]:
@@ -43,7 +43,7 @@ def test_cancel_mid_burst_aborts_in_flight_skips_queued_keeps_finished(
     burst = Producer(s).submit(slow(60, 0.3))
     wait_until(lambda: int(results.status(burst, s).done) >= 8, 30, "8 results before the cancel")
     assert fw.engine.active > 0, "nothing in the engine: the abort would test nothing"
-    rep = bursts.cancel(burst, s)
+    rep = burst_end.cancel(burst, s)
     LEDGER.fault(f"cancel of a running burst ({rep.cancelled} requests cancelled)")
     st = wait_burst(r, s, burst, 10)
     assert len(st) == 60
@@ -70,7 +70,7 @@ def test_a_worker_started_after_a_cancel_runs_none_of_its_entries(
     s = make_settings()
     r.hset(Keys(s.namespace).config, "shards", 1)
     burst = Producer(s).submit(slow(20, 0.1))
-    bursts.cancel(burst, s)
+    burst_end.cancel(burst, s)
     assert queue_empty(r, s)[0] == 20, "the entries were not queued"
     fw = fake_worker(s)
     wait_until(lambda: queue_empty(r, s) == (0, 0), 10, "the cancelled entries acked")
@@ -123,7 +123,7 @@ def test_a_burst_id_submitted_again_after_its_cancelled_burst_expired_runs_its_r
     fresh = [{"id": f"q{i}", "prompt": f"q{i}", "max_tokens": 4} for i in range(40)]
     with fake_worker(s, name="w1"):
         Producer(s).submit(slow, burst_id="nightly")
-        assert bursts.cancel("nightly", s).cancelled == 40
+        assert burst_end.cancel("nightly", s).cancelled == 40
         wait_until(lambda: not r.exists(keys.burst("nightly")), 10, "the record to expire")
         Producer(s).submit(fresh, burst_id="nightly")
         got = wait_burst(r, s, "nightly", 20)
@@ -149,7 +149,7 @@ def test_queued_entries_of_an_expired_cancelled_burst_do_not_land_in_a_new_burst
         [{"id": f"old{i}", "prompt": f"old {i}", "max_tokens": 4} for i in range(30)],
         burst_id="nightly",
     )
-    assert bursts.cancel("nightly", s).cancelled == 30
+    assert burst_end.cancel("nightly", s).cancelled == 30
     wait_until(lambda: not r.exists(keys.burst("nightly")), 10, "the record to expire")
     Producer(s).submit(
         [{"id": f"new{i}", "prompt": f"new {i}", "max_tokens": 4} for i in range(30)],

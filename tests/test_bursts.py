@@ -19,7 +19,7 @@ from prefixq.core.errors import BurstNotFound
 from prefixq.core.keys import Keys
 from prefixq.core.records import Result
 from prefixq.core.settings import Settings
-from prefixq.store import burst_end as bursts
+from prefixq.store import burst_end
 from prefixq.store.connection import lua
 from prefixq.worker.shard import record_call
 
@@ -65,7 +65,7 @@ def test_cancel_fails_what_is_missing_and_keeps_what_is_done(
     worker = FakeRecorder(r, settings, burst)
     worker.record(1), worker.record(3)
 
-    rep = bursts.cancel(burst, settings)
+    rep = burst_end.cancel(burst, settings)
 
     assert (rep.status, rep.total, rep.done, rep.failed, rep.cancelled) == ("cancelled", 5, 2, 3, 3)
     assert not rep.already_finished
@@ -95,22 +95,22 @@ def test_cancel_is_idempotent_and_leaves_finished_bursts_alone(
     """A second cancel changes nothing and says the burst had finished; so does cancelling a
     burst whose requests all have results; an unknown burst is BurstNotFound."""
     burst = submit(settings, 3)
-    bursts.cancel(burst, settings)
+    burst_end.cancel(burst, settings)
     before = (meta(r, settings, burst), r.hgetall(Keys(settings.namespace).results(burst)))
-    again = bursts.cancel(burst, settings)
+    again = burst_end.cancel(burst, settings)
     assert again.already_finished and again.status == "cancelled" and again.cancelled == 0
     assert (meta(r, settings, burst), r.hgetall(Keys(settings.namespace).results(burst))) == before
 
     done = submit(settings, 2)
     worker = FakeRecorder(r, settings, done)
     assert [worker.record(0), worker.record(1)] == [1, 2]
-    rep = bursts.cancel(done, settings)
+    rep = burst_end.cancel(done, settings)
     assert rep.already_finished and (rep.status, rep.done, rep.failed) == ("finished", 2, 0)
     assert "cancelled" not in meta(r, settings, done)
     assert r.xlen(Keys(settings.namespace).cancels) == 1  # only the first burst's notice
 
     with pytest.raises(BurstNotFound, match="no burst 'nope'"):
-        bursts.cancel("nope", settings)
+        burst_end.cancel("nope", settings)
 
 
 def test_cancel_racing_a_worker_records_each_index_exactly_once(
@@ -137,7 +137,7 @@ def test_cancel_racing_a_worker_records_each_index_exactly_once(
 
     t = threading.Thread(target=race)
     t.start()
-    rep = bursts.cancel(burst, settings)
+    rep = burst_end.cancel(burst, settings)
     stop.set()
     t.join()
 
@@ -175,7 +175,7 @@ def test_chunks_are_at_most_a_thousand_indexes(
         return real(self, keys=keys, args=args, client=client)
 
     monkeypatch.setattr(redis.commands.core.Script, "__call__", spy)
-    rep = bursts.cancel(burst, settings)
+    rep = burst_end.cancel(burst, settings)
     assert rep.cancelled == 2345
     assert [s for s in sizes if s] == [1000, 1000, 345]
 
@@ -190,7 +190,7 @@ def test_waiters_wake_up_when_a_burst_is_cancelled(settings: Settings, r: redis.
     time.sleep(0.3)
     assert not got  # still waiting: nothing recorded yet
     t0 = time.monotonic()
-    bursts.cancel(burst, settings)
+    burst_end.cancel(burst, settings)
     waiter.join(10)
     assert got and got[0].status == "cancelled" and got[0].failed == 4
     assert time.monotonic() - t0 < 5
@@ -217,7 +217,7 @@ def test_expire_due_expires_past_deadlines_once_even_from_two_workers(
         clients = [aredis.Redis.from_url(settings.redis_url) for _ in range(2)]
         try:
             return list(
-                await asyncio.gather(*(bursts.expire_due(c, settings, now) for c in clients))
+                await asyncio.gather(*(burst_end.expire_due(c, settings, now) for c in clients))
             )
         finally:
             for c in clients:
@@ -241,7 +241,7 @@ def test_expire_due_expires_past_deadlines_once_even_from_two_workers(
 async def _expire_once(settings: Settings, now: float) -> list[str]:
     client = aredis.Redis.from_url(settings.redis_url)
     try:
-        return await bursts.expire_due(client, settings, now)
+        return await burst_end.expire_due(client, settings, now)
     finally:
         await client.aclose()
 
@@ -251,10 +251,10 @@ def test_acancel_is_the_same_inside_an_event_loop(settings: Settings, r: redis.R
     burst = submit(settings, 3)
     FakeRecorder(r, settings, burst).record(2)
 
-    async def go() -> bursts.CancelReport:
+    async def go() -> burst_end.CancelReport:
         client = aredis.Redis.from_url(settings.redis_url)
         try:
-            return await bursts.acancel(burst, settings, client)
+            return await burst_end.acancel(burst, settings, client)
         finally:
             await client.aclose()
 
@@ -282,8 +282,8 @@ def test_the_cancel_that_ends_a_burst_enqueues_its_on_complete_job_once(
 
     q = Queue(f"rq-{settings.namespace}", connection=r, serializer=JSONSerializer)
     burst = submit(settings, 3, on_complete="rq_targets:mark_done", rq_queue=q.name)
-    assert bursts.cancel(burst, settings, on_burst_done=hook).ended
-    bursts.cancel(burst, settings, on_burst_done=hook)
+    assert burst_end.cancel(burst, settings, on_burst_done=hook).ended
+    burst_end.cancel(burst, settings, on_burst_done=hook)
     assert calls == [burst]
     assert q.job_ids == [callback_job_id(settings.namespace, burst)]
 

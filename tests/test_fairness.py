@@ -19,7 +19,7 @@ from prefixq.core import wire
 from prefixq.core.keys import Keys
 from prefixq.core.records import Result
 from prefixq.core.settings import Settings
-from prefixq.store import burst_end as bursts
+from prefixq.store import burst_end
 
 MakeWorker = Callable[..., FakeWorker]
 
@@ -41,7 +41,7 @@ def finished(r: redis.Redis, s: Settings, burst: str) -> list[Result]:
 
 def cancel_and_account(r: redis.Redis, s: Settings, burst: str, total: int) -> None:
     """End a long burst early; every request still gets exactly one result."""
-    bursts.cancel(burst, s)
+    burst_end.cancel(burst, s)
     wait_burst(r, s, burst, 60)
     out = account(r, s, burst, total, what="cancelled after the measurement")
     assert out.lost == 0 and out.duplicated == 0

@@ -17,7 +17,7 @@ from ledger import LEDGER, account
 from prefixq.client import Producer
 from prefixq.core.keys import GROUP, Keys
 from prefixq.core.settings import Settings
-from prefixq.store import burst_end as bursts
+from prefixq.store import burst_end
 
 pytestmark = pytest.mark.slow
 
@@ -104,7 +104,7 @@ def test_reclaimed_low_priority_work_runs_while_a_higher_priority_has_a_backlog(
         assert {x.worker for x in got} == {"w2"}
         out = account(r, s, low, 8, what="reclaimed under a high-priority backlog")
         assert (out.lost, out.duplicated, out.failed) == (0, 0, 0)
-        bursts.cancel(high, s)
+        burst_end.cancel(high, s)
         wait_burst(r, s, high, 60)
         out = account(r, s, high, 800, what="the high burst, cancelled")
         assert out.lost == 0 and out.duplicated == 0

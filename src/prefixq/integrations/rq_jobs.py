@@ -37,7 +37,7 @@ from prefixq.core.inputs import read_requests
 from prefixq.core.records import Request
 from prefixq.core.settings import Settings
 from prefixq.integrations.rq_callbacks import RQ_ON_COMPLETE, enqueue_on_complete
-from prefixq.store import burst_end as bursts
+from prefixq.store import burst_end
 from prefixq.store.connection import redact, sync_client
 
 __all__ = ["DEFAULT_TIMEOUT", "run_burst"]
@@ -156,7 +156,7 @@ def _earlier_attempt(
         job.id,
         prior,
     )
-    bursts.cancel(prior, settings, client=client, on_burst_done=enqueue_on_complete)
+    burst_end.cancel(prior, settings, client=client, on_burst_done=enqueue_on_complete)
     if burst_id == prior:
         raise ValidationError(
             f"burst {prior}: an earlier attempt of RQ job {job.id} died while submitting it, so it "

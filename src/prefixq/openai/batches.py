@@ -29,7 +29,7 @@ from prefixq.openai.files import FileStore
 from prefixq.openai.formats import ENDPOINTS
 from prefixq.openai.lease import TTL_MS
 from prefixq.openai.pages import Page, page
-from prefixq.store import burst_end as bursts
+from prefixq.store import burst_end
 from prefixq.store.connection import lua
 
 __all__ = ["FINAL", "BatchStore", "batch_object", "cancel_burst", "window_seconds"]
@@ -146,12 +146,12 @@ async def cancel_burst(
     r: aredis.Redis,
     settings: Settings,
     burst: str,
-    on_burst_done: bursts.AsyncBurstDone | None = None,
+    on_burst_done: burst_end.AsyncBurstDone | None = None,
 ) -> None:
     """Cancel the burst's unfinished requests (`prefixq.store.burst_end.acancel`); a burst that is
     gone has nothing left to cancel."""
     try:
-        await bursts.acancel(burst, settings, r, on_burst_done=on_burst_done)
+        await burst_end.acancel(burst, settings, r, on_burst_done=on_burst_done)
     except BurstNotFound:
         log.warning("burst %s: nothing to cancel, its record is gone", burst)
 
@@ -168,7 +168,7 @@ class BatchStore:
         r: aredis.Redis,
         settings: Settings,
         namespace: str,
-        on_burst_done: bursts.AsyncBurstDone | None = None,
+        on_burst_done: burst_end.AsyncBurstDone | None = None,
     ) -> None:
         self.r, self.keys = r, Keys(namespace)
         #: a burst's ``on_complete`` when a cancel or an expiry here ends it (from the CLI)

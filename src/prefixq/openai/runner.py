@@ -36,7 +36,7 @@ from prefixq.openai.batches import FINAL, BatchStore, cancel_burst, sharing
 from prefixq.openai.files import new_file_id
 from prefixq.openai.formats import Line, Usage, format_result
 from prefixq.openai.validate import check_input
-from prefixq.store import burst_end as bursts
+from prefixq.store import burst_end
 from prefixq.store.connection import TRANSIENT, raise_if_cancelled
 
 __all__ = ["Sweeper"]
@@ -123,7 +123,7 @@ class Sweeper:
         r: aredis.Redis,
         settings: Settings,
         namespaces: list[str],
-        on_burst_done: bursts.AsyncBurstDone | None = None,
+        on_burst_done: burst_end.AsyncBurstDone | None = None,
     ) -> None:
         self.r, self.settings = r, settings
         self.on_burst_done = on_burst_done
@@ -323,7 +323,7 @@ class Sweeper:
         one and whose lease is free."""
         for store in self.stores.values():
             ns = store.keys.ns
-            await bursts.expire_due(  # batches past their window
+            await burst_end.expire_due(  # batches past their window
                 self.r, store.settings, on_burst_done=self.on_burst_done
             )
             open_ids = {x.decode() for x in await self.r.smembers(store.keys.oai_open)}

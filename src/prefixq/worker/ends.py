@@ -6,7 +6,7 @@ posts a notice to `Keys.cancels`. A worker keeps the recent notices (`BurstEnds`
 ended burst it reads later are not run (their requests get the same ended result, recorded once:
 usually the burst's end recorded it already, and the worker only acks the entry), and on a new
 notice it aborts that burst's requests inside its engine. Every worker also looks for bursts past
-their deadline once a second (`bursts.expire_due`: each index is failed once, however many
+their deadline once a second (`burst_end.expire_due`: each index is failed once, however many
 workers look).
 """
 
