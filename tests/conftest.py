@@ -3,7 +3,7 @@
 Real parts only: `redis_server` is a `redis-server` binary on a free port (tests may kill and
 restart it); `fake_worker` builds in-process workers (the real `Worker` loop over
 tests/fake_engine.py) and always stops them; `start_worker` starts `prefixq worker` processes with
-the real vLLM CPU engine on the embedded model; `cluster` is the session's 2-shard deployment of
+the real vLLM CPU engine on the embedded model; `engines` is the session's 2-shard deployment of
 two such workers. Locally a missing redis-server skips Redis tests; in CI (CI=true) it fails them.
 Helpers every module shares (the CLI runner, the result waiter) are in tests/helpers.py.
 """
@@ -190,7 +190,7 @@ def start_worker(
 
 
 @pytest.fixture(scope="session")
-def cluster(redis_server: RedisServer, start_worker: Callable[..., WorkerProc]) -> Any:
+def engines(redis_server: RedisServer, start_worker: Callable[..., WorkerProc]) -> Any:
     """The shared engine deployment of the session: a 2-shard namespace with one real vLLM CPU
     worker per shard. Tests submit their own bursts to it."""
     s = Settings(

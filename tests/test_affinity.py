@@ -261,11 +261,13 @@ def test_prefix_map_stays_under_its_bound_after_100k_distinct_prefixes(
 
 
 @pytest.mark.engine
-def test_reuse_burst_cache_hits_near_perfect_placement_and_above_random(cluster: Any) -> None:
+def test_reuse_burst_cache_hits_near_perfect_placement_and_above_random(
+    engines: Any,
+) -> None:
     """16 documents x 4 questions on 2 CPU shards (real vLLM engines): affinity serves at least
     95% of the cached prompt tokens that perfect per-document placement gets, well above random.
     Each placement runs on its own 16 documents, so no run warms the cache for another."""
-    s = cluster.settings
+    s = engines.settings
 
     class PerDocument:
         """Perfect placement: document i on shard i % 2."""

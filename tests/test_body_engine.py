@@ -40,15 +40,15 @@ def chat(cid: str, content: str, **body: Any) -> dict[str, Any]:
     }
 
 
-def run(cluster: Any, lines: list[dict[str, Any]]) -> dict[str, Result]:
-    burst = Producer(cluster.settings).submit(lines)
-    results.wait(burst, cluster.settings, timeout=600)
-    got = {r.id: r for r in results.collect(burst, cluster.settings)}
+def run(engines: Any, lines: list[dict[str, Any]]) -> dict[str, Result]:
+    burst = Producer(engines.settings).submit(lines)
+    results.wait(burst, engines.settings, timeout=600)
+    got = {r.id: r for r in results.collect(burst, engines.settings)}
     assert [(r.id, r.error) for r in got.values() if r.error] == []
     return got
 
 
-def test_n_logprobs_json_and_seed_through_the_workers(cluster: Any) -> None:
+def test_n_logprobs_json_and_seed_through_the_workers(engines: Any) -> None:
     """n=3 gives 3 choices; logprobs with top_logprobs=2 give each token's logprob and 2
     alternatives; json_schema output validates against its schema; json_object output parses;
     a logit_bias of +100 forces its token; the same seed at temperature 1 gives the same
@@ -83,10 +83,10 @@ def test_n_logprobs_json_and_seed_through_the_workers(cluster: Any) -> None:
         ),
         chat("bias", "Say something.", logit_bias={"28": 100}, max_tokens=3, temperature=0.0),
     ]
-    got = run(cluster, lines)
+    got = run(engines, lines)
     # on the CPU backend vLLM ignores seeds in a batch that also holds an unseeded request
     # (vllm-project/vllm#51226), so the seeded requests run in a burst of their own
-    got |= run(cluster, [chat(f"seed-{x}", "Tell me a story.", **seeded) for x in "ab"])
+    got |= run(engines, [chat(f"seed-{x}", "Tell me a story.", **seeded) for x in "ab"])
 
     n3 = got["n3"]
     assert [c.index for c in n3.choices] == [0, 1, 2]
@@ -156,7 +156,8 @@ def test_abort_ends_a_running_request_promptly() -> None:
 
 def test_token_ids_outside_the_vocabulary_are_refused_and_the_engine_serves_on() -> None:
     """A stop token id outside the vocabulary with min_tokens, and a prompt token id equal to the
-    vocabulary size, are refused naming the field; vLLM 0.28 lets both through to the model runner,
+    vocabulary size, are refused naming the field; older vLLM releases let them through to the
+    model runner (engine/vllm_compat.py),
     where either killed the engine. The engine then answers the next request."""
     from prefixq.engine.embedded_model import default_cache_dir, resolve_model
 

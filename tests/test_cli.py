@@ -31,7 +31,7 @@ def openai_line(cid: str, content: str, max_tokens: int = 8) -> dict[str, Any]:
 
 @pytest.mark.engine
 def test_submit_wait_on_openai_batch_file_writes_results_in_order(
-    cluster: Any, tmp_path: Path
+    engines: Any, tmp_path: Path
 ) -> None:
     """Given an OpenAI batch file, `submit --wait --out --format prefixq` prints the burst id last
     and writes one result line per request, in input order, keyed by custom_id."""
@@ -40,7 +40,7 @@ def test_submit_wait_on_openai_batch_file_writes_results_in_order(
     src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     out = tmp_path / "results.jsonl"
     p = cli(
-        cluster.settings,
+        engines.settings,
         "submit",
         str(src),
         "--wait",
@@ -68,31 +68,31 @@ def test_submit_wait_on_openai_batch_file_writes_results_in_order(
         "timings",
     }
 
-    again = cli(cluster.settings, "results", burst, "--format", "prefixq")
+    again = cli(engines.settings, "results", burst, "--format", "prefixq")
     assert again.returncode == 0
     assert [json.loads(x)["id"] for x in again.stdout.splitlines()] == [g["id"] for g in got]
 
 
 @pytest.mark.engine
-def test_inspect_json_reports_correct_counts(cluster: Any, tmp_path: Path) -> None:
+def test_inspect_json_reports_correct_counts(engines: Any, tmp_path: Path) -> None:
     """After a burst of 5 good and 1 failing request, inspect --json reports those counts, an
     empty queue, and one live worker per shard."""
     lines = [{"id": f"i{i}", "prompt": f"Number {i} is", "max_tokens": 4} for i in range(5)]
     lines.append({"id": "bad", "prompt": "x " * 9000, "max_tokens": 4})
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(json.dumps(x) for x in lines))
-    p = cli(cluster.settings, "submit", str(src), "--wait", timeout=900)
+    p = cli(engines.settings, "submit", str(src), "--wait", timeout=900)
     assert p.returncode == 0, p.stderr
     burst = p.stdout.strip().splitlines()[-1]
 
-    p = cli(cluster.settings, "inspect", "--json", "--burst", burst)
+    p = cli(engines.settings, "inspect", "--json", "--burst", burst)
     assert p.returncode == 0, p.stderr
     snap = json.loads(p.stdout)
     (b,) = snap["bursts"]
     assert (b["total"], b["done"], b["failed"], b["status"]) == (6, 5, 1, "finished")
     assert sum(b["per_shard"]) == 6
     assert b["ok"] == 5 and b["queue_wait_s"]["p50"] >= 0 and b["end_to_end_s"]["p99"] > 0
-    assert len(snap["shards"]) == cluster.settings.shards
+    assert len(snap["shards"]) == engines.settings.shards
     for s in snap["shards"]:
         assert (s["stream_length"], s["pending"], s["waiting"]) == (0, 0, 0)
         assert s["workers"] == 1

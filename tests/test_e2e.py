@@ -75,7 +75,7 @@ def _direct(model: str, groups: list[list[dict[str, Any]]]) -> list[list[list[in
     return asyncio.run(run())
 
 
-def test_greedy_results_equal_direct_engine_token_for_token(cluster: Any, model_path: str) -> None:
+def test_greedy_results_equal_direct_engine_token_for_token(engines: Any, model_path: str) -> None:
     """Given greedy prompts and chats, the pipeline's tokens equal a direct AsyncLLM's.
 
     vLLM is not batch-invariant on the CPU (a near-tie can flip with the batch's shape), so the
@@ -88,9 +88,9 @@ def test_greedy_results_equal_direct_engine_token_for_token(cluster: Any, model_
         {"id": f"c{i}", "messages": m, "max_tokens": 24, "temperature": 0.0}
         for i, m in enumerate(CHAT)
     ]
-    burst = Producer(cluster.settings).submit(reqs)
-    results.wait(burst, cluster.settings, timeout=600)
-    got = results.collect(burst, cluster.settings)
+    burst = Producer(engines.settings).submit(reqs)
+    results.wait(burst, engines.settings, timeout=600)
+    got = results.collect(burst, engines.settings)
     assert [r.error for r in got] == [None] * len(reqs)
     shards = sorted({r.shard for r in got})
     groups = [[q for q, r in zip(reqs, got, strict=True) if r.shard == k] for k in shards]
@@ -106,9 +106,9 @@ def test_greedy_results_equal_direct_engine_token_for_token(cluster: Any, model_
     print(f"{len(reqs)} requests identical token for token; shards used: {shards}")
 
 
-def test_chat_answer_about_france_mentions_paris(cluster: Any) -> None:
+def test_chat_answer_about_france_mentions_paris(engines: Any) -> None:
     """The embedded model, through its chat template, answers the capital question with Paris."""
-    burst = Producer(cluster.settings).submit(
+    burst = Producer(engines.settings).submit(
         [
             {
                 "id": "france",
@@ -118,14 +118,14 @@ def test_chat_answer_about_france_mentions_paris(cluster: Any) -> None:
             }
         ]
     )
-    results.wait(burst, cluster.settings, timeout=600)
-    (res,) = results.collect(burst, cluster.settings)
+    results.wait(burst, engines.settings, timeout=600)
+    (res,) = results.collect(burst, engines.settings)
     print("answer:", res.text)
     assert res.error is None
     assert "Paris" in res.text
 
 
-def test_results_come_back_in_input_order_with_stage_timestamps(cluster: Any) -> None:
+def test_results_come_back_in_input_order_with_stage_timestamps(engines: Any) -> None:
     """Requests finishing out of order are still yielded in input order, each with ordered
     enqueued <= admitted <= first_token <= finished timestamps."""
     lengths = [40, 2, 30, 1, 20, 3, 10, 5]
@@ -139,8 +139,8 @@ def test_results_come_back_in_input_order_with_stage_timestamps(cluster: Any) ->
         }
         for i, n in enumerate(lengths)
     ]
-    burst = Producer(cluster.settings).submit(reqs)
-    got = list(results.iterate(burst, cluster.settings, timeout=600))
+    burst = Producer(engines.settings).submit(reqs)
+    got = list(results.iterate(burst, engines.settings, timeout=600))
     assert [r.id for r in got] == [q["id"] for q in reqs]
     assert [r.output_tokens for r in got] == lengths
     finish_order = sorted(got, key=lambda r: r.timings.finished)
@@ -150,10 +150,12 @@ def test_results_come_back_in_input_order_with_stage_timestamps(cluster: Any) ->
         assert 0 < t.enqueued <= t.admitted <= t.first_token <= t.finished, res
 
 
-def test_engine_failure_becomes_failed_result_and_worker_keeps_serving(cluster: Any) -> None:
+def test_engine_failure_becomes_failed_result_and_worker_keeps_serving(
+    engines: Any,
+) -> None:
     """A prompt longer than max_model_len fails with the engine's reason; the rest succeed, the
     worker serves the next burst, and nothing is left pending."""
-    s = cluster.settings
+    s = engines.settings
     too_long = {"id": "long", "prompt": "word " * 9000, "max_tokens": 4}
     reqs = [
         {"id": "a", "prompt": "Hello there", "max_tokens": 4},
@@ -174,4 +176,4 @@ def test_engine_failure_becomes_failed_result_and_worker_keeps_serving(cluster: 
     for k in range(s.shards):
         assert r.xpending(keys.stream(k), GROUP)["pending"] == 0
         assert r.xlen(keys.stream(k)) == 0
-    assert all(w.proc.poll() is None for w in cluster.workers)
+    assert all(w.proc.poll() is None for w in engines.workers)

@@ -381,11 +381,11 @@ def test_producer_refuses_bad_request_before_enqueueing(
 
 
 @pytest.mark.engine
-def test_real_engine_refuses_bad_prompts_and_keeps_serving(cluster: Any, r: redis.Redis) -> None:
+def test_real_engine_refuses_bad_prompts_and_keeps_serving(engines: Any, r: redis.Redis) -> None:
     """Given prompts that only the engine can judge (a token id outside the vocabulary, a prompt
     longer than max_model_len), each fails its own request with the engine's reason and the
     workers (the session's real vLLM CPU deployment) serve the rest."""
-    s = cluster.settings
+    s = engines.settings
     reqs = [
         {"id": "oov", "prompt_token_ids": [1, 2, 1_000_000], "max_tokens": 4},
         {"id": "long", "prompt": "word " * 9000, "max_tokens": 4},
@@ -399,7 +399,7 @@ def test_real_engine_refuses_bad_prompts_and_keeps_serving(cluster: Any, r: redi
     assert (out.lost, out.duplicated, out.done, out.failed) == (0, 0, 1, 2)
     assert "out of vocabulary" in (out.results[0].error or "")
     assert "maximum context length" in (out.results[1].error or "")
-    assert all(w.proc.poll() is None for w in cluster.workers)
+    assert all(w.proc.poll() is None for w in engines.workers)
 
 
 # ---- garbage in the namespace's other keys ---------------------------------------------------

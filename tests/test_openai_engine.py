@@ -1,5 +1,5 @@
 """The OpenAI Batch API end to end on real parts: the official `openai` client against
-`prefixq serve`, the session's real vLLM CPU workers (the `cluster` fixture, 2 shards), a real
+`prefixq serve`, the session's real vLLM CPU workers (the `engines` fixture, 2 shards), a real
 Redis. Output and error files are checked line by line against the input."""
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ def jsonl(lines: list[dict[str, Any]]) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def server(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def server(engines: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     files = tmp_path_factory.mktemp("openai") / "files"
-    with Server(cluster.settings, files) as srv:
+    with Server(engines.settings, files) as srv:
         yield srv
 
 
@@ -190,7 +190,7 @@ def _strip(line: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_submit_wait_out_gives_the_same_bodies_as_the_server(
-    client: OpenAI, cluster: Any, tmp_path: Path
+    client: OpenAI, engines: Any, tmp_path: Path
 ) -> None:
     """The same input file through `prefixq submit --wait --out` (OpenAI lines: the openai format
     by default) and through the server gives byte-identical lines apart from ids and timestamps.
@@ -198,10 +198,18 @@ def test_submit_wait_out_gives_the_same_bodies_as_the_server(
     lines = [completion_line(f"s{i}", f"Count to {i}:", max_tokens=6) for i in range(5)]
     src = tmp_path / "in.jsonl"
     src.write_bytes(jsonl(lines))
-    _reset_prefix_cache(cluster.settings)
+    _reset_prefix_cache(engines.settings)
     out = tmp_path / "out.jsonl"
     p = subprocess.run(
-        [*PREFIXQ, "submit", str(src), "--wait", "--out", str(out), *where(cluster.settings)],
+        [
+            *PREFIXQ,
+            "submit",
+            str(src),
+            "--wait",
+            "--out",
+            str(out),
+            *where(engines.settings),
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -209,7 +217,7 @@ def test_submit_wait_out_gives_the_same_bodies_as_the_server(
     )
     assert p.returncode == 0, p.stderr
     cli = [json.loads(x) for x in out.read_text().splitlines()]
-    _reset_prefix_cache(cluster.settings)
+    _reset_prefix_cache(engines.settings)
     b = wait(client, run_batch(client, lines, "/v1/completions").id)
     served = lines_of(client, b.output_file_id)
     assert len(cli) == len(served) == 5
@@ -217,7 +225,7 @@ def test_submit_wait_out_gives_the_same_bodies_as_the_server(
         assert json.dumps(_strip(a)) == json.dumps(_strip(s))
     # and `prefixq results BATCH` writes the server's own lines again, byte for byte
     p = subprocess.run(
-        [*PREFIXQ, "results", b.id, *where(cluster.settings)],
+        [*PREFIXQ, "results", b.id, *where(engines.settings)],
         capture_output=True,
         text=True,
         timeout=600,

