@@ -1,55 +1,200 @@
 """The order a burst's requests are enqueued in (`Producer.asubmit(order=...)`).
 
-Workers admit entries in stream order, so the enqueue order is the admission order:
-``input`` (the burst as given), ``leaders-first`` (the first request of every shared prefix — a
-document, a system prompt — first, then the requests that can reuse its KV cache) and ``grouped``
-(each prefix's first request followed at once by the rest of its group; the default,
-``enqueue_order``: on two H200 it ran a 64-document reuse burst 3.4% faster than ``input``,
-docs/BENCHMARKS.md). Requests without a shared prefix are their own group. Grouping looks at each
-request's prefix as given (`peek_prefix`, no validation) so the burst's head still goes out
-within milliseconds. Results are read back in input order whatever the order.
+Workers admit entries in stream order, so the enqueue order is the admission order. Requests that
+share a prefix (a document, a system prompt and a document, a chat's leading messages) form a
+*group*; requests without one are groups of one. Orders (`ORDERS`):
+
+- ``input``: the burst as given.
+- ``leaders-first``: the first request of every group first, then the rest in input order.
+- ``grouped`` (the default, ``enqueue_order``): groups in order of first appearance, each group's
+  requests together (on two H200 it ran a 64-document reuse burst 3.4% faster than ``input`` and
+  a 160-document burst that overflows the KV cache 1.88x faster: docs/BENCHMARKS.md).
+- ``depth-first``: groups in the order of a depth-first walk of the prefix tree, so groups whose
+  prefixes share a leading part (one system prompt before several documents) come one after
+  another; siblings are ordered by content (hashes of the prefix's leading blocks, `PATH_BLOCK`
+  bytes each), so two bursts over the same documents walk them in the same order. Requests
+  without a shared prefix come first, in input order.
+- ``decode-first``: groups ordered by the output tokens they ask per prompt token to prefill
+  (the shared prefix counted once), most first, ties in order of first appearance: decode-heavy
+  work starts early and its decode overlaps the later groups' prefill instead of running alone
+  at the end of the burst (BatchLLM's observation).
+
+Ordering looks at each request as given (`peek`, no validation: the burst's head still goes out
+within milliseconds) and keeps a small `Peek` per request, never the request. Results are read
+back in input order whatever the order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from array import array
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import xxhash
+
+from prefixq.core import wire
 from prefixq.core.entries import split_prefix
 from prefixq.core.records import Request
+from prefixq.core.sampling import DEFAULT_MAX_TOKENS
 from prefixq.core.settings import ORDERS
 
-__all__ = ["ORDERS", "enqueue_order", "peek_prefix"]
+__all__ = ["ORDERS", "PATH_BLOCK", "Peek", "enqueue_order", "peek", "peek_prefix", "peeks"]
+
+#: bytes per block of a prefix's depth-first path (UTF-8 text, 8-byte token ids, packed messages)
+PATH_BLOCK = 1024
+#: characters per token, to estimate a text prompt's tokens
+_CHARS_PER_TOKEN = 4
 
 
-def enqueue_order(order: str, prefixes: Sequence[dict[str, Any] | None]) -> list[int]:
-    """A permutation of ``range(len(prefixes))`` for ``order``; ``prefixes`` are the requests'
-    prefix objects (`peek_prefix`; None: no shared prefix)."""
-    from prefixq.client.encoding import _fingerprint
+@dataclass(frozen=True, slots=True)
+class Peek:
+    """What ordering needs of one request: its group (a content key of its shared prefix; None:
+    a group of its own), for ``depth-first`` its prefix's path, and for ``decode-first`` its
+    estimated prompt tokens, those of its shared prefix, and the output tokens it asks."""
 
-    n = len(prefixes)
+    group: Hashable | None = None
+    path: tuple[int, ...] = ()
+    prompt: int = 0
+    prefix: int = 0
+    output: int = 0
+
+
+def enqueue_order(order: str, items: Sequence[Peek]) -> list[int]:
+    """A permutation of ``range(len(items))`` for ``order`` (`peeks` makes ``items``)."""
+    n = len(items)
     if order == "input":
         return list(range(n))
-    groups: dict[Any, list[int]] = {}
-    fp_by_id: dict[int, Any] = {}
-    for i, prefix in enumerate(prefixes):
-        if not prefix:
-            groups[("own", i)] = [i]
-            continue
-        ((_, value),) = prefix.items()
-        fp = fp_by_id.get(id(value))
-        if fp is None:
-            try:
-                fp = fp_by_id[id(value)] = _fingerprint(value)
-            except Exception:  # not even packable (validation refuses it later): its own group
-                fp = ("own", i)
-        groups.setdefault(fp, []).append(i)
-    members = sorted(groups.values(), key=lambda g: g[0])
+    if order not in ORDERS:
+        raise ValueError(f"unknown order {order!r}")
+    groups: dict[Hashable, list[int]] = {}
+    for i, p in enumerate(items):
+        groups.setdefault(("own", i) if p.group is None else p.group, []).append(i)
+    members = list(groups.values())  # in order of first appearance (dicts keep insertion order)
     if order == "leaders-first":
         return [g[0] for g in members] + sorted(i for g in members for i in g[1:])
-    if order == "grouped":
-        return [i for g in members for i in g]
-    raise ValueError(f"unknown order {order!r}")
+    if order == "depth-first":
+        members.sort(key=lambda g: items[g[0]].path)  # stable: equal paths keep first appearance
+    elif order == "decode-first":
+        members.sort(key=lambda g: -_decode_per_prefill(items, g))
+    return [i for g in members for i in g]
+
+
+def _decode_per_prefill(items: Sequence[Peek], group: list[int]) -> float:
+    shared = items[group[0]].prefix
+    prefill = shared + sum(items[i].prompt - items[i].prefix for i in group)
+    return sum(items[i].output for i in group) / max(1, prefill)
+
+
+def peeks(raw: Sequence[Request | Mapping[str, Any]], order: str) -> list[Peek]:
+    """One `Peek` per request for ``order`` (only what that order looks at is computed); a
+    prefix object shared by many requests is looked at once."""
+    if order == "input":
+        return [Peek()] * len(raw)
+    memo: dict[int, tuple[Any, Hashable, tuple[int, ...], int]] = {}
+    return [peek(x, order, memo) for x in raw]
+
+
+def peek(
+    raw: Request | Mapping[str, Any],
+    order: str,
+    memo: dict[int, tuple[Any, Hashable, tuple[int, ...], int]] | None = None,
+) -> Peek:
+    """The `Peek` of one request as given, for ``order``. ``memo`` (by object identity, holding
+    the object so that its id cannot be reused) spares hashing a prefix shared by many."""
+    from prefixq.client.encoding import _fingerprint
+
+    prefix = peek_prefix(raw)
+    group: Hashable | None = None
+    path: tuple[int, ...] = ()
+    pre = 0
+    if prefix:
+        ((_, value),) = prefix.items()
+        known = memo.get(id(value)) if memo is not None else None
+        if known is None or known[0] is not value:
+            try:
+                fp: Hashable = _fingerprint(value)
+            except Exception:  # not even packable (validation refuses it later): its own group
+                return Peek()
+            walk = _path(value) if order == "depth-first" else ()
+            known = (value, fp, walk, _tokens(value))
+            if memo is not None:
+                memo[id(value)] = known
+        _, group, path, pre = known
+    if order != "decode-first":
+        return Peek(group, path)
+    own = _own_tokens(raw)
+    return Peek(group, path, prompt=pre + own, prefix=pre, output=_output(raw))
+
+
+def _path(value: Any) -> tuple[int, ...]:
+    """Chained hashes of a prefix's blocks: prefixes that share leading blocks share leading
+    hashes, so sorting paths walks the prefix tree depth first."""
+    if isinstance(value, str):
+        parts = [value.encode("utf-8", "surrogatepass")]
+    elif isinstance(value, list) and all(isinstance(m, Mapping) for m in value):
+        parts = [wire.pack(m) for m in value]  # messages: one part each
+    else:
+        parts = [array("q", value).tobytes()]
+    out: list[int] = []
+    h = 0
+    for data in parts:
+        for start in range(0, max(1, len(data)), PATH_BLOCK):
+            h = xxhash.xxh3_64_intdigest(data[start : start + PATH_BLOCK], seed=h)
+            out.append(h)
+    return tuple(out)
+
+
+def _tokens(value: Any) -> int:
+    """Estimated tokens of a prefix value (text, token ids or messages)."""
+    if isinstance(value, str):
+        return len(value) // _CHARS_PER_TOKEN
+    if isinstance(value, list) and value and isinstance(value[0], Mapping):
+        return sum(_text_len(m.get("content")) for m in value) // _CHARS_PER_TOKEN
+    return len(value) if isinstance(value, list) else 0
+
+
+def _text_len(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):  # content parts
+        return sum(len(p.get("text") or "") for p in content if isinstance(p, Mapping))
+    return 0
+
+
+def _own_tokens(raw: Request | Mapping[str, Any]) -> int:
+    """Estimated tokens of a request's own part (its prompt, token ids or last message)."""
+    if isinstance(raw, Request):
+        if raw.prompt_token_ids is not None:
+            return len(raw.prompt_token_ids)
+        if raw.messages:
+            return _text_len(raw.messages[-1].get("content")) // _CHARS_PER_TOKEN
+        return len(raw.prompt or "") // _CHARS_PER_TOKEN
+    body = raw.get("body", raw)
+    if not isinstance(body, Mapping):
+        return 0
+    ids = body.get("prompt_token_ids")
+    if isinstance(ids, list):
+        return len(ids)
+    messages = body.get("messages")
+    if isinstance(messages, list) and messages and isinstance(messages[-1], Mapping):
+        return _text_len(messages[-1].get("content")) // _CHARS_PER_TOKEN
+    prompt = body.get("prompt")
+    return len(prompt) // _CHARS_PER_TOKEN if isinstance(prompt, str) else 0
+
+
+def _output(raw: Request | Mapping[str, Any]) -> int:
+    """The output tokens a request asks for (the default when it names none)."""
+    if isinstance(raw, Request):
+        value: Any = raw.sampling.get("max_tokens")
+    else:
+        body = raw.get("body", raw)
+        value = None
+        if isinstance(body, Mapping):
+            value = body.get("max_tokens", body.get("max_completion_tokens"))
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return DEFAULT_MAX_TOKENS
 
 
 def peek_prefix(raw: Request | Mapping[str, Any]) -> dict[str, Any] | None:

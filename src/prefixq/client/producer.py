@@ -39,7 +39,7 @@ from prefixq.client.burst import Burst
 from prefixq.client.encoding import Encoded, EntryEncoder, Parts
 from prefixq.client.items import ItemBuilder
 from prefixq.client.layout import Layout
-from prefixq.client.order import ORDERS, enqueue_order, peek_prefix
+from prefixq.client.order import ORDERS, enqueue_order, peeks
 from prefixq.core.checks import callback_path
 from prefixq.core.entries import split_prefix
 from prefixq.core.errors import BurstIdTaken, ValidationError
@@ -292,9 +292,7 @@ class _Submission:
     async def run(self, placement: str | Placer, seed: int | None, order: str) -> str:
         shards = await self.p.shards(self.r)
         placer = await self.p.placer(self.r, placement, seed)
-        perm = enqueue_order(
-            order, [peek_prefix(x) for x in self.raw] if order != "input" else [None] * self.n
-        )
+        perm = enqueue_order(order, peeks(self.raw, order))
         head, rest = perm[:HEAD], perm[HEAD:]
         self._validate(head)
         head_chunk = await self._encode(head, placer, shards, inline=True)

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 CODECS = ("zlib", "zstd", "none")
 PLACEMENTS = ("affinity", "hash", "random", "round-robin")
 #: enqueue orders (prefixq.client.order)
-ORDERS = ("input", "leaders-first", "grouped")
+ORDERS = ("input", "leaders-first", "grouped", "depth-first", "decode-first")
 #: PREFIXQ_* variables that are not settings (the dev script's)
 _NOT_SETTINGS = frozenset({"PREFIXQ_VENV"})
 _WARNED: set[str] = set()
@@ -91,7 +91,7 @@ class Settings:
     #: and by this factor (both must hold)
     guard_factor: float = 2.0
     #: order a burst is enqueued in: grouped (each shared prefix's requests together), input,
-    #: leaders-first (client/order.py)
+    #: leaders-first, depth-first (prefix tree walked depth first), decode-first (client/order.py)
     enqueue_order: str = "grouped"
     #: producer-side tokenizer (HF folder) for token block hashes; empty = character blocks
     tokenizer: str = ""

@@ -1,0 +1,106 @@
+"""Enqueue orders on their own (client/order.py): which permutation each order makes of a burst,
+from what it peeks at each request, with no Redis (tests/test_producer.py checks the streams)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from prefixq.client.order import ORDERS, Peek, enqueue_order, peek, peeks
+from prefixq.core.records import Request
+
+
+def _ids(reqs: list[dict[str, Any]], order: str) -> list[str]:
+    return [reqs[i]["id"] for i in enqueue_order(order, peeks(reqs, order))]
+
+
+def test_every_order_is_a_permutation_of_the_burst() -> None:
+    """Whatever the order, each request is enqueued exactly once."""
+    docs = ["doc A " * 50, "doc B " * 50]
+    reqs: list[dict[str, Any]] = [
+        {"id": f"r{i}", "prefix": docs[i % 2], "prompt": "?", "max_tokens": 1 + i} for i in range(9)
+    ] + [{"id": "solo", "prompt": "no prefix"}, {"id": "bad", "prefix": object(), "prompt": "x"}]
+    for order in ORDERS:
+        assert sorted(enqueue_order(order, peeks(reqs, order))) == list(range(len(reqs))), order
+
+
+def test_depth_first_puts_documents_under_one_system_prompt_together() -> None:
+    """Given chats whose leading messages are one of two system prompts then a document, shuffled,
+    depth-first enqueues every document of one system prompt (each with its questions together)
+    before any of the other's; grouped keeps the documents in order of first appearance."""
+    systems = [{"role": "system", "content": f"rules {k} " * 200} for k in range(2)]
+    docs = [{"role": "user", "content": f"document {d} " * 100} for d in range(4)]
+    plan = [(0, 0), (1, 1), (0, 2), (1, 3), (0, 0), (1, 1), (0, 2), (1, 3)]  # (system, doc)
+    reqs = [
+        {"id": f"s{k}d{d}q{i}", "messages": [systems[k], docs[d], {"role": "user", "content": "?"}]}
+        for i, (k, d) in enumerate(plan)
+    ]
+    got = _ids(reqs, "depth-first")
+    systems_seen = [x[1] for x in got]
+    assert systems_seen in (list("00001111"), list("11110000"))
+    docs_seen = [x[3] for x in got]
+    assert all(docs_seen[i] == docs_seen[i + 1] for i in range(0, 8, 2))  # each doc's pair
+    assert [x[3] for x in _ids(reqs, "grouped")] == list("00112233")
+
+
+def test_depth_first_walks_token_id_prefixes_that_share_leading_blocks_together() -> None:
+    """Token-id prefixes sharing a long leading part (a system prompt's ids before a document's)
+    are adjacent in depth-first order, and two bursts over the same prefixes get the same order."""
+    system = [[7] * 2000, [9] * 2000]
+    reqs = [
+        {"id": f"s{d % 2}d{d}", "prefix": system[d % 2] + [d] * 500, "prompt_token_ids": [1]}
+        for d in range(6)
+    ]
+    got = _ids(reqs, "depth-first")
+    assert [x[1] for x in got] in (list("000111"), list("111000"))
+    again = _ids(list(reversed(reqs)), "depth-first")
+    assert again == got
+
+
+def test_decode_first_puts_decode_heavy_groups_ahead_of_prefill_heavy_ones() -> None:
+    """Given long documents with short answers and short prompts with long answers, mixed,
+    decode-first enqueues the short prompts first (in input order), then each document's
+    questions together; the estimate counts a group's shared prefix once."""
+    doc = "word " * 4000
+    reqs: list[dict[str, Any]] = []
+    for i in range(6):
+        if i % 2:
+            reqs.append({"id": f"long{i}", "prompt": "write", "max_tokens": 512})
+        else:
+            reqs.append({"id": f"q{i}", "prefix": doc, "prompt": "?", "max_tokens": 16})
+    assert _ids(reqs, "decode-first") == ["long1", "long3", "long5", "q0", "q2", "q4"]
+
+
+def test_decode_first_reads_the_output_budget_of_openai_lines_and_requests() -> None:
+    """An OpenAI line's body.max_completion_tokens and a Request's sampling count as what the
+    request asks; a request naming none asks the default."""
+    line = {"custom_id": "a", "body": {"messages": [{"role": "user", "content": "hi"}],
+                                       "max_completion_tokens": 700}}  # fmt: skip
+    assert peek(line, "decode-first").output == 700
+    req = Request(id="b", prompt="hi", sampling={"max_tokens": 9})
+    assert peek(req, "decode-first").output == 9
+    assert peek({"id": "c", "prompt": "hi"}, "decode-first").output == 256
+
+
+@pytest.mark.parametrize("order", ["grouped", "depth-first", "decode-first"])
+def test_a_prefix_shared_by_object_is_looked_at_once_and_equal_copies_group_together(
+    order: str,
+) -> None:
+    """Requests holding the same document object, or equal copies of it, are one group."""
+    doc = "shared " * 300
+    reqs = [
+        {"id": "a", "prefix": doc, "prompt": "1"},
+        {"id": "x", "prompt": "alone"},
+        {"id": "b", "prefix": "".join(["shared "] * 300), "prompt": "2"},
+        {"id": "c", "prefix": doc, "prompt": "3"},
+    ]
+    p = peeks(reqs, order)
+    assert p[0].group == p[2].group == p[3].group is not None and p[1].group is None
+    got = _ids(reqs, order)
+    assert "".join(x for x in got if x != "x") == "abc"
+
+
+def test_input_order_peeks_at_nothing() -> None:
+    """Input order needs no look at the requests."""
+    assert peeks([{"id": "a", "prefix": "p" * 999, "prompt": "?"}], "input") == [Peek()]
