@@ -130,6 +130,8 @@ class VllmEngine:
         self._max_num_seqs = 0
         self._block_size = 16
         self.max_model_len = 0
+        #: tokens the KV cache holds, as vLLM sized it at start-up (0 if it does not say)
+        self.kv_tokens = 0
         #: rows of the model's embedding table: every token id of a request must be below it
         self._vocab_size = 0
         #: request ids aborted before or while they ran (bounded; see `abort`)
@@ -177,16 +179,21 @@ class VllmEngine:
         self._max_num_seqs = int(cfg.scheduler_config.max_num_seqs)
         self._block_size = int(cfg.cache_config.block_size or 16)
         self.max_model_len = int(cfg.model_config.max_model_len)
+        cc = cfg.cache_config  # both set on the front end once the engine core is up
+        blocks = int(getattr(cc, "num_gpu_blocks", None) or 0)
+        self.kv_tokens = int(getattr(cc, "kv_cache_size_tokens", None) or blocks * self._block_size)
         self._vocab_size = int(cfg.model_config.get_vocab_size())
         if not args.get("skip_tokenizer_init"):
             self._tokenizer = self._llm.get_tokenizer()
         log.info(
-            "engine up in %.1fs: model=%s max_num_seqs=%d block_size=%d max_model_len=%d",
+            "engine up in %.1fs: model=%s max_num_seqs=%d block_size=%d max_model_len=%d "
+            "kv_tokens=%d",
             time.perf_counter() - t0,
             self.model,
             self._max_num_seqs,
             self._block_size,
             self.max_model_len,
+            self.kv_tokens,
         )
 
     def _sampling(self, s: Mapping[str, Any]) -> Any:
@@ -341,8 +348,14 @@ class VllmEngine:
             raise EngineError(f"chat template failed: {e}") from e
 
     async def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix block: also those offloaded to the CPU (``kv_offloading_size``
+        or a KV connector; vLLM 0.26+ resets a connector's cache when asked)."""
         if self._llm is not None:
-            await self._llm.reset_prefix_cache()
+            a = self.engine_args
+            if a.get("kv_offloading_size") or a.get("kv_transfer_config"):
+                await self._llm.reset_prefix_cache(reset_connector=True)
+            else:
+                await self._llm.reset_prefix_cache()
 
     async def close(self) -> None:
         if self._llm is not None:
