@@ -11,7 +11,7 @@ import os
 import secrets
 import time
 
-from prefixq.bench.workloads import Shape, build
+from prefixq.bench.workloads import Shape, Sizes, build
 from prefixq.client import Producer
 from prefixq.client.items import ItemBuilder
 from prefixq.core.entries import split_prefix
@@ -35,7 +35,7 @@ def main() -> None:
     url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
     for label, shape in (("text", Shape()), ("token-ids", Shape(token_ids=True, vocab=128_256))):
         s = Settings(redis_url=url, namespace=f"hashcost-{secrets.token_hex(3)}", shards=2)
-        reqs = normalize(build("reuse", requests=256, questions=4, shape=shape)[0], s)
+        reqs = normalize(build("reuse", shape, Sizes(documents=64, questions=4)).requests, s)
         builder = ItemBuilder(s)
         t = time.perf_counter()
         for _ in range(ROUNDS):

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 from typing import Any
 
 from rich.console import Console
 
+from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
 
 
@@ -27,14 +29,32 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "dummy:llama-3.1-8b (config only, dummy weights, token-id prompts)",
     )
     b.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE")
-    b.add_argument("--workloads", default="no-reuse,reuse")
-    b.add_argument("--bench-placements", default="affinity,random")
+    b.add_argument(
+        "--workloads",
+        default="no-reuse,reuse",
+        help="comma-separated: no-reuse, reuse, overflow, multi-burst, system-prompt, mixed",
+    )
+    b.add_argument(
+        "--setups",
+        default="given",
+        help="standalone set-ups beside the pipeline: given (always), sorted (the burst grouped "
+        "by document, as a careful user hands it over), offload (vLLM's CPU KV offloading); "
+        "WORKLOAD:NAME for one workload only, e.g. sorted,overflow:offload",
+    )
+    b.add_argument(
+        "--offload-gib",
+        type=float,
+        default=0.0,
+        help="host memory per offloading engine, GiB (default: 40%% of what is available)",
+    )
+    b.add_argument("--bench-placements", default="affinity,random", help="of the reuse workload")
     b.add_argument("--pairs", type=int, default=5)
     b.add_argument(
         "--orders",
         default="",
-        help="other enqueue orders to measure on the reuse workload, e.g. input,leaders-first "
-        "(every case runs in the enqueue_order setting's order)",
+        help="other enqueue orders to measure on every workload with shared prefixes, or "
+        "WORKLOAD:ORDER on one, e.g. input,system-prompt:depth-first,mixed:decode-first "
+        "(every case runs in the enqueue_order setting's order too)",
     )
     b.add_argument(
         "--standalone",
@@ -44,14 +64,42 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     b.add_argument("--random-pairs", type=int, default=None, help="pairs for random placement")
     b.add_argument("--requests", type=int, default=64, help="no-reuse requests")
-    b.add_argument("--documents", type=int, default=64, help="reuse documents")
-    b.add_argument("--questions", type=int, default=4, help="reuse questions per document")
+    b.add_argument(
+        "--documents",
+        type=int,
+        default=None,
+        help="documents of every workload but no-reuse (default 64; overflow and multi-burst: "
+        "sized from the engines' KV capacity)",
+    )
+    b.add_argument("--questions", type=int, default=4, help="questions per document")
+    b.add_argument(
+        "--overflow",
+        type=float,
+        default=3.0,
+        help="overflow, multi-burst: documents holding this many times the KV capacity",
+    )
+    b.add_argument("--burst-questions", type=int, default=2, help="multi-burst: per burst")
+    b.add_argument("--burst-gap", type=float, default=3.0, help="multi-burst: s between bursts")
+    b.add_argument("--system-prompts", type=int, default=4, help="system-prompt workload")
+    b.add_argument("--system-tokens", type=int, default=2000, help="system-prompt workload")
+    b.add_argument("--decode-requests", type=int, default=64, help="mixed: decode-heavy ones")
+    b.add_argument("--decode-prompt-tokens", type=int, default=64, help="mixed: their prompts")
+    b.add_argument("--long-output", type=int, default=512, help="mixed: decode-heavy answers")
+    b.add_argument("--short-output", type=int, default=16, help="mixed: prefill-heavy answers")
     b.add_argument("--doc-tokens", type=int, default=4000)
     b.add_argument("--question-tokens", type=int, default=32)
     b.add_argument("--output-tokens", type=int, default=128)
     b.add_argument("--token-ids", action="store_true", help="prompts as random token ids")
     b.add_argument("--layout", default="", help="a note on the hardware layout, kept in the JSON")
     b.add_argument("--quick", action="store_true", help="a CI-sized run (1 pair, tiny bursts)")
+    b.add_argument(
+        "--plan",
+        type=int,
+        default=None,
+        metavar="KV_TOKENS",
+        help="print the cases and an estimate of their duration on engines of KV_TOKENS each "
+        "(a model calibrated on one H200, bench/plan.py), start nothing",
+    )
     b.add_argument("--json", dest="json_out", default=None, help="write the report here")
     b.add_argument("--plot", default=None, help="write a PNG plot here")
 
@@ -59,7 +107,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, settings: Settings) -> int:
     from prefixq.bench.report import plot, table
     from prefixq.bench.runner import BenchConfig, run_bench
-    from prefixq.bench.workloads import Shape
+    from prefixq.bench.setups import parse_setups
+    from prefixq.bench.workloads import WORKLOADS, Shape, Sizes
     from prefixq.engine.embedded_model import default_cache_dir, resolve_model
     from prefixq.engine.reaper import start_reaper, stop_reaper
 
@@ -83,29 +132,67 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         token_ids=token_ids,
         vocab=vocab,
     )
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    bad = [w for w in workloads if w not in WORKLOADS]
+    if bad:
+        raise ConfigError(f"--workloads: unknown {', '.join(bad)} (known: {', '.join(WORKLOADS)})")
+    sizes = Sizes(
+        requests=args.requests,
+        documents=args.documents,
+        questions=args.questions,
+        overflow=args.overflow,
+        burst_questions=args.burst_questions,
+        burst_gap=args.burst_gap,
+        system_prompts=args.system_prompts,
+        system_tokens=args.system_tokens,
+        decode_requests=args.decode_requests,
+        decode_prompt_tokens=args.decode_prompt_tokens,
+        long_output=args.long_output,
+        short_output=args.short_output,
+    )
     cfg = BenchConfig(
         model=model,
         gpus=gpus,
         engine_args=engine_args,
-        workloads=[w for w in args.workloads.split(",") if w],
+        workloads=workloads,
         placements=[p for p in args.bench_placements.split(",") if p],
         pairs=args.pairs,
         random_pairs=args.random_pairs or args.pairs,
-        no_reuse_requests=args.requests,
-        reuse_documents=args.documents,
-        questions=args.questions,
+        sizes=sizes,
         shape=shape,
         layout=args.layout,
         order=settings.enqueue_order,
         orders=_orders(args.orders),
         standalone=args.standalone,
+        setups=parse_setups(args.setups),
+        offload_gib=args.offload_gib,
     )
     if args.quick:
-        cfg.random_pairs = 1
-        cfg.pairs, cfg.no_reuse_requests, cfg.reuse_documents, cfg.questions = 1, 4, 4, 2
+        cfg.random_pairs = cfg.pairs = 1
+        cfg.sizes = dataclasses.replace(
+            sizes,
+            requests=4,
+            documents=args.documents or 4,
+            questions=2,
+            system_prompts=2,
+            system_tokens=64,
+            decode_requests=2,
+            long_output=16,
+            short_output=4,
+        )
         cfg.shape = Shape(
             doc_tokens=300, question_tokens=16, output_tokens=8, token_ids=token_ids, vocab=vocab
         )
+    if args.plan is not None:
+        from prefixq.bench.plan import estimate
+        from prefixq.bench.plan import table as plan_table
+
+        planned = estimate(cfg, args.plan)
+        print(plan_table(planned))
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump(planned, f, indent=1)
+        return 0
     err = Console(stderr=True)
     with err.status("benchmark") as status:
         reaper = start_reaper()  # engines die with the benchmark, even after kill -9
@@ -125,11 +212,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _orders(raw: str) -> list[str]:
+    from prefixq.bench.setups import parse_scoped
     from prefixq.client.order import ORDERS
-    from prefixq.core.errors import ConfigError
 
-    orders = [o.strip() for o in raw.split(",") if o.strip()]
-    bad = [o for o in orders if o not in ORDERS]
-    if bad:
-        raise ConfigError(f"--orders: unknown {', '.join(bad)} (known: {', '.join(ORDERS)})")
-    return orders
+    return parse_scoped(raw, ORDERS, "--orders")

@@ -59,25 +59,39 @@ class Standalone:
         self.gpus = gpus
         self._runs = 0
 
+    @property
+    def kv_tokens(self) -> list[int]:
+        return [e.kv_tokens for e in self.engines]
+
     async def start(self) -> None:
         for engine, gpu in zip(self.engines, self.gpus, strict=True):
             with _visible(gpu):
                 await engine.start()
 
     async def run(
-        self, requests: list[Request], shards: list[int]
+        self,
+        requests: list[Request],
+        shards: list[int],
+        at: list[float] | None = None,
+        order: list[int] | None = None,
     ) -> tuple[float, float, list[Stamp]]:
-        """Hand every request to its shard's engine at once; (start, end, per-request stamps)."""
+        """Hand every request to its shard's engine, at once or at its arrival (``at``), in
+        ``order``; (start, end, per-request stamps in the requests' order)."""
         self._runs += 1
         ereqs = [engine_request(q, f"sa{self._runs}-{i}") for i, q in enumerate(requests)]
+        t0 = time.time()
 
-        async def one(er: EngineRequest, k: int) -> tuple[float, EngineOutput, float]:
+        async def one(i: int) -> tuple[float, EngineOutput, float]:
+            if at and at[i] > 0:
+                await asyncio.sleep(max(0.0, t0 + at[i] - time.time()))
             added = time.time()
-            out = await self.engines[k].generate(er)
+            out = await self.engines[shards[i]].generate(ereqs[i])
             return added, out, time.time()
 
-        t0 = time.time()
-        got = await asyncio.gather(*(one(er, k) for er, k in zip(ereqs, shards, strict=True)))
+        idx = order if order is not None else list(range(len(requests)))
+        tasks = {i: asyncio.create_task(one(i)) for i in idx}  # created (and added) in order
+        await asyncio.gather(*tasks.values())
+        got = [tasks[i].result() for i in range(len(requests))]
         t1 = time.time()
         short = sum(
             1

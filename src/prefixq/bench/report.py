@@ -47,13 +47,22 @@ def table(report: dict[str, Any], console: Console | None = None) -> None:
                 ", ".join(f"{x:.2f}" for x in p["gc_max_pause_ms_frozen"]),
             )
     c.print(t)
+    c.print(_setups(report))
     c.print(_timelines(report))
     for wl, w in report["workloads"].items():
         for order, o in w.get("orders", {}).items():
+            sorted_ = (o.get("setups") or {}).get("standalone-sorted") or {}
+            vs = f"; vs sorted {sorted_['median_ratio']:.4f}" if sorted_.get("median_ratio") else ""
+            share = (o.get("cached_share") or {}).get("pipeline")
             c.print(
                 f"{wl} / order {order}: median ratio {o['median_ratio']:.4f} "
-                f"(pairs {' '.join(f'{x:.3f}' for x in o['ratios'])})"
+                f"(pairs {' '.join(f'{x:.3f}' for x in o['ratios'])}){vs}"
+                + (f"; cached {share:.1%} of the optimum" if share else "")
             )
+        for pl, p in w["placements"].items():
+            if p.get("max_share_ratio"):
+                c.print(f"{wl}/{pl}: most / fewest completions while all bursts had work, worst "
+                        f"run per mode: {p['max_share_ratio']}")  # fmt: skip
         if "affinity_gain" in w:
             g = w["affinity_gain"]
             c.print(
@@ -66,6 +75,41 @@ def table(report: dict[str, Any], console: Console | None = None) -> None:
                 f"{wl}: without gc.freeze: max GC pause ms {u['gc_max_pause_ms']} "
                 f"({u['gc_pauses']} collections)"
             )
+
+
+def _setups(report: dict[str, Any]) -> Table:
+    """Per case: each standalone set-up's median throughput and the pipeline against it, the
+    strongest set-up, and cached prompt tokens against the optimum."""
+    t = Table(title="standalone set-ups (pipeline / set-up: median, min over pairs)")
+    for col in ("case", "set-up", "req/s", "pipeline / it", "cached tokens", "of the optimum"):
+        t.add_column(col, justify="right")
+    for wl, w in report["workloads"].items():
+        for pl, p in w["placements"].items():
+            opt = p.get("optimum_cached_tokens")
+            shares = p.get("cached_share") or {}
+            for mode, st in (p.get("setups") or {}).items():
+                star = " *" if mode == p.get("strongest") else ""
+                t.add_row(
+                    f"{wl}/{pl}",
+                    mode + star,
+                    f"{st['median_throughput']:.3f}",
+                    f"{st['median_ratio']:.4f} ({st['min_ratio']:.4f})",
+                    str(st.get("cached_tokens")),
+                    _pct(shares.get(mode)),
+                )
+            t.add_row(
+                f"{wl}/{pl}",
+                "pipeline",
+                f"{p['pipeline']['median_throughput']:.3f}",
+                "",
+                str(p["timeline"]["pipeline"].get("cached_tokens")),
+                _pct(shares.get("pipeline")) + (f" of {opt}" if opt is not None else ""),
+            )
+    return t
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1%}"
 
 
 def _timelines(report: dict[str, Any]) -> Table:
@@ -86,7 +130,7 @@ def _timelines(report: dict[str, Any]) -> Table:
             tl = p.get("timeline")
             if not tl:
                 continue
-            for mode in ("standalone", "pipeline"):
+            for mode in p.get("modes", ("standalone", "pipeline")):
                 m = tl[mode]
                 worst = [x["timeline"] for x in p["runs"] if x["mode"] == mode]
                 lag = max((x.get("loop_lag_max_ms", 0.0) for x in worst), default=0.0)
@@ -121,7 +165,9 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
     fig, axes = plt.subplots(2, len(cases), figsize=(4.2 * len(cases), 6.5), squeeze=False)
     for col, (wl, pl, p) in enumerate(cases):
         ax = axes[0][col]
-        for mode, marker in (("standalone", "o"), ("pipeline", "s")):
+        markers = "o^vs"
+        for k, mode in enumerate(p.get("modes", ("standalone", "pipeline"))):
+            marker = "s" if mode == "pipeline" else markers[k % 3]
             ys = [x["throughput"] for x in p["runs"] if x["mode"] == mode]
             ax.plot(range(1, len(ys) + 1), ys, marker=marker, label=mode)
             ax.set_xticks(range(1, len(ys) + 1))
@@ -137,7 +183,7 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
         lo = min([*p["ratios"], 0.98])
         ax2.set_ylim(lo - 0.01, max([*p["ratios"], 1.01]) + 0.01)
         ax2.set_xlabel("pair")
-        ax2.set_ylabel("pipeline / standalone")
+        ax2.set_ylabel("pipeline / standalone as given")
         ax2.legend()
     fig.suptitle(f"prefixq bench: {report['environment'].get('layout')}")
     fig.tight_layout()

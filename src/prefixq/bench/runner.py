@@ -1,24 +1,24 @@
 """`prefixq bench`: standalone engines vs the pipeline, in paired runs, in one process.
 
-Engines start once and stay warm. Before every run the prefix caches are reset (standalone:
-directly; workers: through the control stream) and the pipeline's placement state (prefix map,
-load counters, stored prefixes) is cleared, so each run is a cold, identical burst. Standalone
-engines get the very shard assignment that the pipeline's producer computes on an empty map (the
-same `Producer`, run into a scratch namespace, entries read back); each pipeline run checks that
-its requests landed there. Pairs alternate which mode goes first. One `Producer` submits every
-pipeline run over one kept connection, as an upstream service would. Throughput = requests /
-seconds from the first enqueue (or engine call) to the last result; every run also records a
-timeline (bench/timeline.py). ``orders`` measures enqueue orders (client/order.py) on the
-reuse workload against standalone engines given the same placement.
+Engines start once and stay warm: the standalone set-ups' engines (bench/setups.py: the burst as
+given and sorted by its user share engines; CPU KV offloading has engines of its own) and one
+`prefixq worker` per shard. After start-up the engines' KV capacity is read (vLLM sizes it) and
+sizes the overflow workloads (bench/workloads.py). Each workload runs as cases (bench/cases.py):
+a placement and an enqueue order, in pairs that rotate which mode goes first. One `Producer`
+submits every pipeline run over one kept connection, as an upstream service would. Throughput =
+requests / seconds from the first enqueue (or engine call) to the last result; every run also
+records a timeline (bench/timeline.py), cached prompt tokens against the workload's optimum
+(bench/measures.py) and, for several bursts, how evenly they were served. ``orders`` measures
+other enqueue orders (client/order.py) on workloads whose requests share prefixes, each against
+one standalone set-up only (sorted when measured, else as given: the standalone runs do not
+depend on the pipeline's order), to spare the time of the others.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import platform
 import secrets
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -26,25 +26,32 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import redis.asyncio as aredis
-
+from prefixq.bench.cases import Bursts, Env, by_gen, pipeline, reset, run_case
 from prefixq.bench.engines import Standalone, Workers
+from prefixq.bench.setups import (
+    GIVEN,
+    OFFLOAD,
+    SORTED,
+    Engines,
+    host_offload_gib,
+    offload_args,
+    offload_unsupported,
+    scoped,
+    setups_for,
+)
 from prefixq.bench.standalone import ProcessStandalone
-from prefixq.bench.timeline import Stamp, gaps, medians, timeline, worker_stats
-from prefixq.bench.workloads import Shape, build
+from prefixq.bench.workloads import SHARING, Counter, Shape, Sizes, build
 from prefixq.client import Producer
-from prefixq.client import results as results_api
-from prefixq.core import wire
-from prefixq.core.entries import Entry
-from prefixq.core.errors import SetupError
+from prefixq.core.errors import ConfigError, SetupError
 from prefixq.core.inputs import normalize
-from prefixq.core.keys import FIELD, Keys
-from prefixq.core.records import Request
 from prefixq.core.settings import Settings
 from prefixq.store.connection import async_client
 from prefixq.worker import control
 
 log = logging.getLogger(__name__)
+
+#: workloads whose runs also measure the workers without gc.freeze (one run each)
+_GC_WORKLOADS = ("no-reuse", "reuse")
 
 
 @dataclass
@@ -55,22 +62,26 @@ class BenchConfig:
     gpus: list[str | None]
     engine_args: list[str] = field(default_factory=list)
     workloads: list[str] = field(default_factory=lambda: ["no-reuse", "reuse"])
+    #: placements of the reuse workload (every other workload: affinity)
     placements: list[str] = field(default_factory=lambda: ["affinity", "random"])
     pairs: int = 5
     #: pairs for the random placement (its runs only measure the affinity gain)
     random_pairs: int = 5
-    no_reuse_requests: int = 64
-    reuse_documents: int = 64
-    questions: int = 4
+    sizes: Sizes = field(default_factory=Sizes)
     shape: Shape = field(default_factory=Shape)
     layout: str = ""
     start_timeout: float = 1200.0
     #: the enqueue order of every case (the producer's default: settings' enqueue_order)
     order: str = "grouped"
-    #: other enqueue orders measured on the reuse workload with affinity placement
+    #: other enqueue orders measured on workloads whose requests share prefixes (NAME: every
+    #: such workload, WORKLOAD:NAME: that one)
     orders: list[str] = field(default_factory=list)
     #: standalone engines in processes of their own ("process") or in this one ("inline")
     standalone: str = "process"
+    #: the standalone set-ups (bench/setups.py; NAME or WORKLOAD:NAME); "given" always
+    setups: list[str] = field(default_factory=lambda: [GIVEN])
+    #: GiB of host memory per offloading engine; 0 = what the host can give (host_offload_gib)
+    offload_gib: float = 0.0
 
 
 Step = Callable[[str], None]
@@ -91,65 +102,128 @@ async def run_bench(
     worker_args = [f"{k}={v}" for k, v in args.items()]
     r = async_client(s)
     logdir = Path(tempfile.mkdtemp(prefix="prefixq-bench-"))
-    say(f"starting {shards} workers and {shards} standalone engines (logs in {logdir})")
+    say(f"starting {shards} workers and the standalone engines (logs in {logdir})")
     workers = Workers(s, cfg.model, worker_args, cfg.gpus, logdir)
-    standalone: Standalone | ProcessStandalone = (
-        ProcessStandalone(cfg.model, args, cfg.gpus)
-        if cfg.standalone == "process"
-        else Standalone(cfg.model, args, cfg.gpus)
-    )
+    engines: dict[str, Engines] = {GIVEN: _engines(cfg, args)}
     report: dict[str, Any] = {
         "config": _config(cfg, args),
         "environment": _environment(cfg),
         "workloads": {},
     }
+    env_ = report["environment"]
     try:
         t0 = time.monotonic()
-        await standalone.start()
+        await engines[GIVEN].start()
+        env_["kv_tokens"] = {"standalone": engines[GIVEN].kv_tokens}
+        wanted = {x for wl in cfg.workloads for x in setups_for(cfg.setups, wl)}
+        if SORTED in wanted:
+            engines[SORTED] = engines[GIVEN]
+        if OFFLOAD in wanted:
+            await _start_offload(cfg, args, engines, env_, say)
         say("standalone engines up; starting the workers")
         await workers.start(r, cfg.start_timeout)
-        report["environment"]["engine_start_s"] = round(time.monotonic() - t0, 1)
+        env_["engine_start_s"] = round(time.monotonic() - t0, 1)
+        block = int(await r.hget(s.keys.config, "block_size") or 16)
+        capacity = sum(engines[GIVEN].kv_tokens)
+        counter = None if cfg.shape.token_ids else _counter(cfg.model)
         async with Producer(s) as producer:
-            env = _Env(s, r, standalone, workers, producer, say)
+            env = Env(s, r, engines, workers, producer, say, block)
             for wl in cfg.workloads:
-                report["workloads"][wl] = await _workload(cfg, env, wl)
+                report["workloads"][wl] = await _workload(cfg, env, wl, capacity, counter)
     finally:
         workers.stop()
-        await standalone.close()
+        for e in {id(e): e for e in engines.values()}.values():
+            await e.close()
         await r.aclose()
     return report
 
 
-@dataclass
-class _Env:
-    """What every run needs."""
-
-    s: Settings
-    r: aredis.Redis
-    standalone: Standalone | ProcessStandalone
-    workers: Workers
-    producer: Producer
-    say: Step
-
-    @property
-    def keys(self) -> Keys:
-        return self.s.keys
+def _engines(cfg: BenchConfig, args: dict[str, Any]) -> Engines:
+    if cfg.standalone == "process":
+        return ProcessStandalone(cfg.model, args, cfg.gpus)
+    return Standalone(cfg.model, args, cfg.gpus)
 
 
-async def _workload(cfg: BenchConfig, env: _Env, wl: str) -> dict[str, Any]:
-    n = cfg.no_reuse_requests if wl == "no-reuse" else cfg.reuse_documents * cfg.questions
-    dicts, _ = build(wl, requests=n, questions=cfg.questions, shape=cfg.shape)
-    reqs = normalize(dicts, env.s)
-    placements = ["affinity"] if wl == "no-reuse" else cfg.placements
-    out: dict[str, Any] = {"requests": len(reqs), "placements": {}}
+async def _start_offload(
+    cfg: BenchConfig,
+    args: dict[str, Any],
+    engines: dict[str, Engines],
+    env: dict[str, Any],
+    say: Step,
+) -> None:
+    """Start the offloading set-up's engines; a vLLM (or a platform) that cannot offload is
+    recorded in the report (``offload``) and the set-up left out, not the whole run."""
+    why = offload_unsupported()
+    gib = cfg.offload_gib or host_offload_gib(len(cfg.gpus))
+    env["offload"] = {"gib_per_engine": gib, "backend": "native"}
+    if why is None:
+        say(f"starting the offloading engines ({gib} GiB of host memory each)")
+        eng = _engines(cfg, offload_args(args, gib))
+        try:
+            await eng.start()
+        except (SetupError, ConfigError) as e:
+            why = f"start-up failed: {e}"
+            await eng.close()
+        else:
+            engines[OFFLOAD] = eng
+            env["kv_tokens"]["standalone-offload"] = eng.kv_tokens
+    if why is not None:
+        log.warning("standalone with CPU offloading left out: %s", why)
+        env["offload"]["unavailable"] = why
+        cfg.setups = [x for x in cfg.setups if x.rpartition(":")[2] != OFFLOAD]
+
+
+def _counter(model: str) -> Counter | None:
+    """Counts prompt tokens as the engine will (text mode), with the model's own tokenizer;
+    None when the model folder has none (the optimum is then estimated)."""
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    except Exception as e:  # no tokenizer files, or no transformers: estimate instead
+        log.warning("no tokenizer in %s (%s): the cached-token optimum is estimated", model, e)
+        return None
+
+    def count(x: Any) -> int:
+        if isinstance(x, list):  # leading messages, rendered as the worker renders a chat
+            text = tok.apply_chat_template(x, tokenize=False)
+            return len(tok(text, add_special_tokens=False).input_ids)
+        return len(tok(x).input_ids)
+
+    return count
+
+
+async def _workload(
+    cfg: BenchConfig, env: Env, name: str, capacity: int, counter: Counter | None
+) -> dict[str, Any]:
+    wl = build(name, cfg.shape, cfg.sizes, capacity_tokens=capacity, count=counter)
+    b = Bursts(wl, [normalize(x.requests, env.s) for x in wl.bursts])
+    placements = cfg.placements if name == "reuse" else ["affinity"]
+    out: dict[str, Any] = {
+        "requests": len(b.flat),
+        "documents": wl.documents if name != "no-reuse" else len(b.flat),
+        "bursts": [
+            {"requests": len(x.requests), "tenant": x.tenant, "at": x.at} for x in wl.bursts
+        ],
+        "kv_capacity_tokens": capacity,
+        "placements": {},
+    }
+    out["corpus_over_capacity"] = (
+        round(sum(v for k, v in wl.depth.items() if "/" not in k) / capacity, 3)
+        if capacity and wl.depth
+        else None
+    )
     for placement in placements:
         pairs = cfg.random_pairs if placement == "random" else cfg.pairs
-        out["placements"][placement] = await _case(env, wl, reqs, placement, cfg.order, pairs)
-    others = [o for o in cfg.orders if o != cfg.order]
-    if wl == "reuse" and others and "affinity" in placements:
+        out["placements"][placement] = await run_case(
+            env, b, placement, cfg.order, pairs, setups_for(cfg.setups, name)
+        )
+    others = [o for o in scoped(cfg.orders, name) if o != cfg.order]
+    if name in SHARING and others and "affinity" in placements:
+        order_setups = [SORTED] if SORTED in setups_for(cfg.setups, name) else [GIVEN]
         out["orders"] = {cfg.order: _order_view(out["placements"]["affinity"])}
         for order in others:
-            case = await _case(env, wl, reqs, "affinity", order, cfg.pairs)
+            case = await run_case(env, b, "affinity", order, cfg.pairs, order_setups)
             out["orders"][order] = _order_view(case)
     if "affinity" in out["placements"] and "random" in out["placements"]:
         p = out["placements"]
@@ -159,172 +233,45 @@ async def _workload(cfg: BenchConfig, env: _Env, wl: str) -> dict[str, Any]:
             )
             for m in ("pipeline", "standalone")
         }
-    out["gc_unfrozen"] = await _gc_without_freeze(env, reqs, wl)
+    if name in _GC_WORKLOADS:
+        out["gc_unfrozen"] = await _gc_without_freeze(env, b)
     return out
 
 
 def _order_view(case: dict[str, Any]) -> dict[str, Any]:
-    keep = ("median_ratio", "min_ratio", "ratios", "standalone", "pipeline", "timeline")
-    return {k: case[k] for k in keep}
+    keep = (
+        "median_ratio",
+        "min_ratio",
+        "ratios",
+        "standalone",
+        "pipeline",
+        "timeline",
+        "setups",
+        "ratios_vs",
+        "cached_share",
+        "optimum_cached_tokens",
+        "max_share_ratio",
+    )
+    return {k: case[k] for k in keep if k in case}
 
 
-async def _case(
-    env: _Env, wl: str, reqs: list[Request], placement: str, order: str, pairs: int
-) -> dict[str, Any]:
-    """``pairs`` paired runs of one workload, placement and enqueue order."""
-    shards = await _assignment(env.s, reqs, placement, order)
-    runs: list[dict[str, Any]] = []
-    gc_max: dict[str, float] = {}
-    stats: dict[str, dict[str, Any]] = {}
-    for pair in range(pairs):
-        modes = ("standalone", "pipeline") if pair % 2 == 0 else ("pipeline", "standalone")
-        for mode in modes:
-            env.say(f"{wl} / {placement} / {order} / pair {pair + 1}/{pairs}: {mode}")
-            await _reset(env)
-            if mode == "standalone":
-                t0, t1, stamps = await env.standalone.run(reqs, shards)
-                run: dict[str, Any] = {"timeline": timeline(t0, t1, stamps)}
-            else:
-                t0, t1, run, stats = await _pipeline(env, reqs, placement, order, shards)
-                for name, st in stats.items():
-                    gc_max[name] = max(gc_max.get(name, 0.0), float(st["gc_max_pause_ms"]))
-            runs.append(
-                {
-                    "pair": pair,
-                    "mode": mode,
-                    "seconds": round(t1 - t0, 4),
-                    "throughput": round(len(reqs) / (t1 - t0), 4),
-                    **run,
-                }
-            )
-    names = env.workers.names
-    summary = _summarise(runs)
-    sa, pl = medians(runs, "standalone"), medians(runs, "pipeline")
-    summary["timeline"] = {"standalone": sa, "pipeline": pl, "gap_ms": gaps(pl, sa)}
-    summary["order"] = order
-    summary["gc_max_pause_ms_frozen"] = [gc_max.get(n, 0.0) for n in names]
-    summary["gc_frozen_by_gen"] = _by_gen(stats, names) if stats else []
-    return summary
-
-
-async def _gc_without_freeze(env: _Env, reqs: list[Request], wl: str) -> dict[str, Any]:
+async def _gc_without_freeze(env: Env, b: Bursts) -> dict[str, Any]:
     """One pipeline run with the workers' heaps unfrozen: the GC pauses gc.freeze avoids."""
+    from prefixq.bench.cases import assignment
+
     names = env.workers.names
-    env.say(f"{wl}: one pipeline run without gc.freeze")
+    env.say(f"{b.wl.name}: one pipeline run without gc.freeze")
     await control.send(env.r, env.keys, "gc_unfreeze", names)
-    await _reset(env)
+    await reset(env)
     order = env.s.enqueue_order
-    shards = await _assignment(env.s, reqs, "affinity", order)
-    t0, t1, _, stats = await _pipeline(env, reqs, "affinity", order, shards)
+    shards = await assignment(env.s, b.reqs, "affinity", order)
+    t0, t1, _, stats = await pipeline(env, b, "affinity", order, shards)
     await control.send(env.r, env.keys, "gc_freeze", names)
     return {
-        "throughput": round(len(reqs) / (t1 - t0), 4),
+        "throughput": round(len(b.flat) / (t1 - t0), 4),
         "gc_max_pause_ms": [stats[n]["gc_max_pause_ms"] for n in names],
         "gc_pauses": [stats[n]["gc_pauses"] for n in names],
-        "gc_by_gen": _by_gen(stats, names),
-    }
-
-
-def _by_gen(stats: dict[str, dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
-    """Per worker: the worst pause (ms) and the number of collections of each generation."""
-    return [
-        {
-            "max_pause_ms": stats[n]["gc_max_pause_ms_by_gen"],
-            "collections": stats[n]["gc_pauses_by_gen"],
-            # collections in idle time (worker/gc_policy.py): no request waits on them
-            "idle_collections": stats[n]["gc_idle_collections"],
-            "idle_max_ms": stats[n]["gc_idle_max_ms"],
-        }
-        for n in names
-    ]
-
-
-async def _pipeline(
-    env: _Env, reqs: list[Request], placement: str, order: str, expected: list[int]
-) -> tuple[float, float, dict[str, Any], dict[str, dict[str, Any]]]:
-    """One pipeline run: (start, end, its record, the workers' stats of it)."""
-    s, names = env.s, env.workers.names
-    await control.send(env.r, env.keys, "reset_stats", names)
-    t0 = time.time()
-    burst = await env.producer.asubmit(reqs, placement=placement, seed=1, order=order)
-    st = await asyncio.to_thread(results_api.wait, burst, s, timeout=3600)
-    t1 = time.time()
-    if st.failed:
-        raise SetupError(f"pipeline run: {st.failed} of {st.total} requests failed")
-    got = await asyncio.to_thread(results_api.collect, burst, s)
-    last = await env.r.xrevrange(env.keys.events(burst), count=1)
-    recorded = int(last[0][0].split(b"-")[0]) / 1000 if last else None
-    stats = await control.send(env.r, env.keys, "stats", names)
-    stamps = [
-        Stamp(x.timings.admitted, x.timings.first_token, x.timings.finished, x.prompt_tokens,
-              x.cached_tokens)
-        for x in got
-    ]  # fmt: skip
-    m = st.meta
-    record = {
-        "failed": st.failed,
-        "raw_bytes": int(m["raw_bytes"]),
-        "stored_bytes": int(m["encoded_bytes"]),
-        "entry_bytes": int(m["entry_bytes"]),
-        "per_shard": m.get("per_shard", ""),
-        "placement_mismatches": sum(1 for x in got if x.shard != expected[x.index]),
-        "timeline": timeline(t0, t1, stamps, recorded) | worker_stats(stats),
-    }
-    return t0, t1, record, stats
-
-
-async def _reset(env: _Env) -> None:
-    """Cold caches and a fresh placement state before every run."""
-    keys = env.keys
-    await env.standalone.reset_prefix_cache()
-    await control.send(env.r, keys, "reset_prefix_cache", env.workers.names)
-    stale = [k async for k in env.r.scan_iter(match=keys.prefix("*"), count=1000)]
-    await env.r.delete(keys.prefix_map, keys.prefix_lru, keys.load, *stale)
-
-
-async def _assignment(s: Settings, reqs: list[Request], placement: str, order: str) -> list[int]:
-    """The shard of each request as the pipeline's producer places it on an empty map: the real
-    `Producer`, into a scratch namespace (same shard count and engine block), entries read back."""
-    scratch = s.replace(namespace=f"{s.namespace}-scr{secrets.token_hex(3)}")
-    keys, real = scratch.keys, s.keys
-    r = async_client(scratch)
-    try:
-        block = await r.hget(real.config, "block_size")
-        await r.hset(keys.config, mapping={"shards": s.shards, "block_size": block or 0})
-        burst = await Producer(scratch).asubmit(reqs, placement=placement, seed=1, order=order)
-        shards = [-1] * len(reqs)
-        for k in range(s.shards):  # the head in the intake stream, the rest in the burst's lane
-            for stream in (keys.intake(k, scratch.priority), keys.lane(k, burst)):
-                for _, fields in await r.xrange(stream):
-                    shards[Entry.from_wire(wire.decode(fields[FIELD])).index] = k
-        if -1 in shards:
-            raise SetupError(f"placement: {shards.count(-1)} requests not found in the streams")
-        stale = [x async for x in r.scan_iter(match=f"{scratch.namespace}:*", count=1000)]
-        if stale:
-            await r.delete(*stale)
-    finally:
-        await r.aclose()
-    return shards
-
-
-def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    by = {m: [x["throughput"] for x in runs if x["mode"] == m] for m in ("standalone", "pipeline")}
-    pairs = sorted({x["pair"] for x in runs})
-    ratios = []
-    for p in pairs:
-        t = {x["mode"]: x["throughput"] for x in runs if x["pair"] == p}
-        ratios.append(round(t["pipeline"] / t["standalone"], 4))
-    pipe_runs = [x for x in runs if x["mode"] == "pipeline"]
-    return {
-        "runs": runs,
-        "standalone": {"median_throughput": statistics.median(by["standalone"])},
-        "pipeline": {"median_throughput": statistics.median(by["pipeline"])},
-        "ratios": ratios,
-        "median_ratio": round(statistics.median(ratios), 4),
-        "min_ratio": min(ratios),
-        "raw_bytes": pipe_runs[0]["raw_bytes"] if pipe_runs else 0,
-        "stored_bytes": pipe_runs[0]["stored_bytes"] if pipe_runs else 0,
-        "entry_bytes": pipe_runs[0]["entry_bytes"] if pipe_runs else 0,
+        "gc_by_gen": by_gen(stats, names),
     }
 
 

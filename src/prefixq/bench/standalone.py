@@ -3,9 +3,11 @@
 Each engine lives in a process of its own (bound to its GPU), as ``vllm serve`` or an offline
 script per GPU would, so that no engine shares an event loop or a Python interpreter with
 another. A run: every process is first sent its share of the burst (off the clock), then told
-to go; each hands every request to its engine at once (``FINAL_ONLY`` outputs) and reports when
-each was added, its first token, its end and its tokens. The run starts when the parent says go
-and ends when the last process reports its last request done (one host, one clock).
+to go; each hands every request to its engine at once (``FINAL_ONLY`` outputs), or each at its
+arrival when the workload has several bursts (multi-burst: a burst's requests are added when it
+arrives), and reports when each was added, its first token, its end and its tokens. The run
+starts when the parent says go and ends when the last process reports its last request done (one
+host, one clock).
 
 `bench.engines.Standalone` keeps every engine in the benchmark's own process (``--standalone
 inline``: how runs before 2026-11-30 measured, kept for comparison).
@@ -39,8 +41,8 @@ async def _loop(conn: Connection, model: str, engine_args: dict[str, Any]) -> No
 
     engine = VllmEngine(model, engine_args)
     await engine.start()
-    conn.send(("up",))
-    loaded: list[EngineRequest] = []
+    conn.send(("up", engine.kv_tokens))
+    loaded: list[tuple[int, float, EngineRequest]] = []
     while True:
         cmd, *args = await asyncio.to_thread(conn.recv)
         if cmd == "load":
@@ -57,15 +59,31 @@ async def _loop(conn: Connection, model: str, engine_args: dict[str, Any]) -> No
             return
 
 
-async def _run(engine: Any, reqs: list[EngineRequest]) -> tuple[float, list[tuple[Any, ...]]]:
-    async def one(er: EngineRequest) -> tuple[Any, ...]:
+async def _run(
+    engine: Any, reqs: list[tuple[int, float, EngineRequest]]
+) -> tuple[float, list[tuple[Any, ...]]]:
+    """Every request handed to the engine at its arrival (seconds after go; all at once for 0),
+    in the order given; one row per request, with its index in the burst."""
+    t0 = time.time()
+
+    async def one(i: int, er: EngineRequest) -> tuple[Any, ...]:
         added = time.time()
         o = await engine.generate(er)
-        return (added, o.first_token, time.time(), o.prompt_tokens, o.cached_tokens,
+        return (i, added, o.first_token, time.time(), o.prompt_tokens, o.cached_tokens,
                 len(o.token_ids), er.sampling.get("max_tokens"))  # fmt: skip
 
-    got = await asyncio.gather(*(one(er) for er in reqs))
-    return time.time(), list(got)
+    async def arrive(at: float, group: list[tuple[int, EngineRequest]]) -> list[tuple[Any, ...]]:
+        await asyncio.sleep(max(0.0, t0 + at - time.time()))
+        tasks = [asyncio.create_task(one(i, er)) for i, er in group]  # added in this order
+        return list(await asyncio.gather(*tasks))
+
+    by_time: dict[float, list[tuple[int, EngineRequest]]] = {}
+    for i, at, er in reqs:
+        by_time.setdefault(at, []).append((i, er))
+    first = [asyncio.create_task(one(i, er)) for i, er in by_time.pop(0.0, [])]  # at once
+    later = [arrive(at, group) for at, group in sorted(by_time.items())]
+    got = list(await asyncio.gather(*first)) + [r for g in await asyncio.gather(*later) for r in g]
+    return time.time(), got
 
 
 class ProcessStandalone:
@@ -76,6 +94,8 @@ class ProcessStandalone:
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
         self._runs = 0
+        #: each engine's KV cache in tokens, as vLLM sized it
+        self.kv_tokens: list[int] = []
 
     async def start(self) -> None:
         """Start the engines one after another (engines sharing a GPU profile its memory)."""
@@ -86,7 +106,8 @@ class ProcessStandalone:
             p.start()
             self._procs.append(p)
             self._conns.append(parent)
-            await self._expect(len(self._conns) - 1, "up")
+            up = await self._expect(len(self._conns) - 1, "up")
+            self.kv_tokens.append(int(up[1]))
 
     async def _expect(self, k: int, what: str) -> tuple[Any, ...]:
         conn, proc = self._conns[k], self._procs[k]
@@ -99,15 +120,22 @@ class ProcessStandalone:
         return msg
 
     async def run(
-        self, requests: list[Request], shards: list[int]
+        self,
+        requests: list[Request],
+        shards: list[int],
+        at: list[float] | None = None,
+        order: list[int] | None = None,
     ) -> tuple[float, float, list[Stamp]]:
-        """Every request to its shard's engine at once; (start, end, per-request stamps)."""
+        """Every request to its shard's engine, at once or at its arrival (``at``: seconds after
+        the start), in ``order`` (default: as given); (start, end, per-request stamps in the
+        requests' order)."""
         from prefixq.bench.engines import engine_request
 
         self._runs += 1
-        share: list[list[EngineRequest]] = [[] for _ in self._conns]
-        for i, (q, k) in enumerate(zip(requests, shards, strict=True)):
-            share[k].append(engine_request(q, f"sa{self._runs}-{i}"))
+        share: list[list[tuple[int, float, EngineRequest]]] = [[] for _ in self._conns]
+        for i in order if order is not None else range(len(requests)):
+            er = engine_request(requests[i], f"sa{self._runs}-{i}")
+            share[shards[i]].append((i, at[i] if at else 0.0, er))
         for k, conn in enumerate(self._conns):
             conn.send(("load", share[k]))
             await self._expect(k, "loaded")
@@ -116,11 +144,11 @@ class ProcessStandalone:
             conn.send(("go",))
         done = [await self._expect(k, "done") for k in range(len(self._conns))]
         t1 = max(d[1] for d in done)
-        rows = [row for d in done for row in d[2]]
-        short = sum(1 for row in rows if row[5] != row[6])
+        rows = sorted(row for d in done for row in d[2])
+        short = sum(1 for row in rows if row[6] != row[7])
         if short:
             raise SetupError(f"standalone: {short} requests returned fewer tokens than asked")
-        return t0, t1, [Stamp(*row[:5]) for row in rows]
+        return t0, t1, [Stamp(*row[1:6]) for row in rows]
 
     async def reset_prefix_cache(self) -> None:
         for k, conn in enumerate(self._conns):

@@ -1,15 +1,31 @@
-"""The benchmark's finite bursts, shaped as the study's workloads (docs/BENCHMARKS.md).
+"""The benchmark's finite bursts (docs/BENCHMARKS.md lists them with their defaults).
 
-``no-reuse``: N requests, each on its own document. ``reuse``: D documents x Q questions,
-shuffled. Documents are real English (consecutive windows of Python's bundled reference
-documentation, ~4 characters per token) or, for dummy-weight models without a tokenizer, token
-ids of the same lengths. Every request: greedy, ``ignore_eos``, a fixed number of output tokens.
+- ``no-reuse``: N requests, each on a document of its own.
+- ``reuse``: D documents x Q questions, shuffled.
+- ``overflow``: the same shape, with D sized so that the documents hold `Sizes.overflow` times the
+  engines' KV capacity (read from the engines after start-up) unless ``documents`` is given.
+- ``multi-burst``: three bursts from three tenants over the same D documents (each asks its own
+  ``burst_questions`` questions per document, shuffled), arriving ``burst_gap`` seconds apart.
+- ``system-prompt``: S long system prompts, each followed by D/S documents, Q questions each: a
+  prefix tree of two levels (chats whose leading messages are the system prompt and the
+  document; with token ids, one prefix of both).
+- ``mixed``: prefill-heavy requests (D documents x Q questions, ``short_output`` answers) beside
+  decode-heavy ones (``decode_requests`` short prompts without a shared prefix, ``long_output``
+  answers), shuffled into one burst.
+
+Documents are real English (consecutive windows of Python's bundled reference documentation, ~4
+characters per token) or, for dummy-weight models without a tokenizer, random token ids of the
+same lengths. Every request: greedy, ``ignore_eos``, a fixed number of output tokens. Each request
+also carries its path in the prefix tree (`Workload.paths`) and each node its depth in tokens
+(`Workload.depth`): what the cached-token optimum is computed from (bench/measures.py).
 """
 
 from __future__ import annotations
 
+import math
 import random
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 CHARS_PER_TOKEN = 4
@@ -21,6 +37,12 @@ QUESTIONS = (
     "What would a beginner find hardest in the document above?",
     "List the keywords the document above mentions.",
 )
+WORKLOADS = ("no-reuse", "reuse", "overflow", "multi-burst", "system-prompt", "mixed")
+#: workloads whose requests share prefixes (enqueue orders and the sorted set-up matter)
+SHARING = frozenset(WORKLOADS) - {"no-reuse"}
+TENANTS = ("tenant-a", "tenant-b", "tenant-c")
+#: counts a rendered prompt's tokens (text mode with the model's tokenizer); None: estimate
+Counter = Callable[[Any], int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,45 +54,237 @@ class Shape:
     vocab: int = 32_000
 
 
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    """How many of what, per workload (the CLI's flags; defaults in docs/BENCHMARKS.md)."""
+
+    requests: int = 64
+    #: documents of reuse, multi-burst, system-prompt and mixed; None: 64 (overflow and
+    #: multi-burst: sized from the KV capacity)
+    documents: int | None = None
+    questions: int = 4
+    #: overflow: the documents hold this many times the engines' KV capacity
+    overflow: float = 3.0
+    burst_questions: int = 2
+    burst_gap: float = 3.0
+    system_prompts: int = 4
+    system_tokens: int = 2000
+    decode_requests: int = 64
+    decode_prompt_tokens: int = 64
+    long_output: int = 512
+    short_output: int = 16
+
+
+@dataclass
+class Burst:
+    """One burst of a workload: its requests, its tenant, when it arrives (s after the start)."""
+
+    requests: list[dict[str, Any]]
+    tenant: str = "default"
+    at: float = 0.0
+
+
+@dataclass
+class Workload:
+    name: str
+    bursts: list[Burst]
+    #: per request (bursts in order), its nodes in the prefix tree, root first ((): none)
+    paths: list[tuple[str, ...]] = field(default_factory=list)
+    #: per node, tokens from the start of the prompt to the end of the node
+    depth: dict[str, int] = field(default_factory=dict)
+    #: the depths are counted exactly (token ids, or the model's tokenizer), not estimated
+    exact: bool = True
+    documents: int = 0
+
+    @property
+    def requests(self) -> list[dict[str, Any]]:
+        return [q for b in self.bursts for q in b.requests]
+
+
+def overflow_documents(capacity_tokens: int, shape: Shape, sizes: Sizes) -> int:
+    """Documents whose tokens hold ``sizes.overflow`` times ``capacity_tokens`` (at least 2)."""
+    return max(2, math.ceil(sizes.overflow * capacity_tokens / max(1, shape.doc_tokens)))
+
+
+def build(
+    name: str,
+    shape: Shape,
+    sizes: Sizes,
+    *,
+    capacity_tokens: int = 0,
+    count: Counter | None = None,
+    seed: int = 0,
+) -> Workload:
+    """The workload ``name``; ``capacity_tokens`` (the engines' KV cache, summed) sizes overflow
+    and multi-burst when ``sizes.documents`` is None; ``count`` counts a prompt's tokens in text
+    mode (else they are estimated at `CHARS_PER_TOKEN`)."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r} (known: {', '.join(WORKLOADS)})")
+    make = _Maker(shape, random.Random(seed), count)
+    docs = sizes.documents
+    if docs is None:
+        sized = name in ("overflow", "multi-burst") and capacity_tokens > 0
+        docs = overflow_documents(capacity_tokens, shape, sizes) if sized else 64
+    if name == "no-reuse":
+        wl = make.documents("no-reuse", sizes.requests, 1, shuffle=False)
+    elif name in ("reuse", "overflow"):
+        wl = make.documents(name, docs, sizes.questions, shuffle=True)
+    elif name == "multi-burst":
+        wl = make.multi_burst(docs, sizes)
+    elif name == "system-prompt":
+        wl = make.system_prompt(docs, sizes)
+    else:
+        wl = make.mixed(docs, sizes)
+    wl.documents = docs
+    return wl
+
+
+class _Maker:
+    """Documents, system prompts and questions of one shape, from one random generator."""
+
+    def __init__(self, shape: Shape, rng: random.Random, count: Counter | None) -> None:
+        self.shape, self.rng, self.count = shape, rng, count
+        self.corpus = "" if shape.token_ids else _corpus()
+        self.sampling = {"max_tokens": shape.output_tokens, "ignore_eos": True, "temperature": 0.0}
+
+    # ---- pieces ------------------------------------------------------------------------------
+    def _ids(self, n: int) -> list[int]:
+        return [self.rng.randrange(100, self.shape.vocab) for _ in range(n)]
+
+    def doc(self, i: int, tokens: int | None = None) -> Any:
+        n = tokens or self.shape.doc_tokens
+        if self.shape.token_ids:
+            return self._ids(n)
+        return _doc_text(self.corpus, i, n * CHARS_PER_TOKEN)
+
+    def system(self, k: int, tokens: int) -> Any:
+        if self.shape.token_ids:
+            return self._ids(tokens)
+        rules = _doc_text(self.corpus, 7919 * (k + 1), tokens * CHARS_PER_TOKEN, "Rules")
+        return f"You are assistant {k}. Follow these rules.\n" + rules
+
+    def question(self, q: int, tokens: int | None = None) -> Any:
+        n = tokens or self.shape.question_tokens
+        if self.shape.token_ids:
+            return self._ids(n)
+        text = QUESTIONS[q % len(QUESTIONS)]
+        pad = n * CHARS_PER_TOKEN - len(text) - 8
+        return f"\n\nQ{q}: {text}" + (" Answer fully." * max(0, pad // 14))
+
+    def request(self, rid: str, prefix: Any, ask: Any, **sampling: Any) -> dict[str, Any]:
+        s = self.sampling | sampling
+        if self.shape.token_ids:
+            if prefix is None:
+                return {"id": rid, "prompt_token_ids": ask, **s}
+            return {"id": rid, "prefix": prefix, "prompt_token_ids": ask, **s}
+        if prefix is None:
+            return {"id": rid, "prompt": ask, **s}
+        return {"id": rid, "prefix": prefix, "prompt": ask, **s}
+
+    def tokens(self, prefix: Any) -> int:
+        """Tokens of a prefix as the engine sees it (exact for ids and with a counter)."""
+        if isinstance(prefix, list) and (not prefix or isinstance(prefix[0], int)):
+            return len(prefix)
+        if self.count is not None:
+            return self.count(prefix)
+        if isinstance(prefix, list):  # messages
+            return sum(len(m["content"]) for m in prefix) // CHARS_PER_TOKEN
+        return len(prefix) // CHARS_PER_TOKEN
+
+    @property
+    def exact(self) -> bool:
+        return self.shape.token_ids or self.count is not None
+
+    # ---- workloads ---------------------------------------------------------------------------
+    def documents(self, name: str, docs: int, per_doc: int, *, shuffle: bool) -> Workload:
+        reqs: list[dict[str, Any]] = []
+        paths: list[tuple[str, ...]] = []
+        depth: dict[str, int] = {}
+        for d in range(docs):
+            doc = self.doc(d)
+            depth[f"d{d}"] = self.tokens(doc)
+            for q in range(per_doc):
+                reqs.append(self.request(f"{name}-d{d}-q{q}", doc, self.question(q)))
+                paths.append((f"d{d}",))
+        if shuffle:
+            reqs, paths = _shuffled(self.rng, reqs, paths)
+        return Workload(name, [Burst(reqs)], paths, depth, self.exact)
+
+    def multi_burst(self, docs: int, sizes: Sizes) -> Workload:
+        texts = [self.doc(d) for d in range(docs)]
+        depth = {f"d{d}": self.tokens(t) for d, t in enumerate(texts)}
+        bursts: list[Burst] = []
+        paths: list[tuple[str, ...]] = []
+        for b, tenant in enumerate(TENANTS):
+            reqs: list[dict[str, Any]] = []
+            ps: list[tuple[str, ...]] = []
+            for d, doc in enumerate(texts):
+                for q in range(sizes.burst_questions):
+                    qn = b * sizes.burst_questions + q  # each burst asks its own questions
+                    reqs.append(self.request(f"mb{b}-d{d}-q{q}", doc, self.question(qn)))
+                    ps.append((f"d{d}",))
+            reqs, ps = _shuffled(self.rng, reqs, ps)
+            bursts.append(Burst(reqs, tenant, round(b * sizes.burst_gap, 3)))
+            paths += ps
+        return Workload("multi-burst", bursts, paths, depth, self.exact)
+
+    def system_prompt(self, docs: int, sizes: Sizes) -> Workload:
+        reqs: list[dict[str, Any]] = []
+        paths: list[tuple[str, ...]] = []
+        depth: dict[str, int] = {}
+        systems = [self.system(k, sizes.system_tokens) for k in range(sizes.system_prompts)]
+        for d in range(docs):
+            k = d % sizes.system_prompts
+            sys_, doc = systems[k], self.doc(d)
+            if self.shape.token_ids:
+                prefix: Any = sys_ + doc
+                head: Any = sys_
+            else:
+                head = [{"role": "system", "content": sys_}]
+                prefix = [*head, {"role": "user", "content": "Document:\n" + doc}]
+            depth.setdefault(f"s{k}", self.tokens(head))
+            depth[f"s{k}/d{d}"] = self.tokens(prefix)
+            for q in range(sizes.questions):
+                rid = f"system-prompt-s{k}-d{d}-q{q}"
+                ask = self.question(q)
+                if self.shape.token_ids:
+                    reqs.append(self.request(rid, prefix, ask))
+                else:
+                    msgs = [*prefix, {"role": "user", "content": ask.strip()}]
+                    reqs.append({"id": rid, "messages": msgs, **self.sampling})
+                paths.append((f"s{k}", f"s{k}/d{d}"))
+        reqs, paths = _shuffled(self.rng, reqs, paths)
+        return Workload("system-prompt", [Burst(reqs)], paths, depth, self.exact)
+
+    def mixed(self, docs: int, sizes: Sizes) -> Workload:
+        wl = self.documents("mixed", docs, sizes.questions, shuffle=False)
+        reqs, paths = wl.bursts[0].requests, wl.paths
+        for q in reqs:
+            q["max_tokens"] = sizes.short_output
+        for k in range(sizes.decode_requests):
+            ask = self.question(k, sizes.decode_prompt_tokens)
+            if not self.shape.token_ids:
+                ask = f"Task {k}: write a long essay. " + ask
+            reqs.append(self.request(f"mixed-long-{k}", None, ask, max_tokens=sizes.long_output))
+            paths.append(())
+        reqs, paths = _shuffled(self.rng, reqs, paths)
+        return Workload("mixed", [Burst(reqs)], paths, wl.depth, self.exact)
+
+
+def _shuffled(
+    rng: random.Random, reqs: list[dict[str, Any]], paths: list[tuple[str, ...]]
+) -> tuple[list[dict[str, Any]], list[tuple[str, ...]]]:
+    order = list(range(len(reqs)))
+    rng.shuffle(order)
+    return [reqs[i] for i in order], [paths[i] for i in order]
+
+
 def _corpus() -> str:
     from pydoc_data.topics import topics
 
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
-def _doc_text(corpus: str, i: int, chars: int) -> str:
+def _doc_text(corpus: str, i: int, chars: int, label: str = "Document") -> str:
     start = (i * chars) % max(1, len(corpus) - chars)
-    return f"Document {i}.\n" + corpus[start : start + chars]
-
-
-def build(
-    workload: str, *, requests: int, questions: int, shape: Shape, seed: int = 0
-) -> tuple[list[dict[str, Any]], list[int]]:
-    """(request dicts, document index of each) for ``no-reuse`` or ``reuse``."""
-    rng = random.Random(seed)
-    docs = requests if workload == "no-reuse" else max(1, requests // questions)
-    per_doc = 1 if workload == "no-reuse" else questions
-    sampling = {"max_tokens": shape.output_tokens, "ignore_eos": True, "temperature": 0.0}
-    corpus = "" if shape.token_ids else _corpus()
-    reqs: list[dict[str, Any]] = []
-    doc_of: list[int] = []
-    for d in range(docs):
-        if shape.token_ids:
-            doc: Any = [rng.randrange(100, shape.vocab) for _ in range(shape.doc_tokens)]
-        else:
-            doc = _doc_text(corpus, d, shape.doc_tokens * CHARS_PER_TOKEN)
-        for q in range(per_doc):
-            rid = f"{workload}-d{d}-q{q}"
-            if shape.token_ids:
-                ids = [rng.randrange(100, shape.vocab) for _ in range(shape.question_tokens)]
-                reqs.append({"id": rid, "prefix": doc, "prompt_token_ids": ids, **sampling})
-            else:
-                text = QUESTIONS[q % len(QUESTIONS)]
-                pad = shape.question_tokens * CHARS_PER_TOKEN - len(text) - 8
-                ask = f"\n\nQ{q}: {text}" + (" Answer fully." * max(0, pad // 14))
-                reqs.append({"id": rid, "prefix": doc, "prompt": ask, **sampling})
-            doc_of.append(d)
-    order = list(range(len(reqs)))
-    if workload == "reuse":
-        rng.shuffle(order)
-    return [reqs[i] for i in order], [doc_of[i] for i in order]
+    return f"{label} {i}.\n" + corpus[start : start + chars]

@@ -1,0 +1,122 @@
+"""One benchmark case end to end on real Redis with a fake engine (timing is not what is
+checked): several bursts submitted at their arrivals under their tenants, the standalone set-ups
+fed the same arrivals (sorted by document for the sorted set-up), and the summary's set-ups,
+optimum and shares (bench/cases.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from helpers import FakeWorker
+from prefixq.bench.cases import Bursts, Env, run_case
+from prefixq.bench.timeline import Stamp
+from prefixq.bench.workloads import Burst, Workload
+from prefixq.client import Producer
+from prefixq.core.inputs import normalize
+from prefixq.core.records import Request
+from prefixq.core.settings import Settings
+from prefixq.store.connection import async_client
+
+
+class FakeStandalone:
+    """Engines that answer at once and remember what they were handed, and when."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[tuple[str, float]]] = []
+        self.kv_tokens = [1000]
+
+    async def start(self) -> None:
+        pass
+
+    async def run(
+        self,
+        requests: list[Request],
+        shards: list[int],
+        at: list[float] | None = None,
+        order: list[int] | None = None,
+    ) -> tuple[float, float, list[Stamp]]:
+        t0 = time.time()
+        got: dict[int, Stamp] = {}
+        seen: list[tuple[str, float]] = []
+        for i in order if order is not None else range(len(requests)):
+            delay = t0 + (at[i] if at else 0.0) - time.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            now = time.time()
+            seen.append((requests[i].id, now - t0))
+            got[i] = Stamp(now, now, now + 0.001, 10, 0)
+        self.seen.append(seen)
+        return t0, time.time(), [got[i] for i in range(len(requests))]
+
+    async def reset_prefix_cache(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+def _workload() -> Workload:
+    docs = {d: f"document {d} " * 60 for d in "ab"}
+    bursts, paths = [], []
+    for k, tenant in enumerate(("t-a", "t-b", "t-c")):
+        reqs = []
+        for n, d in enumerate("abab"):
+            reqs.append({"id": f"b{k}-{n}", "prefix": docs[d], "prompt": f"sleep:0.01 {n}",
+                         "max_tokens": 2})  # fmt: skip
+            paths.append((d,))
+        bursts.append(Burst(reqs, tenant, 0.3 * k))
+    return Workload("multi-burst", bursts, paths, {"a": 180, "b": 180}, exact=False)
+
+
+def test_a_multi_burst_case_gives_every_set_up_the_same_arrivals(
+    make_settings: Callable[..., Settings],
+    fake_worker: Callable[..., FakeWorker],
+    r: redis.Redis,
+) -> None:
+    """Given three bursts 0.3 s apart, the pipeline submits each at its arrival under its tenant
+    and its requests land on the shards the standalone set-ups were given; the standalone
+    engines get each burst no earlier than its arrival, the sorted set-up each burst grouped by
+    document; the summary names the strongest set-up, the optimum and each run's shares."""
+    s = make_settings(prefix_store_min_chars=16)
+    fw = fake_worker(s, name="bench-s0")
+    eng = FakeStandalone()
+    wl = _workload()
+    b = Bursts(wl, [normalize(x.requests, s) for x in wl.bursts])
+
+    async def main() -> dict[str, Any]:
+        ar = async_client(s)
+        try:
+            async with Producer(s) as producer:
+                workers = type("W", (), {"names": [fw.name]})()
+                env = Env(s, ar, {"given": eng, "sorted": eng}, workers, producer, print, 16)
+                return await run_case(env, b, "affinity", "grouped", 2, ["given", "sorted"])
+        finally:
+            await ar.aclose()
+
+    got = asyncio.run(main())
+    assert got["modes"] == ["standalone", "standalone-sorted", "pipeline"]
+    assert got["strongest"] in ("standalone", "standalone-sorted")
+    assert set(got["setups"]) == {"standalone", "standalone-sorted"}
+    assert len(got["ratios"]) == 2 and len(got["setups"]["standalone-sorted"]["ratios"]) == 2
+    # each document computed once per shard: 3 bursts x 4 requests on 2 documents
+    assert got["optimum_cached_tokens"] == (12 - 2) * 176
+    pipes = [x for x in got["runs"] if x["mode"] == "pipeline"]
+    assert all(x["placement_mismatches"] == 0 and x["shares"] is not None for x in pipes)
+    assert all(len(x["shares"]["completed"]) == 3 for x in pipes)
+    tenants = {
+        m[b"tenant"].decode()
+        for key in r.scan_iter(match=f"{s.namespace}:{{b*}}:meta")
+        if (m := r.hgetall(key))
+    }
+    assert {"t-a", "t-b", "t-c"} <= tenants
+    assert len(eng.seen) == 4  # two pairs of two set-ups
+    for seen in eng.seen:
+        for rid, t in seen:
+            assert t >= 0.3 * int(rid[1]) - 0.005, (rid, t)
+    sorted_runs = [seen for seen in eng.seen if seen[0][0] == "b0-0" and seen[1][0] == "b0-2"]
+    assert sorted_runs, "the sorted set-up's first burst starts with document a's two requests"
