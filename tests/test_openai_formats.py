@@ -168,7 +168,7 @@ def test_input_check_reports_each_bad_line_with_its_number_and_code(tmp_path: Pa
         ),
     ]
     got = check_input(_write(tmp_path, lines), "/v1/chat/completions", Settings())
-    assert got.requests == []
+    assert len(got.requests) == 0
     assert [(e["line"], e["code"], e["param"]) for e in got.errors] == [
         (2, "invalid_json_line", None),
         (3, "missing_required_parameter", "custom_id"),

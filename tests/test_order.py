@@ -101,6 +101,11 @@ def test_a_prefix_shared_by_object_is_looked_at_once_and_equal_copies_group_toge
     assert "".join(x for x in got if x != "x") == "abc"
 
 
-def test_input_order_peeks_at_nothing() -> None:
-    """Input order needs no look at the requests."""
-    assert peeks([{"id": "a", "prefix": "p" * 999, "prompt": "?"}], "input") == [Peek()]
+def test_input_order_still_groups_for_counting_prefix_uses() -> None:
+    """Input order keeps the burst as given, and its peeks still carry each request's group and
+    prefix size (the producer counts a prefix's uses from them to store it once)."""
+    doc = "p" * 999
+    reqs = [{"id": "a", "prefix": doc, "prompt": "?"}, {"id": "b", "prompt": "!"}]
+    got = peeks(reqs, "input")
+    assert got[0].group is not None and got[0].size == 999 and got[1] == Peek()
+    assert enqueue_order("input", got) == [0, 1]

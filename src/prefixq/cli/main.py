@@ -230,7 +230,7 @@ def _strip_options(argv: Sequence[str], drop: set[str]) -> list[str]:
 def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     from prefixq.cli.progress import BurstProgress, EnqueueProgress
     from prefixq.client import Producer, results
-    from prefixq.core.inputs import read_requests
+    from prefixq.client.request_file import read_request_file
     from prefixq.integrations.rq_callbacks import RQ_ON_COMPLETE
     from prefixq.openai.outputs import input_metadata, write_results
 
@@ -242,7 +242,7 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     why = results.out_path_problem(args.out) if args.out else None
     if why:
         raise ConfigError(f"--out {args.out}: not a file in an existing folder (it {why})")
-    reqs = read_requests(args.file, settings)
+    reqs = read_request_file(args.file, settings)  # checked whole, read again as it is sent
     meta = input_metadata(args.file)
     fmt = args.format or ("openai" if meta and meta.get("input_format") == "openai" else None)
     if args.token_ids and fmt == "openai":  # refused before the burst is submitted, not after

@@ -4,22 +4,24 @@ A shared prefix (a document, a system prompt) long enough (``prefix_store_min_ch
 two or more requests of the burst is stored once, content-addressed (`Keys.prefix`), and the
 entries refer to it by digest; a prefix used once travels inline (a separate key would only add a
 write and a read). Uses are counted over the whole burst by a cheap fingerprint of each prefix
-(identity first: a prefix object shared by many requests is looked at once), before the encoding
-of the burst's body; the burst's small head (`Producer` sends it before anything else is looked
-at) carries its prefixes inline.
+(the groups of `prefixq.client.order.Peek`, computed once per request before the burst's head
+goes out), before the encoding of the burst's body; the burst's small head carries its prefixes
+inline. What the encoder keeps between chunks grows with the distinct prefixes (a use count and
+a digest each), never with the requests.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections import Counter
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
 
 from prefixq.core import wire
-from prefixq.core.entries import digest, prefix_size, to_wire
+from prefixq.core.entries import digest, to_wire
 from prefixq.core.errors import ValidationError
 from prefixq.core.records import Request
 from prefixq.core.settings import Settings
@@ -77,37 +79,34 @@ class EntryEncoder:
         self.priority = DEFAULT_PRIORITY
         self.tenant = DEFAULT_TENANT
         self.sizes = Sizes()
-        self._uses: Counter[tuple[Any, ...]] = Counter()
-        self._by_id: dict[int, tuple[Any, ...]] = {}
-        #: packed prefix -> (digest, packed size), for prefixes already decided by reference
-        self._stored: dict[bytes, tuple[str, int]] = {}
-        self._packed_by_id: dict[int, bytes] = {}
+        self._uses: Counter[Hashable] = Counter()
+        #: digest -> packed size, of the prefixes already decided by reference
+        self._stored: dict[str, int] = {}
+        #: the last prefix value packed, its digest and packed size (consecutive requests of a
+        #: group often hold the same object)
+        self._last: tuple[Any, str, int] | None = None
         self._inline_key = len(wire.pack("x"))
         self._ref_key = len(wire.pack("xr"))
 
-    def count(self, parts: list[Parts]) -> None:
-        """Count the uses of each long prefix (call once, over the whole burst)."""
-        for prefix, _ in parts:
-            if prefix is None or prefix_size(prefix) < self.s.prefix_store_min_chars:
-                continue
-            ((_, value),) = prefix.items()
-            fp = self._by_id.get(id(value))
-            if fp is None:
-                fp = self._by_id[id(value)] = _fingerprint(value)
-            self._uses[fp] += 1
+    def count(self, keys: Iterable[Hashable | None]) -> None:
+        """Count the uses of each long prefix (call once, over the whole burst): ``keys`` are
+        the requests' prefix fingerprints, None for a request without a long one."""
+        self._uses.update(k for k in keys if k is not None)
 
-    def _shared(self, prefix: dict[str, Any]) -> bool:
-        ((_, value),) = prefix.items()
-        fp = self._by_id.get(id(value))
-        return fp is not None and self._uses[fp] > 1
+    def long_enough(self, size: int) -> bool:
+        """Whether a prefix of `prefix_size` ``size`` may be stored once."""
+        return size >= self.s.prefix_store_min_chars
 
-    def _packed(self, prefix: dict[str, Any]) -> bytes:
+    def _digest(self, prefix: dict[str, Any]) -> tuple[str, int, bytes | None]:
+        """(digest, packed size, packed bytes unless the same object was just packed)."""
         ((_, value),) = prefix.items()
-        key = id(value)
-        packed = self._packed_by_id.get(key)
-        if packed is None:
-            packed = self._packed_by_id[key] = wire.pack(prefix)
-        return packed
+        last = self._last
+        if last is not None and last[0] is value:
+            return last[1], last[2], None
+        packed = wire.pack(prefix)
+        d = digest(packed)
+        self._last = (value, d, len(packed))
+        return d, len(packed), packed
 
     def encode(
         self,
@@ -116,29 +115,31 @@ class EntryEncoder:
         placed: list[Any],
         start: int,
         *,
+        keys: Sequence[Hashable | None] | None = None,
         inline: bool = False,
     ) -> Encoded:
-        """Entries for requests ``start .. start + len(reqs)``; ``inline``: every prefix travels
-        inline and entries are not compressed (the head: sent before uses are counted, read
-        within milliseconds and deleted once acked, so compressing it would only delay the
-        engines' start). ValidationError for an entry over ``max_entry_bytes`` (naming its 1-based
-        position in the burst)."""
+        """Entries for requests ``start .. start + len(reqs)``; ``keys`` their prefix
+        fingerprints (as counted); ``inline``: every prefix travels inline and entries are not
+        compressed (the head: sent before uses are counted, read within milliseconds and deleted
+        once acked, so compressing it would only delay the engines' start). ValidationError for
+        an entry over ``max_entry_bytes`` (naming its 1-based position in the burst)."""
         s, out = self.s, Encoded()
         codec = "none" if inline else s.codec
         for k, (q, (prefix, own), pl) in enumerate(zip(reqs, parts, placed, strict=True)):
             i = start + k
             ref: str | None = None
             extra = 0  # what the prefix adds to the raw size when it travels by reference
-            if prefix is not None and not inline and self._shared(prefix):
-                packed = self._packed(prefix)
-                known = self._stored.get(packed)
-                if known is None:
-                    known = self._stored[packed] = (digest(packed), len(packed))
+            key = keys[k] if keys is not None else None
+            if prefix is not None and not inline and key is not None and self._uses[key] > 1:
+                ref, size, packed = self._digest(prefix)
+                if ref not in self._stored:
+                    self._stored[ref] = size
+                    if packed is None:
+                        packed = wire.pack(prefix)
                     value = wire.compress(packed, s.codec, s.codec_level)
                     self._check(len(value), i, q, "its shared prefix")
-                    out.new_prefixes[known[0]] = value
-                ref = known[0]
-                extra = self._inline_key + known[1] - self._ref_key - len(wire.pack(ref))
+                    out.new_prefixes[ref] = value
+                extra = self._inline_key + size - self._ref_key - len(wire.pack(ref))
             entry = to_wire(
                 q,
                 prefix=None if ref is not None else prefix,

@@ -43,7 +43,7 @@ class ItemBuilder:
             tokenizer = load_tokenizer(settings.tokenizer)
         self.tokenizer = tokenizer
         mode = "tokens" if tokenizer is not None else f"chars{settings.block_chars}"
-        self._memo: dict[bytes, list[int]] = {}
+        self._memo: dict[int, list[int]] = {}
         self.seed = seed_of(f"{model or settings.tokenizer}|{mode}|{settings.block_size}")
 
     def build(self, req: Request, prefix: dict[str, Any] | None) -> Item:
@@ -90,10 +90,11 @@ class ItemBuilder:
         whole blocks) come from a memo, so the questions of a document hash only their own part."""
         if n_head <= 0 or n_head > n:
             return chain(buf, step, n, self.seed)
-        key = buf[: n_head * step]
+        view = memoryview(buf)[: n_head * step]
+        key = xxhash.xxh3_128_intdigest(view)  # the memo keeps a digest, not the prefix
         head = self._memo.get(key)
         if head is None:
-            head = chain(key, step, n_head, self.seed)
+            head = chain(view, step, n_head, self.seed)
             if len(self._memo) >= _MEMO_ENTRIES:
                 self._memo.clear()
             self._memo[key] = head

@@ -51,13 +51,16 @@ _CHARS_PER_TOKEN = 4
 class Peek:
     """What ordering needs of one request: its group (a content key of its shared prefix; None:
     a group of its own), for ``depth-first`` its prefix's path, and for ``decode-first`` its
-    estimated prompt tokens, those of its shared prefix, and the output tokens it asks."""
+    estimated prompt tokens, those of its shared prefix, and the output tokens it asks; ``size``
+    is the prefix's `prefixq.core.entries.prefix_size` (whether it is long enough to store once:
+    the producer counts each group's uses from these, client/encoding.py)."""
 
     group: Hashable | None = None
     path: tuple[int, ...] = ()
     prompt: int = 0
     prefix: int = 0
     output: int = 0
+    size: int = 0
 
 
 def enqueue_order(order: str, items: Sequence[Peek]) -> list[int]:
@@ -86,19 +89,19 @@ def _decode_per_prefill(items: Sequence[Peek], group: list[int]) -> float:
     return sum(items[i].output for i in group) / max(1, prefill)
 
 
+#: a prefix value and what was computed of it: group, path, tokens, size
+_Known = tuple[Any, Hashable, tuple[int, ...], int, int]
+
+
 def peeks(raw: Sequence[Request | Mapping[str, Any]], order: str) -> list[Peek]:
-    """One `Peek` per request for ``order`` (only what that order looks at is computed); a
-    prefix object shared by many requests is looked at once."""
-    if order == "input":
-        return [Peek()] * len(raw)
-    memo: dict[int, tuple[Any, Hashable, tuple[int, ...], int]] = {}
+    """One `Peek` per request for ``order`` (its group always; the rest only for the order that
+    looks at it); a prefix object shared by many requests is looked at once."""
+    memo: dict[int, _Known] = {}
     return [peek(x, order, memo) for x in raw]
 
 
 def peek(
-    raw: Request | Mapping[str, Any],
-    order: str,
-    memo: dict[int, tuple[Any, Hashable, tuple[int, ...], int]] | None = None,
+    raw: Request | Mapping[str, Any], order: str, memo: dict[int, _Known] | None = None
 ) -> Peek:
     """The `Peek` of one request as given, for ``order``. ``memo`` (by object identity, holding
     the object so that its id cannot be reused) spares hashing a prefix shared by many."""
@@ -107,24 +110,33 @@ def peek(
     prefix = peek_prefix(raw)
     group: Hashable | None = None
     path: tuple[int, ...] = ()
-    pre = 0
+    pre = size = 0
     if prefix:
         ((_, value),) = prefix.items()
         known = memo.get(id(value)) if memo is not None else None
         if known is None or known[0] is not value:
             try:
                 fp: Hashable = _fingerprint(value)
+                walk = _path(value) if order == "depth-first" else ()
             except Exception:  # not even packable (validation refuses it later): its own group
                 return Peek()
-            walk = _path(value) if order == "depth-first" else ()
-            known = (value, fp, walk, _tokens(value))
+            known = (value, fp, walk, _tokens(value), _size(value))
             if memo is not None:
                 memo[id(value)] = known
-        _, group, path, pre = known
+        _, group, path, pre, size = known
     if order != "decode-first":
-        return Peek(group, path)
+        return Peek(group, path, size=size)
     own = _own_tokens(raw)
-    return Peek(group, path, prompt=pre + own, prefix=pre, output=_output(raw))
+    return Peek(group, path, prompt=pre + own, prefix=pre, output=_output(raw), size=size)
+
+
+def _size(value: Any) -> int:
+    """`prefixq.core.entries.prefix_size` of a prefix value: characters, 4 per token id."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list) and value and isinstance(value[0], Mapping):
+        return sum(len(m.get("content") or "") for m in value)
+    return 4 * len(value) if isinstance(value, list) else 0
 
 
 def _path(value: Any) -> tuple[int, ...]:

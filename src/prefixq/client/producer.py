@@ -7,7 +7,9 @@ so that the engines start within milliseconds whatever the burst's size. Where t
 layout.py's; the enqueue order is order.py's. The invariant to keep: once the record exists, no
 failure may leave the burst half sent (`_Submission._abandon` cancels it as a whole); before
 that, a refusal leaves nothing behind. docs/architecture.md, "The producer: the head first", has
-the steps, the failure cases and the measured start.
+the steps, the failure cases and the measured start. A `RequestFile` (request_file.py) was
+checked whole before anything is sent and is read again chunk by chunk; every request is dropped
+once its entry is sent.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import re
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -40,6 +42,7 @@ from prefixq.client.encoding import Encoded, EntryEncoder, Parts
 from prefixq.client.items import ItemBuilder
 from prefixq.client.layout import Layout
 from prefixq.client.order import ORDERS, enqueue_order, peeks
+from prefixq.client.request_file import RequestFile
 from prefixq.core.checks import callback_path
 from prefixq.core.entries import split_prefix
 from prefixq.core.errors import BurstIdTaken, ValidationError
@@ -164,14 +167,18 @@ class Producer:
             raise ValidationError(
                 f"submit takes a list (an iterable) of requests, not {type(requests).__name__}"
             )
-        raw = list(requests)
+        raw: Sequence[Request | Mapping[str, Any]]
+        if isinstance(requests, RequestFile):  # checked already, read again chunk by chunk
+            raw = requests
+        else:
+            raw = list(requests)
+            for i, x in enumerate(raw):  # the rest is validated after the head went out
+                if not isinstance(x, Mapping | Request):
+                    raise ValidationError(
+                        f"line {i + 1}: expected a JSON object, got {type(x).__name__}"
+                    )
         if not raw:
             raise ValidationError("the burst is empty")
-        for i, x in enumerate(raw):  # the rest is validated after the head went out: not this
-            if not isinstance(x, Mapping | Request):
-                raise ValidationError(
-                    f"line {i + 1}: expected a JSON object, got {type(x).__name__}"
-                )
         if order not in ORDERS:
             raise ValidationError(f"order must be one of {', '.join(ORDERS)}, not {order!r}")
         if on_complete is not None:
@@ -270,7 +277,7 @@ class _Submission:
         self,
         producer: Producer,
         r: aredis.Redis,
-        raw: list[Request | Mapping[str, Any]],
+        raw: Sequence[Request | Mapping[str, Any]],
         burst: str,
         meta: dict[str, Any],
         progress: Progress | None,
@@ -278,6 +285,11 @@ class _Submission:
         self.p, self.s, self.keys, self.r = producer, producer.settings, producer.keys, r
         self.raw, self.burst, self.meta, self.progress = raw, burst, meta, progress
         self.n = len(raw)
+        #: a file checked as a whole already, whose requests are read again as they are encoded
+        self.file = raw if isinstance(raw, RequestFile) else None
+        #: each request's prefix fingerprint when its prefix is long enough to store once
+        self.prefix_keys: list[Hashable | None] = []
+        #: requests validated and not sent yet (each is dropped once its entry is sent)
         self.reqs: list[Request | None] = [None] * self.n
         self.parts: list[Parts | None] = [None] * self.n
         self.ids = IdCheck()
@@ -292,18 +304,24 @@ class _Submission:
     async def run(self, placement: str | Placer, seed: int | None, order: str) -> str:
         shards = await self.p.shards(self.r)
         placer = await self.p.placer(self.r, placement, seed)
-        perm = enqueue_order(order, peeks(self.raw, order))
+        looks = self.file.peeks(order) if self.file is not None else peeks(self.raw, order)
+        perm = enqueue_order(order, looks)
+        long_enough = self.enc.long_enough
+        self.prefix_keys = [p.group if long_enough(p.size) else None for p in looks]
+        del looks
         head, rest = perm[:HEAD], perm[HEAD:]
         self._validate(head)
         head_chunk = await self._encode(head, placer, shards, inline=True)
         await self._create(shards, placement, order)
         try:
             await self._send(head, head_chunk, first=True)
-            self._validate(rest)
-            self.enc.count(self._validated(range(self.n))[1])
+            if self.file is None:  # a file was checked whole before anything was sent
+                self._validate(rest)
+            self.enc.count(self.prefix_keys)
             size, start = 4 * HEAD, 0
             while start < len(rest):
                 chunk = rest[start : start + size]
+                self._validate(chunk)  # a file's: read again now
                 await self._send(chunk, await self._encode(chunk, placer, shards))
                 start, size = start + len(chunk), min(4 * size, _CHUNK)
         except Exception as e:  # ours, Redis's, or a bug: never a created burst left half sent
@@ -315,12 +333,16 @@ class _Submission:
     # ---- steps -------------------------------------------------------------------------------
     def _validate(self, idx: Sequence[int]) -> None:
         """Validate (and parse) requests ``idx`` not validated yet: each on its own (its entry's
-        size included: `entries.check_size`), and its id across the burst."""
+        size included: `entries.check_size`), and its id across the burst; a checked file's are
+        only read again."""
         for i in idx:
             if self.reqs[i] is not None:
                 continue
-            q = normalize_one(self.raw[i], i, self.s)  # its entry's size too
-            self.ids.add(i, [q.id])
+            if self.file is not None:
+                q = self.file[i]
+            else:
+                q = normalize_one(self.raw[i], i, self.s)  # its entry's size too
+                self.ids.add(i, [q.id])
             self.reqs[i], self.parts[i] = q, split_prefix(q)
 
     async def _encode(
@@ -331,8 +353,10 @@ class _Submission:
         items = [self.p.items.build(q, p[0]) for q, p in zip(reqs, parts, strict=True)]
         placed = await placer.place(self.r, items, shards)
         encoded = Encoded()
+        keys = self.prefix_keys
         for q, part, pl, i in zip(reqs, parts, placed, idx, strict=True):
-            one = self.enc.encode([q], [part], [pl], i, inline=inline)  # indexes need not touch
+            # indexes need not touch
+            one = self.enc.encode([q], [part], [pl], i, keys=[keys[i]], inline=inline)
             encoded.new_prefixes.update(one.new_prefixes)
             for shard, rows in one.by_shard.items():
                 encoded.by_shard.setdefault(shard, []).extend(rows)
@@ -394,6 +418,8 @@ class _Submission:
         fresh = [bool(x) for x in replies[: 2 * len(encoded.new_prefixes) : 2]]
         self.enc.stored(encoded.new_prefixes, fresh)
         self.per_shard.update(p.shard for p in placed)
+        for i in idx:  # sent: what a submit holds stays one chunk of parsed requests
+            self.reqs[i] = self.parts[i] = None
         self.sent += len(idx)
         if self.progress:
             self.progress(self.sent, self.n)
@@ -401,16 +427,20 @@ class _Submission:
     def _ids(self, pipe: Any) -> None:
         """The burst's request ids in input order (known for every request already parsed; the
         others by their raw value, since a cancel may need them before they are validated)."""
-        ids = []
-        for i, q in enumerate(self.reqs):
-            if q is not None:
-                ids.append(q.id)
-                continue
-            raw = self.raw[i]
-            rid = raw.id if isinstance(raw, Request) else raw.get("id", raw.get("custom_id", i))
-            ids.append(str(rid))
+        if self.file is not None:
+            ids: list[str] = self.file.ids
+        else:
+            ids = [self._raw_id(i) for i in range(self.n)]
         for start in range(0, len(ids), _IDS_CHUNK):
             pipe.rpush(self.keys.ids(self.burst), *ids[start : start + _IDS_CHUNK])
+
+    def _raw_id(self, i: int) -> str:
+        q = self.reqs[i]
+        if q is not None:
+            return q.id
+        raw = self.raw[i]
+        rid = raw.id if isinstance(raw, Request) else raw.get("id", raw.get("custom_id", i))
+        return str(rid)
 
     async def _finish(self, shards: int) -> None:
         sz = self.enc.sizes

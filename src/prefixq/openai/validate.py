@@ -6,16 +6,20 @@ other than POST, a body prefixq refuses: the message says why, ``param`` names t
 the refusal does), ``url_mismatch`` (the line's url
 is not the batch's endpoint), ``model_mismatch`` (one batch, one model), ``duplicate_custom_id``,
 ``empty_file``. Any error fails the whole batch; at most `MAX_ERRORS` are listed. The file is read
-line by line, never whole; blank lines are skipped.
+line by line, never whole; blank lines are skipped. The valid requests are not kept: a
+`prefixq.client.request_file.RequestFile` keeps where each line is (and its id and prefix
+fingerprint), and the producer reads each again when it enqueues it.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prefixq.client.request_file import RequestFile
 from prefixq.core.entries import check_size
 from prefixq.core.errors import ValidationError
 from prefixq.core.inputs import read_json_line
@@ -33,10 +37,10 @@ _FIELD = re.compile(r"\bbody\.([a-z_]+)|^([a-z_]+)=")
 
 @dataclass(slots=True)
 class Checked:
-    """The valid requests in file order, the batch's model (None if no line names one), and the
-    errors found (empty when the batch may run)."""
+    """The valid requests in file order (read again from the file on access), the batch's model
+    (None if no line names one), and the errors found (empty when the batch may run)."""
 
-    requests: list[Request] = field(default_factory=list)
+    requests: Sequence[Request] = field(default_factory=list)
     model: str | None = None
     errors: list[dict[str, Any]] = field(default_factory=list)
     error_count: int = 0
@@ -127,9 +131,13 @@ def _check_line(
 def check_input(path: Path, endpoint: str, settings: Settings) -> Checked:
     """Read and check the input file at ``path`` for a batch on ``endpoint``."""
     out = Checked()
+    index = RequestFile(path, settings)
+    index.open()  # the file deleted meanwhile (DELETE /v1/files) stays readable through it
     seen: set[str] = set()
+    offset = 0
     with open(path, "rb") as f:
         for n, raw in enumerate(f, start=1):
+            at, offset = offset, offset + len(raw)
             # a BOM on line 1 is skipped; bytes that are not UTF-8, text that is not JSON, JSON
             # nested too deep or an integer too long to read are the line's error, not the batch's
             try:
@@ -141,8 +149,8 @@ def check_input(path: Path, endpoint: str, settings: Settings) -> Checked:
                 continue
             req = _check_line(obj, n, endpoint, settings, seen, out)
             if req is not None and not out.error_count:
-                out.requests.append(req)
-    if not out.error_count and not out.requests:
+                index.add(at, len(raw), n, req)
+    if not out.error_count and not index:
         out.add(
             0,
             "empty_file",
@@ -151,5 +159,7 @@ def check_input(path: Path, endpoint: str, settings: Settings) -> Checked:
         )
         out.errors[-1]["line"] = None
     if out.error_count:
-        out.requests.clear()
+        index.clear()
+        index.close()
+    out.requests = index
     return out
