@@ -2,7 +2,10 @@
 # The GPU benchmark run, in steps that each fit one call to the GPU machine (no network there;
 # vLLM and friends staged with ../shared/gpu/stage.sh and installed by install-on-gpu.sh).
 #   scripts/gpu_bench.sh start "<prefixq bench args>"   redis-server + the benchmark, detached
+#   scripts/gpu_bench.sh start issue22 ["<more args>"]    issue 22's cases (below), more args win
 #   scripts/gpu_bench.sh wait SECONDS                     wait for it, copy report/plot/logs to $OUT
+#   scripts/gpu_bench.sh plan issue22 ["<more args>"]     (here, no GPU) the cases and their time
+# $OUT gets at most 6 files: bench.json, bench.png, gpu.txt, bench.log, worker-0.log (one shard).
 # Every call replaces the checkout on the GPU machine: the detached benchmark runs from a copy
 # of src/ in /tmp/pq with /tmp/pq as its working directory, and is waited on through a PID file
 # (pgrep would match the waiting command itself).
@@ -11,6 +14,16 @@ export PYTHONPATH=/tmp/site:/tmp/pq/src LD_LIBRARY_PATH=/tmp/redis/usr/lib/x86_6
 export PATH=/tmp/redis/usr/bin:$PATH PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 B=/tmp/bench
+# Issue 22 on one H200: three engines (the standalone set-ups' engine, the offloading one, the
+# worker's) of 16 GiB of KV cache each (131,072 tokens of Llama-3.1-8B), so that the overflow
+# workloads (3x the capacity) stay short; gpu_memory_utilization=0.30 only for vLLM's start-up
+# check that the GPU has that share free. Trim with more args: --workloads overflow,mixed,
+# --setups sorted, --orders= (none), --burst-questions 1, --pairs 2 (see `plan`).
+ISSUE22="--gpus 0 --model dummy:llama-3.1-8b --engine-arg gpu_memory_utilization=0.30 \
+  --engine-arg kv_cache_memory_bytes=17179869184 --engine-arg max_model_len=8192 --pairs 1 \
+  --workloads overflow,multi-burst,system-prompt,mixed --setups sorted,overflow:offload \
+  --orders system-prompt:depth-first,mixed:decode-first"
+args() { if [ "$1" = issue22 ]; then echo "$ISSUE22 ${2:-}"; else echo "$1"; fi; }
 running() { [ -s $B/pid ] && kill -0 "$(cat $B/pid)" 2>/dev/null; }
 case "$1" in
   start)
@@ -20,11 +33,16 @@ case "$1" in
     python3 -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)' \
       >> $B/gpu.txt 2>&1
     cd /tmp/pq
-    # shellcheck disable=SC2086
-    setsid nohup python3 -m prefixq bench $2 --redis-url redis://127.0.0.1:6390/0 \
+    echo "prefixq bench $(args "$2" "${3:-}")" >> $B/gpu.txt
+    # shellcheck disable=SC2046
+    setsid nohup python3 -m prefixq bench $(args "$2" "${3:-}") --redis-url redis://127.0.0.1:6390/0 \
       --json $B/bench.json --plot $B/bench.png > $B/bench.log 2>&1 < /dev/null &
     echo $! > $B/pid
     echo "started (pid $(cat $B/pid)): $(cat $B/gpu.txt)"
+    ;;
+  plan)  # on the development machine: what `start` would run, and an estimate of its duration
+    # shellcheck disable=SC2046
+    PYTHONPATH=src "${PYTHON:-python3}" -m prefixq bench $(args "$2" "${3:-}") --plan "${KV_TOKENS:-131072}"
     ;;
   wait)
     end=$((SECONDS + ${2:-500}))
