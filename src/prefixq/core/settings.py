@@ -111,6 +111,10 @@ class Settings:
     max_inflight: int = 0
     #: entries read per XREADGROUP
     read_count: int = 128
+    #: workers: a stored prefix's requests enter the engine together (worker/groups.py; measured)
+    group_admission: bool = False
+    #: workers: between bursts of an equal fair-share turn, the one whose prefix is resident first
+    resident_first: bool = False
     #: deliveries before an entry goes to the dead-letter stream
     max_attempts: int = 3
     #: an entry pending this long on another consumer is reclaimed

@@ -26,7 +26,17 @@ from prefixq.store.connection import TRANSIENT
 
 log = logging.getLogger(__name__)
 
-COMMANDS = ("reset_prefix_cache", "gc_freeze", "gc_unfreeze", "reset_stats", "stats")
+COMMANDS = (
+    "reset_prefix_cache",
+    "gc_freeze",
+    "gc_unfreeze",
+    "reset_stats",
+    "stats",
+    # worker/groups.py's admission orders, for `prefixq bench`
+    "admission:fair",
+    "admission:whole-groups",
+    "admission:resident-first",
+)
 #: command -> coroutine that runs it; every answer also carries the worker's stats
 Handlers = Mapping[str, Callable[[], Awaitable[None]]]
 

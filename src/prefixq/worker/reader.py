@@ -88,6 +88,8 @@ class Reader:
         picks = self.sched.pick(room, time.time())
         if picks:
             await self.work.launch(picks, t_read)
+        elif self.sched.holding:  # a whole group waits for room (worker/groups.py)
+            await self.work.wait_room()
         elif not plan.reads:  # nothing to read nor to pick (cannot happen; never spin)
             await asyncio.sleep(CAPPED_BLOCK_MS / 1000)
 

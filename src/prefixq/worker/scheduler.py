@@ -20,6 +20,7 @@ from prefixq.core.entries import Entry
 from prefixq.core.settings import Settings
 from prefixq.core.sharing import PRIORITIES, band, parse_caps, parse_weights
 from prefixq.worker.deliveries import Delivery, Ref
+from prefixq.worker.groups import Resident, take_whole
 
 if TYPE_CHECKING:
     from prefixq.worker.shard import ShardStream
@@ -85,6 +86,8 @@ class Lane:
     seen: float = 0.0
     queued: bool = False
     rotating: bool = False
+    #: the prefix of its last admitted entry (whole-group admission: groups.py)
+    last_ref: str | None = None
 
 
 @dataclass(slots=True)
@@ -130,18 +133,36 @@ class Scheduler:
         self.held: set[Ref] = set()
         #: requests inside the engine by tenant name, whatever the priority (kept for caps only)
         self.inflight: Counter[str] = Counter()
+        #: admission beyond fair shares (groups.py; off by default): whole groups, and the
+        #: worker's window they must fit in; resident prefixes first; a pick held a group back
+        self.whole_groups = False
+        self.window = 0
+        self.resident: Resident | None = None
+        self.holding = False
+
+    def set_admission(self, *, whole_groups: bool, resident_first: bool) -> None:
+        """Switch groups.py's admission orders on or off (settings, or `prefixq bench`)."""
+        self.whole_groups = whole_groups
+        if not resident_first:
+            self.resident = None
+        elif self.resident is None:
+            self.resident = Resident()
 
     @classmethod
     def of(cls, stream: ShardStream, settings: Settings) -> Scheduler:
         """The scheduler of ``stream``'s shard, with the settings' tenant weights and caps."""
         shard, keys = stream.shard, stream.keys
-        return cls(
+        sched = cls(
             stream.intakes,
             lambda burst: keys.lane(shard, burst),
             weights=parse_weights(settings.tenant_weights),
             caps=parse_caps(settings.tenant_caps),
             read_count=settings.read_count,
         )
+        sched.set_admission(
+            whole_groups=settings.group_admission, resident_first=settings.resident_first
+        )
+        return sched
 
     # ---- lanes and tenants -------------------------------------------------------------------
     def tenant(self, band_: int, name: str) -> Tenant:
@@ -382,6 +403,7 @@ class Scheduler:
         tenant with the least virtual time (not at its cap), its next lane in turn."""
         out: list[Picked] = []
         held = self.held
+        self.holding = False
         while self.first and len(out) < n:
             d, e = self.first.popleft()
             held.discard(d.ref)
@@ -392,8 +414,11 @@ class Scheduler:
         if top is None:
             return out
         tenants = [t for t in self.bands[top].values() if t.has_ready() and not self.capped(t.name)]
+        resident = self.resident
         while tenants and len(out) < n:
             t = tenants[0] if len(tenants) == 1 else min(tenants, key=_vtime)
+            if resident is not None and len(tenants) > 1:
+                t = resident.prefer(tenants, t)
             lane = t.ready[0]
             k = 1
             if len(tenants) == 1 and len(t.ready) == 1:  # one lane to take from: in one go
@@ -401,6 +426,14 @@ class Scheduler:
                 cap = self.caps.get(t.name)
                 if cap is not None:
                     k = max(1, min(k, cap - self.inflight[t.name]))
+            if self.whole_groups:
+                single = len(tenants) == 1 and len(t.ready) == 1
+                fit = take_whole(lane, k if single else n - len(out), self.window or n)
+                if not fit:  # its next group waits for room; the other tenants may go
+                    self.holding = True
+                    tenants.remove(t)
+                    continue
+                k = fit if single else 1
             waited = 0.0
             for _ in range(k):
                 d, e = lane.stock.popleft()
@@ -408,6 +441,9 @@ class Scheduler:
                 if e.enqueued:
                     waited += now - e.enqueued
                 out.append((d, e, t))
+                lane.last_ref = e.prefix_ref
+                if resident is not None:
+                    resident.note(e)
             if not lane.stock:
                 t.ready.popleft()
                 lane.queued = False

@@ -36,6 +36,7 @@ from prefixq.worker.aio import cancel_all, drain, first_of, unless_stopped
 from prefixq.worker.backlog import replay_backlog
 from prefixq.worker.control import control_loop
 from prefixq.worker.ends import BurstEnds
+from prefixq.worker.groups import commands as admission_commands
 from prefixq.worker.heartbeat import Heartbeat
 from prefixq.worker.intake import Intake
 from prefixq.worker.middleware import Middleware
@@ -187,10 +188,15 @@ class Worker:
             return EXIT_OK
         if not self.max_inflight:
             self.max_inflight = max(2 * self.engine.max_num_seqs, 1)
+        self.sched.window = self.max_inflight
         await self._warm_up()
         self.engine_up = True
         probes = self.probes
-        commands = {"reset_prefix_cache": self.engine.reset_prefix_cache, **probes.commands()}
+        commands = {
+            "reset_prefix_cache": self.engine.reset_prefix_cache,
+            **probes.commands(),
+            **admission_commands(self.sched),
+        }
         tasks = [
             asyncio.create_task(c, name=n)
             for n, c in (
