@@ -18,11 +18,12 @@ B=/tmp/bench
 # worker's) of 16 GiB of KV cache each (131,072 tokens of Llama-3.1-8B), so that the overflow
 # workloads (3x the capacity) stay short; gpu_memory_utilization=0.30 only for vLLM's start-up
 # check that the GPU has that share free. Trim with more args: --workloads overflow,mixed,
-# --setups sorted, --orders= (none), --burst-questions 1, --pairs 2 (see `plan`).
+# --setups sorted, --orders= and --admissions= (none), --burst-questions 1, --pairs 2 (`plan`).
 ISSUE22="--gpus 0 --model dummy:llama-3.1-8b --engine-arg gpu_memory_utilization=0.30 \
   --engine-arg kv_cache_memory_bytes=17179869184 --engine-arg max_model_len=8192 --pairs 1 \
   --workloads overflow,multi-burst,system-prompt,mixed --setups sorted,overflow:offload \
-  --orders system-prompt:depth-first,mixed:decode-first"
+  --orders system-prompt:depth-first,mixed:decode-first \
+  --admissions overflow:whole-groups,multi-burst:resident-first"
 args() { if [ "$1" = issue22 ]; then echo "$ISSUE22 ${2:-}"; else echo "$1"; fi; }
 running() { [ -s $B/pid ] && kill -0 "$(cat $B/pid)" 2>/dev/null; }
 case "$1" in

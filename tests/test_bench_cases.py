@@ -120,3 +120,31 @@ def test_a_multi_burst_case_gives_every_set_up_the_same_arrivals(
             assert t >= 0.3 * int(rid[1]) - 0.005, (rid, t)
     sorted_runs = [seen for seen in eng.seen if seen[0][0] == "b0-0" and seen[1][0] == "b0-2"]
     assert sorted_runs, "the sorted set-up's first burst starts with document a's two requests"
+
+
+def test_the_bench_switches_a_live_workers_admission_order_and_back(
+    make_settings: Callable[..., Settings], fake_worker: Callable[..., FakeWorker]
+) -> None:
+    """`admission:whole-groups` and `admission:resident-first` on the control stream switch a
+    running worker's scheduler (worker/groups.py); `admission:fair` switches both off."""
+    from prefixq.worker import control
+
+    s = make_settings()
+    fw = fake_worker(s, name="adm")
+    assert fw.worker is not None
+    sched = fw.worker.sched
+    assert not sched.whole_groups and sched.resident is None and sched.window > 0
+
+    async def send(cmd: str) -> None:
+        ar = async_client(s)
+        try:
+            await control.send(ar, s.keys, cmd, [fw.name])
+        finally:
+            await ar.aclose()
+
+    asyncio.run(send("admission:whole-groups"))
+    assert sched.whole_groups and sched.resident is None
+    asyncio.run(send("admission:resident-first"))
+    assert not sched.whole_groups and sched.resident is not None
+    asyncio.run(send("admission:fair"))
+    assert not sched.whole_groups and sched.resident is None

@@ -57,6 +57,12 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "(every case runs in the enqueue_order setting's order too)",
     )
     b.add_argument(
+        "--admissions",
+        default="",
+        help="the workers' admission orders to measure beside fair shares, switched on for a "
+        "case of their own: whole-groups, resident-first (WORKLOAD:NAME for one workload)",
+    )
+    b.add_argument(
         "--standalone",
         choices=("process", "inline"),
         default="process",
@@ -163,6 +169,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         layout=args.layout,
         order=settings.enqueue_order,
         orders=_orders(args.orders),
+        admissions=_admissions(args.admissions),
         standalone=args.standalone,
         setups=parse_setups(args.setups),
         offload_gib=args.offload_gib,
@@ -216,3 +223,10 @@ def _orders(raw: str) -> list[str]:
     from prefixq.client.order import ORDERS
 
     return parse_scoped(raw, ORDERS, "--orders")
+
+
+def _admissions(raw: str) -> list[str]:
+    from prefixq.bench.setups import parse_scoped
+    from prefixq.worker.groups import ADMISSIONS
+
+    return parse_scoped(raw, tuple(ADMISSIONS), "--admissions")

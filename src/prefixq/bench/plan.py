@@ -83,6 +83,8 @@ def estimate(cfg: Any, kv_tokens: int, *, block: int = 16) -> dict[str, Any]:
             others = [o for o in scoped(cfg.orders, name) if o != cfg.order]
             one = [SORTED] if SORTED in setups else [GIVEN]  # as the runner measures orders
             orders += [("affinity", o, one) for o in others]
+            adms = [a for a in scoped(cfg.admissions, name) if a != "fair"]
+            orders += [("affinity", f"{cfg.order}+{a}", one) for a in adms]
         for placement, order, ups in orders:
             pairs = cfg.random_pairs if placement == "random" else cfg.pairs
             secs = {m: _seconds(wl, m, capacity, offload_tokens, block) for m in _modes(ups)}
@@ -159,7 +161,7 @@ def table(plan: dict[str, Any]) -> str:
     for c in plan["cases"]:
         per = ", ".join(f"{m} {s}" for m, s in c["run_s"].items())
         out.append(
-            f"  {c['workload']:<13} {c['placement']:<8} {c['order']:<13} {c['requests']:>5} req "
+            f"  {c['workload']:<13} {c['placement']:<8} {c['order']:<28} {c['requests']:>5} req "
             f"({c['documents']} docs) x {c['pairs']} pairs: ~{c['seconds']} s  [one run: {per}]"
         )
     return "\n".join(out)

@@ -50,12 +50,14 @@ def table(report: dict[str, Any], console: Console | None = None) -> None:
     c.print(_setups(report))
     c.print(_timelines(report))
     for wl, w in report["workloads"].items():
-        for order, o in w.get("orders", {}).items():
+        views = [(f"order {k}", v) for k, v in w.get("orders", {}).items()]
+        views += [(f"admission {k}", v) for k, v in w.get("admissions", {}).items()]
+        for label, o in views:
             sorted_ = (o.get("setups") or {}).get("standalone-sorted") or {}
             vs = f"; vs sorted {sorted_['median_ratio']:.4f}" if sorted_.get("median_ratio") else ""
             share = (o.get("cached_share") or {}).get("pipeline")
             c.print(
-                f"{wl} / order {order}: median ratio {o['median_ratio']:.4f} "
+                f"{wl} / {label}: median ratio {o['median_ratio']:.4f} vs {o.get('ratios_vs')} "
                 f"(pairs {' '.join(f'{x:.3f}' for x in o['ratios'])}){vs}"
                 + (f"; cached {share:.1%} of the optimum" if share else "")
             )

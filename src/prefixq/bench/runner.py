@@ -78,6 +78,9 @@ class BenchConfig:
     orders: list[str] = field(default_factory=list)
     #: standalone engines in processes of their own ("process") or in this one ("inline")
     standalone: str = "process"
+    #: the workers' admission orders measured beside the default (worker/groups.py: whole-groups,
+    #: resident-first; NAME or WORKLOAD:NAME), each switched on for its case by control command
+    admissions: list[str] = field(default_factory=list)
     #: the standalone set-ups (bench/setups.py; NAME or WORKLOAD:NAME); "given" always
     setups: list[str] = field(default_factory=lambda: [GIVEN])
     #: GiB of host memory per offloading engine; 0 = what the host can give (host_offload_gib)
@@ -225,6 +228,17 @@ async def _workload(
         for order in others:
             case = await run_case(env, b, "affinity", order, cfg.pairs, order_setups)
             out["orders"][order] = _order_view(case)
+    admissions = [a for a in scoped(cfg.admissions, name) if a != "fair"]
+    if name in SHARING and admissions:
+        one = [SORTED] if SORTED in setups_for(cfg.setups, name) else [GIVEN]
+        out["admissions"] = {"fair": _order_view(out["placements"]["affinity"])}
+        for adm in admissions:
+            await control.send(env.r, env.keys, f"admission:{adm}", env.workers.names)
+            try:
+                case = await run_case(env, b, "affinity", cfg.order, cfg.pairs, one)
+            finally:
+                await control.send(env.r, env.keys, "admission:fair", env.workers.names)
+            out["admissions"][adm] = _order_view(case)
     if "affinity" in out["placements"] and "random" in out["placements"]:
         p = out["placements"]
         out["affinity_gain"] = {
