@@ -1,23 +1,10 @@
-"""The benchmark's finite bursts (docs/BENCHMARKS.md lists them with their defaults).
-
-- ``no-reuse``: N requests, each on a document of its own.
-- ``reuse``: D documents x Q questions, shuffled.
-- ``overflow``: the same shape, with D sized so that the documents hold `Sizes.overflow` times the
-  engines' KV capacity (read from the engines after start-up) unless ``documents`` is given.
-- ``multi-burst``: three bursts from three tenants over the same D documents (each asks its own
-  ``burst_questions`` questions per document, shuffled), arriving ``burst_gap`` seconds apart.
-- ``system-prompt``: S long system prompts, each followed by D/S documents, Q questions each: a
-  prefix tree of two levels (chats whose leading messages are the system prompt and the
-  document; with token ids, one prefix of both).
-- ``mixed``: prefill-heavy requests (D documents x Q questions, ``short_output`` answers) beside
-  decode-heavy ones (``decode_requests`` short prompts without a shared prefix, ``long_output``
-  answers), shuffled into one burst.
-
-Documents are real English (consecutive windows of Python's bundled reference documentation, ~4
-characters per token) or, for dummy-weight models without a tokenizer, random token ids of the
-same lengths. Every request: greedy, ``ignore_eos``, a fixed number of output tokens. Each request
-also carries its path in the prefix tree (`Workload.paths`) and each node its depth in tokens
-(`Workload.depth`): what the cached-token optimum is computed from (bench/measures.py).
+"""The benchmark's finite bursts: `build` makes one of `WORKLOADS` (the table of docs/BENCHMARKS.md
+gives each with its defaults, `Sizes`), sizing overflow and multi-burst from the engines' KV
+capacity. Documents are windows of Python's bundled reference documentation (~4 characters a
+token) or, for dummy-weight models, random token ids of the same lengths; every request is greedy
+with ``ignore_eos`` and a fixed output. Each request carries its path in the prefix tree and each
+node its depth in tokens (`Workload.paths`, `Workload.depth`): what bench/measures.py computes the
+cached-token optimum from.
 """
 
 from __future__ import annotations
