@@ -155,7 +155,8 @@ def _s(v: float | None, digits: int = 3) -> str:
 
 
 def plot(report: dict[str, Any], path: str | Path) -> None:
-    """Throughput per pair (standalone vs pipeline) and the pair ratios, one column a case."""
+    """Throughput per pair (every standalone set-up and the pipeline) and the pipeline's ratio to
+    each set-up pair by pair, one column a case."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -178,15 +179,21 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
         ax.set_ylabel("requests / s")
         ax.legend()
         ax2 = axes[1][col]
-        ax2.bar(range(1, len(p["ratios"]) + 1), p["ratios"])
+        setups = p.get("setups") or {"standalone": {"ratios": p["ratios"]}}
+        width = 0.8 / len(setups)
+        every: list[float] = []
+        for k, (mode, st) in enumerate(setups.items()):
+            rs = st.get("ratios") or []
+            every += rs
+            xs = [i + 1 + (k - (len(setups) - 1) / 2) * width for i in range(len(rs))]
+            ax2.bar(xs, rs, width=width, label=f"vs {mode}")
         ax2.set_xticks(range(1, len(p["ratios"]) + 1))
         ax2.axhline(0.99, color="red", linestyle="--", linewidth=1, label="0.99")
         ax2.axhline(1.0, color="gray", linewidth=0.8)
-        lo = min([*p["ratios"], 0.98])
-        ax2.set_ylim(lo - 0.01, max([*p["ratios"], 1.01]) + 0.01)
+        ax2.set_ylim(min([*every, 0.98]) - 0.01, max([*every, 1.01]) + 0.01)
         ax2.set_xlabel("pair")
-        ax2.set_ylabel("pipeline / standalone as given")
-        ax2.legend()
+        ax2.set_ylabel("pipeline / standalone set-up")
+        ax2.legend(fontsize="small")
     fig.suptitle(f"prefixq bench: {report['environment'].get('layout')}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
