@@ -211,11 +211,8 @@ async def _workload(
         "kv_capacity_tokens": capacity,
         "placements": {},
     }
-    out["corpus_over_capacity"] = (
-        round(sum(v for k, v in wl.depth.items() if "/" not in k) / capacity, 3)
-        if capacity and wl.depth
-        else None
-    )
+    own = {k: v - wl.depth.get(k.rpartition("/")[0], 0) for k, v in wl.depth.items()}
+    out["corpus_over_capacity"] = round(sum(own.values()) / capacity, 3) if capacity else None
     for placement in placements:
         pairs = cfg.random_pairs if placement == "random" else cfg.pairs
         out["placements"][placement] = await run_case(
