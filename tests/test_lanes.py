@@ -10,7 +10,9 @@ from collections.abc import Callable
 
 import redis
 
+from fake_engine import FakeEngine
 from helpers import FakeWorker, wait_burst, wait_until
+from prefixq.client import Producer
 from prefixq.core import wire
 from prefixq.core.entries import to_wire
 from prefixq.core.keys import FIELD, GROUP, Keys
@@ -109,3 +111,25 @@ def test_a_lane_with_entries_its_worker_missed_is_read_again(
     r.xadd(key, {FIELD: entry("m", 0)})  # no doorbell
     (res,) = wait_burst(r, s, "m", 10)
     assert res.error is None and res.worker == fw.name
+
+
+def test_a_worker_admits_a_burst_in_its_enqueue_order_across_chunks(
+    make_settings: Callable[..., Settings],
+    fake_worker: Callable[..., FakeWorker],
+    r: redis.Redis,
+) -> None:
+    """52 requests on 26 shared documents, grouped: the engine gets them exactly in enqueue order,
+    chunk boundaries included. (When a chunk's last entry was its doorbell, it was admitted ahead
+    of its chunk and split its document's pair.)"""
+    s = make_settings(prefix_store_min_chars=16)
+    engine = FakeEngine(max_num_seqs=256)
+    fake_worker(s, name="order", engine=engine)
+    reqs = [
+        {"id": f"d{d}q{q}", "prefix": f"doc {d} " * 40, "prompt": f"q{q}", "max_tokens": 1}
+        for q in range(2)
+        for d in range(26)
+    ]
+    burst = Producer(s).submit(reqs)
+    wait_burst(r, s, burst)
+    got = [int(x.split(":")[1]) for x in engine.seen if x.startswith(f"{burst}:")]
+    assert got == [q * 26 + d for d in range(26) for q in range(2)], got

@@ -3,9 +3,10 @@
 
 The head goes to each shard's intake of the burst's priority, which idle workers block on. Each
 later chunk's entries for a shard go to the burst's lane there (made, with its group and lane
-index entry, by the first chunk that needs it), except the chunk's last one, which goes to the
+index entry, by the first chunk that needs it), except the chunk's first one, which goes to the
 intake as the lane's doorbell (`LANE`). The doorbells are added after every lane entry they
-announce: a worker that reads a doorbell must find its entries in the lane. docs/architecture.md,
+announce: a worker that reads a doorbell must find its entries in the lane; read first, the
+doorbell is also first in the chunk's enqueue order. docs/architecture.md,
 "Sharing a shard" ("Layout", "Costs"), has the design and what it costs.
 """
 
@@ -42,9 +43,11 @@ class Layout:
                     self.lanes.add(shard)
                     pipe.xgroup_create(lane, GROUP, id="0", mkstream=True)
                     pipe.hset(keys.lanes(shard), burst, self.info.encode())
-                for data, _ in rows[:-1]:
+                for data, _ in rows[1:]:
                     pipe.xadd(lane, {FIELD: data})
-                doorbells.append((intake, {FIELD: rows[-1][0], LANE: b"1"}))
+                # the chunk's first entry rings: read before (or with) the lane's, it keeps its
+                # place (the last one rang before: admitted ahead of its chunk, it split its group)
+                doorbells.append((intake, {FIELD: rows[0][0], LANE: b"1"}))
             pipe.hincrby(keys.load, str(shard), sum(w for _, w in rows))
         for intake, fields in doorbells:  # after every lane entry they announce
             pipe.xadd(intake, fields)
