@@ -160,6 +160,7 @@ def test_set_ups_and_orders_apply_to_every_workload_or_to_the_one_named() -> Non
         "offload",
     ]
     assert setups_for(parse_setups(""), "reuse") == ["given"]
+    assert setups_for(parse_setups("sorted,offload"), "no-reuse") == ["given", "offload"]
     orders = parse_scoped("input,mixed:decode-first", ORDERS, "--orders")
     assert scoped(orders, "mixed") == ["input", "decode-first"] and scoped(orders, "x") == ["input"]
     for bad in ("given,magic", "nowhere:sorted"):

@@ -80,8 +80,12 @@ def parse_setups(raw: str) -> list[str]:
 
 def setups_for(items: list[str], workload: str) -> list[str]:
     """The set-ups measured on ``workload``: ``given`` always (the ratios of every earlier run
-    are against it), first."""
-    return [GIVEN, *(x for x in scoped(items, workload) if x != GIVEN)]
+    are against it), first; ``sorted`` only where requests share prefixes (elsewhere it is the
+    burst as given)."""
+    from prefixq.bench.workloads import SHARING
+
+    skip = {GIVEN} if workload in SHARING else {GIVEN, SORTED}
+    return [GIVEN, *(x for x in scoped(items, workload) if x not in skip)]
 
 
 def sorted_order(bursts: list[list[Request]]) -> list[int]:
