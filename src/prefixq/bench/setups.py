@@ -6,7 +6,7 @@
   to each burst on its own), on the same engines;
 - ``offload`` (mode ``standalone-offload``): as given, on engines of their own started with
   vLLM's CPU KV offloading (``kv_offloading_size`` GiB of host memory per engine, backend
-  ``native``: the engine arguments of vLLM 0.26, 0.28 and 0.32 alike), sized to what the host
+  ``native``: the engine arguments of vLLM 0.26, 0.28, 0.32 and 0.33 alike), sized to what the host
   can give (`host_offload_gib`) unless ``--offload-gib`` says.
 
 All of them get the pipeline's shard assignment and the same arrivals.
