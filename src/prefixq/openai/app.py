@@ -1,4 +1,6 @@
-"""The ASGI app of ``prefixq serve``: OpenAI's Files and Batch endpoints under ``/v1``.
+"""The ASGI app of ``prefixq serve``: OpenAI's Files and Batch endpoints under ``/v1``, and the
+dashboard (``/`` and ``/api/``: prefixq.dashboard); ``prefixq dashboard`` serves the dashboard
+alone (``batch_api=False``: no ``/v1``, no batch sweeper).
 
 Every error is answered in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``:
 400 for bad parameters and files over the limits, 401 for a missing or wrong API key, 404 for an
@@ -24,13 +26,15 @@ from starlette.exceptions import HTTPException
 
 from prefixq.core.errors import PrefixqError, RedisUnavailable
 from prefixq.core.settings import Settings
+from prefixq.dashboard import api as dashboard
+from prefixq.dashboard.access import Access
 from prefixq.openai.apierror import ApiError, bad_request
 from prefixq.openai.auth import KeyRing
 from prefixq.openai.batches import BatchStore
 from prefixq.openai.pages import parse_limit
 from prefixq.openai.runner import Sweeper
 from prefixq.store.burst_end import AsyncBurstDone
-from prefixq.store.connection import async_client, describe
+from prefixq.store.connection import async_client, describe, sync_client
 
 __all__ = ["create_app"]
 
@@ -51,34 +55,45 @@ def create_app(
     *,
     sweep_interval: float = 0.5,
     on_burst_done: AsyncBurstDone | None = None,
+    batch_api: bool = True,
 ) -> FastAPI:
-    """The app; its lifespan opens the Redis client and runs the batch sweeper (runner.py).
+    """The app; its lifespan opens the Redis clients and runs the batch sweeper (runner.py).
     ``on_burst_done`` runs for a burst that a cancel or an expiry here ends (its ``on_complete``:
-    `prefixq serve` passes RQ's)."""
+    `prefixq serve` passes RQ's); ``batch_api=False``: the dashboard alone (no sweeper, no
+    ``/v1``)."""
     keyring = KeyRing.from_settings(settings)
     holder: dict[str, Any] = {}
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         r = async_client(settings)
-        sweeper = Sweeper(r, settings, keyring.namespaces, on_burst_done)
-        holder["sweeper"] = sweeper
-        task = asyncio.create_task(sweeper.run(sweep_interval))
+        holder["r"] = r
+        holder["sync"] = sync_client(settings)  # the dashboard's (prefixq.ops is blocking)
+        task = None
+        if batch_api:
+            sweeper = Sweeper(r, settings, keyring.namespaces, on_burst_done)
+            holder["sweeper"] = sweeper
+            task = asyncio.create_task(sweeper.run(sweep_interval))
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            await sweeper.close()
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                await holder["sweeper"].close()
             await r.aclose()
+            holder["sync"].close()
 
     app = FastAPI(title="prefixq", lifespan=lifespan, docs_url=None, redoc_url=None)
-
-    def store(request: Request) -> BatchStore:
-        ns = keyring.namespace_for(request.headers.get("authorization"))
-        sweeper: Sweeper = holder["sweeper"]
-        return sweeper.stores[ns]
+    dashboard.mount(
+        app,
+        settings,
+        Access(settings, keyring),
+        lambda: holder["sync"],
+        lambda: holder["r"],
+        on_burst_done,
+    )
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -111,9 +126,23 @@ def create_app(
     @app.get("/health")
     async def health() -> JSONResponse:
         """200 while Redis answers (no API key needed: for health checks)."""
-        sweeper: Sweeper = holder["sweeper"]
-        await sweeper.r.ping()
+        await holder["r"].ping()
         return JSONResponse({"status": "ok"})
+
+    if batch_api:
+        _batch_routes(app, settings, keyring, holder)
+    return app
+
+
+def _batch_routes(
+    app: FastAPI, settings: Settings, keyring: KeyRing, holder: dict[str, Any]
+) -> None:
+    """OpenAI's Files and Batch endpoints under ``/v1``."""
+
+    def store(request: Request) -> BatchStore:
+        ns = keyring.namespace_for(request.headers.get("authorization"))
+        sweeper: Sweeper = holder["sweeper"]
+        return sweeper.stores[ns]
 
     # files
     @app.post("/v1/files")
@@ -193,5 +222,3 @@ def create_app(
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(request: Request, batch_id: str) -> JSONResponse:
         return JSONResponse(await store(request).cancel(batch_id))
-
-    return app

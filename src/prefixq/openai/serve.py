@@ -1,4 +1,5 @@
-"""``prefixq serve``: the OpenAI-compatible Batch API on uvicorn.
+"""``prefixq serve``: the OpenAI-compatible Batch API and the dashboard on uvicorn;
+``prefixq dashboard``: the dashboard alone (``batch_api=False``).
 
 Without API keys the server refuses any address but a loopback one: anyone who can reach it could
 run batches on the GPUs and read every file.
@@ -26,9 +27,10 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     on_burst_done: AsyncBurstDone | None = None,
+    batch_api: bool = True,
 ) -> int:
     """Check the settings and Redis, then serve until SIGINT/SIGTERM; returns the exit code.
-    ``on_burst_done``: see `create_app`."""
+    ``on_burst_done``: see `create_app`; ``batch_api=False``: the dashboard alone."""
     import uvicorn
 
     from prefixq.openai.app import create_app
@@ -43,7 +45,8 @@ def serve(
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port must be 0 to 65535, not {port}")
     root = files_root(settings)
-    root.mkdir(parents=True, exist_ok=True)
+    if batch_api:
+        root.mkdir(parents=True, exist_ok=True)
     r = sync_client(settings)
     try:
         r.ping()
@@ -57,16 +60,23 @@ def serve(
         )
     else:
         log.info("%d API keys; namespaces %s", len(keyring.keys), ", ".join(keyring.namespaces))
+    if batch_api:
+        log.info(
+            "OpenAI Batch API on http://%s:%d/v1 (namespace %s, files in %s)",
+            host,
+            port,
+            settings.namespace,
+            root,
+        )
     log.info(
-        "OpenAI Batch API on http://%s:%d/v1 (namespace %s, files in %s)",
+        "dashboard on http://%s:%d/%s",
         host,
         port,
-        settings.namespace,
-        root,
+        " (read-only)" if settings.dashboard_read_only else "",
     )
     try:
         uvicorn.run(
-            create_app(settings, on_burst_done=on_burst_done),
+            create_app(settings, on_burst_done=on_burst_done, batch_api=batch_api),
             host=host,
             port=port,
             log_config=None,
