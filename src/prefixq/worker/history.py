@@ -2,7 +2,7 @@
 
 Every ``history_every_s`` (checked at each heartbeat; 0 = off) a worker appends one entry to its
 shard's history stream (`Keys.history`), trimmed to exactly `MAXLEN` entries in the same command,
-so the stream never holds more. An entry's id is its time; its fields (short names, integers):
+so the stream never holds more. An entry's id is its time; its fields (short names, numbers):
 
 - ``w`` the worker's name;
 - ``q`` entries of the shard's streams waiting (not yet delivered to any worker) and ``p``
@@ -11,10 +11,11 @@ so the stream never holds more. An entry's id is its time; its fields (short nam
 - ``e`` requests inside this worker's engine;
 - ``d``, ``f``, ``a`` requests this worker finished, failed and admitted since its previous
   sample, and ``s`` the seconds that covers (deltas, so a restarted worker starts afresh and
-  several workers of a shard add up). Deltas Redis refused are added to the next sample.
+  several workers of a shard add up; ``s`` to the millisecond). Deltas Redis refused are added to
+  the next sample.
 
 Cost: two round trips per sample (the lane index, then XLEN and XINFO GROUPS per stream, with the
-XADD), off the requests' path. Size: `MAXLEN` entries per shard, about 50 bytes each in Redis
+XADD), off the requests' path. Size: `MAXLEN` entries per shard, about 52 bytes each in Redis
 (docs/dashboard.md has the measured figure): one worker per shard sampling every 5 s keeps 5.7 h.
 The dashboard's reader is prefixq.ops.history.
 """
@@ -65,7 +66,7 @@ class History:
             "q": waiting,
             "p": pending,
             "e": int(health.get("inflight", 0)),
-            "s": round(now - self._last, 3),
+            "s": _compact(now - self._last),
         }
         for name, field in _COUNTED.items():
             sample[field] = max(0, counts[name] - self._told[name])
@@ -98,3 +99,9 @@ class History:
             waiting += max(0, length - got)
             pending += got
         return waiting, pending
+
+
+def _compact(seconds: float) -> int | float:
+    """Seconds to the millisecond, an int when whole (fewer bytes in the stream)."""
+    x = round(seconds, 3)
+    return int(x) if x.is_integer() else x
