@@ -190,11 +190,13 @@
 
   // ---- actions -------------------------------------------------------------------------
   const canAct = () => state.session && !state.session.read_only;
-  async function act(button, what, path, body, done) {
+  // the outcome goes to the #<noteId> element, which the polls never redraw
+  async function act(button, what, path, body, done, noteId) {
     if (!window.confirm(what + "?")) return;
     button.disabled = true;
-    const note = button.parentNode.querySelector(".action-note") || el("span", { class: "action-note", role: "status" });
-    button.after(note);
+    const note = document.getElementById(noteId);
+    note.textContent = what + "…";
+    note.className = "action-note";
     try {
       const rep = await api(path, { method: "POST", body });
       note.textContent = done(rep);
@@ -253,7 +255,7 @@
       section("Bursts", "bursts", el("div", { class: "filters" }, status, tenant, text), bursts),
       el("div", { class: "grid" },
         section("Tenants and priorities", "tenants", tenants),
-        section("Dead letters", "dead", dead)));
+        section("Dead letters", "dead", el("p", { id: "dead-note", class: "action-note", role: "status" }), dead)));
 
     let last = { shards: null, history: null, bursts: null };
     every("shards", POLL_MS, async () => {
@@ -410,7 +412,7 @@
       if (acting) {
         const b = el("button", { type: "button", class: "small" }, "requeue");
         b.addEventListener("click", () => act(b, "Requeue dead letter " + d.id, "api/dead/requeue", { ids: [d.id] },
-          (rep) => `requeued ${rep.requeued}, resolved ${rep.resolved}` + (rep.skipped.length ? `, skipped: ${rep.skipped.map((s) => s[1]).join("; ")}` : "")));
+          (rep) => `requeued ${rep.requeued}, resolved ${rep.resolved}` + (rep.skipped.length ? `, skipped: ${rep.skipped.map((s) => s[1]).join("; ")}` : ""), "dead-note"));
         cells.push(el("td", {}, b));
       }
       return row(cells);
@@ -421,7 +423,7 @@
     const all = acting && got.dead.length ? el("button", { type: "button", id: "requeue-all" }, "Requeue all") : null;
     if (all) {
       all.addEventListener("click", () => act(all, `Requeue all ${total} dead letters`, "api/dead/requeue", { all: true },
-        (rep) => `requeued ${rep.requeued}, resolved ${rep.resolved}, skipped ${rep.skipped.length}`));
+        (rep) => `requeued ${rep.requeued}, resolved ${rep.resolved}, skipped ${rep.skipped.length}`, "dead-note"));
     }
     return [
       el("div", { class: "toolbar" }, el("span", {}, `${fmtInt(total)} dead letters`), all),
@@ -434,8 +436,13 @@
     const head = el("div", { id: "burst-head" }, el("h1", { class: "mono" }, id));
     const body = el("div", { id: "burst-body" }, el("p", { class: "muted" }, "Loading…"));
     const failedBox = el("div", { id: "failed-body" });
-    fill($main, el("p", {}, el("a", { href: "#/" }, "← all bursts")), head, body, section("Failed requests", "failed", failedBox));
+    fill($main, el("p", {}, el("a", { href: "#/" }, "← all bursts")), head,
+      el("p", { id: "burst-note", class: "action-note", role: "status" }), body, section("Failed requests", "failed", failedBox));
     state.failedSeen = -1;
+    if (!/^[A-Za-z0-9_.:@+-]{1,200}$/.test(id)) {  // what the server would refuse: no request
+      fill(body, el("p", { class: "error" }, "No such burst (not a burst id)."));
+      return;
+    }
     const path = "api/bursts/" + encodeURIComponent(id);
     every("burst", POLL_MS, async () => {
       let got;
@@ -473,7 +480,7 @@
     if (active && canAct()) {
       const c = el("button", { type: "button", id: "cancel", class: "danger" }, "Cancel burst");
       c.addEventListener("click", () => act(c, "Cancel burst " + b.burst, `api/bursts/${encodeURIComponent(b.burst)}/cancel`, {},
-        (rep) => rep.already_finished ? `it had ended already (${rep.status})` : `${rep.status}: ${rep.cancelled} requests cancelled`));
+        (rep) => rep.already_finished ? `it had ended already (${rep.status})` : `${rep.status}: ${rep.cancelled} requests cancelled`, "burst-note"));
       actions.append(c);
     }
     return [
