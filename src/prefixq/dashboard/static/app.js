@@ -276,7 +276,7 @@
     let seq = 0;
     const loadBursts = async () => {
       const mine = ++seq;
-      const q = new URLSearchParams({ status: f.status, tenant: f.tenant, q: f.q, limit: "50" });
+      const q = new URLSearchParams({ status: f.status, tenant: f.tenant, q: f.q, limit: "25" });
       const got = await api("api/bursts?" + q.toString());
       if (mine !== seq) return;
       last.bursts = got;

@@ -147,7 +147,9 @@
       bar.append(svg("title", {}, `${labels[i]}: ${c}`));
       root.append(bar);
       if (c) root.append(svg("text", { x: x + bw / 2, y: y0 - h - 3, class: "tick", "text-anchor": "middle" }, String(c)));
-      root.append(svg("text", { x: x + bw / 2, y: H - 8, class: "tick", "text-anchor": "middle" }, labels[i]));
+      if (counts.length <= 7 || i % 2 === 0) {  // every other label when they would touch
+        root.append(svg("text", { x: x + bw / 2, y: H - 8, class: "tick", "text-anchor": "middle" }, labels[i]));
+      }
     });
     if (!total) root.append(svg("text", { x: (x0 + x1) / 2, y: (y0 + y1) / 2, class: "empty", "text-anchor": "middle" }, "no successful request sampled yet"));
     const wrap = document.createElement("figure");
