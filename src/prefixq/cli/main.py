@@ -304,18 +304,35 @@ def cmd_results(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
-    """The OpenAI-compatible Batch API (docs/openai.md), until SIGINT or SIGTERM."""
+    """The OpenAI-compatible Batch API (docs/openai.md) and the dashboard (docs/dashboard.md),
+    until SIGINT or SIGTERM."""
+    from prefixq.dashboard.api import mount
     from prefixq.integrations.rq_callbacks import aenqueue_on_complete
     from prefixq.openai.serve import serve
 
-    return serve(settings, host=args.host, port=args.port, on_burst_done=aenqueue_on_complete)
+    return serve(
+        settings,
+        host=args.host,
+        port=args.port,
+        on_burst_done=aenqueue_on_complete,
+        extensions=[mount],
+    )
 
 
 def cmd_dashboard(args: argparse.Namespace, settings: Settings) -> int:
     """The dashboard (docs/dashboard.md) without the batch API, until SIGINT or SIGTERM."""
+    from prefixq.dashboard.api import mount
+    from prefixq.integrations.rq_callbacks import aenqueue_on_complete
     from prefixq.openai.serve import serve
 
-    return serve(settings, host=args.host, port=args.port, batch_api=False)
+    return serve(
+        settings,
+        host=args.host,
+        port=args.port,
+        on_burst_done=aenqueue_on_complete,
+        batch_api=False,
+        extensions=[mount],
+    )
 
 
 def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:

@@ -1,4 +1,5 @@
-"""The dashboard's routes: the page (``/``, ``/ui/*``) and its JSON API under ``/api/``
+"""The dashboard's routes: the page (``/``, ``/ui/*``) and its JSON API under ``/api/``, added to
+``prefixq serve``'s app as an extension (`mount`)
 (docs/dashboard.md lists every endpoint and shape).
 
 Every ``/api/`` reply is JSON (errors in the server's one shape, ``{"error": {"message", "type",
@@ -18,7 +19,6 @@ from importlib import resources
 from typing import Any, TypeVar
 
 import redis
-import redis.asyncio as aredis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -30,9 +30,10 @@ from prefixq.core.settings import Settings
 from prefixq.dashboard.access import ACTION_HEADER, Access
 from prefixq.dashboard.downloads import result_lines
 from prefixq.openai.apierror import ApiError, bad_request
+from prefixq.openai.app import Served
 from prefixq.ops import bursts, history, stats
 from prefixq.ops.recovery import Recovery
-from prefixq.store.burst_end import AsyncBurstDone, acancel
+from prefixq.store.burst_end import acancel
 from prefixq.store.deployment import resolve_shards
 
 __all__ = ["mount"]
@@ -91,17 +92,14 @@ def _json(obj: Any, status: int = 200) -> JSONResponse:
     return JSONResponse(obj, status_code=status, headers=_API_HEADERS)
 
 
-def mount(
-    app: FastAPI,
-    settings: Settings,
-    access: Access,
-    client: Callable[[], redis.Redis],
-    aclient: Callable[[], aredis.Redis],
-    on_burst_done: AsyncBurstDone | None = None,
-) -> None:
-    """Add the page and ``/api/`` to ``app``; ``client()`` and ``aclient()`` are the server's
-    blocking and asyncio Redis clients (opened by the app's lifespan); ``on_burst_done`` runs for
-    a burst a cancel here completes (its ``on_complete``)."""
+def mount(app: FastAPI, served: Served) -> None:
+    """Add the page and ``/api/`` to ``app`` (an extension of prefixq.openai.app.create_app):
+    the server's clients, keys and burst-done hook come in ``served``."""
+    settings = served.settings
+    access = Access(settings, served.keyring)
+
+    def client() -> redis.Redis:
+        return served.blocking_redis
 
     async def call(fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         return await run_in_threadpool(fn, *args, **kw)
@@ -306,7 +304,7 @@ def mount(
         access.guard_action(request)
         b = _burst_id(burst)
         try:
-            rep = await acancel(b, s, aclient(), on_burst_done=on_burst_done)
+            rep = await acancel(b, s, served.async_redis, on_burst_done=served.on_burst_done)
         except BurstNotFound as e:
             raise ApiError(404, str(e), code="burst_not_found") from None
         log.info("dashboard: burst %s cancelled in namespace %s", b, s.namespace)

@@ -1,6 +1,6 @@
-"""The ASGI app of ``prefixq serve``: OpenAI's Files and Batch endpoints under ``/v1``, and the
-dashboard (``/`` and ``/api/``: prefixq.dashboard); ``prefixq dashboard`` serves the dashboard
-alone (``batch_api=False``: no ``/v1``, no batch sweeper).
+"""The ASGI app of ``prefixq serve``: OpenAI's Files and Batch endpoints under ``/v1``, and what
+extensions add (the CLI adds the dashboard, ``/`` and ``/api/``: prefixq.dashboard, which
+``prefixq dashboard`` serves alone: ``batch_api=False``).
 
 Every error is answered in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``:
 400 for bad parameters and files over the limits, 401 for a missing or wrong API key, 404 for an
@@ -14,9 +14,11 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+import redis
+import redis.asyncio as aredis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
@@ -26,8 +28,6 @@ from starlette.exceptions import HTTPException
 
 from prefixq.core.errors import PrefixqError, RedisUnavailable
 from prefixq.core.settings import Settings
-from prefixq.dashboard import api as dashboard
-from prefixq.dashboard.access import Access
 from prefixq.openai.apierror import ApiError, bad_request
 from prefixq.openai.auth import KeyRing
 from prefixq.openai.batches import BatchStore
@@ -36,7 +36,7 @@ from prefixq.openai.runner import Sweeper
 from prefixq.store.burst_end import AsyncBurstDone
 from prefixq.store.connection import async_client, describe, sync_client
 
-__all__ = ["create_app"]
+__all__ = ["Extension", "Served", "create_app"]
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +50,50 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> JS
     return JSONResponse(ApiError(status, message, type=kind).body(), status_code=status)
 
 
+class Served:
+    """What an extension of the app (`create_app`'s ``extensions``) is given: the settings, the
+    keys, the hook for bursts a cancel ends, and the server's Redis clients (open while the app
+    runs: its lifespan opens and closes them)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        keyring: KeyRing,
+        on_burst_done: AsyncBurstDone | None,
+        holder: dict[str, Any],
+    ) -> None:
+        self.settings, self.keyring, self.on_burst_done = settings, keyring, on_burst_done
+        self._holder = holder
+
+    @property
+    def async_redis(self) -> aredis.Redis:
+        """The server's asyncio client."""
+        r: aredis.Redis = self._holder["r"]
+        return r
+
+    @property
+    def blocking_redis(self) -> redis.Redis:
+        """The server's blocking client (for prefixq.ops, in the thread pool)."""
+        r: redis.Redis = self._holder["sync"]
+        return r
+
+
+#: adds routes to the app (the dashboard: prefixq.dashboard.api.mount)
+Extension = Callable[[FastAPI, Served], None]
+
+
 def create_app(
     settings: Settings,
     *,
     sweep_interval: float = 0.5,
     on_burst_done: AsyncBurstDone | None = None,
     batch_api: bool = True,
+    extensions: Sequence[Extension] = (),
 ) -> FastAPI:
     """The app; its lifespan opens the Redis clients and runs the batch sweeper (runner.py).
     ``on_burst_done`` runs for a burst that a cancel or an expiry here ends (its ``on_complete``:
-    `prefixq serve` passes RQ's); ``batch_api=False``: the dashboard alone (no sweeper, no
-    ``/v1``)."""
+    `prefixq serve` passes RQ's); ``batch_api=False``: no ``/v1`` and no sweeper (``prefixq
+    dashboard``); ``extensions`` add their routes (the CLI passes the dashboard's)."""
     keyring = KeyRing.from_settings(settings)
     holder: dict[str, Any] = {}
 
@@ -68,7 +101,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         r = async_client(settings)
         holder["r"] = r
-        holder["sync"] = sync_client(settings)  # the dashboard's (prefixq.ops is blocking)
+        holder["sync"] = sync_client(settings)  # for extensions (prefixq.ops is blocking)
         task = None
         if batch_api:
             sweeper = Sweeper(r, settings, keyring.namespaces, on_burst_done)
@@ -86,14 +119,9 @@ def create_app(
             holder["sync"].close()
 
     app = FastAPI(title="prefixq", lifespan=lifespan, docs_url=None, redoc_url=None)
-    dashboard.mount(
-        app,
-        settings,
-        Access(settings, keyring),
-        lambda: holder["sync"],
-        lambda: holder["r"],
-        on_burst_done,
-    )
+    served = Served(settings, keyring, on_burst_done, holder)
+    for extend in extensions:
+        extend(app, served)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:

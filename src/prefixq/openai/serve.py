@@ -1,5 +1,5 @@
-"""``prefixq serve``: the OpenAI-compatible Batch API and the dashboard on uvicorn;
-``prefixq dashboard``: the dashboard alone (``batch_api=False``).
+"""``prefixq serve``: the OpenAI-compatible Batch API on uvicorn, with what extensions add (the
+CLI adds the dashboard); ``prefixq dashboard`` is the dashboard alone (``batch_api=False``).
 
 Without API keys the server refuses any address but a loopback one: anyone who can reach it could
 run batches on the GPUs and read every file.
@@ -8,6 +8,8 @@ run batches on the GPUs and read every file.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
@@ -15,6 +17,9 @@ from prefixq.openai.auth import KeyRing, is_loopback
 from prefixq.openai.files import files_root
 from prefixq.store.burst_end import AsyncBurstDone
 from prefixq.store.connection import sync_client
+
+if TYPE_CHECKING:
+    from prefixq.openai.app import Extension
 
 __all__ = ["serve"]
 
@@ -28,9 +33,10 @@ def serve(
     port: int = 8000,
     on_burst_done: AsyncBurstDone | None = None,
     batch_api: bool = True,
+    extensions: Sequence[Extension] = (),
 ) -> int:
     """Check the settings and Redis, then serve until SIGINT/SIGTERM; returns the exit code.
-    ``on_burst_done``: see `create_app`; ``batch_api=False``: the dashboard alone."""
+    ``on_burst_done``, ``batch_api``, ``extensions``: see `create_app`."""
     import uvicorn
 
     from prefixq.openai.app import create_app
@@ -68,15 +74,18 @@ def serve(
             settings.namespace,
             root,
         )
-    log.info(
-        "dashboard on http://%s:%d/%s",
-        host,
-        port,
-        " (read-only)" if settings.dashboard_read_only else "",
-    )
+    if extensions:
+        log.info(
+            "dashboard on http://%s:%d/%s",
+            host,
+            port,
+            " (read-only)" if settings.dashboard_read_only else "",
+        )
     try:
         uvicorn.run(
-            create_app(settings, on_burst_done=on_burst_done, batch_api=batch_api),
+            create_app(
+                settings, on_burst_done=on_burst_done, batch_api=batch_api, extensions=extensions
+            ),
             host=host,
             port=port,
             log_config=None,
