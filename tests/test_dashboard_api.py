@@ -291,3 +291,22 @@ def test_prefixq_dashboard_serves_the_page_and_api_without_the_batch_api(
     assert get(srv, "api/session").json()["namespace"] == settings.namespace
     assert get(srv, "v1/files").status_code == 404
     assert get(srv, "health").status_code == 200
+
+
+def test_a_quiet_worker_and_a_gone_one_stand_out(
+    settings: Settings, fake_worker: Callable[..., FakeWorker], r: redis.Redis, serve: Any
+) -> None:
+    """Given a live worker, one whose last beat is 10 intervals old (hung: its heartbeat not yet
+    expired) and one whose heartbeat expired (killed), /api/shards marks the second quiet and
+    lists the third as gone with the age of its last beat."""
+    fake_worker(settings, name="alive")
+    keys = Keys(settings.namespace)
+    now = time.time()
+    r.hset(keys.heartbeat(0, "hung"), mapping={"inflight": 3, "beat": now - 10, "every_s": 1.0})
+    r.zadd(keys.workers(0), {"hung": now - 10, "killed": now - 120})
+    srv = serve(settings)
+    (shard,) = get(srv, "api/shards").json()["shards"]
+    quiet = {w["name"]: w["quiet"] for w in shard["worker_detail"]}
+    assert quiet == {"alive": False, "hung": True}
+    ((gone,),) = [shard["workers_gone"]]
+    assert gone["name"] == "killed" and 119 < gone["last_beat_age_s"] < 200
