@@ -309,7 +309,8 @@
       card("queued", fmtInt(sum("waiting")), "oldest " + fmtDur(Math.max(0, ...sh.map((s) => s.oldest_waiting_s)))),
       card("in flight", fmtInt(sum("pending"))),
       card("finished / s", rate === null ? "–" : fmtNum(rate), "last sample"),
-      card("workers", fmtInt(sum("workers")), (quiet ? `⚠ ${quiet} quiet ` : "") + (gone ? `✕ ${gone} gone` : quiet ? "" : "all beating")),
+      card("workers", fmtInt(sum("workers")), !sh.length ? null : !sum("workers") ? "✕ none serving" :
+        (quiet ? `⚠ ${quiet} quiet ` : "") + (gone ? `✕ ${gone} gone` : quiet ? "" : "all beating")),
       card("dead letters", fmtInt(sum("dead_letters"))),
       card("active bursts", fmtInt(active)),
     ];
