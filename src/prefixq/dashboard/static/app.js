@@ -324,12 +324,12 @@
     ];
     return [el("div", { class: "grid charts-grid" },
       Charts.line({ label: "Requests finished per second", t: h.t, series: series("done_per_s"), format: fmtNum }),
-      Charts.line({ label: "Failed per second", t: h.t, series: series("failed_per_s"), format: fmtNum, height: 150 }),
+      Charts.line({ label: "Failed per second", t: h.t, series: series("failed_per_s"), format: fmtNum }),
       Charts.line({
         label: "Queued (waiting) and in flight, all shards", t: h.t, format: fmtNum,
         series: [{ name: "queued", values: h.total.waiting, style: 0 }, { name: "in flight", values: h.total.pending, style: 1 }],
       }),
-      h.shards.length > 1 ? Charts.line({ label: "Queued per shard", t: h.t, series: shards.map((s, i) => ({ name: "shard " + s.shard, values: s.waiting, style: i + 1 })), format: fmtNum, height: 150 }) : null),
+      h.shards.length > 1 ? Charts.line({ label: "Queued per shard", t: h.t, series: shards.map((s, i) => ({ name: "shard " + s.shard, values: s.waiting, style: i + 1 })), format: fmtNum }) : null),
       el("p", { class: "caption" }, `Samples the workers keep in Redis: one per worker every ${fmtDur(state.session ? state.session.history_every_s : 5)}, shown in steps of ${fmtDur(h.step_s)}. Gaps: no worker sampled.`),
     ];
   }
