@@ -25,8 +25,9 @@ _CHUNK = 512
 
 
 def result_lines(r: redis.Redis, settings: Settings, burst: str, fmt: str) -> Iterator[bytes]:
-    """The lines (UTF-8, newline-terminated) of the burst's recorded results; BurstNotFound for
-    an unknown burst and ConfigError for an unknown format, both before the first line."""
+    """The lines (UTF-8, newline-terminated, 512 results a piece) of the burst's recorded
+    results; BurstNotFound for an unknown burst and ConfigError for an unknown format, both
+    before the first line."""
     if fmt not in FORMATS:
         raise ConfigError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
     st = results.status(burst, settings, client=r)
@@ -40,11 +41,15 @@ def result_lines(r: redis.Redis, settings: Settings, burst: str, fmt: str) -> It
             return format_result(res, burst=burst, endpoint=endpoint, model=model).dumps()
         return json.dumps(res.to_json(), ensure_ascii=False) + "\n"
 
-    def lines() -> Iterator[bytes]:
+    def chunks() -> Iterator[bytes]:  # one piece per 512 results: one thread-pool hop each
         for start in range(0, st.total, _CHUNK):
             indexes = list(range(start, min(st.total, start + _CHUNK)))
-            for i, raw in zip(indexes, r.hmget(key, indexes), strict=True):
-                if raw is not None:
-                    yield line(results.read_stored(raw, i, "", limits)).encode()
+            got = [
+                line(results.read_stored(raw, i, "", limits))
+                for i, raw in zip(indexes, r.hmget(key, indexes), strict=True)
+                if raw is not None
+            ]
+            if got:
+                yield "".join(got).encode()
 
-    return lines()
+    return chunks()
