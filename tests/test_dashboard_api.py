@@ -234,7 +234,7 @@ def test_what_the_page_cannot_trust_comes_back_as_data_or_an_error(
 ) -> None:
     """Ids that cannot be bursts are 404s, bad parameters 400s (all in the one error shape);
     HTML in request ids and errors comes back as the same text in JSON; the downloads stream
-    both formats, one line per result."""
+    both formats, one line per result (prefixq's as `prefixq results` writes them)."""
     fake_worker(settings, name="adv0")
     reqs = [
         {"id": "<img src=x onerror=alert(1)>", "prompt": "fail:<script>alert(2)</script>"},
@@ -259,6 +259,7 @@ def test_what_the_page_cannot_trust_comes_back_as_data_or_an_error(
     assert "<script>alert(2)</script>" in bad["error"]
     plain = get(srv, f"api/bursts/{burst}/results").text.splitlines()
     assert [json.loads(x)["id"] for x in plain] == ["<img src=x onerror=alert(1)>", "ok"]
+    assert plain == cli(settings, "results", burst).stdout.splitlines()  # as `prefixq results`
     oai = get(srv, f"api/bursts/{burst}/results?format=openai")
     assert "attachment" in oai.headers["content-disposition"]
     assert [json.loads(x)["custom_id"] for x in oai.text.splitlines()] == [reqs[0]["id"], "ok"]
