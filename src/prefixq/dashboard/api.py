@@ -4,7 +4,7 @@
 
 Every ``/api/`` reply is JSON (errors in the server's one shape, ``{"error": {"message", "type",
 "param", "code"}}``), never cached, and about the caller's namespace only (access.py). The data
-comes from prefixq.ops (stats, bursts, history, recovery) over one blocking Redis client, in the
+comes from prefixq.ops (stats, burst_list, history, recovery) over one blocking Redis client, in the
 server's thread pool; the shapes are those of ``prefixq inspect --json`` where both show the same
 thing (``/api/snapshot`` is exactly that JSON).
 """
@@ -31,7 +31,7 @@ from prefixq.dashboard.access import ACTION_HEADER, Access
 from prefixq.dashboard.downloads import result_lines
 from prefixq.openai.apierror import ApiError, bad_request
 from prefixq.openai.app import Served
-from prefixq.ops import bursts, history, stats
+from prefixq.ops import burst_list, history, stats
 from prefixq.ops.recovery import Recovery
 from prefixq.store.burst_end import acancel
 from prefixq.store.deployment import resolve_shards
@@ -197,16 +197,16 @@ def mount(app: FastAPI, served: Served) -> None:
         return _json(await call(read))
 
     @app.get("/api/bursts")
-    async def burst_list(request: Request) -> JSONResponse:
-        """Recent bursts, filtered (prefixq.ops.bursts.listing)."""
+    async def list_bursts(request: Request) -> JSONResponse:
+        """Recent bursts, filtered (prefixq.ops.burst_list.listing)."""
         s = access.settings_for(request)
         q = request.query_params
         status = q.get("status", "")
-        if status and status not in (*bursts.ACTIVE, "active", "finished", "cancelled",
+        if status and status not in (*burst_list.ACTIVE, "active", "finished", "cancelled",
                                      "expired", "lost"):  # fmt: skip
             raise bad_request(f"unknown status {status[:40]!r}", param="status")
         limit = _int_param(request, "limit", 50, 1, 500)
-        got = await call(bursts.listing, client(), s, limit=limit, status=status,
+        got = await call(burst_list.listing, client(), s, limit=limit, status=status,
                          tenant=q.get("tenant", "")[:64], text=q.get("q", "")[:200])  # fmt: skip
         return _json(got)
 
@@ -220,9 +220,9 @@ def mount(app: FastAPI, served: Served) -> None:
             r = client()
             detail = stats.burst_stats(r, s, b)
             st = results_api.status(b, s, client=r)
-            since = int((time.time() - bursts.RATE_WINDOW_S) * 1000)
-            recent = r.xrevrange(s.keys.events(b), "+", since, count=bursts.RATE_EVENTS)
-            return {"burst": detail, "summary": bursts.summary(st, recent, time.time())}
+            since = int((time.time() - burst_list.RATE_WINDOW_S) * 1000)
+            recent = r.xrevrange(s.keys.events(b), "+", since, count=burst_list.RATE_EVENTS)
+            return {"burst": detail, "summary": burst_list.summary(st, recent, time.time())}
 
         try:
             return _json(await call(read))
@@ -231,14 +231,14 @@ def mount(app: FastAPI, served: Served) -> None:
 
     @app.get("/api/bursts/{burst}/failed")
     async def failed(request: Request, burst: str) -> JSONResponse:
-        """A burst's failed requests (prefixq.ops.bursts.failures)."""
+        """A burst's failed requests (prefixq.ops.burst_list.failures)."""
         s = access.settings_for(request)
         b = _burst_id(burst)
         limit = _int_param(request, "limit", 100, 1, 1000)
         if not await call(client().exists, s.keys.burst(b)):
             raise ApiError(404, f"no burst {b!r} in namespace {s.namespace!r}",
                            code="burst_not_found")  # fmt: skip
-        return _json(await call(bursts.failures, client(), s, b, limit=limit))
+        return _json(await call(burst_list.failures, client(), s, b, limit=limit))
 
     @app.get("/api/bursts/{burst}/results")
     async def download(request: Request, burst: str) -> StreamingResponse:
