@@ -25,7 +25,7 @@ import pytest
 import redis
 
 from helpers import FakeWorker
-from prefixq.cli.redis_server import RedisServer
+from prefixq.cli.redis_server import RedisServer, free_port
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from prefixq.worker.command import worker_command
@@ -201,12 +201,17 @@ def engines(redis_server: RedisServer, start_worker: Callable[..., WorkerProc]) 
         heartbeat_s=1.0,
         grace_s=60.0,
     )
-    workers = [start_worker(s, shard=k, name=f"cluster-s{k}") for k in range(2)]
+    ports = [free_port() for _ in range(2)]  # each serves /metrics (tests/test_grafana.py)
+    workers = [
+        start_worker(s, shard=k, name=f"cluster-s{k}", extra=["--metrics-port", str(ports[k])])
+        for k in range(2)
+    ]
     for w in workers:
         w.wait_up()
 
     class Cluster:
         settings = s
+        metrics_ports = ports
 
         def __init__(self) -> None:
             self.workers = workers

@@ -1,5 +1,5 @@
-"""`prefixq serve` as a real process on a free port, and OpenAI batch input lines, for the OpenAI
-Batch API tests."""
+"""`prefixq serve` (or `prefixq dashboard`) as a real process on a free port, and OpenAI batch
+input lines, for the OpenAI Batch API and dashboard tests."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ class Server:
         api_keys: str = "",
         host: str = "127.0.0.1",
         extra: list[str] | None = None,
+        command: str = "serve",
     ) -> None:
         self.settings, self.files_dir, self.host = settings, files_dir, host
         self.port = free_port()
@@ -46,7 +47,7 @@ class Server:
             PY,
             "-m",
             "prefixq",
-            "serve",
+            command,
             "--host",
             host,
             "--port",
@@ -62,6 +63,11 @@ class Server:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def root(self) -> str:
+        """The dashboard's address (``/``)."""
+        return f"http://127.0.0.1:{self.port}/"
 
     def start(self, timeout: float = 60) -> Server:
         with open(self.log, "ab") as out:

@@ -79,3 +79,48 @@ def test_compose_serve_service_listens_with_keys_and_shares_a_files_volume() -> 
     assert vol["target"] == "/files" and vol["source"] in cfg["volumes"]
     assert "/health" in " ".join(svc["healthcheck"]["test"])
     assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
+
+
+def test_compose_monitoring_profile_provisions_prometheus_and_grafana_with_the_dashboard() -> None:
+    """`--profile monitoring` adds Prometheus scraping the workers with deploy/prometheus.yml and
+    Grafana provisioned with its data source and deploy/grafana/prefixq.json; neither starts
+    without the profile."""
+    base = [*_compose(), "-f", str(ROOT / "docker-compose.yml")]
+    p = subprocess.run(
+        [*base, "--profile", "monitoring", "config"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=ROOT,
+    )
+    assert p.returncode == 0, p.stderr
+    svc = yaml.safe_load(p.stdout)["services"]
+
+    def mounts(name: str) -> dict[str, str]:
+        out = {}
+        for v in svc[name]["volumes"]:
+            if isinstance(v, str):
+                v = dict(zip(("source", "target"), v.split(":"), strict=False))
+            out[v["target"]] = v["source"]
+        return out
+
+    prom, graf = mounts("prometheus"), mounts("grafana")
+    assert Path(prom["/etc/prometheus/prometheus.yml"]) == ROOT / "deploy/prometheus.yml"
+    assert Path(graf["/etc/grafana/provisioning"]) == ROOT / "deploy/grafana/provisioning"
+    assert (
+        Path(graf["/var/lib/grafana/dashboards/prefixq.json"])
+        == ROOT / "deploy/grafana/prefixq.json"
+    )
+    assert svc["prometheus"]["profiles"] == svc["grafana"]["profiles"] == ["monitoring"]
+    scrape = yaml.safe_load((ROOT / "deploy/prometheus.yml").read_text())["scrape_configs"]
+    targets = [t for job in scrape for sc in job["static_configs"] for t in sc["targets"]]
+    # every worker service of the compose file, on the metrics port its environment sets
+    workers = [n for n in svc if n.startswith("worker-")]
+    port = svc["worker-0"]["environment"]["PREFIXQ_METRICS_PORT"]
+    assert sorted(targets) == sorted(f"{n}:{port}" for n in workers)
+    ds = yaml.safe_load(
+        (ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text()
+    )["datasources"][0]
+    assert ds["url"] == "http://prometheus:9090"
+    dash = (ROOT / "deploy/grafana/prefixq.json").read_text()
+    assert f'"uid": "{ds["uid"]}"' in dash

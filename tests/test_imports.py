@@ -22,14 +22,17 @@ MAY_IMPORT: dict[str, set[str]] = {
     "client": {"core", "store", "affinity", "client"},
     "ops": {"core", "store", "engine", "affinity", "worker", "client", "ops"},
     "openai": {"core", "store", "engine", "affinity", "worker", "client", "ops", "openai"},
+    "dashboard": {
+        "core", "store", "engine", "affinity", "worker", "client", "ops", "openai", "dashboard",
+    },
     "bench": {"core", "store", "engine", "affinity", "worker", "client", "ops", "bench"},
     "integrations": {
-        "core", "store", "engine", "affinity", "worker", "client", "ops", "openai", "bench",
-        "integrations",
+        "core", "store", "engine", "affinity", "worker", "client", "ops", "openai", "dashboard",
+        "bench", "integrations",
     },
     "cli": {
-        "core", "store", "engine", "affinity", "worker", "client", "ops", "openai", "bench",
-        "integrations", "cli",
+        "core", "store", "engine", "affinity", "worker", "client", "ops", "openai", "dashboard",
+        "bench", "integrations", "cli",
     },
 }  # fmt: skip
 #: the top level: the public API (prefixq/__init__.py), `python -m prefixq`, and the re-export

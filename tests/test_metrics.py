@@ -49,6 +49,8 @@ def scrape(port: int, worker: str, shard: str = "0") -> Samples:
             key = s.name + (f"{{le={labels.pop('le')}}}" if "le" in labels else "")
             if "priority" in labels:  # the per-tenant families
                 key += f"{{{labels.pop('priority')},{labels.pop('tenant')}}}"
+            if "code" in labels:  # errors per code
+                key += f"{{code={labels.pop('code')}}}"
             assert not labels, s
             out[key] = s.value
     return out
@@ -153,6 +155,9 @@ def test_a_burst_is_counted_timed_and_its_queue_seen_before_and_after(
     assert m["prefixq_requests_admitted_total"] == 5
     assert m["prefixq_requests_finished_total"] == 4
     assert m["prefixq_requests_failed_total"] == 1
+    assert m["prefixq_request_errors_total{code=engine_error}"] == 1
+    assert m["prefixq_predicted_cached_tokens_total"] == 0
+    assert m["prefixq_loop_lag_seconds_count"] >= 1
     assert m["prefixq_dead_letters_total"] == 1
     assert m["prefixq_requests_reclaimed_total"] == 0
     assert m["prefixq_queue_oldest_age_seconds"] == 0

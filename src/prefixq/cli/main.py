@@ -120,6 +120,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
 
+    db = sub.add_parser(
+        "dashboard",
+        parents=[common],
+        help="the live dashboard alone (prefixq serve shows it too, beside /v1)",
+    )
+    db.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1; others need PREFIXQ_API_KEYS)",
+    )
+    db.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+
     ca = sub.add_parser(
         "cancel",
         parents=[common],
@@ -292,11 +304,35 @@ def cmd_results(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
-    """The OpenAI-compatible Batch API (docs/openai.md), until SIGINT or SIGTERM."""
+    """The OpenAI-compatible Batch API (docs/openai.md) and the dashboard (docs/dashboard.md),
+    until SIGINT or SIGTERM."""
+    from prefixq.dashboard.api import mount
     from prefixq.integrations.rq_callbacks import aenqueue_on_complete
     from prefixq.openai.serve import serve
 
-    return serve(settings, host=args.host, port=args.port, on_burst_done=aenqueue_on_complete)
+    return serve(
+        settings,
+        host=args.host,
+        port=args.port,
+        on_burst_done=aenqueue_on_complete,
+        extensions=[mount],
+    )
+
+
+def cmd_dashboard(args: argparse.Namespace, settings: Settings) -> int:
+    """The dashboard (docs/dashboard.md) without the batch API, until SIGINT or SIGTERM."""
+    from prefixq.dashboard.api import mount
+    from prefixq.integrations.rq_callbacks import aenqueue_on_complete
+    from prefixq.openai.serve import serve
+
+    return serve(
+        settings,
+        host=args.host,
+        port=args.port,
+        on_burst_done=aenqueue_on_complete,
+        batch_api=False,
+        extensions=[mount],
+    )
 
 
 def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
@@ -422,7 +458,9 @@ def cmd_dead(args: argparse.Namespace, settings: Settings) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    default_level = "INFO" if args.command in ("worker", "workers", "demo", "serve") else "WARNING"
+    default_level = (
+        "INFO" if args.command in ("worker", "workers", "demo", "serve", "dashboard") else "WARNING"
+    )
     configure_logging(args.log_level or default_level, args.log_format)
     try:
         settings = settings_from(args)
@@ -481,6 +519,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace, Settings], int]] = {
     "submit": cmd_submit,
     "results": cmd_results,
     "serve": cmd_serve,
+    "dashboard": cmd_dashboard,
     "cancel": cmd_cancel,
     "inspect": cmd_inspect,
     "check": cmd_check,

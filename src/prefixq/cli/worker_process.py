@@ -56,6 +56,7 @@ def metrics_exporter(worker: Worker, port: int, *, addr: str = "0.0.0.0") -> Met
         health=worker.health,
         sched=worker.sched,
         gc=worker.gc,
+        loop_lag=worker.probes.loop.lag,
         addr=addr,
     )
 

@@ -90,6 +90,11 @@ class Keys:
         """Hash with TTL: one live worker's state (pid, host, in flight, counters)."""
         return f"{self.ns}:{{s{shard}}}:hb:{worker}"
 
+    def history(self, shard: int) -> str:
+        """Stream, capped: the shard's rolling history, one sample per worker every
+        ``history_every_s`` (worker/history.py; the dashboard draws it)."""
+        return f"{self.ns}:{{s{shard}}}:history"
+
     # placement
     @property
     def load(self) -> str:

@@ -133,6 +133,9 @@ class Settings:
     gc_freeze: bool = True
     #: workers serve Prometheus metrics on this port (docs/operations.md); 0 = off
     metrics_port: int = 0
+    #: seconds between a worker's samples of the shard's rolling history, drawn by the dashboard
+    #: (docs/dashboard.md); 0 = off
+    history_every_s: float = 5.0
 
     # OpenAI Batch API server (prefixq serve; docs/openai.md)
     #: bearer API keys, comma-separated, each KEY or KEY=NAMESPACE; @PATH reads them from a file
@@ -144,6 +147,9 @@ class Settings:
     max_file_bytes: int = 200 << 20
     #: most lines (requests) in an uploaded file
     max_file_lines: int = 50_000
+    #: the dashboard (prefixq serve, prefixq dashboard) only shows: cancel and requeue are hidden
+    #: on the page and refused by its /api/ (docs/dashboard.md)
+    dashboard_read_only: bool = False
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -223,8 +229,10 @@ class Settings:
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ConfigError(f"{name} must be a positive number, not {v}")
-        if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
-            raise ConfigError(f"grace_s must be a number >= 0, not {self.grace_s}")
+        for name in ("grace_s", "history_every_s"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ConfigError(f"{name} must be a number >= 0, not {v}")
         if not 0 <= self.affinity_min_match <= 1:
             raise ConfigError(
                 f"affinity_min_match must be a share in [0, 1], not {self.affinity_min_match}"

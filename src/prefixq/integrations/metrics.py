@@ -38,6 +38,7 @@ from prefixq.core.records import Result
 from prefixq.core.settings import Settings
 from prefixq.ops.queues import Queue, aread
 from prefixq.store.connection import TRANSIENT, async_client
+from prefixq.worker.loopwatch import Latency
 from prefixq.worker.middleware import Middleware
 from prefixq.worker.view import WorkerView
 
@@ -50,6 +51,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LABELS = ("shard", "worker")
+#: the loop-lag histogram's first bucket, seconds (worker/loopwatch.py's 0.01 ms)
+LAG_BASE_S = 0.00001
 _PER_TENANT = " Per priority and tenant, on the worker's shard."
 #: queue wait and end to end: batch work waits from milliseconds to an hour
 LATENCY_BUCKETS = (
@@ -140,10 +143,12 @@ class WorkerMetrics:
         worker: str,
         health: Callable[[float], Mapping[str, Any]],
         sched: Scheduler | None = None,
+        loop_lag: Latency | None = None,
     ) -> None:
         self.label_values = [str(shard), worker]
         self._health = health
         self._sched = sched
+        self._loop_lag = loop_lag
         self.registry = CollectorRegistry()
         self.queue_wait = FastHistogram(
             "prefixq_queue_wait_seconds",
@@ -167,14 +172,19 @@ class WorkerMetrics:
         )
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        self.predicted_tokens = 0
         self.output_tokens = 0
+        #: failed results per error code (Result.error_code)
+        self.errors: dict[str, int] = {}
         self.queue = QueueState()
         self.registry.register(self)
 
     # ---- feeding (event loop; gc_pause.observe from the GC callback) -------------------------
     def observe(self, result: Result) -> None:
-        """One finished request; failed ones are counted by the worker, not timed here."""
+        """One finished request; failed ones are counted by code, not timed."""
         if result.error is not None:
+            code = result.error_code or "unknown"
+            self.errors[code] = self.errors.get(code, 0) + 1
             return
         t = result.timings
         if t.enqueued > 0:
@@ -184,6 +194,7 @@ class WorkerMetrics:
             self.first_token.observe(max(0.0, t.first_token - t.admitted))
         self.prompt_tokens += result.prompt_tokens
         self.cached_tokens += result.cached_tokens
+        self.predicted_tokens += result.predicted_cached_tokens
         self.output_tokens += result.output_tokens
 
     # ---- scraping (HTTP server thread) ------------------------------------------------------
@@ -209,8 +220,21 @@ class WorkerMetrics:
             cached,
         )
         yield self._counter(
+            "prefixq_predicted_cached_tokens",
+            "Prompt tokens of successful requests the producer predicted cached (its prefix map).",
+            self.predicted_tokens,
+        )
+        yield self._counter(
             "prefixq_output_tokens", "Output tokens of successful requests.", self.output_tokens
         )
+        errors = CounterMetricFamily(
+            "prefixq_request_errors",
+            "Failed results this worker recorded, per error code.",
+            labels=[*LABELS, "code"],
+        )
+        for code, n in sorted(dict(self.errors).items()):  # copied whole (a C-level copy)
+            errors.add_metric([*self.label_values, code], float(n))
+        yield errors
         yield self._gauge(
             "prefixq_cached_token_ratio",
             "cached_tokens / prompt_tokens since the worker started (0 before any).",
@@ -246,6 +270,8 @@ class WorkerMetrics:
             yield from self._per_tenant(q.queues)
         for hist in (self.queue_wait, self.first_token, self.end_to_end, self.gc_pause):
             yield hist.family(self.label_values)
+        if self._loop_lag is not None:
+            yield self._lag_family(self._loop_lag)
         sched = self._sched
         if sched is not None:
             rows = sorted(sched.per_tenant().items())
@@ -260,6 +286,24 @@ class WorkerMetrics:
                 for (prio, tenant), values in rows:
                     fam.add_metric([*self.label_values, prio, tenant], float(values[i]))
                 yield fam
+
+    def _lag_family(self, lag: Latency) -> HistogramMetricFamily:
+        """The event loop's lag (worker/loopwatch.py) as a histogram: its log-scale buckets
+        (0.01 ms x 2**i) made cumulative, in seconds."""
+        counts, total = list(lag.buckets), lag.total / 1000
+        buckets: list[tuple[str, float]] = []
+        running = 0
+        for i, n in enumerate(counts):
+            running += n
+            le = "+Inf" if i == len(counts) - 1 else repr(LAG_BASE_S * 2**i)
+            buckets.append((le, float(running)))
+        h = HistogramMetricFamily(
+            "prefixq_loop_lag_seconds",
+            "How late the worker's event loop woke up for a 10 ms sleep (work waiting behind it).",
+            labels=LABELS,
+        )
+        h.add_metric(self.label_values, buckets, total)
+        return h
 
     def _per_tenant(self, queues: tuple[Queue, ...]) -> Iterable[Metric]:
         for name, doc, attr in (
@@ -300,7 +344,7 @@ class MetricsExporter(Middleware):
 
     It is given what it reads, not the worker: the settings, the worker's shard and name, its
     ``health(now)`` (the heartbeat's fields), its scheduler (queued and in-flight per priority
-    and tenant) and its GC watch (whose observer it sets while it serves):
+    and tenant), its GC watch (whose observer it sets while it serves) and its event loop's lag:
     prefixq.cli.worker_process.metrics_exporter builds one for a worker."""
 
     def __init__(
@@ -313,6 +357,7 @@ class MetricsExporter(Middleware):
         health: Callable[[float], Mapping[str, Any]],
         sched: Scheduler | None = None,
         gc: GcWatch | None = None,
+        loop_lag: Latency | None = None,
         addr: str = "0.0.0.0",
         refresh_s: float | None = None,
     ) -> None:
@@ -321,7 +366,7 @@ class MetricsExporter(Middleware):
         self.port = port
         self.addr = addr
         self.refresh_s = refresh_s if refresh_s is not None else settings.heartbeat_s
-        self.metrics = WorkerMetrics(shard, name, health, sched)
+        self.metrics = WorkerMetrics(shard, name, health, sched, loop_lag)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
         self._task: asyncio.Task[None] | None = None

@@ -1,4 +1,6 @@
-"""The ASGI app of ``prefixq serve``: OpenAI's Files and Batch endpoints under ``/v1``.
+"""The ASGI app of ``prefixq serve``: OpenAI's Files and Batch endpoints under ``/v1``, and what
+extensions add (the CLI adds the dashboard, ``/`` and ``/api/``: prefixq.dashboard, which
+``prefixq dashboard`` serves alone: ``batch_api=False``).
 
 Every error is answered in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``:
 400 for bad parameters and files over the limits, 401 for a missing or wrong API key, 404 for an
@@ -12,9 +14,11 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+import redis
+import redis.asyncio as aredis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
@@ -30,9 +34,9 @@ from prefixq.openai.batches import BatchStore
 from prefixq.openai.pages import parse_limit
 from prefixq.openai.runner import Sweeper
 from prefixq.store.burst_end import AsyncBurstDone
-from prefixq.store.connection import async_client, describe
+from prefixq.store.connection import async_client, describe, sync_client
 
-__all__ = ["create_app"]
+__all__ = ["Extension", "Served", "create_app"]
 
 log = logging.getLogger(__name__)
 
@@ -46,39 +50,78 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> JS
     return JSONResponse(ApiError(status, message, type=kind).body(), status_code=status)
 
 
+class Served:
+    """What an extension of the app (`create_app`'s ``extensions``) is given: the settings, the
+    keys, the hook for bursts a cancel ends, and the server's Redis clients (open while the app
+    runs: its lifespan opens and closes them)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        keyring: KeyRing,
+        on_burst_done: AsyncBurstDone | None,
+        holder: dict[str, Any],
+    ) -> None:
+        self.settings, self.keyring, self.on_burst_done = settings, keyring, on_burst_done
+        self._holder = holder
+
+    @property
+    def async_redis(self) -> aredis.Redis:
+        """The server's asyncio client."""
+        r: aredis.Redis = self._holder["r"]
+        return r
+
+    @property
+    def blocking_redis(self) -> redis.Redis:
+        """The server's blocking client (for prefixq.ops, in the thread pool)."""
+        r: redis.Redis = self._holder["sync"]
+        return r
+
+
+#: adds routes to the app (the dashboard: prefixq.dashboard.api.mount)
+Extension = Callable[[FastAPI, Served], None]
+
+
 def create_app(
     settings: Settings,
     *,
     sweep_interval: float = 0.5,
     on_burst_done: AsyncBurstDone | None = None,
+    batch_api: bool = True,
+    extensions: Sequence[Extension] = (),
 ) -> FastAPI:
-    """The app; its lifespan opens the Redis client and runs the batch sweeper (runner.py).
+    """The app; its lifespan opens the Redis clients and runs the batch sweeper (runner.py).
     ``on_burst_done`` runs for a burst that a cancel or an expiry here ends (its ``on_complete``:
-    `prefixq serve` passes RQ's)."""
+    `prefixq serve` passes RQ's); ``batch_api=False``: no ``/v1`` and no sweeper (``prefixq
+    dashboard``); ``extensions`` add their routes (the CLI passes the dashboard's)."""
     keyring = KeyRing.from_settings(settings)
     holder: dict[str, Any] = {}
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         r = async_client(settings)
-        sweeper = Sweeper(r, settings, keyring.namespaces, on_burst_done)
-        holder["sweeper"] = sweeper
-        task = asyncio.create_task(sweeper.run(sweep_interval))
+        holder["r"] = r
+        holder["sync"] = sync_client(settings)  # for extensions (prefixq.ops is blocking)
+        task = None
+        if batch_api:
+            sweeper = Sweeper(r, settings, keyring.namespaces, on_burst_done)
+            holder["sweeper"] = sweeper
+            task = asyncio.create_task(sweeper.run(sweep_interval))
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            await sweeper.close()
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                await holder["sweeper"].close()
             await r.aclose()
+            holder["sync"].close()
 
     app = FastAPI(title="prefixq", lifespan=lifespan, docs_url=None, redoc_url=None)
-
-    def store(request: Request) -> BatchStore:
-        ns = keyring.namespace_for(request.headers.get("authorization"))
-        sweeper: Sweeper = holder["sweeper"]
-        return sweeper.stores[ns]
+    served = Served(settings, keyring, on_burst_done, holder)
+    for extend in extensions:
+        extend(app, served)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -111,9 +154,23 @@ def create_app(
     @app.get("/health")
     async def health() -> JSONResponse:
         """200 while Redis answers (no API key needed: for health checks)."""
-        sweeper: Sweeper = holder["sweeper"]
-        await sweeper.r.ping()
+        await holder["r"].ping()
         return JSONResponse({"status": "ok"})
+
+    if batch_api:
+        _batch_routes(app, settings, keyring, holder)
+    return app
+
+
+def _batch_routes(
+    app: FastAPI, settings: Settings, keyring: KeyRing, holder: dict[str, Any]
+) -> None:
+    """OpenAI's Files and Batch endpoints under ``/v1``."""
+
+    def store(request: Request) -> BatchStore:
+        ns = keyring.namespace_for(request.headers.get("authorization"))
+        sweeper: Sweeper = holder["sweeper"]
+        return sweeper.stores[ns]
 
     # files
     @app.post("/v1/files")
@@ -193,5 +250,3 @@ def create_app(
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(request: Request, batch_id: str) -> JSONResponse:
         return JSONResponse(await store(request).cancel(batch_id))
-
-    return app

@@ -1,4 +1,5 @@
-"""``prefixq serve``: the OpenAI-compatible Batch API on uvicorn.
+"""``prefixq serve``: the OpenAI-compatible Batch API on uvicorn, with what extensions add (the
+CLI adds the dashboard); ``prefixq dashboard`` is the dashboard alone (``batch_api=False``).
 
 Without API keys the server refuses any address but a loopback one: anyone who can reach it could
 run batches on the GPUs and read every file.
@@ -7,6 +8,8 @@ run batches on the GPUs and read every file.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
@@ -14,6 +17,9 @@ from prefixq.openai.auth import KeyRing, is_loopback
 from prefixq.openai.files import files_root
 from prefixq.store.burst_end import AsyncBurstDone
 from prefixq.store.connection import sync_client
+
+if TYPE_CHECKING:
+    from prefixq.openai.app import Extension
 
 __all__ = ["serve"]
 
@@ -26,9 +32,11 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     on_burst_done: AsyncBurstDone | None = None,
+    batch_api: bool = True,
+    extensions: Sequence[Extension] = (),
 ) -> int:
     """Check the settings and Redis, then serve until SIGINT/SIGTERM; returns the exit code.
-    ``on_burst_done``: see `create_app`."""
+    ``on_burst_done``, ``batch_api``, ``extensions``: see `create_app`."""
     import uvicorn
 
     from prefixq.openai.app import create_app
@@ -43,7 +51,8 @@ def serve(
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port must be 0 to 65535, not {port}")
     root = files_root(settings)
-    root.mkdir(parents=True, exist_ok=True)
+    if batch_api:
+        root.mkdir(parents=True, exist_ok=True)
     r = sync_client(settings)
     try:
         r.ping()
@@ -57,16 +66,26 @@ def serve(
         )
     else:
         log.info("%d API keys; namespaces %s", len(keyring.keys), ", ".join(keyring.namespaces))
-    log.info(
-        "OpenAI Batch API on http://%s:%d/v1 (namespace %s, files in %s)",
-        host,
-        port,
-        settings.namespace,
-        root,
-    )
+    if batch_api:
+        log.info(
+            "OpenAI Batch API on http://%s:%d/v1 (namespace %s, files in %s)",
+            host,
+            port,
+            settings.namespace,
+            root,
+        )
+    if extensions:
+        log.info(
+            "dashboard on http://%s:%d/%s",
+            host,
+            port,
+            " (read-only)" if settings.dashboard_read_only else "",
+        )
     try:
         uvicorn.run(
-            create_app(settings, on_burst_done=on_burst_done),
+            create_app(
+                settings, on_burst_done=on_burst_done, batch_api=batch_api, extensions=extensions
+            ),
             host=host,
             port=port,
             log_config=None,

@@ -12,6 +12,7 @@ means.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -26,7 +27,7 @@ from prefixq.core.keys import GROUP, Keys
 from prefixq.core.records import Result
 from prefixq.core.settings import Settings
 from prefixq.core.sharing import band
-from prefixq.ops import queues
+from prefixq.ops import distributions, queues
 from prefixq.store.deployment import resolve_shards
 
 PERCENTILES = (50, 95, 99)
@@ -34,6 +35,8 @@ PERCENTILES = (50, 95, 99)
 SAMPLE = 1000
 #: index entries of the burst index checked per call for a record that is gone (oldest first)
 PRUNE = 100
+#: workers with an expired heartbeat listed per shard (``workers_gone``), newest first
+_GONE_SHOWN = 20
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -89,6 +92,11 @@ def shard_stats(
         pipe.zrange(keys.workers(k), 0, -1)
         dead, names = pipe.execute()
         workers = _workers(r, keys, k, [n.decode() for n in names], now)
+        gone = (
+            _gone(r, keys, k, {w["name"] for w in workers}, now)
+            if len(workers) < len(names)
+            else []
+        )
         out.append(
             {
                 "shard": k,
@@ -102,6 +110,7 @@ def shard_stats(
                 "workers": len(workers),
                 "worker_names": [w["name"] for w in workers],
                 "worker_detail": workers,
+                "workers_gone": gone,
                 "inflight": q.pending,
                 "outstanding_prefill_tokens": load.get(str(k), 0),
                 "dead_letters": dead,
@@ -190,24 +199,77 @@ def _workers(
                 pending[name] = pending.get(name, 0) + int(c["pending"])
     pipe = r.pipeline(transaction=False)
     for name in names:
-        pipe.hmget(keys.heartbeat(shard, name), ["inflight", "beat"])
+        pipe.hmget(keys.heartbeat(shard, name), ["inflight", "beat", *_BEAT_DETAIL])
     beats = pipe.execute() if names else []
     out = []
-    for name, (inflight, beat) in zip(names, beats, strict=True):
+    for name, (inflight, beat, *detail) in zip(names, beats, strict=True):
         if inflight is None and beat is None:  # heartbeat expired: not live
             continue
+        age = round(max(0.0, now - _number(beat, now)), 3)
+        every = _number(detail[_BEAT_DETAIL.index("every_s")], 0.0)
         out.append(
             {
                 "name": name,
                 "pending": pending.get(name, 0),
                 "inflight_at_beat": int(inflight or 0),
-                "beat_age_s": round(max(0.0, now - float(beat or now)), 3),
+                "beat_age_s": age,
+                **{
+                    k: _number(v, 0.0) if k not in ("host", "gpu") else _text(v)
+                    for k, v in zip(_BEAT_DETAIL, detail, strict=True)
+                },
+                # missed three beats: still listed until its heartbeat's TTL ends, but quiet
+                "quiet": bool(every) and age > 3 * every,
             }
         )
     return out
 
 
-def _shown_status(st: results_api.BurstStatus) -> str:
+#: heartbeat fields a worker's row carries besides the above (worker.health and heartbeat.py)
+_BEAT_DETAIL = (
+    "host",
+    "gpu",
+    "engine_up",
+    "stopping",
+    "max_inflight",
+    "started",
+    "every_s",
+    "admitted",
+    "finished",
+    "failed",
+    "gc_max_pause_ms",
+    "gc_pauses",
+    "loop_lag_p99_ms",
+    "loop_lag_max_ms",
+)
+
+
+def _number(raw: bytes | None, default: float) -> float:
+    """A heartbeat field as a number (ints stay ints); ``default`` when absent or not one."""
+    try:
+        v = float(raw) if raw is not None else default
+    except ValueError:
+        return default
+    if not math.isfinite(v):
+        return default
+    return int(v) if v.is_integer() and b"." not in (raw or b"") else v
+
+
+def _text(raw: bytes | None) -> str:
+    return raw.decode(errors="replace")[:200] if raw is not None else ""
+
+
+def _gone(r: redis.Redis, keys: Keys, shard: int, live: set[str], now: float) -> list[Any]:
+    """Workers still in the shard's worker set whose heartbeat expired (killed, hung, or cut off
+    from Redis): name and age of their last beat, newest first."""
+    rows = r.zrevrange(keys.workers(shard), 0, len(live) + _GONE_SHOWN - 1, withscores=True)
+    return [
+        {"name": n.decode(errors="replace"), "last_beat_age_s": round(max(0.0, now - t), 3)}
+        for n, t in rows
+        if n.decode(errors="replace") not in live
+    ]
+
+
+def shown_status(st: results_api.BurstStatus) -> str:
     """What `inspect` calls a burst: its record's end (cancelled, expired) or finished once
     every request has a result; running once the first result is in; else its record's own
     (queued, cancelling)."""
@@ -255,7 +317,7 @@ def burst_stats(r: redis.Redis, settings: Settings, burst: str) -> dict[str, Any
     return {
         "burst": burst,
         # a cancelled or expired burst is finished too; its record says which
-        "status": _shown_status(st),
+        "status": shown_status(st),
         "total": st.total,
         "done": st.done,
         "failed": st.failed,
@@ -272,6 +334,8 @@ def burst_stats(r: redis.Redis, settings: Settings, burst: str) -> dict[str, Any
         "ok": st.done,
         "sampled": len(sample),
         **_latencies(ok),
+        "histograms": distributions.histograms(ok),
+        "timeline": distributions.timeline(sample, n / len(sample) if sample else 1.0),
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "predicted_cached_tokens": int(m.get("predicted_cached_tokens", 0)),

@@ -6,7 +6,8 @@ refreshed (`inspect`, `check`); the lease on the entries the worker holds — re
 slot, in flight, or finished with their results not yet acked — is renewed (`ShardStream.renew`),
 so no other worker's reclaimer takes them while they are served or written; the requests admitted
 since the last beat and their queue waits, per priority and tenant, are added to the shard's
-counters (`prefixq inspect`: off the requests' path). After a burst, once
+counters (`prefixq inspect`: off the requests' path), and every ``history_every_s`` a sample
+goes to the shard's rolling history (worker/history.py). After a burst, once
 nothing has been in flight for a second, the heap is collected and frozen again
 (worker/gc_policy.py), so objects that survived the burst leave the generations the next burst
 collects.
@@ -26,6 +27,7 @@ from redis.exceptions import ResponseError
 from prefixq.store.connection import TRANSIENT
 from prefixq.worker.deliveries import Ref
 from prefixq.worker.gc_policy import GcPolicy
+from prefixq.worker.history import History
 from prefixq.worker.shard import ShardStream
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,7 @@ class Heartbeat:
         self.gc_policy = gc_policy
         self._served_since_collect = 0
         self._last_done = 0.0
+        self.history = History(stream, every_s=stream.settings.history_every_s, now=time.time())
 
     def request_done(self) -> None:
         self._served_since_collect += 1
@@ -80,8 +83,9 @@ class Heartbeat:
 
     async def beat(self, hb: str) -> None:
         now = time.time()
+        health = self.health(now)
         pipe = self.stream.r.pipeline(transaction=False)
-        pipe.hset(hb, mapping=self.health(now))
+        pipe.hset(hb, mapping={**health, "every_s": self.every_s})
         pipe.expire(hb, self.ttl_s)
         pipe.zadd(self.stream.keys.workers(self.stream.shard), {self.stream.consumer: now})
         await pipe.execute()
@@ -89,6 +93,7 @@ class Heartbeat:
         self._untold += self.tallies()
         await self.stream.tally(self._untold)  # kept for the next beat if Redis refused them
         self._untold = []
+        await self.history.beat(now, health)
 
     def collect_when_idle(self) -> None:
         """Collect (worker/gc_policy.py) after a burst, in idle time only: no request waits."""

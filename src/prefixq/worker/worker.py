@@ -427,6 +427,8 @@ class Worker:
             "stopping": int(self.stopping),
             "gc_max_pause_ms": round(self.gc.max_pause * 1000, 3),
             "gc_pauses": self.gc.count,
+            "loop_lag_p99_ms": round(self.probes.loop.lag.quantile(0.99), 3),
+            "loop_lag_max_ms": round(self.probes.loop.lag.max, 3),
             "reclaimed": self.reclaimer.reclaimed,
             **self.counts,
         }
