@@ -781,3 +781,13 @@ def test_a_started_server_removes_partial_uploads_a_killed_one_left(
     with Server(settings, tmp_path / "files"):
         wait_until(lambda: not stale.exists(), 30, "the stale partial upload removed")
         assert fresh.exists() and kept.exists()
+
+
+def test_without_keys_the_batch_api_answers_only_a_loopback_host(server: Server) -> None:
+    """Given no API keys, /v1 requests naming another Host (a DNS-rebinding page whose name
+    points at 127.0.0.1) get a 403 and reach no file or batch; localhost is served."""
+    for method, path in (("GET", "/v1/files"), ("GET", "/v1/batches"), ("POST", "/v1/batches")):
+        resp = httpx.request(method, server.url + path[3:], headers={"Host": "evil.example"})
+        assert (resp.status_code, resp.json()["error"]["code"]) == (403, "host_not_allowed")
+    ok = httpx.get(server.url + "/files", headers={"Host": f"localhost:{server.port}"})
+    assert ok.status_code == 200 and ok.json()["object"] == "list"

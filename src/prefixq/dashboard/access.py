@@ -25,20 +25,12 @@ from starlette.requests import Request
 
 from prefixq.core.settings import Settings
 from prefixq.openai.apierror import ApiError
-from prefixq.openai.auth import KeyRing, is_loopback
+from prefixq.openai.auth import KeyRing
 
 __all__ = ["ACTION_HEADER", "Access"]
 
 #: the header every state-changing request must carry
 ACTION_HEADER = "x-prefixq-action"
-
-
-def _host_name(host: str) -> str:
-    """The name part of a ``Host`` header (``[::1]:8000`` -> ``::1``)."""
-    host = host.strip()
-    if host.startswith("["):
-        return host[1 : host.find("]")] if "]" in host else host
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,14 +45,8 @@ class Access:
         return self.settings.dashboard_read_only
 
     def guard_host(self, request: Request) -> None:
-        """Without keys, only a loopback ``Host`` (403 otherwise)."""
-        if self.keyring.open and not is_loopback(_host_name(request.headers.get("host", ""))):
-            raise ApiError(
-                403,
-                "This server has no API keys and answers requests for a loopback address only "
-                "(Host header).",
-                code="host_not_allowed",
-            )
+        """Without keys, only a loopback ``Host`` (403 otherwise: `KeyRing.guard_host`)."""
+        self.keyring.guard_host(request.headers.get("host"))
 
     def settings_for(self, request: Request) -> Settings:
         """The caller's settings: the server's, in its key's namespace (401 without a valid key

@@ -168,6 +168,7 @@ def _batch_routes(
     """OpenAI's Files and Batch endpoints under ``/v1``."""
 
     def store(request: Request) -> BatchStore:
+        keyring.guard_host(request.headers.get("host"))
         ns = keyring.namespace_for(request.headers.get("authorization"))
         sweeper: Sweeper = holder["sweeper"]
         return sweeper.stores[ns]

@@ -21,7 +21,7 @@ from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
 from prefixq.openai.apierror import ApiError
 
-__all__ = ["KeyRing", "is_loopback"]
+__all__ = ["KeyRing", "host_name", "is_loopback"]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,18 @@ class KeyRing:
         out += [ns for _, ns in self.keys if ns not in out]
         return out
 
+    def guard_host(self, host_header: str | None) -> None:
+        """Without keys the server answers requests for a loopback name only (ApiError 403
+        otherwise): a page of another site that a DNS-rebinding name points at 127.0.0.1 sends
+        that name as its Host, and must not reach files, batches or the dashboard."""
+        if self.open and not is_loopback(host_name(host_header or "")):
+            raise ApiError(
+                403,
+                "This server has no API keys and answers requests for a loopback address only "
+                "(Host header).",
+                code="host_not_allowed",
+            )
+
     def namespace_for(self, authorization: str | None) -> str:
         """The caller's namespace from its ``Authorization`` header; ApiError 401 when it is
         missing or wrong (every key is compared, in constant time)."""
@@ -94,6 +106,14 @@ class KeyRing:
             shown = token[:3] + "*" * 4 + token[-4:] if len(token) > 8 else "*" * len(token)
             raise ApiError(401, f"Incorrect API key provided: {shown}.", code="invalid_api_key")
         return found
+
+
+def host_name(host: str) -> str:
+    """The name part of a ``Host`` header (``[::1]:8000`` -> ``::1``, ``a:80`` -> ``a``)."""
+    host = host.strip()
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
 def is_loopback(host: str) -> bool:
