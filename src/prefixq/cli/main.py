@@ -285,6 +285,7 @@ def _check_timeout(timeout: float | None) -> None:
 
 
 def cmd_results(args: argparse.Namespace, settings: Settings) -> int:
+    from prefixq.client import results
     from prefixq.openai.outputs import write_results
 
     _check_timeout(args.timeout)
@@ -300,6 +301,14 @@ def cmd_results(args: argparse.Namespace, settings: Settings) -> int:
     )
     if args.out:
         print(f"wrote {n} results to {args.out}", file=sys.stderr)
+    missing = results.unrecorded_ids(args.burst, settings)
+    if missing:
+        print(
+            f"prefixq: note: {missing} of its {n} results have no id (null): their request ids "
+            f"were never recorded (burst {args.burst}'s producer stopped before writing them); "
+            "a line's place in the output is its request's input index",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -1,9 +1,10 @@
 """`Producer`: a burst in, entries on the shards' streams out — its head first.
 
 `Producer.asubmit` validates, places and encodes the burst's head (its first `HEAD` requests in
-enqueue order), creates the burst record (lua/create_burst.lua: an id is taken once), sends the
-head, and only then validates, places and sends the rest in growing chunks (`_Submission.run`),
-so that the engines start within milliseconds whatever the burst's size. Where the entries go is
+enqueue order), creates the burst record with the ids of all its requests (lua/create_burst.lua:
+an id is taken once, and a burst never exists without its ids), sends the head, and only then
+validates, places and sends the rest in growing chunks (`_Submission.run`), so that the engines
+start within milliseconds whatever the burst's size. Where the entries go is
 layout.py's; the enqueue order is order.py's. The invariant to keep: once the record exists, no
 failure may leave the burst half sent (`_Submission._abandon` cancels it as a whole); before
 that, a refusal leaves nothing behind. docs/architecture.md, "The producer: the head first", has
@@ -48,6 +49,7 @@ from prefixq.core.entries import split_prefix
 from prefixq.core.errors import BurstIdTaken, ValidationError
 from prefixq.core.inputs import IdCheck, normalize_one
 from prefixq.core.keys import Keys
+from prefixq.core.openai_lines import is_openai_line
 from prefixq.core.records import Request
 from prefixq.core.settings import Settings
 from prefixq.core.sharing import check_priority, check_tenant
@@ -66,6 +68,8 @@ _CHUNK = 1024
 _PRUNE = 32
 #: request ids per RPUSH of the burst's id list
 _IDS_CHUNK = 10_000
+#: seconds a staged id list lives if its producer dies before the create call (Keys.staged_ids)
+_STAGED_TTL_S = 3600
 #: new ids a submit tries when the one it made is taken (two producers in the same second drew
 #: the same 6 random hex digits: at tens of bursts a second, a matter of days)
 _NEW_ID_ATTEMPTS = 5
@@ -83,6 +87,15 @@ def check_burst_id(burst: str) -> str:
             f"burst id {burst!r} must be 1-200 characters of letters, digits and _.:@+-"
         )
     return burst
+
+
+def raw_id(raw: Request | Mapping[str, Any], index: int) -> str:
+    """The id request ``index`` of a burst gets once parsed (`Request.from_json`: ``custom_id`` of
+    an OpenAI batch line, else ``id``, else its index), read without parsing it."""
+    if isinstance(raw, Request):
+        return raw.id
+    rid = raw.get("custom_id") if is_openai_line(raw) else raw.get("id")
+    return str(index) if rid is None else str(rid)
 
 
 def new_burst_id() -> str:
@@ -300,6 +313,8 @@ class _Submission:
         self.per_shard: Counter[int] = Counter()
         self.sent = 0
         self.created = False
+        #: tells this submission's create apart from another producer's of the same burst id
+        self.token = secrets.token_hex(8)
 
     async def run(self, placement: str | Placer, seed: int | None, order: str) -> str:
         shards = await self.p.shards(self.r)
@@ -372,7 +387,8 @@ class _Submission:
         return reqs, parts
 
     async def _create(self, shards: int, placement: str | Placer, order: str) -> None:
-        """The burst record, once (ValidationError if the id is taken)."""
+        """The burst record and its id list, once, in one round trip (BurstIdTaken, a
+        ValidationError, if the id is taken)."""
         meta = {
             "total": self.n,
             "done": 0,
@@ -386,9 +402,21 @@ class _Submission:
             **self.meta,
         }
         flat = [x for kv in meta.items() for x in kv]
-        created = await self.r.eval(
-            lua("create_burst"), 1, self.keys.burst(self.burst), len(meta), *flat
-        )
+        keys = self.keys
+        staged = keys.staged_ids(self.burst, self.token)
+        ids = self._ids()
+        pipe = self.r.pipeline(transaction=False)
+        pipe.delete(staged)  # a pipeline the client sends again starts the list afresh
+        for start in range(0, len(ids), _IDS_CHUNK):
+            pipe.rpush(staged, *ids[start : start + _IDS_CHUNK])
+        pipe.expire(staged, _STAGED_TTL_S)
+        keys_args = [keys.burst(self.burst), staged, keys.ids(self.burst)]
+        pipe.eval(lua("create_burst"), 3, *keys_args, self.token, self.n, len(meta), *flat)
+        *writes, created = await pipe.execute(raise_on_error=False)
+        if isinstance(created, Exception):
+            raise created
+        if created == -1:  # a push of the ids was refused (out of memory): nothing was created
+            raise next((x for x in writes if isinstance(x, Exception)), RedisError(str(writes)))
         if not created:
             raise BurstIdTaken(f"burst {self.burst!r} already exists")
         self.created = True
@@ -407,7 +435,6 @@ class _Submission:
             pipe.expire(keys.prefix(ref), ttl)
         self.layout.add(pipe, encoded.by_shard, first=first)
         if first:
-            self._ids(pipe)
             pipe.zadd(keys.bursts, {self.burst: self.enc.enqueued})
             if "deadline" in self.meta:
                 pipe.zadd(keys.deadlines, {self.burst: self.meta["deadline"]})
@@ -424,23 +451,17 @@ class _Submission:
         if self.progress:
             self.progress(self.sent, self.n)
 
-    def _ids(self, pipe: Any) -> None:
-        """The burst's request ids in input order (known for every request already parsed; the
-        others by their raw value, since a cancel may need them before they are validated)."""
+    def _ids(self) -> list[str]:
+        """The burst's request ids in input order (a checked file's, or each request's: parsed
+        already, or the id its parse will give it, since a cancel may need them before they are
+        validated)."""
         if self.file is not None:
-            ids: list[str] = self.file.ids
-        else:
-            ids = [self._raw_id(i) for i in range(self.n)]
-        for start in range(0, len(ids), _IDS_CHUNK):
-            pipe.rpush(self.keys.ids(self.burst), *ids[start : start + _IDS_CHUNK])
+            return list(self.file.ids)
+        return [self._raw_id(i) for i in range(self.n)]
 
     def _raw_id(self, i: int) -> str:
         q = self.reqs[i]
-        if q is not None:
-            return q.id
-        raw = self.raw[i]
-        rid = raw.id if isinstance(raw, Request) else raw.get("id", raw.get("custom_id", i))
-        return str(rid)
+        return q.id if q is not None else raw_id(self.raw[i], i)
 
     async def _finish(self, shards: int) -> None:
         sz = self.enc.sizes

@@ -45,6 +45,7 @@ __all__ = [
     "iterate",
     "read_stored",
     "status",
+    "unrecorded_ids",
     "wait",
     "write_jsonl",
     "write_lines",
@@ -231,6 +232,18 @@ def status(
 ) -> BurstStatus:
     """The burst's record and counters right now."""
     return _Session(burst, settings, client).status()
+
+
+def unrecorded_ids(
+    burst: str, settings: Settings | None = None, *, client: redis.Redis | None = None
+) -> int:
+    """How many of the burst's requests have no recorded id (0 for every burst a producer of
+    this version wrote: it writes the ids with the record). Their results, if a cancel or an
+    expiry made them, carry no id (null in the result lines) rather than one made up."""
+    ses = _Session(burst, settings, client)
+    total = ses.status().total
+    with ses.redis_errors():
+        return max(0, total - int(ses.r.llen(ses.keys.ids(burst))))
 
 
 def _deadline(timeout: float | None) -> float | None:

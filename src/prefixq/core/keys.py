@@ -140,8 +140,15 @@ class Keys:
         return f"{self.ns}:{{b{burst}}}:results"
 
     def ids(self, burst: str) -> str:
-        """List: the burst's request ids in input order (cancel and expiry fill their results)."""
+        """List: the burst's request ids in input order (cancel and expiry fill their results);
+        written whole with the burst's record (lua/create_burst.lua renames `staged_ids` to it)."""
         return f"{self.ns}:{{b{burst}}}:ids"
+
+    def staged_ids(self, burst: str, token: str) -> str:
+        """List with TTL: one submission's request ids before its burst's record exists (its
+        ``token`` tells two producers of one burst id apart); lua/create_burst.lua renames it to
+        `ids` when it creates the record, or deletes it."""
+        return f"{self.ns}:{{b{burst}}}:ids:{token}"
 
     @property
     def deadlines(self) -> str:

@@ -379,10 +379,11 @@ class Result:
         return res
 
     def to_json(self, *, token_ids: bool = False) -> dict[str, Any]:
-        """The documented output record (one JSONL line)."""
+        """The documented output record (one JSONL line); ``id`` is null for a request whose id
+        its burst has no record of (docs/delivery.md, "Cancel and deadlines")."""
         t = self.timings
         out: dict[str, Any] = {
-            "id": self.id,
+            "id": self.id or None,
             "text": self.text,
             "finish_reason": self.finish_reason,
             "error": self.error,

@@ -107,7 +107,7 @@ def format_result(res: Result, *, burst: str, endpoint: str = CHAT, model: str =
     model = res.model or model
     line: dict[str, Any] = {
         "id": _uid("batch_req_", burst, res.index),
-        "custom_id": res.id,
+        "custom_id": res.id or None,  # null: its id was never recorded
         "response": None,
         "error": None,
     }

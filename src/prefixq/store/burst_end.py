@@ -8,7 +8,10 @@ is missing is the notice posted to `Keys.cancels` (workers then abort the burst'
 skip its entries), so the counters and the final status are this module's. The call that
 completes the burst runs the ``on_burst_done`` hook its caller passes (RQ's enqueue, from
 prefixq.integrations.rq_callbacks): this module imports no integration. docs/delivery.md,
-"Cancel and deadlines", has the steps, the statuses and the exactly-once argument.
+"Cancel and deadlines", has the steps, the statuses and the exactly-once argument. Each result
+carries the id submitted for its index (the producer writes the id list with the record); an
+index past the end of a list an older producer left short gets no id (`NO_ID`), never one made up
+from the index.
 """
 
 from __future__ import annotations
@@ -67,6 +70,11 @@ _KEEP: dict[str, Any] = {"maxlen": _NOTICES_KEPT, "approximate": True}
 #: bursts `expire_due` takes per call
 _DUE_PER_CALL = 100
 _STILL_MISSING, _COMPLETED, _WAS_COMPLETE, _NO_RECORD = 1, 2, 3, -2
+#: what the result of a request whose id the burst has no record of adds to its error
+NO_ID = (
+    " (its request id was never recorded: the burst's producer stopped before writing it, so "
+    "this result has no id; its place in the burst's results is its input index)"
+)
 #: the worker name failed results carry
 _WRITER = {"cancelled": "prefixq-cancel", "expired": "prefixq-expire"}
 
@@ -120,8 +128,8 @@ class _Finisher:
         out: list[Any] = [self.reason, self.settings.result_ttl_s, repr(self.now)]
         for i in missing:
             at = i - chunk.start
-            rid = ids[at].decode("utf-8", "replace") if at < len(ids) else str(i)
-            why = ENDED_ERRORS[self.reason]
+            rid = ids[at].decode("utf-8", "replace") if at < len(ids) else ""
+            why = ENDED_ERRORS[self.reason] + ("" if rid else NO_ID)  # never an id made up
             res = Result.failed(rid, i, self.reason, why, worker=_WRITER[self.reason], now=self.now)
             out += [i, wire.encode(res.to_wire(), self.settings.codec)]
         return out
