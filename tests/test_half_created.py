@@ -12,10 +12,12 @@ from typing import Any
 
 import pytest
 import redis
+import redis.asyncio as aredis
 
 from helpers import cli
 from prefixq.client import Producer, results
 from prefixq.client import producer as producer_module
+from prefixq.core.errors import RedisUnavailable
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from prefixq.store import burst_end
@@ -133,3 +135,56 @@ def test_a_create_sent_again_by_a_retry_is_the_producers_own_not_a_taken_id(
     assert r.lrange(Keys(s.namespace).ids("again"), 0, -1) == [
         str(i + 1).encode() for i in range(40)
     ]
+
+
+def lose_the_connection_mid_chunk(monkeypatch: pytest.MonkeyPatch, landed: int) -> None:
+    """The producer's third chunk (after 4 + 16 requests) is half processed by Redis — its first
+    ``landed`` entries are added — before the connection drops, so its reply never comes."""
+    real = aredis.client.Pipeline.execute
+    chunks = []
+
+    async def flaky(self: Any, raise_on_error: bool = True) -> Any:
+        xadds = [i for i, (args, _) in enumerate(self.command_stack) if args[0] == "XADD"]
+        if xadds:
+            chunks.append(len(xadds))
+        if len(chunks) == 3 and xadds:
+            self.command_stack = self.command_stack[: xadds[landed - 1] + 1]
+            await real(self, raise_on_error)
+            raise redis.ConnectionError("Connection closed by server.")
+        return await real(self, raise_on_error)
+
+    monkeypatch.setattr(aredis.client.Pipeline, "execute", flaky)
+
+
+def test_a_submit_that_fails_mid_chunk_reports_what_is_really_in_the_streams(
+    make_settings: Callable[..., Settings], r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given a submit whose connection drops while a chunk is half processed (20 requests sent
+    and acknowledged, then 30 of the next chunk's 64 in the stream without a reply), the error
+    says 50 of its 200 requests were enqueued — what Redis holds — and not 20."""
+    s = make_settings()
+    r.hset(Keys(s.namespace).config, "shards", 1)
+    lose_the_connection_mid_chunk(monkeypatch, landed=30)
+    with pytest.raises(RedisUnavailable, match="cancelled as a whole") as e:
+        Producer(s).submit(shifted(200), burst_id="cut")
+    assert "50 of its 200 requests" in str(e.value), str(e.value)
+
+
+def test_a_submit_that_fails_mid_chunk_with_redis_gone_says_what_it_cannot_know(
+    make_settings: Callable[..., Settings], r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given the same half-processed chunk, and Redis gone before the burst could be counted or
+    cancelled, the error gives the bounds it knows (at least the 20 acknowledged, at most those
+    plus the 64 of the chunk in flight), not 20 as if it were the count."""
+    s = make_settings()
+    r.hset(Keys(s.namespace).config, "shards", 1)
+    lose_the_connection_mid_chunk(monkeypatch, landed=30)
+
+    async def gone(*a: Any, **kw: Any) -> Any:
+        raise redis.ConnectionError("Connection refused.")
+
+    monkeypatch.setattr(producer_module, "acancel", gone)
+    monkeypatch.setattr(producer_module, "count_enqueued", gone)
+    with pytest.raises(RedisUnavailable, match="could not be cancelled") as e:
+        Producer(s).submit(shifted(200), burst_id="cut")
+    assert "at least 20 and at most 84 of its 200 requests" in str(e.value), str(e.value)

@@ -54,6 +54,7 @@ from prefixq.core.records import Request
 from prefixq.core.settings import Settings
 from prefixq.core.sharing import check_priority, check_tenant
 from prefixq.store.burst_end import OnBurstDone, acancel
+from prefixq.store.census import count_enqueued
 from prefixq.store.connection import TRANSIENT, adescribe, async_client, lua
 from prefixq.store.deployment import aresolve_shards
 
@@ -311,13 +312,16 @@ class _Submission:
         self.enc.priority, self.enc.tenant = meta["priority"], meta["tenant"]
         self.layout = Layout(self.keys, burst, meta["priority"], meta["tenant"])
         self.per_shard: Counter[int] = Counter()
+        #: requests whose pipeline Redis acknowledged; requests of the pipeline awaiting its reply
         self.sent = 0
+        self.sending = 0
+        self.shards = 0
         self.created = False
         #: tells this submission's create apart from another producer's of the same burst id
         self.token = secrets.token_hex(8)
 
     async def run(self, placement: str | Placer, seed: int | None, order: str) -> str:
-        shards = await self.p.shards(self.r)
+        shards = self.shards = await self.p.shards(self.r)
         placer = await self.p.placer(self.r, placement, seed)
         looks = self.file.peeks(order) if self.file is not None else peeks(self.raw, order)
         perm = enqueue_order(order, looks)
@@ -438,7 +442,9 @@ class _Submission:
             pipe.zadd(keys.bursts, {self.burst: self.enc.enqueued})
             if "deadline" in self.meta:
                 pipe.zadd(keys.deadlines, {self.burst: self.meta["deadline"]})
+        self.sending = len(idx)
         replies = await pipe.execute(raise_on_error=False)
+        self.sending = 0  # answered: what was refused is raised below, and was not written
         for x in replies:  # a lane left behind by an expired burst of the same id keeps its group
             if isinstance(x, Exception) and "BUSYGROUP" not in str(x):
                 raise x
@@ -505,7 +511,10 @@ class _Submission:
 
     async def _abandon(self, err: BaseException) -> None:
         """A request refused, or Redis failed, after the head was sent: cancel the burst as a
-        whole (its remaining requests get cancelled results) and say so in the error."""
+        whole (its remaining requests get cancelled results) and say so in the error, with the
+        number of its requests Redis really holds (store/census.py: a pipeline Redis processed
+        in part before the connection dropped counts too), or, when Redis cannot be asked, the
+        bounds the producer knows."""
         if not self.created:
             return
         log.error(
@@ -515,7 +524,16 @@ class _Submission:
             self.n,
             err,
         )
+        enqueued: int | None = None
         try:
+            enqueued = await count_enqueued(
+                self.r,
+                self.s,
+                self.burst,
+                shards=self.shards,
+                priority=self.layout.info.priority,
+                created=self.enc.enqueued,
+            )
             done = self.p.on_burst_done
             await acancel(self.burst, self.s, self.r, on_burst_done=done.adone if done else None)
             if self.layout.lanes:
@@ -523,14 +541,24 @@ class _Submission:
                 self.layout.seal(pipe)
                 await pipe.execute()
             note = (
-                f"; {self.sent} of its {self.n} requests had been enqueued, so burst {self.burst} "
+                f"; {enqueued} of its {self.n} requests had been enqueued, so burst {self.burst} "
                 "was cancelled as a whole (what already finished keeps its result)"
             )
         except Exception as e:  # Redis itself may be what failed
             log.error("could not cancel burst %s: %s", self.burst, e)
+            if enqueued is not None:
+                part = f"{enqueued} of its {self.n} requests"
+            elif self.sending:  # Redis may have processed part of the pipeline it never answered
+                first, last = self.sent + 1, self.sent + self.sending
+                part = (
+                    f"at least {self.sent} and at most {last} of its {self.n} requests: Redis "
+                    f"stopped answering while requests {first}-{last} were being sent"
+                )
+            else:
+                part = f"{self.sent} of its {self.n} requests"
             note = (
-                f"; burst {self.burst} is partly enqueued ({self.sent} of {self.n}) and could "
-                f"not be cancelled: run `prefixq cancel {self.burst}`"
+                f"; burst {self.burst} is partly enqueued ({part}) and could not be cancelled: "
+                f"run `prefixq cancel {self.burst}`"
             )
         if err.args:
             err.args = (f"{err.args[0]}{note}", *err.args[1:])
