@@ -39,6 +39,7 @@ from prefixq.core import wire
 from prefixq.core.keys import Keys
 from prefixq.core.records import Result
 from prefixq.core.settings import Settings
+from prefixq.worker.worker import stop_bound_s
 
 pytestmark = pytest.mark.slow
 
@@ -167,6 +168,54 @@ def test_sigterm_during_burst_exits_0_in_grace_and_nothing_is_lost(
     with fake_worker(s.replace(max_inflight=12), name="st"):  # the restart, same name
         wait_burst(r, s, burst, 60)
         out = account(r, s, burst, 12)
+    assert (out.lost, out.duplicated, out.failed) == (0, 0, 0)
+
+
+def test_sigterm_while_redis_is_down_exits_0_within_its_bound_and_nothing_is_lost(
+    tmp_path: Path, fake_worker: MakeWorker
+) -> None:
+    """Given a worker process (grace_s=3) with requests in flight, when redis-server is killed
+    and the worker gets SIGTERM, it exits 0 within `stop_bound_s` (grace_s + FLUSH_S: it took
+    18-51 s, retrying its writes for grace_s + 30 s and then each unregister command), leaving
+    what it could not write pending; with Redis back, a worker of the same name serves the rest
+    and every request has one result."""
+    with RedisServer(appendonly=True) as srv:
+        s = Settings(
+            redis_url=srv.url,
+            namespace="down",
+            shards=1,
+            grace_s=3.0,
+            heartbeat_s=0.5,
+            claim_idle_s=30.0,
+            max_inflight=4,
+        )
+        rr = redis.Redis.from_url(srv.url)
+        log = tmp_path / "down.log"
+        proc = fault_worker(s, log, "--name", "dw")
+        try:
+            burst = Producer(s).submit(requests(40, lambda i: f"sleep:0.5 down {i}"))
+            wait_until(lambda: rr.hlen(s.keys.results(burst)) >= 4, 30, "4 results")
+            wait_until(lambda: pending_on(rr, s, "dw") >= 1, 30, "requests in flight")
+            time.sleep(1.5)  # everysec: the burst is on disk
+            srv.kill()
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            rc = proc.wait(120)
+            took = time.monotonic() - t0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        bound = stop_bound_s(s)
+        print(f"  exit {rc} {took:.1f}s after SIGTERM with Redis down (bound {bound:.0f}s)")
+        assert rc == 0, log.read_text()[-3000:]
+        assert took <= bound + 1.0, log.read_text()[-3000:]
+        assert "Traceback" not in log.read_text()
+        LEDGER.fault("SIGTERM to a worker with requests in flight while redis-server is down")
+        srv.start()
+        with fake_worker(s.replace(max_inflight=16), name="dw"):  # same name: replays its own
+            wait_burst(rr, s, burst, 90)
+            out = account(rr, s, burst, 40, what="SIGTERM with Redis down")
+        rr.close()
     assert (out.lost, out.duplicated, out.failed) == (0, 0, 0)
 
 

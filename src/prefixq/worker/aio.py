@@ -1,4 +1,4 @@
-"""Four asyncio helpers the worker's lifecycle needs."""
+"""Five asyncio helpers the worker's lifecycle needs."""
 
 from __future__ import annotations
 
@@ -62,3 +62,16 @@ async def drain(tasks: list[asyncio.Task[Any]], grace_s: float) -> None:
     await asyncio.gather(*late, return_exceptions=True)
     if late:
         log.warning("%d requests did not finish in the grace period; left pending", len(late))
+
+
+async def within(aw: Awaitable[Any], seconds: float) -> bool:
+    """Let ``aw`` (a coroutine or a task) run for at most ``seconds`` more; cancel it (until it
+    is done: `cancel_all`) if it is still running then. Whether it finished; its own errors
+    propagate."""
+    task = asyncio.ensure_future(aw)
+    done, _ = await asyncio.wait([task], timeout=max(0.0, seconds))
+    if not done:
+        await cancel_all([task])
+        return False
+    task.result()
+    return True

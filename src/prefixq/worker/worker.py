@@ -7,9 +7,12 @@ entries of a restart (backlog.py), and each request is handed to the engine as s
 picked. Everything else is a collaborator with its own module: the stream protocol (shard.py),
 intake (intake.py), the writer, heartbeat, reclaimer, burst ends, probes and middleware;
 docs/architecture.md draws who owns what.
-``stop()`` (SIGTERM) stops reading, lets in-flight requests finish within ``grace_s``, writes and
-acks their results; what did not finish stays pending for a restart or a reclaim. An engine death
-leaves in-flight entries pending (not failed) and exits with code 3.
+``stop()`` (SIGTERM) stops reading, lets in-flight requests finish within ``grace_s`` of it, writes
+and acks their results; what did not finish stays pending for a restart or a reclaim. Whatever
+Redis does, the stop ends within `stop_bound_s` (``grace_s`` + `FLUSH_S`): a read waiting on Redis
+is given up after `READ_STOP_S`, and writing results and unregistering get `FLUSH_S` after the
+drain; what they could not do stays pending.
+An engine death leaves in-flight entries pending (not failed) and exits with code 3.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from prefixq.core.sharing import DEFAULT_PRIORITY, PRIORITIES, band
 from prefixq.engine.protocol import Engine, EngineRequest
 from prefixq.store.connection import async_client
 from prefixq.store.retry import retry
-from prefixq.worker.aio import cancel_all, drain, first_of, unless_stopped
+from prefixq.worker.aio import cancel_all, drain, first_of, unless_stopped, within
 from prefixq.worker.backlog import replay_backlog
 from prefixq.worker.control import control_loop
 from prefixq.worker.ends import BurstEnds
@@ -54,6 +57,25 @@ log = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_ENGINE_DEAD = 3
+#: seconds a stopping worker lets its reader finish the round it is in (a read blocks for at most
+#: reader.BLOCK_MS) before it cancels it: a read retrying an unreachable Redis is given up
+READ_STOP_S = 1.0
+#: seconds after the drain (in-flight requests done, or the grace period over) for writing and
+#: acking results and unregistering, whatever Redis does; what is not done by then stays pending
+#: (nothing is lost: a restarted worker of the same name replays it, another reclaims it after
+#: claim_idle_s)
+FLUSH_S = 5.0
+#: of `FLUSH_S`, what unregistering is sure to get
+_UNREGISTER_S = 0.5
+
+
+def stop_bound_s(settings: Settings) -> float:
+    """The longest a worker's stop takes from `Worker.stop` (SIGTERM) to its exit, whatever Redis
+    does: ``grace_s`` for in-flight requests, then `FLUSH_S` (plus the engine's own shutdown
+    and the process's exit)."""
+    return settings.grace_s + FLUSH_S
+
+
 #: a request's place in its engine's own queue (vLLM: lower first), by its burst's priority
 ENGINE_PRIORITY = {p: band(p) - band(DEFAULT_PRIORITY) for p in PRIORITIES}
 
@@ -93,6 +115,7 @@ class Worker:
         self.probes = Probes(gc_freeze=settings.gc_freeze)
         self.gc, self.gc_policy = self.probes.gc, self.probes.gc_policy
         self._stopping = asyncio.Event()
+        self._stopped_at = 0.0  # monotonic time of the first `stop()`
         self._room = asyncio.Event()
         self._gate = SoloGate()
         self._dead: str | None = None
@@ -104,7 +127,6 @@ class Worker:
         self.writer = ResultWriter(
             self.stream,
             write_batch=settings.write_batch,
-            grace_s=settings.grace_s,
             on_burst_done=self._burst_done,
             on_written=self._room.set,
         )
@@ -155,6 +177,7 @@ class Worker:
         """Stop reading; in-flight requests get ``grace_s`` to finish."""
         if not self._stopping.is_set():
             log.info("worker %s stopping (grace %.0fs)", self.name, self.settings.grace_s)
+            self._stopped_at = time.monotonic()
         self._stopping.set()
 
     def add_middleware(self, m: Middleware) -> None:
@@ -210,16 +233,27 @@ class Worker:
                 ("lanes", self.reader.refresh_loop()),
             )
         ]
+        final = time.monotonic() + stop_bound_s(self.settings)  # when the stop must be over
         try:
-            await self._retry("reading the lane index", self.reader.refresh)
-            await self.reclaimer.dead_letter_over_limit()
-            await self._read_loop()
-            await self.reader.release()
-            await drain(list(self.inflight.values()), self.settings.grace_s)
+            reading = asyncio.create_task(self._serve_queues(), name="reader")
+            await first_of(asyncio.shield(reading), self._stopping.wait())
+            if not self.stopping:  # the reader failed: exit as a stop would
+                self.stop()
+            grace_end = self._stopped_at + self.settings.grace_s
+            final = grace_end + FLUSH_S
+            if reading.done():
+                reading.result()  # the reader's error, if it failed
+            else:  # the round under way ends by itself, unless it waits on an absent Redis
+                await within(reading, min(READ_STOP_S, final - time.monotonic()))
+            await within(self.reader.release(), final - time.monotonic())
+            await drain(list(self.inflight.values()), grace_end - time.monotonic())
+            final = min(final, time.monotonic() + FLUSH_S)  # from the end of the drain
         finally:
-            await self.writer.close()
+            await self.writer.close(final - _UNREGISTER_S - time.monotonic())
             await cancel_all(tasks)
-            await self.heartbeat.unregister()
+            left = max(_UNREGISTER_S, final - time.monotonic())
+            if not await within(self.heartbeat.unregister(), left):
+                log.warning("could not unregister: the heartbeat expires by its TTL")
             self.gc.stop()
             await self.engine.close()
             await self.r.aclose()
@@ -227,6 +261,12 @@ class Worker:
             log.error("worker %s exits: %s", self.name, self._dead)
             return EXIT_ENGINE_DEAD
         return EXIT_OK
+
+    async def _serve_queues(self) -> None:
+        """Read and admit until `stop()` (the lane index first, then over-limit entries)."""
+        await self._retry("reading the lane index", self.reader.refresh)
+        await self.reclaimer.dead_letter_over_limit()
+        await self._read_loop()
 
     async def _retry(self, what: str, call: Callable[[], Awaitable[Any]]) -> None:
         await retry(what, call, settings=self.settings)

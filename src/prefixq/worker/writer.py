@@ -46,13 +46,11 @@ class ResultWriter:
         stream: ShardStream,
         *,
         write_batch: int,
-        grace_s: float,
         on_burst_done: BurstDone | None = None,
         on_written: Callable[[], None] | None = None,
     ) -> None:
         self.stream = stream
         self.write_batch = write_batch
-        self.grace_s = grace_s
         self.on_burst_done = on_burst_done
         #: called after each group is acked (the reader waits on room)
         self.on_written = on_written or (lambda: None)
@@ -106,11 +104,12 @@ class ResultWriter:
         finally:
             self._closed.set()
 
-    async def close(self) -> None:
-        """Flush what is queued, then stop."""
+    async def close(self, flush_s: float) -> None:
+        """Flush what is queued within ``flush_s`` seconds, then stop (the caller cancels the
+        writer's task if it is still trying: Redis away or refusing writes)."""
         self.queue.put_nowait(None)
         try:
-            await asyncio.wait_for(self._closed.wait(), timeout=self.grace_s + 30)
+            await asyncio.wait_for(self._closed.wait(), timeout=max(0.0, flush_s))
         except TimeoutError:
             log.error(
                 "results still unwritten at exit: %d (their entries stay pending)", self.backlog
