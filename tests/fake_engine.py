@@ -13,7 +13,6 @@ feature: the real engine has its own end-to-end tests.
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
@@ -119,12 +118,12 @@ async def serve(
     name: str = "",
     wrap: Callable[[Worker], AbstractAsyncContextManager[Any]] | None = None,
     on_worker: Callable[[Worker, asyncio.AbstractEventLoop], None] | None = None,
-    signals: bool = False,
 ) -> int:
     """Run the real `Worker` loop of ``shard`` over ``engine`` (a new FakeEngine by default)
-    until it stops; its exit code. ``signals``: SIGTERM/SIGINT stop it, as in `prefixq worker`;
-    ``wrap``: an async context manager around the run (a metrics exporter); ``on_worker`` is
-    called with the worker and its loop once built (and wrapped), before it runs."""
+    until it stops; its exit code. ``wrap``: an async context manager around the run (a metrics
+    exporter); ``on_worker`` is called with the worker and its loop once built (and wrapped),
+    before it runs (tests/fault_worker.py hands it to `WorkerSignals.serve`, as `prefixq worker`
+    does)."""
     w = Worker(
         settings,
         shard,
@@ -133,9 +132,6 @@ async def serve(
         middleware=[RqCompletion(settings)],  # as `prefixq worker` registers it
     )
     loop = asyncio.get_running_loop()
-    if signals:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, w.stop)
     if wrap is None:
         if on_worker is not None:
             on_worker(w, loop)

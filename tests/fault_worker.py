@@ -6,7 +6,10 @@ tests/fake_engine.py (its `serve`, which the in-process `fake_worker` fixture ru
 every settings flag `prefixq worker` takes and exits with the same codes (0 after SIGTERM, 3 after
 an engine death, 2 for a configuration error).
 ``--crash-after-record`` makes the first result write record its results and then die (exit 137)
-before the entries are acked: a crash between the two halves of a write.
+before the entries are acked: a crash between the two halves of a write. ``--hold-start S``
+blocks the start for S seconds before the worker is built, as vLLM's engine build blocks the
+thread (SIGTERM/SIGINT are handled from the first line, as `prefixq worker` does:
+prefixq.cli.worker_signals).
 
 ``python tests/fault_worker.py workers --cpu N [settings]`` runs the real supervisor
 (`prefixq.cli.worker_process.supervise`, as `prefixq workers` does) over such worker processes.
@@ -20,15 +23,18 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 from fake_engine import serve
 from prefixq.cli.main import _settings_parser, settings_from
 from prefixq.cli.worker_process import supervise
+from prefixq.cli.worker_signals import WorkerSignals
 from prefixq.core.errors import ConfigError
 from prefixq.worker.shard import ShardStream
 
 CRASH_EXIT = 137
+log = logging.getLogger("fault_worker")
 
 
 def crash_after_record() -> None:
@@ -43,10 +49,12 @@ def crash_after_record() -> None:
 
 
 def worker(argv: list[str]) -> int:
+    signals = WorkerSignals().install()  # as `prefixq worker` does, on its first line
     p = argparse.ArgumentParser(parents=[_settings_parser()])
     p.add_argument("--shard", type=int, default=0)
     p.add_argument("--name", default="")
     p.add_argument("--crash-after-record", action="store_true")
+    p.add_argument("--hold-start", type=float, default=0.0, metavar="S")
     args = p.parse_args(argv)
     logging.basicConfig(
         level=args.log_level or "INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -54,8 +62,12 @@ def worker(argv: list[str]) -> int:
     if args.crash_after_record:
         crash_after_record()
 
+    log.info("worker shard=%d starting (pid %d)", args.shard, os.getpid())
+    if args.hold_start:  # a start-up that takes this long, blocking the thread (an engine's)
+        time.sleep(args.hold_start)
     try:
-        return asyncio.run(serve(settings_from(args), args.shard, name=args.name, signals=True))
+        s = settings_from(args)
+        return asyncio.run(serve(s, args.shard, name=args.name, on_worker=signals.serve))
     except ConfigError as e:
         print(f"prefixq: error: {e}", file=sys.stderr)
         return 2

@@ -193,6 +193,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
+    from prefixq.cli.worker_signals import WorkerSignals
+
+    signals = WorkerSignals().install()  # a stop before the worker serves exits 0 at once
+    log.info("worker shard=%d starting (pid %d)", args.shard, os.getpid())
     from prefixq.cli.worker_process import run_worker
     from prefixq.engine.embedded_model import default_cache_dir, resolve_model
     from prefixq.engine.vllm_engine import parse_engine_args
@@ -205,6 +209,7 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
         gpu=args.gpu,
         engine_args=parse_engine_args(args.engine_arg),
         name=args.name,
+        signals=signals,
     )
 
 

@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from prefixq.cli.worker_signals import WorkerSignals
 from prefixq.core.settings import Settings
 from prefixq.engine.reaper import start_reaper, stop_reaper
 from prefixq.worker.command import worker_command
@@ -69,8 +70,12 @@ def run_worker(
     gpu: str | None = None,
     engine_args: dict[str, Any] | None = None,
     name: str = "",
+    signals: WorkerSignals | None = None,
 ) -> int:
-    """Run one worker in this process until SIGTERM/SIGINT or engine death; returns exit code."""
+    """Run one worker in this process until SIGTERM/SIGINT or engine death; returns exit code.
+    ``signals``: the handlers the process installed on its first line (cli/worker_signals.py:
+    a stop before the worker serves exits 0 at once); installed here if not given."""
+    signals = signals or WorkerSignals().install()
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu  # before vLLM/torch see any device
     from prefixq.engine.vllm_engine import VllmEngine, cpu_defaults
@@ -87,9 +92,7 @@ def run_worker(
         )
         if settings.metrics_port > 0:
             worker.add_middleware(metrics_exporter(worker, settings.metrics_port))
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, worker.stop)
+        signals.serve(worker, asyncio.get_running_loop())
         return await worker.run()
 
     reaper = start_reaper()  # the engine's processes die with this one, even after kill -9

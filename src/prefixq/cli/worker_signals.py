@@ -1,0 +1,69 @@
+"""SIGTERM and SIGINT for a worker process, handled from its first line.
+
+Until the worker serves (its engine up and warm: `Worker.engine_up`) it holds nothing: no entry
+is read, no heartbeat written. A stop then ends the process at once with exit code 0: the
+signal raises ``SystemExit(0)`` wherever the main thread is — preparing the model, importing
+vLLM, building the engine (which blocks the event loop for a minute or more), waiting for Redis —
+so the start unwinds; the engine's processes end with it (their exit handlers, and the reaper:
+prefixq.engine.reaper), and if unwinding hangs, the process exits after `EXIT_S` anyway. Once
+the worker serves, a signal calls `Worker.stop()` on the worker's event loop: it stops reading
+and drains within ``grace_s`` (docs/delivery.md, "SIGTERM and SIGINT").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+from types import FrameType
+from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+__all__ = ["EXIT_S", "WorkerSignals"]
+
+#: seconds a stop during start-up may take to unwind before the process exits regardless
+EXIT_S = 5.0
+
+
+class Stoppable(Protocol):
+    """What the handler needs of the worker."""
+
+    @property
+    def engine_up(self) -> bool: ...
+
+    def stop(self) -> None: ...
+
+
+class WorkerSignals:
+    """``WorkerSignals().install()`` first; `serve(worker, loop)` once the worker is built."""
+
+    def __init__(self) -> None:
+        self._worker: Stoppable | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._leaving = False
+
+    def install(self) -> WorkerSignals:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        return self
+
+    def serve(self, worker: Stoppable, loop: asyncio.AbstractEventLoop) -> None:
+        """From now on a signal stops ``worker`` (running on ``loop``) once it serves."""
+        self._worker, self._loop = worker, loop
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        worker, loop = self._worker, self._loop
+        if worker is not None and loop is not None and worker.engine_up:
+            loop.call_soon_threadsafe(worker.stop)
+            return
+        if self._leaving:  # a second signal while the start unwinds
+            return
+        self._leaving = True
+        log.info("%s during start-up: exiting (nothing is held yet)", signal.Signals(signum).name)
+        watchdog = threading.Timer(EXIT_S, os._exit, (0,))
+        watchdog.daemon = True
+        watchdog.start()
+        raise SystemExit(0)
