@@ -44,13 +44,13 @@ from typing import Any
 
 import redis
 
-from prefixq.client import results
+from prefixq import Burst
 from prefixq.core.errors import BurstNotFound, PrefixqError
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from soaklib import accounting, faults
 from soaklib.deployment import ENV, PY, ROOT, Redis, SingleNode, Workers, backlog
-from soaklib.workload import Burst, Plan
+from soaklib.workload import Plan, Planned
 
 #: failed submits of one burst's requests tried again under a new id, at most
 RETRIES = 2
@@ -83,13 +83,13 @@ class Soak:
         self.workers = Workers(self.settings, folder / "logs")
         span = 0.8 * args.duration
         self.plan = Plan(random.Random(args.seed + 1), f"s{args.seed}", args.requests, span)
-        self.launched: list[Burst] = []
+        self.launched: list[Planned] = []
         self.extra = 0
         self.landed: list[faults.Landed] = []
         self.problems: list[str] = []
         self.notes: list[str] = []
         self._lock = threading.Lock()
-        self._running: list[tuple[Burst, subprocess.Popen[bytes]]] = []
+        self._running: list[tuple[Planned, subprocess.Popen[bytes]]] = []
 
     # ---- what faults use ---------------------------------------------------------------------
     def say(self, what: str) -> None:
@@ -120,12 +120,12 @@ class Soak:
         with self._lock:
             return [b.burst_id for b in self.launched]
 
-    def extra_burst(self, size: int) -> Burst:
+    def extra_burst(self, size: int) -> Planned:
         """A burst outside the plan (a submit to kill)."""
         self.extra += 1
         return self.plan.burst(size, 0.0, no=900 + self.extra)
 
-    def launch(self, b: Burst) -> subprocess.Popen[bytes]:
+    def launch(self, b: Planned) -> subprocess.Popen[bytes]:
         """Start ``b``'s submit process (``prefixq submit`` or the Python API)."""
         path = b.write(self.folder / "in")
         s = self.settings
@@ -144,7 +144,7 @@ class Soak:
             self.launched.append(b)
         return proc
 
-    def settle_submit(self, b: Burst, proc: subprocess.Popen[bytes]) -> Burst | None:
+    def settle_submit(self, b: Planned, proc: subprocess.Popen[bytes]) -> Planned | None:
         """Note how ``b``'s submit ended; after a failure, end its burst if it was created and
         its submit could not (``prefixq cancel``), and return the resubmission to launch."""
         b.rc = proc.wait()
@@ -169,7 +169,7 @@ class Soak:
     def submitter(self) -> None:
         """Launch the plan's bursts at their times; settle each submit; launch resubmissions."""
         queue = sorted(self.plan.bursts, key=lambda b: b.at)
-        later: list[tuple[float, Burst]] = []
+        later: list[tuple[float, Planned]] = []
         while queue or later or self._running:
             now = time.monotonic() - self.t0
             while queue and queue[0].at <= now:
@@ -312,14 +312,12 @@ class Soak:
             bursts = list(self.launched)
         for b in bursts:
             created = b.rc == 0 or bool(self.r.exists(self.keys.burst(b.burst_id)))
-            accounting.account(
-                tally, self.settings, b.burst_id, b.ids, b.markers, created=created, client=self.r
-            )
+            accounting.account(tally, self.settings, b.burst_id, b.ids, b.markers, created=created)
             if b.rc not in (0, None) and not b.killed and created:
                 self._check_report(tally, b)
         return tally
 
-    def _check_report(self, tally: accounting.Tally, b: Burst) -> None:
+    def _check_report(self, tally: accounting.Tally, b: Planned) -> None:
         """A failed submit said how many of its requests were enqueued: at least the requests
         workers recorded (each came from an entry) must be within it."""
         bounds = _BOUNDS.search(b.error)
@@ -331,7 +329,8 @@ class Soak:
         else:
             return
         try:
-            got = results.collect(b.burst_id, self.settings, client=self.r)
+            with Burst(b.burst_id, self.settings) as handle:
+                got = handle.collect()
         except BurstNotFound:
             return
         by_workers = sum(1 for x in got if x.worker and not x.worker.startswith("prefixq-"))

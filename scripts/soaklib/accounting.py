@@ -1,8 +1,9 @@
 """Lost, duplicated and phantom results, measured through the public API.
 
-Each burst's results are read back with `prefixq.client.results` (``status`` and ``collect``,
-what an upstream job calls) and compared with what the soak submitted: the request id of each
-input index and the word its answer must start with (workload.py). Cancelled, expired and failed
+Each burst's results are read back through the handle a submit returns (`prefixq.Burst`: its
+``status`` and ``collect``, what an upstream job calls) and compared with what the soak
+submitted: the request id of each input index and the word its answer must start with
+(workload.py). Cancelled, expired and failed
 results are results. Per burst:
 
 - **lost**: an input index without a result;
@@ -25,7 +26,7 @@ from typing import Any
 
 import redis
 
-from prefixq.client import results
+from prefixq import Burst
 from prefixq.core import wire
 from prefixq.core.errors import BurstNotFound
 from prefixq.core.keys import Keys
@@ -65,12 +66,19 @@ def account(
     markers: list[str],
     *,
     created: bool,
-    client: redis.Redis,
 ) -> None:
     """Add burst ``burst`` (``ids`` and answer ``markers`` by input index) to ``tally``.
     ``created``: whether its record must exist (its submit got that far)."""
+    with Burst(burst, settings) as handle:
+        _account(tally, handle, ids, markers, created=created)
+
+
+def _account(
+    tally: Tally, handle: Burst, ids: list[str], markers: list[str], *, created: bool
+) -> None:
+    burst = handle.id
     try:
-        st = results.status(burst, settings, client=client)
+        st = handle.status()
     except BurstNotFound:
         if created:
             tally.bursts += 1
@@ -81,7 +89,7 @@ def account(
     tally.requests += len(ids)
     if st.total != len(ids):
         tally.defect("phantom", burst, -1, f"its record says {st.total} requests, not {len(ids)}")
-    got = results.collect(burst, settings, client=client)
+    got = handle.collect()
     tally.results += len(got)
     by_index = Counter(r.index for r in got)
     for i in range(len(ids)):

@@ -195,7 +195,7 @@ class Workers:
         if not w.alive or not w.warm:
             return False
         with contextlib.suppress(redis.RedisError):
-            return r.hget(self.keys.heartbeat(w.shard, w.name), "engine_up") == b"1"
+            return bool(r.hget(self.keys.heartbeat(w.shard, w.name), "engine_up") == b"1")
         return False
 
     def wait_serving(self, w: Worker, r: redis.Redis, timeout: float = 30.0) -> bool:

@@ -234,7 +234,7 @@ class DuplicateWorker(Fault):
 
 def unfinished(soak: Soak) -> list[str]:
     """Bursts submitted (record created) with results still missing."""
-    out = []
+    out: list[str] = []
     for b in soak.created_bursts():
         try:
             total, done, failed = soak.r.hmget(soak.keys.burst(b), "total", "done", "failed")
@@ -433,7 +433,7 @@ class Garbage(Fault):
         if key is None:
             return []
         fields: dict[bytes, bytes] = {FIELD: data, **extra}
-        entry_id = soak.r.xadd(key, fields)  # type: ignore[arg-type]
+        entry_id = soak.r.xadd(key, fields)
         deadline = time.monotonic() + 25
         while time.monotonic() < deadline:
             try:

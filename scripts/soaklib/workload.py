@@ -27,8 +27,8 @@ _TOKEN_BASE = 70_000_000
 
 
 @dataclass
-class Burst:
-    """One burst of the plan, and what became of its submit."""
+class Planned:
+    """One burst the soak submits, and what became of its submit."""
 
     no: int
     burst_id: str
@@ -68,7 +68,7 @@ class Plan:
     def __init__(self, rng: random.Random, run: str, total: int, span_s: float) -> None:
         self.rng, self.run = rng, run
         self.serial = 0
-        self.bursts: list[Burst] = []
+        self.bursts: list[Planned] = []
         sizes = self._sizes(total)
         n = len(sizes)
         times = [0.0] + [span_s * (i + rng.random()) / n for i in range(1, n)]
@@ -76,7 +76,7 @@ class Plan:
             self.bursts.append(self.burst(size, at))
 
     def _sizes(self, total: int) -> list[int]:
-        """Burst sizes adding up to ``total``: about one burst per 1,300 requests (the issue's
+        """Planned sizes adding up to ``total``: about one burst per 1,300 requests (the issue's
         20,000 requests in 14-17 bursts), at least 8, a fifth of them small (3-40)."""
         rng, sizes, left = self.rng, [], total
         mean = total / max(8, round(total / 1300))
@@ -90,7 +90,7 @@ class Plan:
             left -= size
         return sizes
 
-    def burst(self, size: int, at: float, *, no: int = 0, via: str = "") -> Burst:
+    def burst(self, size: int, at: float, *, no: int = 0, via: str = "") -> Planned:
         """A new burst of ``size`` requests of one random kind mix (``no``: its number, default
         the next; ``via``: api or cli, default either)."""
         rng = self.rng
@@ -128,7 +128,7 @@ class Plan:
             markers.append(marker)
         via = via or rng.choice(("api", "cli"))
         deadline = rng.uniform(5.0, 20.0) if via == "api" and rng.random() < 0.1 else None
-        return Burst(
+        return Planned(
             no=no,
             burst_id=bid,
             via=via,
@@ -148,10 +148,10 @@ class Plan:
             f"clause-{d}-{k} says the parties agree on item {k}." for k in range(40)
         )
 
-    def resubmission(self, of: Burst) -> Burst:
+    def resubmission(self, of: Planned) -> Planned:
         """The same requests under a new burst id, after a failed submit (docs/delivery.md)."""
         root = of.burst_id.rsplit("-r", 1)[0] if of.attempt else of.burst_id
-        return Burst(
+        return Planned(
             no=of.no,
             burst_id=f"{root}-r{of.attempt + 1}",
             via=of.via,
