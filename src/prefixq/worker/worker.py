@@ -234,8 +234,8 @@ class Worker:
             )
         ]
         final = time.monotonic() + stop_bound_s(self.settings)  # when the stop must be over
+        reading = asyncio.create_task(self._serve_queues(), name="reader")
         try:
-            reading = asyncio.create_task(self._serve_queues(), name="reader")
             await first_of(asyncio.shield(reading), self._stopping.wait())
             if not self.stopping:  # the reader failed: exit as a stop would
                 self.stop()
@@ -250,7 +250,7 @@ class Worker:
             final = min(final, time.monotonic() + FLUSH_S)  # from the end of the drain
         finally:
             await self.writer.close(final - _UNREGISTER_S - time.monotonic())
-            await cancel_all(tasks)
+            await cancel_all([reading, *tasks])
             left = max(_UNREGISTER_S, final - time.monotonic())
             if not await within(self.heartbeat.unregister(), left):
                 log.warning("could not unregister: the heartbeat expires by its TTL")
