@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import redis
 
 from fake_engine import FakeEngine
@@ -181,3 +182,37 @@ def test_read_to_engine_time_leaves_out_an_idle_blocked_read(
     assert stats["r2e_n"] == 3
     assert stats["r2e_max_ms"] < 200, stats
     assert fw.stop() == EXIT_OK
+
+
+def test_a_burst_done_hook_that_meets_redis_loading_runs_again_until_it_succeeds(
+    make_settings: Callable[..., Settings],
+    fake_worker: Callable[..., FakeWorker],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Given a burst-done hook (the RQ completion callback's) that fails twice as Redis answers
+    LOADING after a restart, when the worker records the burst's last result, the hook is run
+    again with backoff until it succeeds, with no traceback logged (it was logged as failed and
+    never run again: the burst's on_complete job was lost)."""
+    from contextlib import asynccontextmanager
+
+    from prefixq.worker.middleware import Middleware
+
+    calls: list[str] = []
+
+    class Loading(Middleware):
+        async def after_burst_done(self, burst: str) -> None:
+            calls.append(burst)
+            if len(calls) <= 2:
+                raise redis.BusyLoadingError("Redis is loading the dataset in memory")
+
+    @asynccontextmanager
+    async def with_hook(w: Any) -> Any:
+        w.add_middleware(Loading())
+        yield
+
+    s = make_settings()
+    with fake_worker(s, wrap=with_hook):
+        burst = Producer(s).submit([{"id": "a", "prompt": "hi", "max_tokens": 2}])
+        wait_until(lambda: len(calls) >= 3, 10, "the hook run a third time")
+    assert calls == [burst] * 3
+    assert "burst-done hook failed" not in caplog.text

@@ -167,7 +167,18 @@ class ResultWriter:
         elif reply == BURST_DONE:
             log.info("burst %s finished", e.burst)
         if reply in (BURST_DONE, FINISHED_DUPLICATE) and self.on_burst_done is not None:
+            await self._burst_done(e.burst, self.on_burst_done)
+
+    async def _burst_done(self, burst: str, hook: BurstDone) -> None:
+        """Run the burst-done hook; again with backoff while Redis is away or loading (the hook
+        is idempotent: RQ's on_complete is enqueued once), else once."""
+        backoff = Backoff(first=0.05)
+        while True:
             try:
-                await self.on_burst_done(e.burst)
+                await hook(burst)
+                return
+            except TRANSIENT as e:  # a restarted Redis loading its AOF, a connection lost
+                await backoff.wait(f"the burst-done hook of {burst}", e)
             except Exception:  # a hook must not stop result writing
-                log.exception("burst-done hook failed for %s", e.burst)
+                log.exception("burst-done hook failed for %s", burst)
+                return
