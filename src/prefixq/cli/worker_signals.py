@@ -57,7 +57,8 @@ class WorkerSignals:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         worker, loop = self._worker, self._loop
         if worker is not None and loop is not None and worker.engine_up:
-            loop.call_soon_threadsafe(worker.stop)
+            if not loop.is_closed():  # closed: the worker has stopped, the process is ending
+                loop.call_soon_threadsafe(worker.stop)
             return
         if self._leaving:  # a second signal while the start unwinds
             return
