@@ -39,6 +39,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,8 @@ class Soak:
         self.notes: list[str] = []
         self._lock = threading.Lock()
         self._running: list[tuple[Planned, subprocess.Popen[bytes]]] = []
+        #: observations made once the run has drained: (look, what it was)
+        self._later: list[tuple[Callable[[], faults.Landed | None], str]] = []
 
     # ---- what faults use ---------------------------------------------------------------------
     def say(self, what: str) -> None:
@@ -102,6 +105,10 @@ class Soak:
     def note(self, what: str) -> None:
         self.notes.append(what)
         self.say(f"note: {what}")
+
+    def later(self, look: Callable[[], faults.Landed | None], what: str) -> None:
+        """Observe a fault's landing once the run has drained (``look`` returns it, or None)."""
+        self._later.append((look, what))
 
     def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         """``prefixq ARGS`` against the soak's namespace."""
@@ -203,6 +210,13 @@ class Soak:
         self.say("schedule over: restoring the deployment, waiting for every burst to end")
         self.restore()
         self.finish()
+        for look, what in self._later:
+            got = look()
+            if got is None:
+                self.note(f"{what}: never seen to land")
+            else:
+                self.landed.append(got)
+                self.say(f"fault {got.kind}: {got.how}")
         damaged = self.damage() if self.args.self_check else []
         tally = self.account()
         self.workers.close()

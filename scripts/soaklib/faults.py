@@ -27,7 +27,8 @@ returns nothing and is not counted. How each kind is observed:
 - ``garbage``: an entry XADDed into an intake or a live lane (random bytes, a 64 MiB zlib bomb,
   forged entries: an index outside its burst, a burst that does not exist, a stale enqueue time,
   another entry version, missing fields, a doorbell of no lane) is seen gone from its stream
-  (a worker handled and acked it), with a dead letter for those that do not decode;
+  (a worker handled and acked it), with a dead letter for those that do not decode; one still
+  queued after 10 s (behind a backlog) is looked at again once the run has drained;
 - ``producer_kill``: a submit process killed -9 after its burst's record appeared and before its
   last step (the record has no ``per_shard`` yet); the burst is then cancelled with
   ``prefixq cancel``, as docs/delivery.md tells an operator to;
@@ -434,22 +435,16 @@ class Garbage(Fault):
             return []
         fields: dict[bytes, bytes] = {FIELD: data, **extra}
         entry_id = soak.r.xadd(key, fields)
-        deadline = time.monotonic() + 25
+        what = f"{variant} ({len(data)} B) into {_where(key)} of shard {k}"
+        deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            try:
-                if not soak.r.xrange(key, entry_id, entry_id):
-                    dead = [
-                        f
-                        for _, f in soak.r.xrevrange(soak.keys.dead(k), count=200)
-                        if f.get(b"entry") == entry_id
-                    ]
-                    where = key.rsplit(":", 2)[-2] if ":lane:" in key else key.rsplit(":", 1)[-1]
-                    how = f"{variant} ({len(data)} B) into {where} of shard {k}: acked"
-                    return [Landed(self.kind, how + (", dead-lettered" if dead else ""))]
-            except redis.RedisError:
-                pass
+            got = _handled(soak, key, entry_id, k, what)
+            if got is not None:
+                return [got]
             time.sleep(0.1)
-        soak.note(f"garbage {variant} into {key} still there after 25 s")
+        # behind a backlog (an intake is read in order, a lane when its turn comes): looked at
+        # again once the run has drained
+        soak.later(lambda: _handled(soak, key, entry_id, k, what + ", after the drain"), what)
         return []
 
     def _entry(
@@ -470,6 +465,26 @@ class Garbage(Fault):
             if live:
                 key = keys.lane(k, rng.choice(live))
         return key, _forged(soak, variant, k), {}
+
+
+def _where(key: str) -> str:
+    return "a lane" if ":lane:" in key else "intake " + key.rsplit(":", 1)[-1]
+
+
+def _handled(soak: Soak, key: str, entry_id: bytes, k: int, what: str) -> Landed | None:
+    """A garbage entry's landing: gone from its stream (handled and acked), with a dead letter
+    when it did not decode."""
+    try:
+        if soak.r.xrange(key, entry_id, entry_id):
+            return None
+        dead = [
+            f
+            for _, f in soak.r.xrevrange(soak.keys.dead(k), count=500)
+            if f.get(b"entry") == entry_id
+        ]
+    except redis.RedisError:
+        return None
+    return Landed("garbage", f"{what}: acked" + (", dead-lettered" if dead else ""))
 
 
 def _forged(soak: Soak, variant: str, k: int) -> bytes:
