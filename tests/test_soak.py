@@ -29,10 +29,11 @@ SOAK = Path(__file__).resolve().parent.parent / "scripts" / "soak.py"
 
 
 def soak(tmp_path: Path, *args: str, timeout: float = 420) -> tuple[int, dict[str, Any], str]:
-    """Run scripts/soak.py with ``args``; its exit code, its JSON summary and its output."""
+    """Run scripts/soak.py with ``args`` (its logs and inputs kept under ``tmp_path``); its exit
+    code, its JSON summary and its output."""
     out = tmp_path / "soak.json"
     p = subprocess.run(
-        [sys.executable, str(SOAK), *args, "--json", str(out)],
+        [sys.executable, str(SOAK), *args, "--json", str(out), "--keep", str(tmp_path / "run")],
         capture_output=True,
         text=True,
         timeout=timeout,
