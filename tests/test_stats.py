@@ -195,3 +195,20 @@ def test_inspect_says_queued_then_running_and_reads_past_an_unreadable_result(
     assert by_id[done]["status"] == "finished" and by_id[done]["sampled"] == 3
     p = cli(s, "inspect", "--shards", "1")
     assert p.returncode == 0 and "running" in p.stdout, p.stderr
+
+
+def test_a_live_worker_forgets_workers_gone_for_more_than_a_day(
+    settings: Settings, r: redis.Redis, fake_worker: Callable[..., Any]
+) -> None:
+    """Given two workers killed without unregistering, one last seen 2 days ago and one an hour
+    ago, a live worker's heartbeat drops the first from the shard's worker set and keeps the
+    second (inspect still shows it as gone)."""
+    from helpers import wait_until
+    from prefixq.worker.heartbeat import GONE_KEPT_S
+
+    workers = settings.keys.workers(0)
+    now = time.time()
+    r.zadd(workers, {"old-dead": now - 2 * GONE_KEPT_S, "recent-dead": now - 3600})
+    fake_worker(settings.replace(heartbeat_s=0.1), name="live")
+    wait_until(lambda: r.zscore(workers, "old-dead") is None, 10, "the old one dropped")
+    assert {m.decode() for m in r.zrange(workers, 0, -1)} == {"live", "recent-dead"}

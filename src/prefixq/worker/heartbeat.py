@@ -32,6 +32,10 @@ from prefixq.worker.shard import ShardStream
 
 log = logging.getLogger(__name__)
 
+#: seconds a worker that stopped beating without unregistering (kill -9) stays in its shard's
+#: worker set, where `inspect` and the dashboard show it as gone; live workers prune it after
+GONE_KEPT_S = 24 * 3600
+
 #: seconds with nothing in flight before the heap is collected and frozen again
 IDLE_FREEZE_S = 1.0
 
@@ -87,7 +91,10 @@ class Heartbeat:
         pipe = self.stream.r.pipeline(transaction=False)
         pipe.hset(hb, mapping={**health, "every_s": self.every_s})
         pipe.expire(hb, self.ttl_s)
-        pipe.zadd(self.stream.keys.workers(self.stream.shard), {self.stream.consumer: now})
+        workers = self.stream.keys.workers(self.stream.shard)
+        pipe.zadd(workers, {self.stream.consumer: now})
+        # workers killed without unregistering: shown as gone for a while, then forgotten
+        pipe.zremrangebyscore(workers, "-inf", now - GONE_KEPT_S)
         await pipe.execute()
         await self.stream.renew(self.holding())
         self._untold += self.tallies()
