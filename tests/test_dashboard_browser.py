@@ -1,5 +1,5 @@
 """The dashboard in a real headless Chromium (Debian's `chromium`, driven by playwright), against
-a real Redis: the session's real CPU workers (`cluster`) for a burst that runs, fake-engine
+a real Redis: the session's real CPU workers (`engines`) for a burst that runs, fake-engine
 workers where a test needs a burst that waits (to cancel it) or a dead letter (to requeue it).
 Each test writes a screenshot of what it saw under its tmp dir. One browser for the module.
 
@@ -129,13 +129,13 @@ def dead_letter(r: redis.Redis, s: Settings) -> str:
 
 @pytest.mark.engine
 def test_a_running_burst_appears_its_progress_rises_and_its_page_shows_percentiles(
-    cluster: Any, r: redis.Redis, tab: Callable[..., Tab], serve: Any, tmp_path: Path
+    engines: Any, r: redis.Redis, tab: Callable[..., Tab], serve: Any, tmp_path: Path
 ) -> None:
     """Given the real CPU workers and a burst of 80 requests of different lengths submitted
     while the overview is open, the burst appears running part done, its progress bar's value
     rises between two looks, the page logs no error; its page then shows the three stages'
     percentiles once finished."""
-    s = cluster.settings
+    s = engines.settings
     srv = serve(s)
     t = tab(1366)
     t.page.goto(srv.root)

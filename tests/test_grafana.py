@@ -1,4 +1,4 @@
-"""deploy/grafana/prefixq.json queries only metrics a real worker exports: the cluster's real
+"""deploy/grafana/prefixq.json queries only metrics a real worker exports: the engines' real
 `prefixq worker` processes (vLLM CPU engine) are scraped after a burst with one refused request,
 and every metric name in every panel's query must be among the samples."""
 
@@ -63,12 +63,12 @@ def test_the_dashboard_selects_prefixq_metrics_only() -> None:
 
 @pytest.mark.engine
 def test_every_metric_the_grafana_dashboard_queries_is_exported_by_a_real_worker(
-    cluster: Any, r: redis.Redis
+    engines: Any, r: redis.Redis
 ) -> None:
-    """Given the cluster's two real workers after a burst that has one request the engine
+    """Given the engines' two real workers after a burst that has one request the engine
     refuses (a token id outside the vocabulary), every name the dashboard queries is a sample
     of their /metrics."""
-    s = cluster.settings
+    s = engines.settings
     reqs: list[dict[str, Any]] = [
         {"id": f"g{i}", "prompt": f"Count to {i}:", "max_tokens": 4, "temperature": 0}
         for i in range(6)
@@ -80,7 +80,7 @@ def test_every_metric_the_grafana_dashboard_queries_is_exported_by_a_real_worker
     wanted = queried_names()
     deadline = time.monotonic() + 30
     while True:  # the queue gauges appear after the exporter's first read
-        have = set().union(*(scraped(p) for p in cluster.metrics_ports))
+        have = set().union(*(scraped(p) for p in engines.metrics_ports))
         if wanted <= have or time.monotonic() > deadline:
             break
         time.sleep(0.5)
