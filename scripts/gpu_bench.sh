@@ -14,14 +14,14 @@ export PYTHONPATH=/tmp/site:/tmp/pq/src LD_LIBRARY_PATH=/tmp/redis/usr/lib/x86_6
 export PATH=/tmp/redis/usr/bin:$PATH PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 B=/tmp/bench
-# Issue 22 on one H200: three engines (the standalone set-ups' engine, the offloading one, the
+# Issue 22 on one H200 (and reuse, for issue 21's GC pauses): three engines (the standalone set-ups' engine, the offloading one, the
 # worker's) of 16 GiB of KV cache each (131,072 tokens of Llama-3.1-8B), so that the overflow
 # workloads (3x the capacity) stay short; gpu_memory_utilization=0.30 only for vLLM's start-up
 # check that the GPU has that share free. Trim with more args: --workloads overflow,mixed,
 # --setups sorted, --orders= and --admissions= (none), --burst-questions 1, --pairs 2 (`plan`).
 ISSUE22="--gpus 0 --model dummy:llama-3.1-8b --engine-arg gpu_memory_utilization=0.30 \
   --engine-arg kv_cache_memory_bytes=17179869184 --engine-arg max_model_len=8192 --pairs 1 \
-  --workloads overflow,multi-burst,system-prompt,mixed --setups sorted,overflow:offload \
+  --workloads overflow,multi-burst,system-prompt,mixed,reuse --bench-placements affinity --setups sorted,overflow:offload \
   --orders system-prompt:depth-first,mixed:decode-first \
   --admissions overflow:whole-groups,multi-burst:resident-first"
 args() { if [ "$1" = issue22 ]; then echo "$ISSUE22 ${2:-}"; else echo "$1"; fi; }
@@ -35,10 +35,13 @@ case "$1" in
       >> $B/gpu.txt 2>&1
     cd /tmp/pq
     echo "prefixq bench $(args "$2" "${3:-}")" >> $B/gpu.txt
-    # shellcheck disable=SC2046
-    setsid nohup python3 -m prefixq bench $(args "$2" "${3:-}") --redis-url redis://127.0.0.1:6390/0 \
-      --json $B/bench.json --plot $B/bench.png > $B/bench.log 2>&1 < /dev/null &
-    echo $! > $B/pid
+    # the detached script records its own PID (and execs the benchmark, which keeps it): `$!`
+    # after `setsid` can be a setsid that forked and exited at once (../shared/gpu/README.md)
+    rm -f $B/pid
+    printf '#!/usr/bin/env bash\necho $$ > %s/pid\nexec python3 -m prefixq bench %s --redis-url redis://127.0.0.1:6390/0 --json %s/bench.json --plot %s/bench.png\n' \
+      "$B" "$(args "$2" "${3:-}")" "$B" "$B" > $B/run.sh
+    setsid nohup bash $B/run.sh > $B/bench.log 2>&1 < /dev/null &
+    for _ in 1 2 3 4 5 6 7 8 9 10; do [ -s $B/pid ] && break; sleep 0.5; done
     echo "started (pid $(cat $B/pid)): $(cat $B/gpu.txt)"
     ;;
   plan)  # on the development machine: what `start` would run, and an estimate of its duration
