@@ -133,3 +133,15 @@ def test_a_tenants_bursts_share_its_weight_and_bands_stay_apart() -> None:
     assert low == SPAN and high == -SPAN
     assert high + (SPAN - 1) < 0 < SPAN
     assert o.inflight("normal") == 11 and o.inflight("high") == 1
+
+
+def test_a_long_burst_behind_one_old_request_keeps_its_bookkeeping_bounded() -> None:
+    """One request stays in the engine while 10,000 others of its burst come and go: what
+    `EngineOrder` keeps stays within a few times what is in flight, and the front stays right."""
+    o = EngineOrder()
+    old = o.enter("normal", "t", "A", 1.0)
+    for _ in range(10_000):
+        o.left("normal", "A", o.enter("normal", "t", "A", 1.0))
+    assert o.inflight("normal") == 1
+    assert o.kept("normal") <= 3 * 1025 + 1, o.kept("normal")
+    assert o.enter("normal", "t2", "B", 1.0) == old  # B starts at the old request

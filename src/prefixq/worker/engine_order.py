@@ -68,6 +68,17 @@ class _Band:
                 del gone[top]
         return tags[0]
 
+    def compact(self) -> None:
+        """Drop the tags of requests gone (``front`` drops them only from the top)."""
+        keep, gone = [], self.gone
+        for tag in self.tags:
+            if gone[tag]:
+                gone[tag] -= 1
+            else:
+                keep.append(tag)
+        heapq.heapify(keep)
+        self.tags, self.gone = keep, Counter()
+
 
 class EngineOrder:
     """Each request's engine priority, in admission order (`enter`), and its leaving (`left`)."""
@@ -108,7 +119,10 @@ class EngineOrder:
                 del b.tenants[f.tenant]
         if not b.inflight:  # nothing of the band in the engine: no order to keep, start afresh
             self._bands[band(priority)] = _Band()
-        elif len(b.bursts) > 2 * b.inflight + 64:  # forget idle bursts the front has passed
+            return
+        if len(b.tags) > 2 * b.inflight + 1024:  # an old request holds the front: compact
+            b.compact()
+        if len(b.bursts) > 2 * b.inflight + 64:  # forget idle bursts the front has passed
             front = b.front()
             for name in [n for n, x in b.bursts.items() if not x.inflight and x.clock <= front]:
                 del b.bursts[name]
@@ -116,3 +130,8 @@ class EngineOrder:
     def inflight(self, priority: str) -> int:
         """Requests of a priority in the engine (tests)."""
         return self._bands[band(priority)].inflight
+
+    def kept(self, priority: str) -> int:
+        """Virtual times and bursts kept for a priority (tests: bounded by what is in flight)."""
+        b = self._bands[band(priority)]
+        return len(b.tags) + len(b.gone) + len(b.bursts)
