@@ -97,20 +97,24 @@ def test_with_the_setting_off_the_engine_gets_the_band_alone(
     wait_burst(r, s, h, 30)
 
 
-def test_a_burst_arriving_late_starts_at_the_oldest_request_still_in_the_engine() -> None:
-    """Its first request ties with the oldest unfinished one (the front), not with the first
-    burst's first: no credit for what already finished, none for an idle spell."""
+def test_a_burst_arriving_late_starts_where_the_others_got_to() -> None:
+    """Its first request ties with the last that finished of the burst already in the engine
+    (no credit for what finished before), and with the mean of several bursts' fronts; back
+    after an idle spell it resumes at its own clock when that is ahead."""
     o = EngineOrder()
     a = [o.enter("normal", "ta", "A", 1.0) for _ in range(10)]
     assert a == [i * SCALE for i in range(10)]
     for p in a[:4]:  # four of A finished
         o.left("normal", "A", p)
     b = [o.enter("normal", "tb", "B", 1.0) for _ in range(3)]
-    assert b == [a[4], a[5], a[6]]
-    # B gone and back while A still runs: it resumes at its own clock (ahead of the front)
+    assert b == [a[3], a[4], a[5]]
+    # C: the mean of A's front (3 000) and B's (none of it finished: its first, 3 000)
+    o.left("normal", "A", a[8])  # A's front is now 8 000: the mean 5 500
+    assert o.enter("normal", "tc", "C", 1.0) == (8 * SCALE + 3 * SCALE) // 2
+    # B gone and back while A still runs: it resumes at its own clock (6 000, ahead of ... )
     for p in b:
         o.left("normal", "B", p)
-    assert o.enter("normal", "tb", "B", 1.0) == a[7]
+    assert o.enter("normal", "tb", "B", 1.0) == max(6 * SCALE, (8 * SCALE + 5_500) // 2)
 
 
 def test_a_tenants_bursts_share_its_weight_and_bands_stay_apart() -> None:
@@ -135,13 +139,18 @@ def test_a_tenants_bursts_share_its_weight_and_bands_stay_apart() -> None:
     assert o.inflight("normal") == 11 and o.inflight("high") == 1
 
 
-def test_a_long_burst_behind_one_old_request_keeps_its_bookkeeping_bounded() -> None:
-    """One request stays in the engine while 10,000 others of its burst come and go: what
-    `EngineOrder` keeps stays within a few times what is in flight, and the front stays right."""
+def test_one_slow_request_does_not_give_a_newcomer_credit_for_all_since() -> None:
+    """One request of A stays in the engine while 10,000 others of A come and go: a burst that
+    arrives then starts at A's last finished request, not at the slow one; what `EngineOrder`
+    remembers stays bounded by the bursts in the engine."""
     o = EngineOrder()
-    old = o.enter("normal", "t", "A", 1.0)
+    o.enter("normal", "t", "A", 1.0)
+    last = 0
     for _ in range(10_000):
-        o.left("normal", "A", o.enter("normal", "t", "A", 1.0))
-    assert o.inflight("normal") == 1
-    assert o.kept("normal") <= 3 * 1025 + 1, o.kept("normal")
-    assert o.enter("normal", "t2", "B", 1.0) == old  # B starts at the old request
+        last = o.enter("normal", "t", "A", 1.0)
+        o.left("normal", "A", last)
+    assert o.enter("normal", "t2", "B", 1.0) == last
+    for i in range(1000):  # bursts that come and go while A stays
+        o.left("normal", f"x{i}", o.enter("normal", "t3", f"x{i}", 1.0))
+    assert o.inflight("normal") == 2
+    assert o.kept("normal") <= 2 * 2 + 64 + 1, o.kept("normal")

@@ -9,11 +9,14 @@ first, and takes any int. `EngineOrder` gives each request a priority = its band
 - each burst has a clock that grows by k / weight per request handed to the engine (its
   tenant's weight; k: that tenant's bursts with requests in the engine), so bursts of a band
   interleave inside the engine by tenant weight, and a tenant's bursts share its weight;
-- a burst with no request in the engine starts at the band's *front*: the least virtual time of
-  the band's requests still in the engine (the oldest one not finished), never below its own
-  clock (no credit for an idle spell). A burst that arrives while the engine is busy with others
-  thus goes before what they have waiting there, for as long as the requests that were running
-  when it arrived take to finish: its completions then keep pace with theirs.
+- a burst with no request in the engine starts at the band's *front*, never below its own
+  clock (no credit for an idle spell): the mean, over the band's bursts in the engine, of how
+  far each has got there (the largest virtual time of its requests that finished, or its oldest
+  one while none has). A burst that arrives while the engine is busy with others thus goes
+  before part of what they have waiting there, about its share of the requests running when it
+  arrived: those finish for the others while it waits, and its completions keep pace with
+  theirs from then on. The mean of completion fronts, not the oldest request still there, so
+  one slow request does not hand a newcomer credit for everything started since.
 
 Requests already running are not preempted by a lower value (vLLM preempts only when KV blocks
 run out, and then the highest value it runs), so a burst's first completions come once the
@@ -22,7 +25,6 @@ running ones finish: about one service time late. Nothing here does I/O.
 
 from __future__ import annotations
 
-import heapq
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -47,6 +49,9 @@ class _Burst:
     tenant: str
     clock: int = 0
     inflight: int = 0
+    #: how far it has got in the engine: the largest virtual time of its requests that
+    #: finished since it entered, its first one's before that
+    front: int = 0
 
 
 @dataclass(slots=True)
@@ -54,30 +59,10 @@ class _Band:
     bursts: dict[str, _Burst] = field(default_factory=dict)
     #: bursts with requests in the engine, by tenant
     tenants: Counter[str] = field(default_factory=Counter)
-    #: virtual times of the requests in the engine (a heap; those left are in ``gone``)
-    tags: list[int] = field(default_factory=list)
-    gone: Counter[int] = field(default_factory=Counter)
+    #: the fronts of the bursts with requests in the engine, summed, and how many
+    fronts: int = 0
+    live: int = 0
     inflight: int = 0
-
-    def front(self) -> int:
-        tags, gone = self.tags, self.gone
-        while gone and gone[tags[0]]:
-            top = heapq.heappop(tags)
-            gone[top] -= 1
-            if not gone[top]:
-                del gone[top]
-        return tags[0]
-
-    def compact(self) -> None:
-        """Drop the tags of requests gone (``front`` drops them only from the top)."""
-        keep, gone = [], self.gone
-        for tag in self.tags:
-            if gone[tag]:
-                gone[tag] -= 1
-            else:
-                keep.append(tag)
-        heapq.heapify(keep)
-        self.tags, self.gone = keep, Counter()
 
 
 class EngineOrder:
@@ -89,20 +74,21 @@ class EngineOrder:
     def enter(self, priority: str, tenant: str, burst: str, weight: float) -> int:
         """The engine priority of a request of ``burst`` handed to the engine now; give it back
         to `left` when the request leaves the engine."""
-        b_ = band(priority)
-        b = self._bands[b_]
+        b = self._bands[band(priority)]
         f = b.bursts.get(burst)
         if f is None:
             f = b.bursts[burst] = _Burst(tenant)
-        if not f.inflight:
-            if b.inflight:
-                f.clock = max(f.clock, b.front())
+        if not f.inflight:  # it enters: at the band's front, or its own clock if ahead
+            if b.live:
+                f.clock = max(f.clock, b.fronts // b.live)
+            f.front = f.clock = min(f.clock, SPAN - 1)
+            b.fronts += f.front
+            b.live += 1
             b.tenants[tenant] += 1
-        tag = min(f.clock, SPAN - 1)
-        f.clock += max(1, round(SCALE * b.tenants[tenant] / weight))
+        tag = f.clock
+        f.clock = min(f.clock + max(1, round(SCALE * b.tenants[tenant] / weight)), SPAN - 1)
         f.inflight += 1
         b.inflight += 1
-        heapq.heappush(b.tags, tag)
         return band_priority(priority) * SPAN + tag
 
     def left(self, priority: str, burst: str, engine_priority: int) -> None:
@@ -111,27 +97,29 @@ class EngineOrder:
         f = b.bursts[burst]
         f.inflight -= 1
         b.inflight -= 1
-        tag = engine_priority - band_priority(priority) * SPAN
-        b.gone[tag] += 1
-        if not f.inflight:
-            b.tenants[f.tenant] -= 1
-            if not b.tenants[f.tenant]:
-                del b.tenants[f.tenant]
         if not b.inflight:  # nothing of the band in the engine: no order to keep, start afresh
             self._bands[band(priority)] = _Band()
             return
-        if len(b.tags) > 2 * b.inflight + 1024:  # an old request holds the front: compact
-            b.compact()
-        if len(b.bursts) > 2 * b.inflight + 64:  # forget idle bursts the front has passed
-            front = b.front()
-            for name in [n for n, x in b.bursts.items() if not x.inflight and x.clock <= front]:
-                del b.bursts[name]
+        if f.inflight:
+            tag = engine_priority - band_priority(priority) * SPAN
+            if tag > f.front:
+                b.fronts += tag - f.front
+                f.front = tag
+        else:  # it left the engine
+            b.fronts -= f.front
+            b.live -= 1
+            b.tenants[f.tenant] -= 1
+            if not b.tenants[f.tenant]:
+                del b.tenants[f.tenant]
+            if len(b.bursts) > 2 * b.live + 64:  # forget idle bursts (back, one starts at the
+                # front: credit for at most what it ran ahead of it)
+                for name in [n for n, x in b.bursts.items() if not x.inflight]:
+                    del b.bursts[name]
 
     def inflight(self, priority: str) -> int:
         """Requests of a priority in the engine (tests)."""
         return self._bands[band(priority)].inflight
 
     def kept(self, priority: str) -> int:
-        """Virtual times and bursts kept for a priority (tests: bounded by what is in flight)."""
-        b = self._bands[band(priority)]
-        return len(b.tags) + len(b.gone) + len(b.bursts)
+        """Bursts remembered for a priority (tests: bounded by those in the engine)."""
+        return len(self._bands[band(priority)].bursts)
