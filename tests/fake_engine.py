@@ -36,6 +36,8 @@ class FakeEngine:
         self.active = 0
         self.peak_active = 0
         self.seen: list[str] = []
+        #: (request id, engine priority) of every request, in the order they arrived
+        self.priorities: list[tuple[str, int]] = []
         self.aborted: set[str] = set()
         self._abort_events: dict[str, asyncio.Event] = {}
 
@@ -55,6 +57,7 @@ class FakeEngine:
             raise EngineDead("fake engine is dead")
         prompt = request.prompt or " ".join(map(str, request.prompt_token_ids or ()))
         self.seen.append(request.request_id)
+        self.priorities.append((request.request_id, request.priority))
         if request.request_id in self.aborted:
             raise EngineAborted(f"request {request.request_id} was aborted before it started")
         abort = self._abort_events.setdefault(request.request_id, asyncio.Event())

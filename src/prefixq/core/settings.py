@@ -115,6 +115,8 @@ class Settings:
     group_admission: bool = False
     #: workers: between bursts of an equal fair-share turn, the one whose prefix is resident first
     resident_first: bool = False
+    #: workers: vLLM priorities follow the bursts' fair shares, so bursts interleave in the engine
+    engine_fair_order: bool = True
     #: deliveries before an entry goes to the dead-letter stream
     max_attempts: int = 3
     #: an entry pending this long on another consumer is reclaimed

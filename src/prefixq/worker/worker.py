@@ -31,7 +31,7 @@ from prefixq.core.entries import Entry
 from prefixq.core.errors import EngineAborted, EngineDead, EngineError, PrefixqError
 from prefixq.core.records import ENDED_ERRORS, error_code_of
 from prefixq.core.settings import Settings
-from prefixq.core.sharing import DEFAULT_PRIORITY, PRIORITIES, band
+from prefixq.core.sharing import PRIORITIES
 from prefixq.engine.protocol import Engine, EngineRequest
 from prefixq.store.connection import async_client
 from prefixq.store.retry import retry
@@ -39,6 +39,7 @@ from prefixq.worker.aio import cancel_all, drain, first_of, unless_stopped, with
 from prefixq.worker.backlog import replay_backlog
 from prefixq.worker.control import control_loop
 from prefixq.worker.ends import BurstEnds
+from prefixq.worker.engine_order import EngineOrder, band_priority
 from prefixq.worker.groups import commands as admission_commands
 from prefixq.worker.heartbeat import Heartbeat
 from prefixq.worker.intake import Intake
@@ -77,7 +78,8 @@ def stop_bound_s(settings: Settings) -> float:
 
 
 #: a request's place in its engine's own queue (vLLM: lower first), by its burst's priority
-ENGINE_PRIORITY = {p: band(p) - band(DEFAULT_PRIORITY) for p in PRIORITIES}
+#: alone (``engine_fair_order`` off; on, worker/engine_order.py adds the burst's fair share)
+ENGINE_PRIORITY = {p: band_priority(p) for p in PRIORITIES}
 
 
 def default_name(shard: int, gpu: str | None) -> str:
@@ -139,6 +141,8 @@ class Worker:
             retry=self._retry,
         )
         self.sched = Scheduler.of(self.stream, settings)
+        #: engine priorities by fair share (worker/engine_order.py), or by priority alone
+        self.order = EngineOrder() if settings.engine_fair_order else None
         self.reader = Reader(
             stream=self.stream,
             sched=self.sched,
@@ -362,11 +366,16 @@ class Worker:
         entries = [e for _, e, _ in ready]
         prefixes = await retry("reading stored prefixes", lambda: self.prefixes.resolve(entries))
         max_attempts = self.settings.max_attempts
+        order = self.order
         for d, e, t in ready:
             self.counts["admitted"] += 1
             solo = last_allowed(d.deliveries, max_attempts)
             ref = d.ref
-            self.inflight[ref] = asyncio.create_task(self._serve(ref, e, t, prefixes, solo, t_read))
+            prio = ENGINE_PRIORITY[e.priority]
+            if order is not None:  # in admission order: the engine's queue follows the shares
+                prio = order.enter(e.priority, t.name, e.burst, t.weight)
+            serve = self._serve(ref, e, t, prefixes, solo, t_read, prio)
+            self.inflight[ref] = asyncio.create_task(serve)
         # one loop step: each task runs until it awaits the engine, which then holds its
         # request; what they all hold is frozen (worker/gc_policy.py)
         await asyncio.sleep(0)
@@ -380,6 +389,7 @@ class Worker:
         prefixes: dict[str, dict[str, Any] | str],
         solo: bool,
         t_read: float,
+        priority: int,
     ) -> None:
         res = e.result(self.shard, self.name)
         try:
@@ -406,7 +416,7 @@ class Worker:
                         prompt_token_ids=req.prompt_token_ids,
                         sampling=req.sampling,
                         chat=req.messages is not None,
-                        priority=ENGINE_PRIORITY[e.priority],
+                        priority=priority,
                     )
                 )
             out.apply(res)
@@ -427,6 +437,8 @@ class Worker:
         finally:
             self.inflight.pop(ref, None)
             self.sched.left(tenant)
+            if self.order is not None:
+                self.order.left(e.priority, e.burst, priority)
             self.ends.done(ref)
             self._room.set()
             self.heartbeat.request_done()
