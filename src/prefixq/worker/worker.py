@@ -362,15 +362,18 @@ class Worker:
         entries = [e for _, e, _ in ready]
         prefixes = await retry("reading stored prefixes", lambda: self.prefixes.resolve(entries))
         max_attempts = self.settings.max_attempts
-        for d, e, t in ready:
-            self.counts["admitted"] += 1
-            solo = last_allowed(d.deliveries, max_attempts)
-            ref = d.ref
-            self.inflight[ref] = asyncio.create_task(self._serve(ref, e, t, prefixes, solo, t_read))
         # one loop step: each task runs until it awaits the engine, which then holds its
-        # request; what they all hold is frozen (worker/gc_policy.py)
-        await asyncio.sleep(0)
-        self.gc_policy.admitted(len(ready))
+        # request; no collection runs meanwhile, and what they all hold is frozen after it
+        # (worker/gc_policy.py)
+        with self.gc_policy.admitting(len(ready)):
+            for d, e, t in ready:
+                self.counts["admitted"] += 1
+                solo = last_allowed(d.deliveries, max_attempts)
+                ref = d.ref
+                self.inflight[ref] = asyncio.create_task(
+                    self._serve(ref, e, t, prefixes, solo, t_read)
+                )
+            await asyncio.sleep(0)
 
     async def _serve(
         self,
