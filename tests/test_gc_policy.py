@@ -93,3 +93,33 @@ def test_turned_off_nothing_is_frozen_or_collected_in_idle(
     assert young(node)
     h.idle(served=1)
     assert h.stats()["gc_idle_collections"] == 0
+
+
+def test_no_collection_traverses_a_batch_while_it_is_handed_over(
+    policy: tuple[GcPolicy, GcWatch],
+) -> None:
+    """Given a batch whose requests build many container objects (enough to trigger many young
+    collections), when it is handed over inside `admitting`, then no collection runs meanwhile,
+    what it built is frozen at the end, and automatic collection is on again."""
+    h, watch = policy
+    threshold = gc.get_threshold()[0]
+    watch.reset()
+    with h.admitting(64):
+        batch = [[list(range(100)) for _ in range(16)] for _ in range(8 * threshold // 16)]
+        inside = watch.count
+    assert inside == 0, f"{inside} collections ran while the batch was handed over"
+    assert gc.isenabled()
+    assert not young(batch) and not young(batch[-1][-1])  # frozen
+    more = [[n] for n in range(4 * threshold)]  # ordinary allocation collects again
+    assert watch.count > 0, f"no collection after {len(more)} new containers"
+
+
+def test_turned_off_a_batch_is_collected_as_usual(policy: tuple[GcPolicy, GcWatch]) -> None:
+    h, watch = policy
+    h.unfreeze()
+    threshold = gc.get_threshold()[0]
+    watch.reset()
+    with h.admitting(64):
+        batch = [[n] for n in range(4 * threshold)]
+    assert watch.count > 0, f"no collection while {len(batch)} containers were built"
+    assert young(batch)

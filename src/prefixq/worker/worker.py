@@ -367,19 +367,20 @@ class Worker:
         prefixes = await retry("reading stored prefixes", lambda: self.prefixes.resolve(entries))
         max_attempts = self.settings.max_attempts
         order = self.order
-        for d, e, t in ready:
-            self.counts["admitted"] += 1
-            solo = last_allowed(d.deliveries, max_attempts)
-            ref = d.ref
-            prio = ENGINE_PRIORITY[e.priority]
-            if order is not None:  # in admission order: the engine's queue follows the shares
-                prio = order.enter(e.priority, t.name, e.burst, t.weight)
-            serve = self._serve(ref, e, t, prefixes, solo, t_read, prio)
-            self.inflight[ref] = asyncio.create_task(serve)
         # one loop step: each task runs until it awaits the engine, which then holds its
-        # request; what they all hold is frozen (worker/gc_policy.py)
-        await asyncio.sleep(0)
-        self.gc_policy.admitted(len(ready))
+        # request; no collection runs meanwhile, and what they all hold is frozen after it
+        # (worker/gc_policy.py)
+        with self.gc_policy.admitting(len(ready)):
+            for d, e, t in ready:
+                self.counts["admitted"] += 1
+                solo = last_allowed(d.deliveries, max_attempts)
+                ref = d.ref
+                prio = ENGINE_PRIORITY[e.priority]
+                if order is not None:  # in admission order: the engine's queue follows the shares
+                    prio = order.enter(e.priority, t.name, e.burst, t.weight)
+                serve = self._serve(ref, e, t, prefixes, solo, t_read, prio)
+                self.inflight[ref] = asyncio.create_task(serve)
+            await asyncio.sleep(0)
 
     async def _serve(
         self,
