@@ -204,6 +204,7 @@ async def one(
         "redis_us": (r1 - r0) / n * 1e6,
         "drain_rps": n / (t1 - t0),
         "gc_max_pause_ms": [stats[x]["gc_max_pause_ms"] for x in dep.names],
+        "gc_max_pause_cpu_ms": [stats[x].get("gc_max_pause_cpu_ms", -1.0) for x in dep.names],
         "gc_max_pause_ms_by_gen": [stats[x]["gc_max_pause_ms_by_gen"] for x in dep.names],
         "gc_pauses_by_gen": [stats[x]["gc_pauses_by_gen"] for x in dep.names],
         "gc_idle_max_ms": [stats[x]["gc_idle_max_ms"] for x in dep.names],
@@ -216,6 +217,7 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
         for k in ("producer_us", "worker_total_us", "redis_us", "drain_rps")
     }
     med["gc_max_pause_ms"] = max(max(x["gc_max_pause_ms"]) for x in runs)
+    med["gc_max_pause_cpu_ms"] = max(max(x["gc_max_pause_cpu_ms"]) for x in runs)
     return med
 
 

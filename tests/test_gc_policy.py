@@ -123,3 +123,18 @@ def test_turned_off_a_batch_is_collected_as_usual(policy: tuple[GcPolicy, GcWatc
         batch = [[n] for n in range(4 * threshold)]
     assert watch.count > 0, f"no collection while {len(batch)} containers were built"
     assert young(batch)
+
+
+def test_the_worst_pause_is_kept_in_cpu_time_too() -> None:
+    """A collection's pause is timed in wall time and in the collecting thread's CPU time, which
+    a preemption midway does not lengthen: never longer than the wall time."""
+    watch = GcWatch()
+    watch.start()
+    try:
+        keep = [[n] for n in range(50_000)]
+        gc.collect()
+    finally:
+        watch.stop()
+    st = watch.stats()
+    assert 0 < watch.max_pause_cpu <= watch.max_pause + 1e-4, (watch.max_pause_cpu, st, len(keep))
+    assert st["gc_max_pause_cpu_ms"] == round(watch.max_pause_cpu * 1e3, 3)

@@ -333,3 +333,21 @@ def test_an_option_of_the_wrong_type_is_refused_before_anything_is_written(
     with pytest.raises(ValidationError, match=match):
         Producer(settings).submit(reqs, **options)
     assert not list(r.scan_iter(match=f"{settings.namespace}:*"))
+
+
+def test_small_entries_travel_uncompressed(
+    make_settings: Callable[..., Settings], r: redis.Redis
+) -> None:
+    """Past the head, an entry that packs into fewer than wire.COMPRESS_FROM bytes is not compressed
+    (zlib would only make it longer); a longer one is."""
+    s = make_settings(codec="zlib")
+    reqs = [{"id": f"q{i}", "prompt": f"q{i}?" if i % 2 else "long question " * 40}
+            for i in range(HEAD + 20)]  # fmt: skip
+    Producer(s).submit(reqs)
+    by_id = {}
+    for _, f in queued_entries(r, s):
+        e = Entry.from_wire(wire.decode(f[b"d"]))
+        by_id[e.id] = (f[b"d"][0], len(wire.decompress(f[b"d"])))
+    body = [by_id[q["id"]] for q in reqs[HEAD:]]
+    assert {tag for tag, n in body if n < wire.COMPRESS_FROM} == {wire.CODEC_TAGS["none"]}
+    assert {tag for tag, n in body if n >= wire.COMPRESS_FROM} == {wire.CODEC_TAGS["zlib"]}

@@ -429,3 +429,15 @@ def test_damaged_entries_raise_only_wire_error(codec: str, obj: Any, data: st.Da
     cut = data.draw(st.integers(1, len(entry)))
     with contextlib.suppress(WireError):
         wire.decode(bytes(entry[:cut]))
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_encode_compact_leaves_small_payloads_uncompressed(codec: str) -> None:
+    """A payload packing into fewer than COMPRESS_FROM bytes goes with codec none (zlib would make
+    it longer); a larger one with the codec asked for; both decode to what was encoded."""
+    small, large = {"p": "x" * 10}, {"p": "x" * 2 * wire.COMPRESS_FROM}
+    assert len(wire.pack(small)) < wire.COMPRESS_FROM <= len(wire.pack(large))
+    assert wire.encode_compact(small, codec)[0] == wire.CODEC_TAGS["none"]
+    assert wire.encode_compact(large, codec)[0] == wire.CODEC_TAGS[codec]
+    for obj in (small, large):
+        assert wire.decode(wire.encode_compact(obj, codec)) == obj

@@ -289,6 +289,8 @@ def by_gen(stats: dict[str, dict[str, Any]], names: list[str]) -> list[dict[str,
     return [
         {
             "max_pause_ms": stats[n]["gc_max_pause_ms_by_gen"],
+            # the worst in the collecting thread's CPU time (a preempted collection is not long)
+            "max_pause_cpu_ms": stats[n].get("gc_max_pause_cpu_ms"),
             "collections": stats[n]["gc_pauses_by_gen"],
             # collections in idle time (worker/gc_policy.py): no request waits on them
             "idle_collections": stats[n]["gc_idle_collections"],

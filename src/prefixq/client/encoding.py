@@ -121,7 +121,8 @@ class EntryEncoder:
         """Entries for requests ``start .. start + len(reqs)``; ``keys`` their prefix
         fingerprints (as counted); ``inline``: every prefix travels inline and entries are not
         compressed (the head: sent before uses are counted, read within milliseconds and deleted
-        once acked, so compressing it would only delay the engines' start). ValidationError for
+        once acked, so compressing it would only delay the engines' start); an entry that packs
+        into fewer than `wire.COMPRESS_FROM` bytes is never compressed. ValidationError for
         an entry over ``max_entry_bytes`` (naming its 1-based position in the burst)."""
         s, out = self.s, Encoded()
         codec = "none" if inline else s.codec
@@ -156,7 +157,8 @@ class EntryEncoder:
                 tenant=self.tenant,
             )
             packed_entry = wire.pack(entry)
-            data = wire.compress(packed_entry, codec, s.codec_level)
+            small = len(packed_entry) < wire.COMPRESS_FROM
+            data = wire.compress(packed_entry, "none" if small else codec, s.codec_level)
             if len(data) > s.max_entry_bytes and codec != s.codec:  # too big unless compressed
                 data = wire.compress(packed_entry, s.codec, s.codec_level)
             self._check(len(data), i, q, "it")

@@ -42,6 +42,7 @@ from redis.retry import Retry
 
 from prefixq.core.errors import ConfigError, RedisOutOfMemory, RedisUnavailable
 from prefixq.core.settings import Settings
+from prefixq.store import packing
 
 #: errors that mean "try again later", never "this request is bad" (but see `refused`: redis-py's
 #: AuthenticationError is a ConnectionError too)
@@ -143,16 +144,17 @@ def _options(settings: Settings) -> dict[str, Any]:
 
 
 def async_client(settings: Settings) -> aredis.Redis:
-    """An asyncio client (hiredis parser when installed) with retries."""
+    """An asyncio client (hiredis parser and command packing) with retries."""
     check_url(settings.redis_url)
     try:
-        return aredis.Redis.from_url(
+        client = aredis.Redis.from_url(
             settings.redis_url,
             retry=_AsyncRetry(ExponentialBackoff(cap=2.0, base=0.05), 8),
             **_options(settings),
         )
     except ValueError as e:
         raise ConfigError(f"bad REDIS_URL {settings.redis_url!r}: {e}") from None
+    return packing.install(client)  # commands packed by hiredis, as the blocking client does
 
 
 def sync_client(settings: Settings) -> redis.Redis:

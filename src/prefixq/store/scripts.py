@@ -47,7 +47,7 @@ def record_call(
         [keys.results(burst), keys.burst(burst), keys.events(burst), keys.ids(burst)],
         [
             result.index,
-            wire.encode(result.to_wire(), settings.codec),
+            wire.encode_compact(result.to_wire(), settings.codec),
             "" if result.error is None else (result.error_code or "internal_error"),
             settings.result_ttl_s,
             now,
