@@ -48,6 +48,7 @@ def run(engines: Any, lines: list[dict[str, Any]]) -> dict[str, Result]:
     return got
 
 
+@pytest.mark.vllm_compat  # logprobs (flat_logprobs), structured output, n, seed
 def test_n_logprobs_json_and_seed_through_the_workers(engines: Any) -> None:
     """n=3 gives 3 choices; logprobs with top_logprobs=2 give each token's logprob and 2
     alternatives; json_schema output validates against its schema; json_object output parses;
@@ -154,6 +155,7 @@ def test_abort_ends_a_running_request_promptly() -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.vllm_compat  # the vocabulary checks each release does or not
 def test_token_ids_outside_the_vocabulary_are_refused_and_the_engine_serves_on() -> None:
     """A stop token id outside the vocabulary with min_tokens, and a prompt token id equal to the
     vocabulary size, are refused naming the field; older vLLM releases let them through to the

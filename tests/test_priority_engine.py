@@ -28,7 +28,8 @@ from prefixq.core.keys import Keys
 from prefixq.core.records import Result
 from prefixq.core.settings import Settings
 
-pytestmark = pytest.mark.engine
+#: vllm_compat: the engine is started with scheduling_policy=priority and given priorities
+pytestmark = [pytest.mark.engine, pytest.mark.vllm_compat]
 
 #: the worker's in-flight window: at most this many requests are inside its engine, so one read
 #: round already under way when the high burst lands admits at most this many normal ones
