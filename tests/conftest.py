@@ -185,14 +185,35 @@ def start_worker(
         return wp
 
     yield start
+    stop_all(procs)
+
+
+def stop_all(procs: list[WorkerProc], timeout: float = 60) -> None:
+    """SIGTERM every worker at once, then wait for each: their engines shut down side by side."""
     for wp in procs:
-        wp.stop(timeout=60)
+        wp.signal(signal.SIGTERM)
+    for wp in procs:
+        wp.stop(timeout=timeout)
+
+
+#: the session's shared workers (`engines`), once started; stopped after the last test that
+#: uses them (`pytest_runtest_teardown`), not at the end of the session
+_SHARED: list[WorkerProc] = []
+#: node id of the last collected test that uses `engines`
+_LAST_ENGINES_USER: list[str] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _engines_early(request: pytest.FixtureRequest) -> None:
+    """Start the shared workers' processes with the session's first test when any selected test
+    uses them: their engines build (over a minute on 2 cores) while the fast modules run
+    (`pytest_collection_modifyitems` puts those first); `engines` then waits for them."""
+    if _LAST_ENGINES_USER:
+        request.getfixturevalue("_engines_started")
 
 
 @pytest.fixture(scope="session")
-def engines(redis_server: RedisServer, start_worker: Callable[..., WorkerProc]) -> Any:
-    """The shared engine deployment of the session: a 2-shard namespace with one real vLLM CPU
-    worker per shard. Tests submit their own bursts to it."""
+def _engines_started(redis_server: RedisServer, start_worker: Callable[..., WorkerProc]) -> Any:
     s = Settings(
         redis_url=redis_server.url,
         namespace=f"cluster{secrets.token_hex(3)}",
@@ -206,8 +227,7 @@ def engines(redis_server: RedisServer, start_worker: Callable[..., WorkerProc]) 
         start_worker(s, shard=k, name=f"cluster-s{k}", extra=["--metrics-port", str(ports[k])])
         for k in range(2)
     ]
-    for w in workers:
-        w.wait_up()
+    _SHARED[:] = workers
 
     class Cluster:
         settings = s
@@ -217,6 +237,50 @@ def engines(redis_server: RedisServer, start_worker: Callable[..., WorkerProc]) 
             self.workers = workers
 
     return Cluster()
+
+
+@pytest.fixture(scope="session")
+def engines(_engines_started: Any) -> Any:
+    """The shared engine deployment of the session: a 2-shard namespace with one real vLLM CPU
+    worker per shard (``.settings``, ``.workers``, ``.metrics_ports``). Tests submit their own
+    bursts to it. Its workers are stopped after the last test that uses them."""
+    for w in _engines_started.workers:
+        w.wait_up()
+    return _engines_started
+
+
+def _group(items: list[pytest.Item]) -> int:
+    """A module's place in the run: 0 fast; 1 uses the shared workers; 2 other real engines;
+    3 slow only (fake engines, no vLLM: they run once every engine is stopped)."""
+    if any("engines" in it.fixturenames for it in items):
+        return 1
+    if any(it.get_closest_marker("engine") for it in items):
+        return 2
+    return 3 if any(it.get_closest_marker("slow") for it in items) else 0
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k deselected what will not run
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Fast modules first, then the modules on the shared workers, then those that start engines
+    of their own, then the slow fake-engine ones; each module's tests stay together and in order
+    (module fixtures are built once). Notes the last test on the shared workers."""
+    modules: dict[str, list[pytest.Item]] = {}
+    for it in items:
+        modules.setdefault(it.nodeid.split("::")[0], []).append(it)
+    group = {m: _group(its) for m, its in modules.items()}
+    items.sort(key=lambda it: group[it.nodeid.split("::")[0]])  # stable: order kept within
+    users = [it.nodeid for it in items if "engines" in it.fixturenames]
+    _LAST_ENGINES_USER[:] = users[-1:]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After the last test on the shared workers (its module's fixtures torn down too), stop
+    them: the tests that start engines of their own run without two idle ones beside them."""
+    yield
+    if _SHARED and _LAST_ENGINES_USER and item.nodeid == _LAST_ENGINES_USER[0]:
+        stop_all(_SHARED)
+        _SHARED.clear()
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -261,6 +261,7 @@ def test_prefix_map_stays_under_its_bound_after_100k_distinct_prefixes(
 
 
 @pytest.mark.engine
+@pytest.mark.vllm_compat  # cached prompt tokens (RequestOutput.num_cached_tokens)
 def test_reuse_burst_cache_hits_near_perfect_placement_and_above_random(
     engines: Any,
 ) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
-from typing import Any
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
 
 import jsonschema
 import pytest
@@ -18,6 +20,7 @@ from prefixq.engine.protocol import EngineRequest
 from prefixq.engine.vllm_engine import VllmEngine, cpu_defaults
 
 pytestmark = pytest.mark.engine
+T = TypeVar("T")
 
 SCHEMA = {
     "type": "object",
@@ -48,6 +51,7 @@ def run(engines: Any, lines: list[dict[str, Any]]) -> dict[str, Result]:
     return got
 
 
+@pytest.mark.vllm_compat  # logprobs (flat_logprobs), structured output, n, seed
 def test_n_logprobs_json_and_seed_through_the_workers(engines: Any) -> None:
     """n=3 gives 3 choices; logprobs with top_logprobs=2 give each token's logprob and 2
     alternatives; json_schema output validates against its schema; json_object output parses;
@@ -112,12 +116,43 @@ def test_n_logprobs_json_and_seed_through_the_workers(engines: Any) -> None:
     print("n=3:", [c.text for c in n3.choices], "| schema:", doc, "| seed:", got["seed-a"].text)
 
 
-def test_abort_ends_a_running_request_promptly() -> None:
+class Direct:
+    """One started `VllmEngine` on the embedded model, on an event loop in a thread of its own
+    (an AsyncLLM stays on the loop it was started on): the module's direct tests share it
+    instead of building an engine each. ``run(coro)`` awaits ``coro`` there."""
+
+    def __init__(self, model: str) -> None:
+        self.engine = VllmEngine(model, cpu_defaults())
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 600) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        try:
+            self.run(self.engine.close(), 120)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(30)
+            self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def direct(model_path: str) -> Iterator[Direct]:
+    d = Direct(model_path)
+    try:
+        d.run(d.engine.start())
+        yield d
+    finally:
+        d.close()
+
+
+def test_abort_ends_a_running_request_promptly(direct: Direct) -> None:
     """A long request aborted mid-way raises EngineAborted within seconds, an n=2 request too; a
     request aborted before it starts raises at once; a finished one keeps its output."""
-    from prefixq.engine.embedded_model import default_cache_dir, resolve_model
-
-    engine = VllmEngine(resolve_model("", default_cache_dir()), cpu_defaults())
+    engine = direct.engine
 
     async def long(rid: str, **sampling: Any) -> float:
         req = EngineRequest(
@@ -131,37 +166,34 @@ def test_abort_ends_a_running_request_promptly() -> None:
         return time.monotonic() - t0
 
     async def scenario() -> None:
-        await engine.start()
-        try:
-            for rid, sampling in (("one", {}), ("two", {"n": 2, "temperature": 1.0})):
-                task = asyncio.create_task(long(rid, **sampling))
-                await asyncio.sleep(3.0)
-                assert not task.done()  # 4,000 tokens take minutes on this CPU
-                t_abort = time.monotonic()
-                await engine.abort(rid)
-                took = await asyncio.wait_for(task, timeout=30)
-                print(f"{rid}: aborted after {took:.1f}s, {time.monotonic() - t_abort:.2f}s late")
-            await engine.abort("early")
-            await long("early")
-            done = EngineRequest(request_id="done", prompt_token_ids=[1] * 8, sampling={})
-            done.sampling = {"max_tokens": 2, "ignore_eos": True}
-            out = await engine.generate(done)
-            await engine.abort("done")
-            assert len(out.token_ids) == 2
-        finally:
-            await engine.close()
+        for rid, sampling in (("one", {}), ("two", {"n": 2, "temperature": 1.0})):
+            task = asyncio.create_task(long(rid, **sampling))
+            await asyncio.sleep(3.0)
+            assert not task.done()  # 4,000 tokens take minutes on this CPU
+            t_abort = time.monotonic()
+            await engine.abort(rid)
+            took = await asyncio.wait_for(task, timeout=30)
+            print(f"{rid}: aborted after {took:.1f}s, {time.monotonic() - t_abort:.2f}s late")
+        await engine.abort("early")
+        await long("early")
+        done = EngineRequest(request_id="done", prompt_token_ids=[1] * 8, sampling={})
+        done.sampling = {"max_tokens": 2, "ignore_eos": True}
+        out = await engine.generate(done)
+        await engine.abort("done")
+        assert len(out.token_ids) == 2
 
-    asyncio.run(scenario())
+    direct.run(scenario())
 
 
-def test_token_ids_outside_the_vocabulary_are_refused_and_the_engine_serves_on() -> None:
+@pytest.mark.vllm_compat  # the vocabulary checks each release does or not
+def test_token_ids_outside_the_vocabulary_are_refused_and_the_engine_serves_on(
+    direct: Direct,
+) -> None:
     """A stop token id outside the vocabulary with min_tokens, and a prompt token id equal to the
     vocabulary size, are refused naming the field; older vLLM releases let them through to the
     model runner (engine/vllm_compat.py),
     where either killed the engine. The engine then answers the next request."""
-    from prefixq.engine.embedded_model import default_cache_dir, resolve_model
-
-    engine = VllmEngine(resolve_model("", default_cache_dir()), cpu_defaults())
+    engine = direct.engine
     vocab = 49_152  # the embedded SmolLM2's
     bad = [
         (
@@ -174,17 +206,11 @@ def test_token_ids_outside_the_vocabulary_are_refused_and_the_engine_serves_on()
     ]
 
     async def scenario() -> None:
-        await engine.start()
-        try:
-            for field, req in bad:
-                with pytest.raises(
-                    EngineRefused, match=rf"{field}: token id \d+ is out of vocabulary"
-                ):
-                    await engine.generate(req)
-            sampling = {"max_tokens": 2, "ignore_eos": True}
-            good = EngineRequest("good", prompt_token_ids=[1] * 8, sampling=sampling)
-            assert len((await engine.generate(good)).token_ids) == 2
-        finally:
-            await engine.close()
+        for field, req in bad:
+            with pytest.raises(EngineRefused, match=rf"{field}: token id \d+ is out of vocabulary"):
+                await engine.generate(req)
+        sampling = {"max_tokens": 2, "ignore_eos": True}
+        good = EngineRequest("good", prompt_token_ids=[1] * 8, sampling=sampling)
+        assert len((await engine.generate(good)).token_ids) == 2
 
-    asyncio.run(scenario())
+    direct.run(scenario())

@@ -50,10 +50,12 @@ def test_an_interrupted_demo_leaves_no_keys_in_the_redis_it_found(
     found: tuple[RedisServer, redis.Redis],
 ) -> None:
     """Ctrl-C (SIGINT to the demo) once its worker has written its first keys: the demo stops
-    the worker, deletes every key of its namespace, and exits 130."""
+    the worker, deletes every key of its namespace, and exits 130. Its answers take up to 48
+    tokens (the demo's default), so that the run is still going when the signal comes (with 2
+    it was seen to end within the half second after its first keys, under load)."""
     srv, r = found
     p = subprocess.Popen(
-        cli_argv(None, "demo", "--max-tokens", "2", url=srv.url),
+        cli_argv(None, "demo", "--max-tokens", "48", url=srv.url),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -63,6 +65,7 @@ def test_an_interrupted_demo_leaves_no_keys_in_the_redis_it_found(
         written = sorted(k.decode() for k in r.keys("*") if k != b"other:keep")
         assert written and all("-demo-" in k.split(":")[0] for k in written), written
         time.sleep(0.5)
+        assert p.poll() is None, f"the demo ended (exit {p.returncode}) before it was interrupted"
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=180)
     finally:

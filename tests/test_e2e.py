@@ -106,6 +106,7 @@ def test_greedy_results_equal_direct_engine_token_for_token(engines: Any, model_
     print(f"{len(reqs)} requests identical token for token; shards used: {shards}")
 
 
+@pytest.mark.vllm_compat  # chats rendered with the tokenizer's template
 def test_chat_answer_about_france_mentions_paris(engines: Any) -> None:
     """The embedded model, through its chat template, answers the capital question with Paris."""
     burst = Producer(engines.settings).submit(

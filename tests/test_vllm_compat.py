@@ -17,6 +17,9 @@ from prefixq.engine.protocol import EngineRequest
 from prefixq.engine.vllm_compat import cpu_block_size, is_retryable, parse_version, vllm_version
 from prefixq.engine.vllm_engine import VllmEngine, cpu_defaults
 
+#: every test here runs on each vLLM release CI installs (`./dev test-vllm 0.28 -m vllm_compat`)
+pytestmark = pytest.mark.vllm_compat
+
 
 @pytest.mark.parametrize(
     ("text", "want"),
