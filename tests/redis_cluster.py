@@ -14,6 +14,11 @@ The session fixture `redis_cluster` (registered in tests/conftest.py) yields one
 - ``.restart(node)``: start a killed node again on its port and dir (it rejoins as a replica);
   ``.heal()``: restart every dead node and wait until the cluster is whole again;
 - ``.flushall()``: FLUSHALL on every master.
+
+On it: `cluster_settings` (``make(**overrides)``: `Settings` on the cluster's URL, a fresh
+namespace, 4 shards: shards 1, 2, 3 sit on three different masters), `cr` (prefixq's own sync
+client for that URL: a cluster client once store/connection.py detects the cluster) and
+`cluster_worker` (the `fake_worker` fixture's twin for a cluster URL: `ClusterFakeWorker`).
 """
 
 from __future__ import annotations
@@ -21,18 +26,26 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import secrets
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 from redis.cluster import RedisCluster as ClusterClient
+
+from helpers import FakeWorker
+from prefixq.affinity.placement import Placed
+from prefixq.core.keys import Keys
+from prefixq.core.settings import Settings
+from prefixq.store.connection import sync_client
 
 HOST = "127.0.0.1"
 #: ``redis-cli --cluster create`` flags: one replica per master, no question asked
@@ -394,3 +407,81 @@ def cluster(redis_cluster: RedisCluster) -> RedisCluster:
     redis_cluster.heal()
     redis_cluster.flushall()
     return redis_cluster
+
+
+# ---- prefixq on the cluster -----------------------------------------------------------------
+class OnShard:
+    """A `Placer` that sends every request to shard ``shard`` (to put a burst on the master a
+    test picked)."""
+
+    def __init__(self, shard: int) -> None:
+        self.shard = shard
+
+    async def place(self, r: Any, items: list[Any], shards: int) -> list[Placed]:
+        assert self.shard < shards, f"shard {self.shard} of a {shards}-shard deployment"
+        return [Placed(self.shard, it.tokens) for it in items]
+
+
+class ClusterFakeWorker(FakeWorker):
+    """`FakeWorker` whose "serving" probe reads the heartbeat through prefixq's own client (the
+    base class opens a plain client on the URL, which a multi-seed cluster URL is not)."""
+
+    def _serving(self) -> bool:
+        if self.worker is None or not self.worker.engine_up:
+            return False
+        c = sync_client(self.settings)
+        try:
+            hb = Keys(self.settings.namespace).heartbeat(self.shard, self.name)
+            return bool(c.hget(hb, "engine_up") == b"1")
+        except (redis.RedisError, OSError):
+            return False
+        finally:
+            c.close()
+
+
+@pytest.fixture
+def cluster_settings(cluster: RedisCluster) -> Callable[..., Settings]:
+    """``make(**overrides)``: settings on the (whole, empty) cluster, a fresh namespace each."""
+
+    def make(**overrides: Any) -> Settings:
+        base: dict[str, Any] = {
+            "redis_url": cluster.url,
+            "namespace": f"c{secrets.token_hex(4)}",
+            "shards": 4,
+            "gc_freeze": False,
+            "heartbeat_s": 0.5,
+        }
+        return Settings(**(base | overrides))
+
+    return make
+
+
+@pytest.fixture
+def cr(cluster: RedisCluster) -> Iterator[redis.Redis]:
+    """prefixq's sync client on the cluster URL (what the CLI and the waiters use)."""
+    c = sync_client(Settings(redis_url=cluster.url))
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def cluster_worker() -> Iterator[Callable[..., ClusterFakeWorker]]:
+    """``cluster_worker(settings, shard=..., name=..., engine=...)``: a started
+    `ClusterFakeWorker`; every one built is stopped when the test ends."""
+    built: list[ClusterFakeWorker] = []
+
+    def make(settings: Settings, *, until: str = "up", **kw: Any) -> ClusterFakeWorker:
+        fw = ClusterFakeWorker(settings, **kw)
+        built.append(fw)
+        fw.start(until=until)
+        return fw
+
+    yield make
+    errors: list[BaseException] = []
+    for fw in reversed(built):
+        try:
+            fw.stop()
+        except BaseException as e:  # stop them all, then report the first failure
+            errors.append(e)
+    if errors:
+        raise errors[0]
