@@ -310,7 +310,7 @@ class ShardStream:
             for one in (self._close, self._move):
                 await self.r.script_load(one.script)
             self._loaded = True
-        pipe.evalsha(script.sha, len(keys), *keys, *args)
+        pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
 
     # ---- results -----------------------------------------------------------------------------
     async def record(self, batch: Sequence[Written]) -> list[int | RedisError]:
@@ -324,7 +324,9 @@ class ShardStream:
         for w in batch:
             e = w.entry
             keys, args = record_call(self.keys, e.burst, w.result, self.settings, now, e.enqueued)
-            pipe.evalsha(self._record_sha, len(keys), *keys, *args)
+            # EVALSHA by name: redis-py's cluster pipeline refuses its evalsha method, and routes
+            # this by its first key (every key of a call shares one slot)
+            pipe.execute_command("EVALSHA", self._record_sha, len(keys), *keys, *args)
         replies: list[Any] = await pipe.execute(raise_on_error=False)
         if any(isinstance(x, NoScriptError) for x in replies):
             self._record_sha = ""  # Redis restarted without its scripts: load it again next time
@@ -350,7 +352,9 @@ class ShardStream:
                 self._ack_sha = await self.r.script_load(self._ack_lua)
             counts = [len(ids) for ids in groups.values()]
             ids = [i for group in groups.values() for i in group]
-            pipe.evalsha(self._ack_sha, len(groups), *groups, GROUP, *counts, *ids)
+            pipe.execute_command(
+                "EVALSHA", self._ack_sha, len(groups), *groups, GROUP, *counts, *ids
+            )
             acks = 1
         pipe.hincrby(keys.load, str(k), -sum(w.entry.work for w in batch))
         stats = keys.shard_stats
