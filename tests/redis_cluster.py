@@ -13,6 +13,10 @@ The session fixture `redis_cluster` (registered in tests/conftest.py) yields one
   replica serves the slot and every live node says ``cluster_state:ok``;
 - ``.restart(node)``: start a killed node again on its port and dir (it rejoins as a replica);
   ``.heal()``: restart every dead node and wait until the cluster is whole again;
+- ``.replica_of(master)``, ``.lag(master)`` (replication bytes not yet confirmed),
+  ``.pause(node)`` / ``.resume(node)`` (SIGSTOP / SIGCONT), ``.isolate(replica, master)`` (paused
+  and its replication link closed: what the master writes next never reaches it),
+  ``.replica_keys(replica, key)`` (a hash's fields as a paused replica holds them);
 - ``.flushall()``: FLUSHALL on every master.
 
 On it: `cluster_settings` (``make(**overrides)``: `Settings` on the cluster's URL, a fresh
@@ -28,6 +32,7 @@ import os
 import random
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -95,6 +100,7 @@ class RedisCluster:
         self.masters = masters
         self.root = Path(tempfile.mkdtemp(prefix="prefixq-cluster-"))
         self.nodes: list[Node] = []
+        self.paused: set[int] = set()  # ports of nodes stopped with SIGSTOP
         for i in range(masters * 2):
             d = self.root / f"n{i}"
             d.mkdir()
@@ -179,6 +185,9 @@ class RedisCluster:
 
     def stop(self) -> None:
         """Stop every node by its PID (SIGTERM, then SIGKILL after 5 s)."""
+        for n in self.nodes:
+            if n.port in self.paused:
+                self.resume(n)
         for n in self.nodes:
             if n.alive and n.proc is not None:
                 n.proc.terminate()
@@ -338,6 +347,68 @@ class RedisCluster:
                 )
             time.sleep(0.05)
 
+    def replica_of(self, master: Node) -> Node:
+        """The node replicating ``master`` (its first replica, as ``INFO replication`` says)."""
+        rep = self._replication(master)
+        for k, v in rep.items():
+            if k.startswith("slave") and isinstance(v, dict):
+                port = int(v["port"])
+                return next(n for n in self.nodes if n.port == port)
+        raise AssertionError(f"master {master} has no replica ({rep})")
+
+    def lag(self, master: Node) -> int:
+        """Bytes of ``master``'s replication stream its replica has not confirmed: what a
+        failover now would lose."""
+        rep = self._replication(master)
+        offsets = [int(v["offset"]) for k, v in rep.items() if k.startswith("slave")]
+        assert offsets, f"master {master} has no replica ({rep})"
+        return int(rep["master_repl_offset"]) - max(offsets)
+
+    def replica_keys(self, replica: Node, key: str) -> set[bytes]:
+        """The fields of hash ``key`` as a paused replica holds them (read after it is resumed,
+        on a connection of its own, before anything else reaches it: a replica whose master is
+        dead holds what a promotion keeps)."""
+        assert replica.proc is not None
+        replica.proc.send_signal(signal.SIGCONT)
+        c = replica.client(5.0)
+        try:
+            c.execute_command("READONLY")
+            return set(c.hkeys(key))
+        finally:
+            c.close()
+            if replica.port in self.paused:
+                replica.proc.send_signal(signal.SIGSTOP)
+
+    def isolate(self, replica: Node, master: Node) -> int:
+        """Cut ``replica`` off its ``master``: SIGSTOP it, then close its replication link on the
+        master (CLIENT KILL TYPE replica), so that nothing the master writes from now on reaches
+        it, not even through socket buffers. The master's replication offset at the cut."""
+        self.pause(replica)
+        c = master.client()
+        try:
+            c.execute_command("CLIENT", "KILL", "TYPE", "replica")
+            return int(c.info("replication")["master_repl_offset"])
+        finally:
+            c.close()
+
+    def offset(self, master: Node) -> int:
+        """``master``'s replication offset (bytes of writes it has streamed since it began)."""
+        return int(self._replication(master)["master_repl_offset"])
+
+    def pause(self, node: Node) -> Node:
+        """SIGSTOP ``node``: a replica that falls behind (its master goes on accepting writes)."""
+        assert node.proc is not None and node.alive
+        node.proc.send_signal(signal.SIGSTOP)
+        self.paused.add(node.port)
+        return node
+
+    def resume(self, node: Node) -> Node:
+        """SIGCONT a paused node."""
+        assert node.proc is not None
+        node.proc.send_signal(signal.SIGCONT)
+        self.paused.discard(node.port)
+        return node
+
     def restart(self, node: Node, timeout: float = 30.0) -> Node:
         """Start a killed node again on its port and dir; it rejoins (as a replica when its
         slots went to another node meanwhile)."""
@@ -347,7 +418,11 @@ class RedisCluster:
         return node
 
     def heal(self, timeout: float = 30.0) -> None:
-        """Restart every dead node; wait until the cluster is whole (each master replicated)."""
+        """Resume paused nodes, restart dead ones; wait until the cluster is whole (each master
+        replicated)."""
+        for n in self.nodes:
+            if n.port in self.paused:
+                self.resume(n)
         for n in self.nodes:
             if not n.alive:
                 self.restart(n)
@@ -411,15 +486,20 @@ def cluster(redis_cluster: RedisCluster) -> RedisCluster:
 
 # ---- prefixq on the cluster -----------------------------------------------------------------
 class OnShard:
-    """A `Placer` that sends every request to shard ``shard`` (to put a burst on the master a
-    test picked)."""
+    """A `Placer` that sends the requests to the shards given, in turn (to put a burst on the
+    masters a test picked)."""
 
-    def __init__(self, shard: int) -> None:
-        self.shard = shard
+    def __init__(self, *shards: int) -> None:
+        self.shards = shards
+        self.next = 0
 
     async def place(self, r: Any, items: list[Any], shards: int) -> list[Placed]:
-        assert self.shard < shards, f"shard {self.shard} of a {shards}-shard deployment"
-        return [Placed(self.shard, it.tokens) for it in items]
+        assert max(self.shards) < shards, f"shards {self.shards} of a {shards}-shard deployment"
+        out = []
+        for it in items:
+            out.append(Placed(self.shards[self.next % len(self.shards)], it.tokens))
+            self.next += 1
+        return out
 
 
 class ClusterFakeWorker(FakeWorker):
