@@ -12,7 +12,8 @@ bursts of ``--requests`` requests of:
   node's idle rate measured just before), and its sum over the nodes;
 - Redis commands per request (``INFO commandstats``) and WAIT calls per request; from the two
   cluster runs, what WAIT adds per request and per WAIT call (one per group of results a worker
-  records and acks together, plus one per master for each submit).
+  records and acks together, plus one per master for each submit), and the wall time of one
+  fence (SET + WAIT) on one master and on every master.
 
 docs/BENCHMARKS.md ("Redis Cluster") has the figures; docs/operations.md the capacity table.
 
@@ -211,7 +212,7 @@ def measure(url: str, ports: dict[str, int], reps: int, n: int, **kw: Any) -> di
 
     s = settings(url, **kw)
     client = sync_client(s)
-    runs = []
+    runs: list[dict[str, Any]] = []
     try:
         client.hset(Keys(s.namespace).config, "shards", s.shards)
         with workers(s, client):
@@ -221,7 +222,10 @@ def measure(url: str, ports: dict[str, int], reps: int, n: int, **kw: Any) -> di
     finally:
         client.close()
     med = statistics.median
+    fences = fence_latency(s, client) if s.min_replicas_acked else {}
     return {
+        **fences,
+        "redis_cpu_us_per_request_runs": [round(r["cpu_us_per_request_total"], 1) for r in runs],
         "requests": n,
         "reps": reps,
         "rate_per_s": round(med(r["rate"] for r in runs)),
@@ -235,6 +239,27 @@ def measure(url: str, ports: dict[str, int], reps: int, n: int, **kw: Any) -> di
         },
         "commands_per_request": round(med(r["commands_per_request"] for r in runs), 2),
         "wait_per_request": round(med(r["wait_per_request"] for r in runs), 4),
+    }
+
+
+def fence_latency(s: Settings, client: Any, n: int = 300) -> dict[str, float]:
+    """Wall time of one fence (SET + WAIT on one connection) on the master of one key, as a
+    worker pays it per group of results, and on every master, as a producer pays it per submit:
+    medians over ``n``, milliseconds."""
+    from prefixq.store.fence import fence
+
+    key = Keys(s.namespace).results("probe")
+    one, every = [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fence(client, s, [key])
+        t1 = time.perf_counter()
+        fence(client, s)
+        every.append(time.perf_counter() - t1)
+        one.append(t1 - t0)
+    return {
+        "fence_ms_one_master": round(statistics.median(one) * 1e3, 3),
+        "fence_ms_every_master": round(statistics.median(every) * 1e3, 3),
     }
 
 
