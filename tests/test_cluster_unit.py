@@ -244,7 +244,8 @@ def test_a_lane_closes_in_a_cluster_pipeline_and_again_after_the_scripts_are_flu
             stream = ShardStream(r, s, 2, "unit")
             out = await stream.close_lanes([(lane(b), b, False) for b in bursts])
             for m in cluster.live_masters():
-                m.client().script_flush()
+                with m.client() as one:
+                    one.script_flush()
             again = await stream.close_lanes([(lane("c"), "c", False)])
             again += await stream.close_lanes([(keys.lane(2, "c"), "c", False)])
             return [*out, *again]
