@@ -295,3 +295,25 @@ def test_an_evicting_master_is_named_by_the_async_check(
         c.config_set("maxmemory-policy", "noeviction")
         c.close()
     asyncio.run(go())  # all noeviction again: no refusal
+
+
+def test_a_closed_connection_written_to_inside_redis_py_is_transient_and_a_bug_of_ours_is_not() -> (
+    None
+):
+    """What a worker loop saw in a failover: a cluster client's slot-map refresh closed every
+    connection, and another task's command wrote to the closed stream (AttributeError inside
+    redis-py). That is retried; an AttributeError of prefixq's own code is not."""
+    from redis.asyncio.connection import Connection
+
+    async def write_on_closed() -> BaseException:
+        try:
+            await Connection()._send_packed_command([b"PING\r\n"])
+        except AttributeError as e:
+            return e
+        raise AssertionError("redis-py wrote on a connection it never opened")
+
+    err = asyncio.run(write_on_closed())
+    assert connection.inside_redis_py(err) and connection.transient(err)
+    with pytest.raises(AttributeError) as ours:
+        None.writelines  # type: ignore[attr-defined]  # noqa: B018
+    assert not connection.inside_redis_py(ours.value) and not connection.transient(ours.value)

@@ -85,13 +85,29 @@ _TRANSIENT_REPLIES = ("CLUSTERDOWN", "TRYAGAIN", "MASTERDOWN", "MOVED", "ASK ", 
 
 
 def transient(err: BaseException) -> bool:
-    """True for an error that retrying later can fix (`TRANSIENT`, or a reply saying the cluster
-    is failing over), never for a `refused` one."""
+    """True for an error that retrying later can fix (`TRANSIENT`, a reply saying the cluster is
+    failing over, or `inside_redis_py`), never for a `refused` one."""
     if refused(err):
         return False
-    if isinstance(err, TRANSIENT):
+    if isinstance(err, TRANSIENT) or inside_redis_py(err):
         return True
     return isinstance(err, ResponseError) and str(err).startswith(_TRANSIENT_REPLIES)
+
+
+def inside_redis_py(err: BaseException) -> bool:
+    """True for an AttributeError or TypeError raised inside redis-py itself rather than by
+    prefixq: what a connection torn down under a command looks like when a cluster client
+    refreshes its slot map during a failover (it closes every node's connections, and another
+    task's command then writes to a closed stream). Retrying on a fresh connection fixes it."""
+    if not isinstance(err, AttributeError | TypeError):
+        return False
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    path = tb.tb_frame.f_code.co_filename.replace(os.sep, "/")
+    return "/site-packages/redis/" in path or "/redis/asyncio/" in path
 
 
 log = logging.getLogger(__name__)
