@@ -5,6 +5,7 @@ or given to another request.
     python scripts/soak.py --requests 20000 --faults 60 --duration 420    # the long form
     python scripts/soak.py --seed 7             # a schedule again (every run prints its seed)
     python scripts/soak.py --self-check         # damages results before the accounting: exit 1
+    python scripts/soak.py --cluster --shards 4  # on a 6-node Redis Cluster, with master failovers
 
 It starts a redis-server with its AOF at ``appendfsync everysec`` and ``--shards`` shards of
 fake-engine worker processes (tests/fault_worker.py: the real worker loop over
@@ -20,6 +21,12 @@ report of how many of its requests were enqueued is checked against the requests
 recorded (misreported). It prints one summary line (and ``--json`` writes the details); it
 exits 0 only if nothing was lost, duplicated, phantom, misanswered or misreported, no worker
 logged a traceback, every stop kept its bound, and at least ``--faults`` faults landed.
+
+``--cluster`` runs it on a Redis Cluster of 6 redis-server processes (3 masters, 3 replicas; the
+launcher of tests/redis_cluster.py) with ``min_replicas_acked=1`` for every process, and adds
+the ``master_failover`` fault (a master killed -9, its replica promoted, the node restarted as a
+replica); faults that need one killable or memory-capped server are not drawn there. Its summary
+line says ``failovers injected: N``.
 
 ``--self-check`` breaks a few results of one burst in Redis before the accounting
 (accounting.damage): the run must then fail (tests/test_soak.py checks that it does).
@@ -50,7 +57,7 @@ from prefixq.core.errors import BurstNotFound, PrefixqError
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from soaklib import accounting, faults
-from soaklib.deployment import ENV, PY, ROOT, Redis, SingleNode, Workers, backlog
+from soaklib.deployment import ENV, PY, ROOT, ClusterNodes, Redis, SingleNode, Workers, backlog
 from soaklib.workload import Plan, Planned
 
 #: failed submits of one burst's requests tried again under a new id, at most
@@ -78,9 +85,11 @@ class Soak:
             max_attempts=6,
             max_inflight=4,  # with the workload's pace: work in flight most of the time
             tenant_weights="ta=3,tb=1",
+            # a cluster's failovers lose nothing acknowledged only with it (docs/delivery.md)
+            min_replicas_acked=1 if "failover" in redis_.capabilities else 0,
         )
         self.keys = Keys(self.settings.namespace)
-        self.r = redis.Redis.from_url(redis_.url, socket_timeout=10)
+        self.r = redis_.client()
         self.workers = Workers(self.settings, folder / "logs")
         span = 0.8 * args.duration
         self.plan = Plan(random.Random(args.seed + 1), f"s{args.seed}", args.requests, span)
@@ -277,12 +286,18 @@ class Soak:
         return {x.kind for x in self.landed}
 
     def restore(self) -> None:
-        """Redis up, no memory limit, a live primary worker on every shard."""
-        try:
-            self.r.ping()
-        except redis.ConnectionError:
+        """Redis up (every node, each master replicated), no memory limit, a live primary
+        worker on every shard."""
+        caps = self.redis.capabilities
+        if "failover" in caps:
             self.redis.start()
-        self.r.config_set("maxmemory", 0)
+        else:
+            try:
+                self.r.ping()
+            except redis.ConnectionError:
+                self.redis.start()
+        if "maxmemory" in caps:
+            self.r.config_set("maxmemory", 0)
         for k in range(self.settings.shards):
             w = self.workers.primary(k) or self.workers.start(k)
             if not self.workers.wait_serving(w, self.r, 60):
@@ -379,7 +394,13 @@ class Soak:
             f"lost {d['lost']}, duplicated {d['duplicated']}, phantom {d['phantom']}, "
             f"misanswered {d['misanswered']}, misreported {d['misreported']}; "
             f"results {dict(sorted(tally.codes.items()))}; tracebacks {len(tracebacks)}, "
-            f"problems {len(self.problems)}; wall {wall:.0f}s: {'PASS' if ok else 'FAIL'}"
+            f"problems {len(self.problems)}; "
+            + (
+                f"failovers injected: {kinds.get('master_failover', 0)}; "
+                if "failover" in self.redis.capabilities
+                else ""
+            )
+            + f"wall {wall:.0f}s: {'PASS' if ok else 'FAIL'}"
         )
         return {
             "ok": ok,
@@ -390,6 +411,7 @@ class Soak:
             "shards": self.settings.shards,
             "faults": len(self.landed),
             "faults_by_kind": dict(kinds),
+            "failovers": kinds.get("master_failover", 0),
             "landed": [[x.kind, x.how] for x in self.landed],
             "lost": d["lost"],
             "duplicated": d["duplicated"],
@@ -419,6 +441,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--self-check", action="store_true", help="damage results: the run must fail")
     p.add_argument("--json", default="", help="write the summary's details here")
     p.add_argument("--keep", default="", help="keep logs and inputs in this folder")
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="run on a Redis Cluster of 6 nodes and inject master failovers",
+    )
     args = p.parse_args(argv)
     if args.seed is None:
         args.seed = secrets.randbelow(10**6)
@@ -433,8 +460,10 @@ def main(argv: list[str]) -> int:
     folder = Path(args.keep or tempfile.mkdtemp(prefix="prefixq-soak-"))
     (folder / "logs").mkdir(parents=True, exist_ok=True)
     (folder / "in").mkdir(exist_ok=True)
-    node = SingleNode()
+    node: Redis = ClusterNodes(args.shards) if args.cluster else SingleNode()
     node.start()
+    if args.cluster:  # every submit (CLI and API processes) confirms on a replica too
+        ENV["PREFIXQ_MIN_REPLICAS_ACKED"] = "1"
     soak = Soak(args, node, folder)
     try:
         out = soak.run()

@@ -29,6 +29,7 @@ from prefixq.cli.redis_server import RedisServer, free_port
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from prefixq.worker.command import worker_command
+from redis_cluster import cluster, cluster_settings, cluster_worker, cr, redis_cluster  # noqa: F401
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 ENGINE_START_TIMEOUT = 900

@@ -124,3 +124,93 @@ def test_compose_monitoring_profile_provisions_prometheus_and_grafana_with_the_d
     assert ds["url"] == "http://prometheus:9090"
     dash = (ROOT / "deploy/grafana/prefixq.json").read_text()
     assert f'"uid": "{ds["uid"]}"' in dash
+
+
+CLUSTER_NODES = [f"redis-node-{i}" for i in range(6)]
+
+
+def test_compose_cluster_profile_runs_six_nodes_a_one_shot_create_and_workers_on_every_seed() -> (
+    None
+):
+    """`--profile cluster` adds 6 Redis Cluster nodes (AOF everysec, noeviction, each announcing
+    its service name), a one-shot `redis-cli --cluster create ... --cluster-replicas 1` that waits
+    for all of them, and workers whose REDIS_URL names every node as a seed, started once the
+    cluster is made, with min_replicas_acked=1; none of it starts without the profile."""
+    base = [*_compose(), "-f", str(ROOT / "docker-compose.yml")]
+    run = {"capture_output": True, "text": True, "check": False, "cwd": ROOT}
+    plain = subprocess.run([*base, "config"], **run)
+    assert plain.returncode == 0, plain.stderr
+    assert not set(yaml.safe_load(plain.stdout)["services"]) & {*CLUSTER_NODES, "cluster-worker-0"}
+    p = subprocess.run([*base, "--profile", "cluster", "config"], **run)
+    assert p.returncode == 0, p.stderr
+    svc = yaml.safe_load(p.stdout)["services"]
+    for name in CLUSTER_NODES:
+        cmd = " ".join(svc[name]["command"])
+        for flag in (
+            "--cluster-enabled yes",
+            "--appendonly yes",
+            "--appendfsync everysec",
+            "--maxmemory-policy noeviction",
+            f"--cluster-announce-hostname {name}",
+        ):
+            assert flag in cmd, f"{name}: {flag!r} missing from {cmd!r}"
+        assert svc[name]["profiles"] == ["cluster"] and "healthcheck" in svc[name]
+    init = svc["redis-cluster-init"]
+    assert {n: c["condition"] for n, c in init["depends_on"].items()} == dict.fromkeys(
+        CLUSTER_NODES, "service_healthy"
+    )
+    script = " ".join(init["command"])
+    assert "--cluster create" in script and "--cluster-replicas 1" in script
+    from prefixq.store.connection import seeds
+
+    for k in (0, 1):
+        w = svc[f"cluster-worker-{k}"]
+        assert w["command"][:3] == ["worker", "--shard", str(k)]
+        init_dep = w["depends_on"]["redis-cluster-init"]
+        assert init_dep["condition"] == "service_completed_successfully"
+        env = w["environment"]
+        assert seeds(env["REDIS_URL"]) == [(n, 6379) for n in CLUSTER_NODES]
+        assert env["PREFIXQ_MIN_REPLICAS_ACKED"] == "1"
+        assert w["healthcheck"]["test"] == ["CMD", "prefixq", "check", "--shard", str(k)]
+
+
+def test_compose_cluster_init_creates_the_cluster_from_the_nodes_addresses_once(
+    tmp_path: Path,
+) -> None:
+    """The one-shot service's script, run by sh with stand-ins for `getent` and `redis-cli`:
+    it asks redis-cli to create a cluster of the 6 nodes' addresses with one replica each; when
+    redis-node-0 already says cluster_state:ok it creates nothing (a restart of the profile)."""
+    raw = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    init = raw["redis-cluster-init"]
+    assert init["entrypoint"] == ["sh", "-c"]
+    (script,) = init["command"]
+    script = script.replace("$$", "$")  # compose's escape for a literal $
+    calls = tmp_path / "calls"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "getent").write_text('#!/bin/sh\nn="${2##*-}"; echo "10.0.0.$((n + 10))   $2"\n')
+    (bin_dir / "redis-cli").write_text(
+        f'#!/bin/sh\necho "$*" >> {calls}\n'
+        'if [ "$3" = cluster ] && [ "$4" = info ]; then cat "$CLUSTER_INFO" 2>/dev/null; fi\n'
+    )
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    p = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, check=False)
+    assert p.returncode == 0, p.stderr
+    create = calls.read_text().splitlines()[-1].split()
+    addrs = [f"10.0.0.{10 + i}:6379" for i in range(6)]
+    assert create == ["--cluster", "create", *addrs, "--cluster-replicas", "1", "--cluster-yes"]
+
+    calls.unlink()
+    info = tmp_path / "info"
+    info.write_text("cluster_state:ok\ncluster_slots_assigned:16384\n")
+    p = subprocess.run(
+        ["sh", "-c", script],
+        env={**env, "CLUSTER_INFO": str(info)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert p.returncode == 0, p.stderr
+    assert [c.split()[2:] for c in calls.read_text().splitlines()] == [["cluster", "info"]]

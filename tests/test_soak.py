@@ -87,3 +87,38 @@ def test_the_soak_fails_when_results_are_damaged_before_its_accounting(tmp_path:
     assert out["lost"] >= 2 and out["duplicated"] >= 2, out
     assert out["phantom"] >= 1 and out["misanswered"] >= 1, out
     assert rc == 1 and "FAIL" in out["line"], text[-3000:]
+
+
+def test_the_soak_on_a_redis_cluster_rides_through_master_failovers(tmp_path: Path) -> None:
+    """Given a short soak on a 6-node Redis Cluster (`--cluster`: min_replicas_acked=1 for every
+    process), with master failovers among its faults (a shard's master killed -9, its replica
+    promoted, the node restarted as a replica), every request has exactly one result under its
+    own id, and the summary line counts the failovers injected."""
+    seed = os.environ.get("PREFIXQ_SOAK_SEED") or str(secrets.randbelow(10**6))
+    rc, out, text = soak(
+        tmp_path,
+        "--cluster",
+        "--shards",
+        "4",
+        "--requests",
+        "500",
+        "--faults",
+        "4",
+        "--duration",
+        "30",
+        "--seed",
+        seed,
+        timeout=300,
+    )
+    for kind, n in sorted(out["faults_by_kind"].items()):
+        LEDGER.fault(f"cluster soak seed {seed}: {kind}", n)
+    LEDGER.requests += out["requests"]
+    LEDGER.lost += out["lost"]
+    LEDGER.duplicated += out["duplicated"]
+    again = f"rerun: python scripts/soak.py --cluster --shards 4 --seed {seed}"
+    assert out["failovers"] >= 1, f"no master failover landed ({again})"
+    assert f"failovers injected: {out['failovers']}" in out["line"]
+    defects = {k: out[k] for k in ("lost", "duplicated", "phantom", "misanswered", "misreported")}
+    assert defects == dict.fromkeys(defects, 0), f"{defects}: {out['examples'][:10]} ({again})"
+    assert not out["tracebacks"] and not out["problems"], (out["problems"], again)
+    assert rc == 0, text[-3000:]

@@ -2,9 +2,11 @@
 
 `Redis` is the seam for another deployment: the soak only calls what it declares. `SingleNode`
 is one redis-server with its AOF at ``appendfsync everysec`` (prefixq.cli.redis_server), which
-can be killed -9 and started again from its AOF. A Redis Cluster deployment implements the same
-protocol with ``"failover"`` in its `capabilities` and a `failover()` that makes a replica take
-over a master; faults.py then schedules its ``master_failover`` kind (see faults.FAULTS).
+can be killed -9 and started again from its AOF. `ClusterNodes` is a Redis Cluster of 6
+redis-server processes (tests/redis_cluster.py: 3 masters, 3 replicas, AOF everysec) with
+``"failover"`` in its `capabilities`: its `failover()` kills -9 the master of a shard's slot,
+waits until the replica took over, and starts the killed node again (it rejoins as the new
+master's replica); faults.py then schedules its ``master_failover`` kind (see faults.FAULTS).
 
 Workers are tests/fault_worker.py processes: the real `Worker` loop over tests/fake_engine.py,
 with the signal handlers `prefixq worker` installs.
@@ -53,6 +55,7 @@ WORKER_FIELDS = (
     "grace_s",
     "max_inflight",
     "tenant_weights",
+    "min_replicas_acked",
 )
 
 
@@ -75,6 +78,10 @@ class Redis(Protocol):
     def close(self) -> None: ...
 
     def aof_delayed_fsyncs(self) -> int: ...
+
+    def client(self) -> redis.Redis:
+        """A client of the soak's own (reads and the faults' writes)."""
+        ...
 
 
 class SingleNode:
@@ -122,6 +129,78 @@ class SingleNode:
             return int(c.info("persistence").get("aof_delayed_fsync", 0))
         finally:
             c.close()
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url, socket_timeout=10)
+
+
+class ClusterNodes:
+    """A Redis Cluster of 6 redis-server processes (3 masters, 3 replicas) on free ports."""
+
+    capabilities = frozenset({"failover"})
+
+    def __init__(self, shards: int) -> None:
+        sys.path.insert(0, str(ROOT / "tests"))  # the launcher the cluster tests use
+        from redis_cluster import RedisCluster
+
+        self.cluster = RedisCluster()
+        self.shards = shards
+        self._next = 0
+        self._started = False
+
+    @property
+    def url(self) -> str:
+        return self.cluster.url
+
+    def start(self) -> None:
+        """Start the cluster the first time; later, restart any dead node and wait until every
+        master has its replica again."""
+        if not self._started:
+            self.cluster.start()
+            self._started = True
+        else:
+            self.cluster.heal()
+
+    def kill(self) -> None:
+        raise NotImplementedError("the cluster deployment fails masters over instead")
+
+    def failover(self) -> str:
+        """kill -9 the master holding the next shard's slot (shards in turn), wait until its
+        replica serves the slot, start the killed node again and wait until it replicates."""
+        k = self._next % self.shards
+        self._next += 1
+        key = Keys("x").intake(k, PRIORITIES[0])
+        c = self.cluster
+        c.wait_whole(60)
+        old = c.kill_master_of(key)
+        t0 = time.monotonic()
+        new = c.wait_failover(key, old, 60)
+        took = time.monotonic() - t0
+        c.restart(old)
+        c.wait_whole(60)
+        return (
+            f"master {old.addr} of shard {k}'s slot killed -9; replica {new.addr} promoted in "
+            f"{took:.1f}s; {old.addr} rejoined as its replica"
+        )
+
+    def close(self) -> None:
+        self.cluster.close()
+
+    def aof_delayed_fsyncs(self) -> int:
+        n = 0
+        for node in self.cluster.nodes:
+            if node.alive:
+                c = node.client(5.0)
+                try:
+                    n += int(c.info("persistence").get("aof_delayed_fsync", 0))
+                finally:
+                    c.close()
+        return n
+
+    def client(self) -> redis.Redis:
+        from prefixq.store.connection import sync_client
+
+        return sync_client(Settings(redis_url=self.url))
 
 
 @dataclass

@@ -410,6 +410,8 @@ def cmd_check(args: argparse.Namespace, settings: Settings) -> int:
     from prefixq.ops.health import check
 
     health = check(settings, shard=args.shard)
+    for line in health.layout:  # a Redis Cluster: its nodes and each shard's master
+        print(line)
     print(health.reason, file=sys.stdout if health.ok else sys.stderr)
     return 0 if health.ok else 1
 

@@ -55,8 +55,9 @@ from prefixq.core.settings import Settings
 from prefixq.core.sharing import check_priority, check_tenant
 from prefixq.store.burst_end import OnBurstDone, acancel
 from prefixq.store.census import count_enqueued
-from prefixq.store.connection import TRANSIENT, adescribe, async_client, lua
+from prefixq.store.connection import TRANSIENT, adescribe, async_client, is_cluster, lua
 from prefixq.store.deployment import aresolve_shards
+from prefixq.store.fence import afence
 
 log = logging.getLogger(__name__)
 
@@ -297,6 +298,8 @@ class _Submission:
         progress: Progress | None,
     ) -> None:
         self.p, self.s, self.keys, self.r = producer, producer.settings, producer.keys, r
+        #: a Redis Cluster client: the prefixes go in a pipeline of their own (`_send`)
+        self.cluster = is_cluster(r)
         self.raw, self.burst, self.meta, self.progress = raw, burst, meta, progress
         self.n = len(raw)
         #: a file checked as a whole already, whose requests are read again as they are encoded
@@ -343,6 +346,9 @@ class _Submission:
                 self._validate(chunk)  # a file's: read again now
                 await self._send(chunk, await self._encode(chunk, placer, shards))
                 start, size = start + len(chunk), min(4 * size, _CHUNK)
+            # min_replicas_acked: the replicas hold every entry and the record before submit
+            # returns (the writes go to every master: entries, prefixes, record, indexes)
+            await afence(self.r, self.s)
         except Exception as e:  # ours, Redis's, or a bug: never a created burst left half sent
             await self._abandon(e)
             raise
@@ -437,13 +443,21 @@ class _Submission:
         for ref, value in encoded.new_prefixes.items():
             pipe.set(keys.prefix(ref), value, nx=True, ex=ttl)
             pipe.expire(keys.prefix(ref), ttl)
+        stored: list[Any] = []
+        self.sending = len(idx)
+        if self.cluster and encoded.new_prefixes:
+            # the prefix keys live in other slots (other masters) than the streams, and a cluster
+            # pipeline sends to each master at once: the prefixes are written (answered) first,
+            # so an entry never reaches a worker before the prefix it refers to (ordering in
+            # place of one pipeline's order)
+            stored = await pipe.execute(raise_on_error=False)
+            pipe = self.r.pipeline(transaction=False)
         self.layout.add(pipe, encoded.by_shard, first=first)
         if first:
             pipe.zadd(keys.bursts, {self.burst: self.enc.enqueued})
             if "deadline" in self.meta:
                 pipe.zadd(keys.deadlines, {self.burst: self.meta["deadline"]})
-        self.sending = len(idx)
-        replies = await pipe.execute(raise_on_error=False)
+        replies = [*stored, *await pipe.execute(raise_on_error=False)]
         self.sending = 0  # answered: what was refused is raised below, and was not written
         for x in replies:  # a lane left behind by an expired burst of the same id keeps its group
             if isinstance(x, Exception) and "BUSYGROUP" not in str(x):

@@ -9,7 +9,8 @@
     ├── WireError              an entry that cannot be decoded safely
     │   └── LimitExceeded      a size or depth limit was hit while decoding
     ├── RedisUnavailable       Redis did not answer within the retry budget (or erred)
-    │   └── RedisOutOfMemory   Redis refused a write: used memory is at maxmemory
+    │   ├── RedisOutOfMemory   Redis refused a write: used memory is at maxmemory
+    │   └── ReplicasBehind     fewer replicas than min_replicas_acked confirmed writes (WAIT)
     ├── BurstNotFound          no burst with that id
     │   └── BurstRecordLost    the burst's record is incomplete (expired or evicted)
     ├── BurstTimeout           waiting for a burst ran past its timeout
@@ -54,6 +55,11 @@ class RedisUnavailable(PrefixqError):
 
 class RedisOutOfMemory(RedisUnavailable):
     """Raised when Redis refuses a write because its used memory reached ``maxmemory`` (OOM)."""
+
+
+class ReplicasBehind(RedisUnavailable):
+    """Raised when fewer replicas than ``min_replicas_acked`` confirmed writes within
+    ``min_replicas_acked_timeout_ms`` (WAIT): a failover now could lose them."""
 
 
 class BurstNotFound(PrefixqError):

@@ -164,6 +164,12 @@ class Keys:
         """Stream: one entry per finished request, for waiters (capped)."""
         return f"{self.ns}:{{b{burst}}}:events"
 
+    # replication fences (store/fence.py)
+    def fence(self, tag: int) -> str:
+        """String with a short TTL: what `min_replicas_acked`'s WAIT follows on one master; the
+        hash tag ``{f<tag>}`` picks the master (store/fence.py finds a tag for each)."""
+        return f"{self.ns}:{{f{tag}}}:fence"
+
     # OpenAI Batch API server (prefixq/openai/): one Cluster slot, hash tag {oai}, per namespace
     @property
     def oai_files(self) -> str:

@@ -52,6 +52,15 @@ class Settings:
     cache_dir: str = ""
     #: number of shards (one per GPU); 0 = read it from Redis, where the first deployment wrote it
     shards: int = 0
+    #: the plain Redis (not a cluster: RQ cannot use one) that holds RQ's own queues for
+    #: `prefixq rq` jobs and completion callbacks; empty = redis_url (docs/rq.md)
+    rq_redis_url: str = ""
+    #: with replicas (Redis Cluster, or one Redis with replicas): the producer confirms a burst's
+    #: entries and record, the worker a group's results before acking, with WAIT on this many
+    #: replicas, so a failover loses nothing acknowledged (docs/delivery.md); 0 = off
+    min_replicas_acked: int = 0
+    #: how long one such WAIT may take, ms; fewer replicas by then: submit fails, a worker retries
+    min_replicas_acked_timeout_ms: int = 2000
 
     # wire format and limits (docs/architecture.md, decision 3)
     #: compression of entries and stored prefixes: zlib (level 1), zstd (level 3), none
@@ -216,11 +225,18 @@ class Settings:
     def _check_ranges(self) -> None:
         """Numbers a deployment can run with: what would fail later (mid-submit, in Redis) or
         stall a worker silently is refused here."""
-        for name in ("max_messages", "prefix_ttl_s", "result_ttl_s", "map_max_entries"):
+        for name in (
+            "max_messages",
+            "prefix_ttl_s",
+            "result_ttl_s",
+            "map_max_entries",
+            "min_replicas_acked_timeout_ms",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, not {getattr(self, name)}")
         for name in (
             "max_inflight",
+            "min_replicas_acked",
             "prefix_store_min_chars",
             "prefix_cache_entries",
             "guard_margin_tokens",
@@ -273,6 +289,11 @@ class Settings:
         if unknown:
             raise ConfigError(f"unknown settings: {', '.join(sorted(unknown))}")
         return cls(**values)
+
+    @property
+    def rq_url(self) -> str:
+        """The Redis that holds RQ's queues: `rq_redis_url`, else `redis_url`."""
+        return self.rq_redis_url or self.redis_url
 
     @property
     def keys(self) -> Keys:

@@ -24,10 +24,17 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 
 from prefixq.core.checks import callback_path
-from prefixq.core.errors import ValidationError
+from prefixq.core.errors import ConfigError, ValidationError
 from prefixq.core.settings import Settings
 from prefixq.store.burst_end import OnBurstDone
-from prefixq.store.connection import TRANSIENT, describe, sync_client
+from prefixq.store.connection import (
+    TRANSIENT,
+    cluster_mode,
+    describe,
+    is_cluster,
+    redact,
+    sync_client,
+)
 from prefixq.worker.middleware import Middleware
 from prefixq.worker.view import WorkerView
 
@@ -63,6 +70,8 @@ def enqueue_on_complete(client: redis.Redis, settings: Settings, burst: str) -> 
     under WATCH of the burst record, so concurrent calls enqueue one job between them.
     """
     meta = settings.keys.burst(burst)
+    if is_cluster(client) or settings.rq_url != settings.redis_url:
+        return _enqueue_apart(client, settings, burst)
     with client.pipeline(transaction=True) as pipe:
         while True:
             try:
@@ -112,6 +121,59 @@ def enqueue_on_complete(client: redis.Redis, settings: Settings, burst: str) -> 
                 queue.name,
             )
             return job_id
+
+
+def _enqueue_apart(client: redis.Redis, settings: Settings, burst: str) -> str | None:
+    """`enqueue_on_complete` when RQ's queues are in another Redis than the burst (a Redis
+    Cluster holds the data, `rq_redis_url` a plain Redis: RQ cannot use a cluster). No MULTI can
+    span both, so the claim comes first: HSETNX ``callback_job`` on the burst record (one caller
+    wins), then the winner enqueues on RQ's Redis. A process killed between the two loses that
+    callback (at most once, where the single-Redis path is exactly once; docs/rq.md)."""
+    meta = settings.keys.burst(burst)
+    spec, queue_name, claimed, status = client.hmget(
+        meta, "on_complete", "rq_queue", "callback_job", "status"
+    )
+    if spec is None or claimed is not None:
+        return None
+    if status not in ENDED:
+        log.info("burst %s is %s, not ended: no callback yet", burst, status)
+        return None
+    try:
+        func = callback_path(spec.decode(errors="replace"))
+    except ValidationError as e:  # a record written before submit checked it
+        log.error("burst %s: its callback is not enqueued: %s", burst, e)
+        return None
+    job_id = callback_job_id(settings.namespace, burst)
+    if not client.hsetnx(meta, "callback_job", job_id):
+        return None  # another caller claimed it
+    rq = rq_client(settings)
+    try:
+        queue = Queue((queue_name or b"default").decode(), connection=rq, serializer=JSONSerializer)
+        meta_ = {"prefixq_namespace": settings.namespace, "prefixq_burst": burst}
+        queue.enqueue(func, burst, job_id=job_id, meta=meta_)
+    finally:
+        rq.close()
+    log.info(
+        "burst %s: enqueued on_complete %s as RQ job %s on queue %s",
+        burst,
+        func,
+        job_id,
+        queue.name,
+    )
+    return job_id
+
+
+def rq_client(settings: Settings) -> redis.Redis:
+    """A blocking client on the Redis of RQ's queues (`Settings.rq_url`), which must not be a
+    Redis Cluster (ConfigError)."""
+    url = settings.rq_url
+    if cluster_mode(url):
+        raise ConfigError(
+            f"RQ cannot use a Redis Cluster ({redact(url)}): set rq_redis_url "
+            "(PREFIXQ_RQ_REDIS_URL) to a plain Redis for RQ's queues; prefixq's data stays on "
+            "the cluster (docs/rq.md)"
+        )
+    return sync_client(settings.replace(redis_url=url))
 
 
 async def aenqueue_on_complete(r: aredis.Redis, settings: Settings, burst: str) -> str | None:

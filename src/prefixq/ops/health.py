@@ -3,8 +3,9 @@
 Every worker renews its heartbeat hash (`Keys.heartbeat`) each ``heartbeat_s`` with a TTL of
 ``heartbeat_ttl_s`` and lists its name in the shard's workers set. A worker counts as healthy
 while its heartbeat exists (so it beat within the TTL), says ``engine_up`` 1 and is not stopping.
-The check first reads Redis's eviction policy (store/policy.py): an evicting Redis is a
-configuration error. Read-only: the check never writes to Redis.
+The check first reads Redis's eviction policy (store/policy.py; every master of a cluster): an
+evicting Redis is a configuration error. On a Redis Cluster the verdict comes with the cluster's
+layout (store/topology.py). Read-only: the check never writes to Redis.
 """
 
 from __future__ import annotations
@@ -17,8 +18,16 @@ from redis.exceptions import RedisError
 
 from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
-from prefixq.store.connection import describe, error_text, redact, refused, sync_client
+from prefixq.store.connection import (
+    describe,
+    error_text,
+    is_cluster,
+    redact,
+    refused,
+    sync_client,
+)
 from prefixq.store.policy import check_policy
+from prefixq.store.topology import layout_lines
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +39,8 @@ class Health:
     ok: bool
     reason: str
     healthy: dict[int, list[str]] = field(default_factory=dict)
+    #: on a Redis Cluster: cluster mode, its nodes and each shard's master (store/topology.py)
+    layout: list[str] = field(default_factory=list)
 
 
 def check(
@@ -43,7 +54,13 @@ def check(
     r = client or sync_client(settings)
     try:
         check_policy(r, settings)
-        return _check(r, settings, shard)
+        health = _check(r, settings, shard)
+        if is_cluster(r):
+            stored = r.hget(settings.keys.config, "shards")
+            n = int(stored) if stored is not None else settings.shards
+            lines = layout_lines(r, settings.keys, n)
+            return Health(health.ok, health.reason, health.healthy, lines)
+        return health
     except (RedisError, OSError) as e:
         if refused(e):  # no retry or restart fixes it: a configuration error
             raise describe(settings, e) from e

@@ -6,6 +6,14 @@ them. TLS (``rediss://``) and ACL credentials come from the URL
 (``rediss://user:password@host:port/db?ssl_ca_certs=/path/ca.crt``); redis-py reads the ``ssl_*``
 options from the query string, and an unknown option or a missing certificate file is a
 `ConfigError` at once.
+
+Redis Cluster is detected, not configured: the first time a process uses a URL, `cluster_mode`
+asks the first reachable node it names for ``INFO cluster``; ``cluster_enabled:1`` gives
+redis-py's cluster clients (``redis.cluster.RedisCluster``, ``redis.asyncio.cluster.RedisCluster``)
+with the URL's credentials and TLS options, anything else the plain clients. The answer is kept
+per URL, and every client prefixq makes comes from `sync_client` / `async_client`, so one place
+decides. A URL may list several seed nodes, for when one is down:
+``redis://user:pw@h1:7000,h2:7001,h3:7002/0`` (database 0 only: a cluster has no other).
 """
 
 from __future__ import annotations
@@ -23,18 +31,28 @@ from urllib.parse import parse_qs, urlsplit
 
 import redis
 import redis.asyncio as aredis
+import redis.asyncio.cluster as acluster
+import redis.cluster as scluster
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS
 from redis.exceptions import (
+    AskError,
     AuthenticationError,
     BusyLoadingError,
+    ClusterDownError,
+    ClusterError,
+    MasterDownError,
+    MovedError,
     NoPermissionError,
     NoScriptError,
     OutOfMemoryError,
     ReadOnlyError,
+    RedisClusterException,
     RedisError,
     ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -45,8 +63,53 @@ from prefixq.core.settings import Settings
 from prefixq.store import packing
 
 #: errors that mean "try again later", never "this request is bad" (but see `refused`: redis-py's
-#: AuthenticationError is a ConnectionError too)
-TRANSIENT = (RedisConnectionError, RedisTimeoutError, OSError)
+#: AuthenticationError is a ConnectionError too). The cluster ones are what a failover looks like
+#: while a replica is promoted: CLUSTERDOWN, TRYAGAIN, MASTERDOWN, a MOVED/ASK redis-py gave up
+#: following, a slot no node covers for a moment, "TTL exhausted" (redirections ran out), no seed
+#: node reachable (RedisClusterException)
+TRANSIENT = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    OSError,
+    ClusterDownError,
+    TryAgainError,
+    MasterDownError,
+    MovedError,
+    AskError,
+    SlotNotCoveredError,
+    ClusterError,
+    RedisClusterException,
+)
+#: reply prefixes of the same errors when they arrive as a plain ResponseError (inside a script's
+#: or a pipeline's reply)
+_TRANSIENT_REPLIES = ("CLUSTERDOWN", "TRYAGAIN", "MASTERDOWN", "MOVED", "ASK ", "LOADING")
+
+
+def transient(err: BaseException) -> bool:
+    """True for an error that retrying later can fix (`TRANSIENT`, a reply saying the cluster is
+    failing over, or `inside_redis_py`), never for a `refused` one."""
+    if refused(err):
+        return False
+    if isinstance(err, TRANSIENT) or inside_redis_py(err):
+        return True
+    return isinstance(err, ResponseError) and str(err).startswith(_TRANSIENT_REPLIES)
+
+
+def inside_redis_py(err: BaseException) -> bool:
+    """True for an AttributeError or TypeError raised inside redis-py itself rather than by
+    prefixq: what a connection torn down under a command looks like when a cluster client
+    refreshes its slot map during a failover (it closes every node's connections, and another
+    task's command then writes to a closed stream). Retrying on a fresh connection fixes it."""
+    if not isinstance(err, AttributeError | TypeError):
+        return False
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    path = tb.tb_frame.f_code.co_filename.replace(os.sep, "/")
+    return "/site-packages/redis/" in path or "/redis/asyncio/" in path
+
 
 log = logging.getLogger(__name__)
 
@@ -111,14 +174,57 @@ class _AsyncRetry(AsyncRetry):  # type: ignore[misc]
         return await super().call_with_retry(do, fail, _not_refused(is_retryable), **kw)
 
 
+def seeds(url: str) -> list[tuple[str, int]]:
+    """The (host, port) seed nodes a REDIS_URL names: one, or several separated by commas
+    (``redis://user:pw@h1:7000,h2:7001/0``); [] for a unix socket."""
+    scheme, _, rest = url.partition("://")
+    if scheme == "unix":
+        return []
+    netloc = rest.split("/", 1)[0].split("?", 1)[0].split("#", 1)[0]
+    hosts = netloc.rpartition("@")[2]
+    out = []
+    for one in hosts.split(","):
+        parts = urlsplit(f"{scheme}://{one}")
+        try:
+            port = parts.port or 6379
+        except ValueError:
+            raise ConfigError(f"REDIS_URL seed {one!r} has a bad port") from None
+        if not parts.hostname:
+            raise ConfigError(f"REDIS_URL seed {one!r} names no host")
+        out.append((parts.hostname, port))
+    return out
+
+
+def seed_url(url: str, index: int = 0) -> str:
+    """``url`` naming only its ``index``-th seed node (credentials, database and options kept)."""
+    if "," not in url:
+        return url
+    scheme, _, rest = url.partition("://")
+    netloc, sep, tail = rest.partition("/")
+    if not sep:
+        netloc, sep, tail = rest.partition("?")
+    cred, at, hosts = netloc.rpartition("@")
+    host = hosts.split(",")[index]
+    return f"{scheme}://{cred}{at}{host}{sep}{tail}"
+
+
 def check_url(url: str) -> None:
     """ConfigError for a REDIS_URL option redis-py would reject late (at the first command) or
     a certificate file that does not exist."""
+    multi = "," in url.partition("://")[2].split("/", 1)[0]
+    if multi:
+        seeds(url)  # each seed parses
+        url = seed_url(url)
     parts = urlsplit(url)
     db = parts.path.strip("/")
     if parts.scheme in ("redis", "rediss") and db and not db.isdigit():
         # redis-py ignores a database it cannot read as a number: db 0, someone else's data
         raise ConfigError(f"REDIS_URL database {db!r} is not a number (redis://host:port/0)")
+    if multi and db not in ("", "0"):
+        raise ConfigError(
+            f"REDIS_URL lists several seed nodes (a Redis Cluster) but names database {db}: a "
+            "cluster has database 0 only (end the URL with /0)"
+        )
     known = set(URL_QUERY_ARGUMENT_PARSERS) | _SSL_OPTIONS | {"client_name"}
     for name, values in parse_qs(parts.query).items():
         if name not in known:
@@ -143,29 +249,110 @@ def _options(settings: Settings) -> dict[str, Any]:
     return options
 
 
-def async_client(settings: Settings) -> aredis.Redis:
-    """An asyncio client (hiredis parser and command packing) with retries."""
-    check_url(settings.redis_url)
+#: `cluster_mode`'s answers, per REDIS_URL (a process asks each URL once)
+_MODES: dict[str, bool] = {}
+
+
+def cluster_mode(url: str) -> bool:
+    """Whether ``url`` names a Redis Cluster: ``INFO cluster`` of the first seed node that
+    answers says ``cluster_enabled:1``. Kept per URL. When no seed answers, a URL of several seeds
+    is taken for a cluster and one of a single node for a plain Redis (not kept: asked again next
+    time), so a client is still made and its commands retry as before."""
+    known = _MODES.get(url)
+    if known is not None:
+        return known
+    check_url(url)
+    nodes = seeds(url)
+    if not nodes:  # a unix socket: never a cluster
+        _MODES[url] = False
+        return False
+    for i in range(len(nodes)):
+        try:
+            one = (
+                urlsplit(seed_url(url, i))._replace(path="/0").geturl()
+            )  # a cluster refuses SELECT
+            with redis.Redis.from_url(one, socket_connect_timeout=2.0, socket_timeout=5.0) as r:
+                info = r.info("cluster")
+        except ResponseError as e:  # an ACL without INFO, a server without the section
+            log.debug("INFO cluster refused by seed %d of %s: %s", i, redact(url), error_text(e))
+            info = {}
+        except (RedisError, OSError) as e:
+            log.debug("seed %d of %s did not answer: %s", i, redact(url), error_text(e))
+            continue
+        except ValueError as e:
+            raise ConfigError(f"bad REDIS_URL {redact(url)}: {e}") from None
+        mode = str(info.get("cluster_enabled", "0")) == "1"
+        _MODES[url] = mode
+        if mode:
+            log.info("Redis at %s is a Redis Cluster: using the cluster clients", redact(url))
+        return mode
+    return len(nodes) > 1
+
+
+def is_cluster(r: Any) -> bool:
+    """Whether client ``r`` (sync or asyncio) is one of redis-py's cluster clients."""
+    return isinstance(r, scluster.RedisCluster | acluster.RedisCluster)
+
+
+def _cluster_options(settings: Settings) -> dict[str, Any]:
+    """Keyword arguments of a cluster client: the URL's credentials and TLS options, the seeds
+    as startup nodes, our connection options (each node's connections retry nothing: the cluster
+    client retries, refreshing its slot map, under its own ``retry``)."""
+    url = settings.redis_url
     try:
-        client = aredis.Redis.from_url(
-            settings.redis_url,
-            retry=_AsyncRetry(ExponentialBackoff(cap=2.0, base=0.05), 8),
-            **_options(settings),
+        kw = redis.connection.parse_url(seed_url(url))
+    except ValueError as e:
+        raise ConfigError(f"bad REDIS_URL {redact(url)}: {e}") from None
+    if kw.pop("db", 0):
+        raise ConfigError(
+            f"REDIS_URL {redact(url)} names database {settings.redis_url.rsplit('/', 1)[-1]} but "
+            "it is a Redis Cluster, which has database 0 only (end the URL with /0)"
         )
+    if kw.pop("connection_class", None) is not None:  # rediss://: an SSL connection
+        kw["ssl"] = True
+    kw.pop("host", None)
+    kw.pop("port", None)
+    options = _options(settings)
+    options.pop("retry_on_error")
+    options.pop("health_check_interval")
+    return {**options, **kw}
+
+
+def async_client(settings: Settings) -> aredis.Redis:
+    """An asyncio client (hiredis parser and command packing) with retries: a cluster client
+    when REDIS_URL names a Redis Cluster (`cluster_mode`)."""
+    check_url(settings.redis_url)
+    retry = _AsyncRetry(ExponentialBackoff(cap=2.0, base=0.05), 8)
+    if cluster_mode(settings.redis_url):
+        nodes = [acluster.ClusterNode(h, p) for h, p in seeds(settings.redis_url)]
+        try:
+            return acluster.RedisCluster(
+                startup_nodes=nodes, retry=retry, **_cluster_options(settings)
+            )
+        except (TypeError, RedisClusterException) as e:
+            raise ConfigError(f"bad REDIS_URL {redact(settings.redis_url)}: {e}") from None
+    try:
+        client = aredis.Redis.from_url(settings.redis_url, retry=retry, **_options(settings))
     except ValueError as e:
         raise ConfigError(f"bad REDIS_URL {settings.redis_url!r}: {e}") from None
     return packing.install(client)  # commands packed by hiredis, as the blocking client does
 
 
 def sync_client(settings: Settings) -> redis.Redis:
-    """A blocking client with retries, for the CLI, waiters and RQ jobs."""
+    """A blocking client with retries, for the CLI, waiters and RQ jobs: a cluster client when
+    REDIS_URL names a Redis Cluster (`cluster_mode`)."""
     check_url(settings.redis_url)
+    retry = _Retry(ExponentialBackoff(cap=2.0, base=0.05), 8)
+    if cluster_mode(settings.redis_url):
+        nodes = [scluster.ClusterNode(h, p) for h, p in seeds(settings.redis_url)]
+        try:
+            return scluster.RedisCluster(
+                startup_nodes=nodes, retry=retry, **_cluster_options(settings)
+            )
+        except (TypeError, RedisClusterException) as e:
+            raise ConfigError(f"bad REDIS_URL {redact(settings.redis_url)}: {e}") from None
     try:
-        return redis.Redis.from_url(
-            settings.redis_url,
-            retry=_Retry(ExponentialBackoff(cap=2.0, base=0.05), 8),
-            **_options(settings),
-        )
+        return redis.Redis.from_url(settings.redis_url, retry=retry, **_options(settings))
     except ValueError as e:
         raise ConfigError(f"bad REDIS_URL {settings.redis_url!r}: {e}") from None
 

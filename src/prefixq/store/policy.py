@@ -8,7 +8,9 @@ which case every check logs a warning.
 
 The policy is read with ``CONFIG GET maxmemory-policy``; when an ACL (or a managed service)
 refuses CONFIG, from ``INFO memory``; when both are refused, a warning says it could not be
-checked and the caller goes on. Workers check at start, `prefixq check` at every run.
+checked and the caller goes on. Workers check at start, `prefixq check` at every run. On a Redis
+Cluster every master is read (``target_nodes``) and judged on its own: one evicting master is
+refused, naming it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from redis.exceptions import ResponseError
 
 from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
-from prefixq.store.connection import error_text, redact
+from prefixq.store.connection import error_text, is_cluster, redact
 
 __all__ = ["REQUIRED", "acheck_policy", "check_policy", "verdict"]
 
@@ -33,10 +35,15 @@ log = logging.getLogger(__name__)
 REQUIRED = "noeviction"
 
 
-def verdict(policy: str | None, settings: Settings) -> str | None:
+def verdict(policy: str | None, settings: Settings, node: str = "") -> str | None:
     """What to say about ``policy`` (None: it could not be read): None when it is `REQUIRED`, a
-    warning to log when it cannot be checked or eviction is allowed; ConfigError otherwise."""
-    url = redact(settings.redis_url)
+    warning to log when it cannot be checked or eviction is allowed; ConfigError otherwise.
+    ``node``: the cluster master it was read from (named instead of the URL)."""
+    url = (
+        f"{redact(settings.redis_url)} (cluster master {node})"
+        if node
+        else redact(settings.redis_url)
+    )
     if policy is None:
         return (
             f"could not check the maxmemory-policy of Redis at {url} (CONFIG GET and INFO were "
@@ -60,35 +67,52 @@ def verdict(policy: str | None, settings: Settings) -> str | None:
 
 
 def check_policy(r: redis.Redis, settings: Settings) -> None:
-    """Read the policy with a blocking client and apply `verdict` (log its warning)."""
+    """Read the policy with a blocking client and apply `verdict` (log its warning); on a
+    cluster, each master's."""
+    if not is_cluster(r):
+        _apply(_read(r, {}), settings)
+        return
+    for node in r.get_primaries():
+        _apply(_read(r, {"target_nodes": node}), settings, node.name)
+
+
+def _read(r: redis.Redis, where: dict[str, Any]) -> str | None:
     try:
-        policy = _from_config(r.config_get("maxmemory-policy"))
+        return _from_config(r.config_get("maxmemory-policy", **where))
     except ResponseError as e:
         log.debug("CONFIG GET refused (%s); reading INFO memory", error_text(e))
         try:
-            policy = _from_info(r.info("memory"))
+            return _from_info(r.info("memory", **where))
         except ResponseError as e2:
             log.debug("INFO memory refused too (%s)", error_text(e2))
-            policy = None
-    _apply(policy, settings)
+            return None
 
 
 async def acheck_policy(r: aredis.Redis, settings: Settings) -> None:
-    """Read the policy with an asyncio client and apply `verdict` (log its warning)."""
+    """Read the policy with an asyncio client and apply `verdict` (log its warning); on a
+    cluster, each master's."""
+    if not is_cluster(r):
+        _apply(await _aread(r, {}), settings)
+        return
+    await r.initialize()  # the node list (a no-op once the client has it)
+    for node in r.get_primaries():
+        _apply(await _aread(r, {"target_nodes": node}), settings, node.name)
+
+
+async def _aread(r: aredis.Redis, where: dict[str, Any]) -> str | None:
     try:
-        policy = _from_config(await r.config_get("maxmemory-policy"))
+        return _from_config(await r.config_get("maxmemory-policy", **where))
     except ResponseError as e:
         log.debug("CONFIG GET refused (%s); reading INFO memory", error_text(e))
         try:
-            policy = _from_info(await r.info("memory"))
+            return _from_info(await r.info("memory", **where))
         except ResponseError as e2:
             log.debug("INFO memory refused too (%s)", error_text(e2))
-            policy = None
-    _apply(policy, settings)
+            return None
 
 
-def _apply(policy: str | None, settings: Settings) -> None:
-    warning = verdict(policy, settings)
+def _apply(policy: str | None, settings: Settings, node: str = "") -> None:
+    warning = verdict(policy, settings, node)
     if warning:
         log.warning("%s", warning)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -31,19 +32,51 @@ RETRIED: tuple[type[BaseException], ...] = (*TRANSIENT, ResponseError)
 
 class Backoff:
     """The waits between retries of one Redis operation in a worker loop: ``first`` seconds,
-    doubling up to ``cap``; `reset()` after a success."""
+    doubling up to ``cap``; `reset()` after a success.
+
+    One outage (a failover, a restart) is one log line at ``level``, not one per retry: later
+    failures are logged at DEBUG, again at ``level`` every `LOUD_EVERY_S` while it lasts, and the
+    success that ends it at INFO."""
+
+    #: seconds between two logged failures of one outage
+    LOUD_EVERY_S = 30.0
 
     def __init__(self, first: float = 0.1, cap: float = 5.0) -> None:
         self.first, self.cap, self.delay = first, cap, first
+        self.failures = 0
+        self._since = self._loud = 0.0
+        self._what = ""
 
     async def wait(self, what: str, err: BaseException, level: int = logging.WARNING) -> None:
         """Log that ``what`` failed with ``err``, sleep the current delay, double it."""
-        log.log(level, "%s failed (%s); retrying in %.2fs", what, error_text(err), self.delay)
+        now = time.monotonic()
+        if self.failures == 0:
+            self._since = now
+        self.failures += 1
+        loud = self.failures == 1 or now - self._loud >= self.LOUD_EVERY_S
+        if loud:
+            self._loud = now
+        self._what = what
+        log.log(
+            level if loud else logging.DEBUG,
+            "%s failed (%s); retrying in %.2fs",
+            what,
+            error_text(err),
+            self.delay,
+        )
         await asyncio.sleep(self.delay)
         self.delay = min(self.delay * 2, self.cap)
 
     def reset(self) -> None:
+        if self.failures:
+            log.info(
+                "%s: succeeded again after %d failed tries (%.1fs)",
+                self._what,
+                self.failures,
+                time.monotonic() - self._since,
+            )
         self.delay = self.first
+        self.failures = 0
 
 
 async def retry(
@@ -60,7 +93,9 @@ async def retry(
     backoff = backoff or Backoff()
     while True:
         try:
-            return await call()
+            out = await call()
+            backoff.reset()
+            return out
         except errors as e:
             if settings is not None and refused(e):
                 raise describe(settings, e) from e

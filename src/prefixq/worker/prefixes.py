@@ -16,6 +16,7 @@ from prefixq.core import wire
 from prefixq.core.entries import Entry
 from prefixq.core.errors import PrefixqError
 from prefixq.core.keys import Keys
+from prefixq.store.connection import is_cluster
 
 #: a resolved prefix object, or why it could not be resolved
 Resolved = dict[str, Any] | str
@@ -46,7 +47,11 @@ class PrefixCache:
                 missing.append(ref)
                 found[ref] = "missing"
         if missing:
-            values = await self.r.mget([self.keys.prefix(ref) for ref in missing])
+            names = [self.keys.prefix(ref) for ref in missing]
+            # prefix keys carry no hash tag: on a cluster they spread over the slots, and
+            # mget_nonatomic asks each slot's master for its own (in the order given)
+            cluster = is_cluster(self.r)
+            values = await (self.r.mget_nonatomic(names) if cluster else self.r.mget(names))
             for ref, raw in zip(missing, values, strict=True):
                 found[ref] = self._decode(ref, raw)
         return found

@@ -26,7 +26,7 @@ from prefixq.core import wire
 from prefixq.core.entries import Entry
 from prefixq.core.keys import CARRIED, GROUP, Keys
 from prefixq.core.settings import Settings
-from prefixq.store.connection import lua
+from prefixq.store.connection import is_cluster, lua
 from prefixq.store.dead_letters import DEAD_MAXLEN, carried, dead_letter_record
 from prefixq.store.retry import retry
 from prefixq.store.scripts import (
@@ -91,6 +91,11 @@ class ShardStream:
         self._move = r.register_script(lua("reclaim_entry"))
         self._ack_lua = lua("ack_entries")
         self._ack_sha = ""
+        #: a cluster pipeline sends a Script as a bare EVALSHA (it loads nothing): `_scripted`
+        #: loads the scripts on every master first, and again after a NOSCRIPT (a promoted
+        #: replica starts with an empty script cache)
+        self._cluster = is_cluster(r)
+        self._loaded = False
 
     # ---- the group ---------------------------------------------------------------------------
     async def join(self) -> None:
@@ -277,8 +282,10 @@ class ShardStream:
         now_ms = int(time.time() * 1000)
         for key, burst, ended in lanes:
             args = [burst, "ended" if ended else "sealed", _ENDED_IDLE_MS, GROUP, now_ms]
-            await self._close(keys=[key, self.index], args=args, client=pipe)
-        return [x if isinstance(x, int) else 0 for x in await pipe.execute(raise_on_error=False)]
+            await self._scripted(pipe, self._close, [key, self.index], args)
+        replies = await pipe.execute(raise_on_error=False)
+        self._loaded = self._loaded and not any(isinstance(x, NoScriptError) for x in replies)
+        return [x if isinstance(x, int) else 0 for x in replies]
 
     async def release(self, items: Sequence[tuple[Delivery, str]]) -> None:
         """Give back entries read but never started (a stopping worker's stock): each is re-added
@@ -289,8 +296,21 @@ class ShardStream:
         pipe = self.r.pipeline(transaction=False)
         for d, intake in items:
             args = [GROUP, d.entry_id, self.consumer, 0, "requeue", CARRIED, d.deliveries - 1, ""]
-            await self._move(keys=[d.key, intake], args=args, client=pipe)
-        await pipe.execute(raise_on_error=False)
+            await self._scripted(pipe, self._move, [d.key, intake], args)
+        replies = await pipe.execute(raise_on_error=False)
+        self._loaded = self._loaded and not any(isinstance(x, NoScriptError) for x in replies)
+
+    async def _scripted(self, pipe: Any, script: Any, keys: list[str], args: list[Any]) -> None:
+        """Add a call of ``script`` to ``pipe`` (on a cluster: EVALSHA, routed by its first key,
+        the scripts loaded on every master first)."""
+        if not self._cluster:
+            await script(keys=keys, args=args, client=pipe)
+            return
+        if not self._loaded:
+            for one in (self._close, self._move):
+                await self.r.script_load(one.script)
+            self._loaded = True
+        pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
 
     # ---- results -----------------------------------------------------------------------------
     async def record(self, batch: Sequence[Written]) -> list[int | RedisError]:
@@ -304,7 +324,9 @@ class ShardStream:
         for w in batch:
             e = w.entry
             keys, args = record_call(self.keys, e.burst, w.result, self.settings, now, e.enqueued)
-            pipe.evalsha(self._record_sha, len(keys), *keys, *args)
+            # EVALSHA by name: redis-py's cluster pipeline refuses its evalsha method, and routes
+            # this by its first key (every key of a call shares one slot)
+            pipe.execute_command("EVALSHA", self._record_sha, len(keys), *keys, *args)
         replies: list[Any] = await pipe.execute(raise_on_error=False)
         if any(isinstance(x, NoScriptError) for x in replies):
             self._record_sha = ""  # Redis restarted without its scripts: load it again next time
@@ -330,7 +352,9 @@ class ShardStream:
                 self._ack_sha = await self.r.script_load(self._ack_lua)
             counts = [len(ids) for ids in groups.values()]
             ids = [i for group in groups.values() for i in group]
-            pipe.evalsha(self._ack_sha, len(groups), *groups, GROUP, *counts, *ids)
+            pipe.execute_command(
+                "EVALSHA", self._ack_sha, len(groups), *groups, GROUP, *counts, *ids
+            )
             acks = 1
         pipe.hincrby(keys.load, str(k), -sum(w.entry.work for w in batch))
         stats = keys.shard_stats

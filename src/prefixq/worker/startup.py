@@ -11,8 +11,10 @@ import time
 from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
 from prefixq.engine.protocol import Engine, EngineRequest
+from prefixq.store.connection import is_cluster
 from prefixq.store.policy import acheck_policy
 from prefixq.store.retry import retry
+from prefixq.store.topology import alayout_lines
 from prefixq.worker.shard import ShardStream
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,9 @@ async def register(stream: ShardStream, settings: Settings) -> None:
             f"shard {stream.shard} does not exist (namespace {settings.namespace!r} has shards "
             f"0..{count - 1})"
         )
+    if is_cluster(r):
+        for line in await alayout_lines(r, keys, count):
+            log.info("%s", line)
     await stream.join()
 
 

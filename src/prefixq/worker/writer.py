@@ -19,8 +19,10 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from prefixq.core.entries import Entry
+from prefixq.core.errors import ReplicasBehind
 from prefixq.core.records import Result
 from prefixq.store.connection import TRANSIENT
+from prefixq.store.fence import afence
 from prefixq.store.retry import Backoff, retry
 from prefixq.worker.deliveries import Ref, Written
 from prefixq.worker.shard import (
@@ -127,6 +129,8 @@ class ResultWriter:
                 continue
             done = [(w, r) for w, r in zip(todo, replies, strict=True) if isinstance(r, int)]
             errors = [r for r in replies if not isinstance(r, int)]
+            if done and not await self._fenced([w for w, _ in done], backoff):
+                continue  # not acked: recorded again (a duplicate, or afresh if a failover lost it)
             await self._ack([w for w, _ in done])
             for w, reply in done:
                 await self._settled(w, reply)
@@ -135,6 +139,19 @@ class ResultWriter:
                 await backoff.wait(f"recording {len(todo)} results", errors[0], logging.ERROR)
             else:
                 backoff.reset()
+
+    async def _fenced(self, done: list[Written], backoff: Backoff) -> bool:
+        """With ``min_replicas_acked``: whether the replicas of the masters holding these
+        results confirmed them (store/fence.py); False after a backoff when they did not."""
+        s = self.stream.settings
+        if s.min_replicas_acked <= 0:
+            return True
+        try:
+            await afence(self.stream.r, s, {s.keys.results(w.entry.burst) for w in done})
+        except (*TRANSIENT, ReplicasBehind) as e:
+            await backoff.wait(f"confirming {len(done)} results on the replicas", e)
+            return False
+        return True
 
     async def _ack(self, done: list[Written]) -> None:
         if done:  # acking twice is harmless: retry whatever fails until it lands
