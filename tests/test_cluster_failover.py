@@ -286,3 +286,40 @@ def test_a_producer_mid_submit_when_a_master_dies_succeeds_fully_or_fails_clearl
             f"the failed submit said {said.group(1)} of {n} requests were enqueued; "
             f"workers then ran {ran} of them"
         )
+
+
+def test_a_producer_rides_through_a_failover_mid_submit(
+    cluster: RedisCluster,
+    cluster_settings: MakeSettings,
+    cr: redis.Redis,
+    cluster_worker: Callable[..., ClusterFakeWorker],
+) -> None:
+    """Without min_replicas_acked, the master of shard 2 is killed -9 a third of the way through a
+    3,000-request submit: the submit sends the chunk in flight again once the replica is promoted
+    and returns (before: it failed within 0.3 s), and every request then has exactly one result
+    (a request of that chunk may have been enqueued twice; it is recorded once)."""
+    s = cluster_settings()
+    keys = Keys(s.namespace)
+    master = cluster.master_of(keys.intake(2, "normal"))
+    n = 3000
+    killed: list[int] = []
+
+    def progress(sent: int, total: int) -> None:
+        if not killed and sent >= total // 3:
+            cluster.kill(master)
+            killed.append(sent)
+
+    reqs = [{"id": f"r{i}", "prompt": f"x y {i}", "max_tokens": 4} for i in range(n)]
+    burst_id = burst_id_on(cluster, keys, master)
+    t0 = time.monotonic()
+    Producer(s).submit(reqs, placement="round-robin", burst_id=burst_id, progress=progress)
+    print(f"  submit through a failover took {time.monotonic() - t0:.1f}s")
+    assert killed and killed[0] < n, "the master died after the submit"
+    LEDGER.fault(f"kill -9 of a master with {killed[0]} of {n} requests sent (ridden through)")
+    cluster.wait_failover(keys.intake(2, "normal"), master)
+    cluster.restart(master)
+    for k in range(4):
+        cluster_worker(s, shard=k, name=f"w{k}")
+    results.wait(burst_id, s, timeout=120)
+    out = account(cr, s, burst_id, n, what="submitted through a failover")
+    assert (out.lost, out.duplicated, out.done) == (0, 0, n)

@@ -55,9 +55,17 @@ from prefixq.core.settings import Settings
 from prefixq.core.sharing import check_priority, check_tenant
 from prefixq.store.burst_end import OnBurstDone, acancel
 from prefixq.store.census import count_enqueued
-from prefixq.store.connection import TRANSIENT, adescribe, async_client, is_cluster, lua
+from prefixq.store.connection import (
+    TRANSIENT,
+    adescribe,
+    async_client,
+    is_cluster,
+    lua,
+    transient,
+)
 from prefixq.store.deployment import aresolve_shards
 from prefixq.store.fence import afence
+from prefixq.store.retry import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +76,10 @@ HEAD = 4
 _CHUNK = 1024
 #: burst index entries a submit looks at for pruning (the oldest)
 _PRUNE = 32
+
+#: seconds a submit on a Redis Cluster keeps sending a chunk through a failover (`_execute`):
+#: a replica is promoted within about twice ``cluster-node-timeout``
+RIDE_THROUGH_S = 30.0
 #: request ids per RPUSH of the burst's id list
 _IDS_CHUNK = 10_000
 #: seconds a staged id list lives if its producer dies before the create call (Keys.staged_ids)
@@ -439,25 +451,33 @@ class _Submission:
         head, the ids and the burst indexes."""
         encoded, placed = chunk
         keys, ttl = self.keys, self.s.prefix_ttl_s
-        pipe = self.r.pipeline(transaction=False)
-        for ref, value in encoded.new_prefixes.items():
-            pipe.set(keys.prefix(ref), value, nx=True, ex=ttl)
-            pipe.expire(keys.prefix(ref), ttl)
-        stored: list[Any] = []
+
+        def prefixes(pipe: Any) -> None:
+            for ref, value in encoded.new_prefixes.items():
+                pipe.set(keys.prefix(ref), value, nx=True, ex=ttl)
+                pipe.expire(keys.prefix(ref), ttl)
+
+        def entries(pipe: Any) -> None:
+            self.layout.add(pipe, encoded.by_shard, first=first)
+            if first:
+                pipe.zadd(keys.bursts, {self.burst: self.enc.enqueued})
+                if "deadline" in self.meta:
+                    pipe.zadd(keys.deadlines, {self.burst: self.meta["deadline"]})
+
+        def both(pipe: Any) -> None:
+            prefixes(pipe)
+            entries(pipe)
+
         self.sending = len(idx)
         if self.cluster and encoded.new_prefixes:
             # the prefix keys live in other slots (other masters) than the streams, and a cluster
             # pipeline sends to each master at once: the prefixes are written (answered) first,
             # so an entry never reaches a worker before the prefix it refers to (ordering in
             # place of one pipeline's order)
-            stored = await pipe.execute(raise_on_error=False)
-            pipe = self.r.pipeline(transaction=False)
-        self.layout.add(pipe, encoded.by_shard, first=first)
-        if first:
-            pipe.zadd(keys.bursts, {self.burst: self.enc.enqueued})
-            if "deadline" in self.meta:
-                pipe.zadd(keys.deadlines, {self.burst: self.meta["deadline"]})
-        replies = [*stored, *await pipe.execute(raise_on_error=False)]
+            stored = await self._execute(prefixes, idx)
+            replies = [*stored, *await self._execute(entries, idx)]
+        else:
+            replies = await self._execute(both, idx)
         self.sending = 0  # answered: what was refused is raised below, and was not written
         for x in replies:  # a lane left behind by an expired burst of the same id keeps its group
             if isinstance(x, Exception) and "BUSYGROUP" not in str(x):
@@ -470,6 +490,47 @@ class _Submission:
         self.sent += len(idx)
         if self.progress:
             self.progress(self.sent, self.n)
+
+    def _held(self, counted: int) -> str:
+        """What a failed submit says Redis holds, from `count_enqueued`'s ``counted``. On a
+        cluster a pipeline goes to every master at once, and when one master fails redis-py raises
+        while the others may still be writing their part of the chunk: the count is then a lower
+        bound, and the chunk in flight the upper one."""
+        if self.cluster and self.sending and counted < self.sent + self.sending:
+            return (
+                f"at least {counted} and at most {self.sent + self.sending} of its {self.n} "
+                "requests"
+            )
+        return f"{counted} of its {self.n} requests"
+
+    async def _execute(self, build: Callable[[Any], None], idx: Sequence[int]) -> list[Any]:
+        """The replies of a pipeline that ``build`` fills. On a Redis Cluster an error a failover
+        causes (the master gone, CLUSTERDOWN or TRYAGAIN while its replica is promoted, a slot
+        moved) sends the pipeline again, for up to `RIDE_THROUGH_S`, with one log line per
+        outage: the submit rides through. What the failed try wrote stays: a request of it may
+        be enqueued twice, and still gets one result (record_result.lua keeps the first; the
+        other is acked unrecorded). On a single Redis an error is raised at once (`_abandon`)."""
+        backoff = Backoff(0.05, 1.0)
+        give_up = time.monotonic() + RIDE_THROUGH_S
+        lanes = set(self.layout.lanes)
+        while True:
+            self.layout.lanes = set(lanes)  # a lane's group and index entry are sent again too
+            pipe = self.r.pipeline(transaction=False)
+            build(pipe)
+            try:
+                replies: list[Any] = await pipe.execute(raise_on_error=False)
+            except Exception as e:
+                if not (self.cluster and transient(e)) or time.monotonic() >= give_up:
+                    raise
+                err: BaseException = e
+            else:
+                bad = [x for x in replies if isinstance(x, Exception) and transient(x)]
+                if not (self.cluster and bad) or time.monotonic() >= give_up:
+                    backoff.reset()
+                    return replies
+                err = bad[0]
+            first, last = self.sent + 1, self.sent + len(idx)
+            await backoff.wait(f"burst {self.burst}: sending requests {first}-{last}", err)
 
     def _ids(self) -> list[str]:
         """The burst's request ids in input order (a checked file's, or each request's: parsed
@@ -555,13 +616,13 @@ class _Submission:
                 self.layout.seal(pipe)
                 await pipe.execute()
             note = (
-                f"; {enqueued} of its {self.n} requests had been enqueued, so burst {self.burst} "
+                f"; {self._held(enqueued)} had been enqueued, so burst {self.burst} "
                 "was cancelled as a whole (what already finished keeps its result)"
             )
         except Exception as e:  # Redis itself may be what failed
             log.error("could not cancel burst %s: %s", self.burst, e)
             if enqueued is not None:
-                part = f"{enqueued} of its {self.n} requests"
+                part = self._held(enqueued)
             elif self.sending:  # Redis may have processed part of the pipeline it never answered
                 first, last = self.sent + 1, self.sent + self.sending
                 part = (
