@@ -59,6 +59,9 @@ def test_an_interrupted_demo_leaves_no_keys_in_the_redis_it_found(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # as from a terminal: a suite started in the background by a shell inherits SIGINT
+        # ignored, and Python then never raises KeyboardInterrupt for it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         wait_until(lambda: r.dbsize() > 1 or p.poll() is not None, 600, "the demo's first keys")
