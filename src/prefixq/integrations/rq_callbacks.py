@@ -79,18 +79,8 @@ def enqueue_on_complete(client: redis.Redis, settings: Settings, burst: str) -> 
                 spec, queue_name, claimed, status = pipe.hmget(
                     meta, "on_complete", "rq_queue", "callback_job", "status"
                 )
-                if spec is None:
-                    return None
-                if claimed is not None:
-                    log.debug("burst %s: callback already enqueued as %s", burst, claimed)
-                    return None
-                if status not in ENDED:
-                    log.info("burst %s is %s, not ended: no callback yet", burst, status)
-                    return None
-                try:
-                    func = callback_path(spec.decode(errors="replace"))
-                except ValidationError as e:  # a record written before submit checked it
-                    log.error("burst %s: its callback is not enqueued: %s", burst, e)
+                func = _due(burst, spec, claimed, status)
+                if func is None:
                     return None
                 job_id = callback_job_id(settings.namespace, burst)
                 queue = Queue(
@@ -123,6 +113,26 @@ def enqueue_on_complete(client: redis.Redis, settings: Settings, burst: str) -> 
             return job_id
 
 
+def _due(burst: str, spec: bytes | None, claimed: bytes | None, status: bytes | None) -> str | None:
+    """The callback to enqueue for ``burst``, from its record's ``on_complete``,
+    ``callback_job`` and ``status``: None when it has none, it was enqueued already, the burst
+    has not ended, or the spec is not a callable's path (a record written before submit
+    checked it)."""
+    if spec is None:
+        return None
+    if claimed is not None:
+        log.debug("burst %s: callback already enqueued as %s", burst, claimed)
+        return None
+    if status not in ENDED:
+        log.info("burst %s is %s, not ended: no callback yet", burst, status)
+        return None
+    try:
+        return callback_path(spec.decode(errors="replace"))
+    except ValidationError as e:
+        log.error("burst %s: its callback is not enqueued: %s", burst, e)
+        return None
+
+
 def _enqueue_apart(client: redis.Redis, settings: Settings, burst: str) -> str | None:
     """`enqueue_on_complete` when RQ's queues are in another Redis than the burst (a Redis
     Cluster holds the data, `rq_redis_url` a plain Redis: RQ cannot use a cluster). No MULTI can
@@ -133,15 +143,8 @@ def _enqueue_apart(client: redis.Redis, settings: Settings, burst: str) -> str |
     spec, queue_name, claimed, status = client.hmget(
         meta, "on_complete", "rq_queue", "callback_job", "status"
     )
-    if spec is None or claimed is not None:
-        return None
-    if status not in ENDED:
-        log.info("burst %s is %s, not ended: no callback yet", burst, status)
-        return None
-    try:
-        func = callback_path(spec.decode(errors="replace"))
-    except ValidationError as e:  # a record written before submit checked it
-        log.error("burst %s: its callback is not enqueued: %s", burst, e)
+    func = _due(burst, spec, claimed, status)
+    if func is None:
         return None
     job_id = callback_job_id(settings.namespace, burst)
     if not client.hsetnx(meta, "callback_job", job_id):
