@@ -210,6 +210,28 @@ def test_failover_mid_burst_without_min_replicas_acked_reports_what_it_lost(
     assert "Traceback" not in f.logs, f.logs[-4000:]
 
 
+class SubmitKillingAMaster:
+    """A submit (round-robin, into a burst whose keys sit on the master of shard 2's slot) that
+    kills that master with kill -9 once a third of its requests were sent; ``killed``: how many."""
+
+    def __init__(self, cluster: RedisCluster, keys: Keys) -> None:
+        self.cluster = cluster
+        self.master = cluster.master_of(keys.intake(2, "normal"))
+        self.burst_id = burst_id_on(cluster, keys, self.master)
+        self.killed: list[int] = []
+
+    def progress(self, sent: int, total: int) -> None:
+        if not self.killed and sent >= total // 3:
+            self.cluster.kill(self.master)
+            self.killed.append(sent)
+
+    def submit(self, s: Settings, n: int) -> None:
+        reqs = [{"id": f"m{i}", "prompt": f"x y {i}", "max_tokens": 4} for i in range(n)]
+        Producer(s).submit(
+            reqs, placement="round-robin", burst_id=self.burst_id, progress=self.progress
+        )
+
+
 def test_a_producer_mid_submit_when_a_master_dies_succeeds_fully_or_fails_clearly(
     cluster: RedisCluster,
     cluster_settings: MakeSettings,
@@ -225,21 +247,13 @@ def test_a_producer_mid_submit_when_a_master_dies_succeeds_fully_or_fails_clearl
     cancelled, once the cancel the error asks for has run)."""
     s = cluster_settings(min_replicas_acked=1, min_replicas_acked_timeout_ms=1000)
     keys = Keys(s.namespace)
-    master = cluster.master_of(keys.intake(2, "normal"))
     n = 3000
-    killed: list[int] = []
-
-    def progress(sent: int, total: int) -> None:
-        if not killed and sent >= total // 3:
-            cluster.kill(master)
-            killed.append(sent)
-
-    reqs = [{"id": f"m{i}", "prompt": f"x y {i}", "max_tokens": 4} for i in range(n)]
-    burst_id = burst_id_on(cluster, keys, master)
+    sub = SubmitKillingAMaster(cluster, keys)
+    burst_id, master, killed = sub.burst_id, sub.master, sub.killed
     err = ""
     t0 = time.monotonic()
     try:
-        Producer(s).submit(reqs, placement="round-robin", burst_id=burst_id, progress=progress)
+        sub.submit(s, n)
     except PrefixqError as e:
         err = str(e) or type(e).__name__
     took = time.monotonic() - t0
@@ -300,19 +314,11 @@ def test_a_producer_rides_through_a_failover_mid_submit(
     (a request of that chunk may have been enqueued twice; it is recorded once)."""
     s = cluster_settings()
     keys = Keys(s.namespace)
-    master = cluster.master_of(keys.intake(2, "normal"))
     n = 3000
-    killed: list[int] = []
-
-    def progress(sent: int, total: int) -> None:
-        if not killed and sent >= total // 3:
-            cluster.kill(master)
-            killed.append(sent)
-
-    reqs = [{"id": f"r{i}", "prompt": f"x y {i}", "max_tokens": 4} for i in range(n)]
-    burst_id = burst_id_on(cluster, keys, master)
+    sub = SubmitKillingAMaster(cluster, keys)
+    burst_id, master, killed = sub.burst_id, sub.master, sub.killed
     t0 = time.monotonic()
-    Producer(s).submit(reqs, placement="round-robin", burst_id=burst_id, progress=progress)
+    sub.submit(s, n)
     print(f"  submit through a failover took {time.monotonic() - t0:.1f}s")
     assert killed and killed[0] < n, "the master died after the submit"
     LEDGER.fault(f"kill -9 of a master with {killed[0]} of {n} requests sent (ridden through)")
