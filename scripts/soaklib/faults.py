@@ -72,6 +72,7 @@ from soaklib.deployment import Worker, pending_on
 
 if TYPE_CHECKING:
     from soak import Soak
+    from soaklib.workload import Planned
 
 #: the 64 MiB of zeros a zlib bomb inflates to (made once: compressing takes a moment)
 _BOMB: bytes = b""
@@ -316,6 +317,20 @@ class MaxMemory(Fault):
         return landed
 
 
+def launch_until_created(soak: Soak, b: Planned) -> subprocess.Popen[bytes] | None:
+    """Start ``b``'s submit and return once its burst record exists (the moment a fault mid-submit
+    aims at); None, with the submit settled, if it ended or took 30 s without creating one."""
+    proc = soak.launch(b)
+    meta = soak.keys.burst(b.burst_id)
+    deadline = time.monotonic() + 30
+    while not soak.r.exists(meta):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            soak.settle_submit(b, proc)
+            return None
+        time.sleep(0.002)
+    return proc
+
+
 class MaxMemoryMidSubmit(Fault):
     """Redis runs out of memory while a burst is being submitted, after its record was created:
     the submit fails, says how many of its requests Redis holds (checked at the accounting
@@ -327,14 +342,9 @@ class MaxMemoryMidSubmit(Fault):
 
     def run(self, soak: Soak) -> list[Landed]:
         b = soak.extra_burst(soak.rng.randint(800, 2000))
-        proc = soak.launch(b)
-        meta = soak.keys.burst(b.burst_id)
-        deadline = time.monotonic() + 30
-        while not soak.r.exists(meta):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                soak.settle_submit(b, proc)
-                return []
-            time.sleep(0.002)
+        proc = launch_until_created(soak, b)
+        if proc is None:
+            return []
         time.sleep(soak.rng.uniform(0.0, 0.1))
         used = int(soak.r.info("memory")["used_memory"])
         soak.r.config_set("maxmemory", max(1, int(used * 0.9)))
@@ -523,14 +533,10 @@ class ProducerKill(Fault):
 
     def run(self, soak: Soak) -> list[Landed]:
         b = soak.extra_burst(soak.rng.randint(300, 900))
-        proc = soak.launch(b)
+        proc = launch_until_created(soak, b)
+        if proc is None:
+            return []
         meta = soak.keys.burst(b.burst_id)
-        deadline = time.monotonic() + 30
-        while not soak.r.exists(meta):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                soak.settle_submit(b, proc)
-                return []
-            time.sleep(0.002)
         time.sleep(soak.rng.uniform(0.0, 0.25))
         proc.send_signal(signal.SIGKILL)
         rc = proc.wait(30)
