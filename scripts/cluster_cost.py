@@ -44,11 +44,11 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the cluster launcher and the shard placer of the tests
 
+from prefixq.bench.null_engine import NullEngine  # noqa: E402
 from prefixq.cli.redis_server import RedisServer  # noqa: E402
 from prefixq.client import Producer, results  # noqa: E402
 from prefixq.core.keys import Keys  # noqa: E402
 from prefixq.core.settings import Settings  # noqa: E402
-from prefixq.engine.protocol import EngineOutput, EngineRequest  # noqa: E402
 from redis_cluster import OnShard, RedisCluster  # noqa: E402
 
 SHARDS = (1, 2, 3)
@@ -56,41 +56,6 @@ IDLE_S = 2.0
 
 
 # ---- the worker (a process of its own) ------------------------------------------------------
-class NullEngine:
-    """The `Engine` protocol answering every request at once with one token."""
-
-    def __init__(self, max_num_seqs: int) -> None:
-        self._max = max_num_seqs
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self._max
-
-    @property
-    def block_size(self) -> int:
-        return 16
-
-    async def start(self) -> None:
-        pass
-
-    async def generate(self, request: EngineRequest) -> EngineOutput:
-        return EngineOutput(
-            text="ok", token_ids=[1], finish_reason="stop", prompt_tokens=1, cached_tokens=0
-        )
-
-    async def abort(self, request_id: str) -> None:
-        pass
-
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        return ""
-
-    async def reset_prefix_cache(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
-
-
 def worker_main(argv: list[str]) -> int:
     from prefixq.worker.worker import Worker
 
@@ -101,7 +66,7 @@ def worker_main(argv: list[str]) -> int:
     s = Settings(**json.loads(args.settings))
 
     async def run() -> int:
-        engine = NullEngine(max(s.max_inflight // 2, 1))
+        engine = NullEngine(max_num_seqs=max(s.max_inflight // 2, 1))
         w = Worker(s, args.shard, engine, name=f"cost-s{args.shard}")
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
