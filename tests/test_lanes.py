@@ -133,3 +133,28 @@ def test_a_worker_admits_a_burst_in_its_enqueue_order_across_chunks(
     wait_burst(r, s, burst)
     got = [int(x.split(":")[1]) for x in engine.seen if x.startswith(f"{burst}:")]
     assert got == [q * 26 + d for d in range(26) for q in range(2)], got
+
+
+def test_a_worker_that_starts_after_its_burst_was_sent_admits_it_in_enqueue_order(
+    make_settings: Callable[..., Settings],
+    fake_worker: Callable[..., FakeWorker],
+    r: redis.Redis,
+) -> None:
+    """The whole burst (200 requests on 100 shared documents: chunks of 4, 16, 64 and 116) is in
+    Redis before the worker starts, so its first read finds every chunk's doorbell in the intake
+    and none of the lane entries they announce (it learns of the lane from them): each doorbell
+    still goes into the engine after the lane entries enqueued before it, never ahead of them.
+    (Admitted on sight, the three doorbells went right after the head and split their
+    documents' pairs.)"""
+    s = make_settings(prefix_store_min_chars=16)
+    reqs = [
+        {"id": f"d{d}q{q}", "prefix": f"doc {d} " * 40, "prompt": f"q{q}", "max_tokens": 1}
+        for q in range(2)
+        for d in range(100)
+    ]
+    burst = Producer(s).submit(reqs)
+    engine = FakeEngine(max_num_seqs=256)
+    fake_worker(s, name="late", engine=engine)
+    wait_burst(r, s, burst)
+    got = [int(x.split(":")[1]) for x in engine.seen if x.startswith(f"{burst}:")]
+    assert got == [q * 100 + d for d in range(100) for q in range(2)], got

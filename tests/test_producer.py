@@ -32,8 +32,8 @@ def entries(r: redis.Redis, s: Settings, shard: int = 0) -> list[Entry]:
 
 
 def enqueued(r: redis.Redis, s: Settings, burst: str) -> list[Entry]:
-    """A one-shard burst's entries in enqueue order: the head (intake), then per chunk its
-    doorbell (intake; its first entry, sent after the rest) and its lane part."""
+    """A one-shard burst's entries in enqueue order: the head (intake), then per chunk its lane
+    part and its doorbell (intake; its last entry, sent after the rest)."""
     keys = Keys(s.namespace)
     intake = [f for _, f in r.xrange(keys.stream(0))]
     lane = [f for _, f in r.xrange(keys.lane(0, burst))]
@@ -42,10 +42,10 @@ def enqueued(r: redis.Redis, s: Settings, burst: str) -> list[Entry]:
     bells, at = iter(intake[HEAD:]), 0
     while rest > 0:
         n = min(size, rest)
-        out.append(next(bells))
         if n > 1:
             out += lane[at : at + n - 1]
             at += n - 1
+        out.append(next(bells))
         rest, size = rest - n, min(4 * size, 1024)
     return [Entry.from_wire(wire.decode(f[b"d"])) for f in out]
 

@@ -220,3 +220,37 @@ def test_a_capped_tenants_full_stock_does_not_hold_a_lower_priority_back() -> No
     assert [e.tenant for _, e, _ in s.pick(2, 0.0)] == ["b", "b"]
     s.left(next(t for _, e, t in first if e.tenant == "a"))  # one of a's leaves: a goes next
     assert [(e.priority, e.tenant) for _, e, _ in s.pick(1, 0.0)] == [("high", "a")]
+
+
+def test_a_doorbell_read_ahead_of_its_lane_waits_for_the_lane_and_never_stalls_the_round() -> None:
+    """A doorbell saying 3 lane entries came before it (`AFTER`), read before any of them: it is
+    not admitted, the round reads its lane although the doorbell fills the only free slot, and
+    the entries go first, then the doorbell. A lane read that comes back short (another
+    worker took the entries) lets it go at once."""
+    s = sched()
+    idle(s)
+    lane = s.lane("b", "normal", "default")
+    lane.exists = True
+    s.set_remote(lane, True)
+    bell = Delivery(INTAKES[1], b"9-0", {}, rank=2 * 3 + 1, after=3)
+    s.stock(lane, (bell, entry("b")))
+    assert picked(s, 1) == []
+    plan = s.plan(1)
+    assert plan.asked.get(lane.key) == 1, plan
+    lane_entries = [
+        (Delivery(lane.key, f"{i}-0".encode(), {}, rank=2 * i), entry("b")) for i in (1, 2, 3)
+    ]
+    lane.read_seq = 3
+    s.stock_many(lane, lane_entries)
+    assert [d.entry_id for d, _, _ in s.pick(4, 0.0)] == [b"1-0", b"2-0", b"3-0", b"9-0"]
+
+    other = sched()
+    idle(other)
+    lane = other.lane("b", "normal", "default")
+    lane.exists = True
+    other.set_remote(lane, True)
+    other.stock(lane, (Delivery(INTAKES[1], b"9-0", {}, rank=7, after=3), entry("b")))
+    assert picked(other, 1) == []
+    plan = other.plan(1)
+    other.read(plan, {})  # nothing came: the lane is drained
+    assert picked(other, 1) == ["b"]

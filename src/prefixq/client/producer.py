@@ -512,9 +512,9 @@ class _Submission:
         other is acked unrecorded). On a single Redis an error is raised at once (`_abandon`)."""
         backoff = Backoff(0.05, 1.0)
         give_up = time.monotonic() + RIDE_THROUGH_S
-        lanes = set(self.layout.lanes)
+        mark = self.layout.mark()
         while True:
-            self.layout.lanes = set(lanes)  # a lane's group and index entry are sent again too
+            self.layout.rewind(mark)  # a lane's group, index entry and places are sent again too
             pipe = self.r.pipeline(transaction=False)
             build(pipe)
             try:

@@ -68,6 +68,11 @@ class Delivery:
     fields: dict[bytes, bytes]
     #: which delivery this is, counting deliveries carried over a `prefixq reclaim` move
     deliveries: int = 1
+    #: its place in its burst's enqueue order on the shard, where the producer said (the lane
+    #: entry's `SEQ` x 2, an intake entry's `AFTER` x 2 + 1; -1: before every lane entry)
+    rank: int = -1
+    #: an intake entry's `AFTER`: the lane entries to be read before it is admitted (-1: none)
+    after: int = -1
     #: (key, entry_id), made once: every held entry is looked up by it several times
     ref: Ref = field(init=False)
 

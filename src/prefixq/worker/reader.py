@@ -20,7 +20,7 @@ from typing import TypeVar
 
 from redis.exceptions import ResponseError
 
-from prefixq.core.keys import LANE
+from prefixq.core.keys import AFTER, LANE, SEQ
 from prefixq.core.sharing import LaneInfo, band
 from prefixq.store.connection import TRANSIENT
 from prefixq.store.retry import repeat
@@ -99,10 +99,11 @@ class Reader:
         sched, holds = self.sched, self.work.holds
         sched.read(plan, {k: len(v) for k, v in got.items()})
         for key, ds in got.items():
+            lane = sched.by_key.get(key)
+            places(ds, lane)
             fresh = [d for d in ds if not holds(d.ref)]
             if not fresh:
                 continue
-            lane = sched.by_key.get(key)
             if lane is not None:  # a lane's own entries
                 sched.stock_many(lane, await self.intake.decode(fresh))
                 continue
@@ -195,3 +196,28 @@ class Reader:
             elif not lane.exists:
                 sched.drop(lane)
         return closable
+
+
+def places(ds: list[Delivery], lane: Lane | None) -> None:
+    """Set each delivery's place in its burst's enqueue order from the producer's fields
+    (client/layout.py); ``lane``: the lane they were read from (None: an intake), whose count of
+    entries read so far they raise. A field that is not a number is ignored (a forged entry)."""
+    for d in ds:
+        fields = d.fields
+        if not fields:
+            continue
+        seq = _number(fields.get(SEQ))
+        if seq is not None:
+            d.rank = 2 * seq
+            if lane is not None and seq > lane.read_seq:
+                lane.read_seq = seq
+            continue
+        after = _number(fields.get(AFTER))
+        if after is not None:
+            d.rank, d.after = 2 * after + 1, after
+
+
+def _number(raw: bytes | None) -> int | None:
+    if raw is None or not raw.isdigit() or len(raw) > 18:
+        return None
+    return int(raw)

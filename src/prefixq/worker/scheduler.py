@@ -88,6 +88,13 @@ class Lane:
     rotating: bool = False
     #: the prefix of its last admitted entry (whole-group admission: groups.py)
     last_ref: str | None = None
+    #: the highest place (`SEQ`) among the entries read from its stream
+    read_seq: int = 0
+
+    def gated(self, d: Delivery) -> bool:
+        """``d`` waits for lane entries the producer enqueued before it (its `AFTER`) that may
+        still be undelivered: read them first (a doorbell read ahead of its lane)."""
+        return d.after > self.read_seq and self.remote
 
 
 @dataclass(slots=True)
@@ -139,6 +146,8 @@ class Scheduler:
         self.window = 0
         self.resident: Resident | None = None
         self.holding = False
+        #: lanes whose next entry is gated (`Lane.gated`): read whatever is asked of the others
+        self.gated: set[Lane] = set()
 
     def set_admission(self, *, whole_groups: bool, resident_first: bool) -> None:
         """Switch groups.py's admission orders on or off (settings, or `prefixq bench`)."""
@@ -226,7 +235,10 @@ class Scheduler:
         """Entries read for ``lane`` (its own stream's, in one go), to be admitted in turn."""
         if not items:
             return
-        lane.stock.extend(items)
+        if _in_order(lane.stock, items):
+            lane.stock.extend(items)
+        else:  # read ahead of entries enqueued before them: in the producer's order
+            lane.stock = deque(sorted([*lane.stock, *items], key=_rank))
         self.held.update([d.ref for d, _ in items])
         t = lane.tenant
         t.stocked += len(items)
@@ -255,6 +267,7 @@ class Scheduler:
                 t.stocked = 0
         self.stocked = [0] * len(self.stocked)
         self.held.clear()
+        self.gated.clear()
         return out
 
     def capped(self, name: str) -> bool:
@@ -340,13 +353,17 @@ class Scheduler:
                 return plan
         else:
             tenants = [t for t in self.bands[top].values() if not self.capped(t.name)]
-            need = room - len(self.first) - sum(t.stocked for t in tenants)
+            # a gated lane's stock fills no slot: its lane (remote) is read in turn meanwhile
+            waiting: Counter[str] = Counter()
+            for lane in self._still_gated(top):
+                waiting[lane.tenant.name] += len(lane.stock)
+            need = room - len(self.first) - sum(t.stocked - waiting[t.name] for t in tenants)
             if need > 0:
                 for b in range(top + 1):
                     if self.stocked[b] < self.stock_max:
                         plan.asked[self.intakes[b]] = need
                 by_count: dict[int, list[str]] = {}
-                for key, n in self._allocate(tenants, need).items():
+                for key, n in self._allocate(tenants, need, waiting).items():
                     by_count.setdefault(n, []).append(key)
                     plan.asked[key] = n
                 intakes = [k for k in self.intakes if k in plan.asked]
@@ -358,16 +375,24 @@ class Scheduler:
             plan.asked.update(dict.fromkeys(drain, self.read_count))
         return plan
 
-    def _allocate(self, tenants: list[Tenant], need: int) -> dict[str, int]:
-        """``need`` reads spread over the remote lanes of ``tenants`` (lane key -> count)."""
+    def _still_gated(self, band_: int) -> list[Lane]:
+        """The lanes of band ``band_`` whose next entry is still gated (the others leave
+        `gated`)."""
+        keep = [lane for lane in self.gated if lane.stock and lane.gated(lane.stock[0][0])]
+        self.gated = set(keep)
+        return [lane for lane in keep if lane.tenant.band == band_]
+
+    def _allocate(self, tenants: list[Tenant], need: int, waiting: Counter[str]) -> dict[str, int]:
+        """``need`` reads spread over the remote lanes of ``tenants`` (lane key -> count);
+        ``waiting``: stock of gated lanes by tenant name."""
         live = [t for t in tenants if t.has_remote()]
         if not live:
             return {}
         if len(live) == 1 and len(live[0].remote) == 1:  # the default path: one burst
-            return {live[0].remote[0].key: self._room_of(live[0], need)}
+            return {live[0].remote[0].key: self._room_of(live[0], need, waiting)}
         out: Counter[str] = Counter()
         vt = {id(t): t.vtime for t in live}
-        left = {id(t): self._room_of(t, need) for t in live}
+        left = {id(t): self._room_of(t, need, waiting) for t in live}
         for _ in range(need):
             open_ = [t for t in live if left[id(t)] > 0 and t.has_remote()]
             if not open_:
@@ -380,11 +405,11 @@ class Scheduler:
             left[id(t)] -= 1
         return dict(out)
 
-    def _room_of(self, t: Tenant, need: int) -> int:
+    def _room_of(self, t: Tenant, need: int, waiting: Counter[str]) -> int:
         cap = self.caps.get(t.name)
         if cap is None:
             return need
-        return max(0, min(need, cap - self.inflight[t.name] - t.stocked))
+        return max(0, min(need, cap - self.inflight[t.name] - t.stocked + waiting[t.name]))
 
     def read(self, plan: Plan, counts: dict[str, int]) -> None:
         """What the reads of ``plan`` returned (entries per key): a lane that gave fewer than
@@ -419,7 +444,10 @@ class Scheduler:
             t = tenants[0] if len(tenants) == 1 else min(tenants, key=_vtime)
             if resident is not None and len(tenants) > 1:
                 t = resident.prefer(tenants, t)
-            lane = t.ready[0]
+            lane = self._open(t)
+            if lane is None:  # each of its lanes waits for its stream to be read
+                tenants.remove(t)
+                continue
             k = 1
             if len(tenants) == 1 and len(t.ready) == 1:  # one lane to take from: in one go
                 k = min(n - len(out), len(lane.stock))
@@ -435,8 +463,14 @@ class Scheduler:
                     continue
                 k = fit if single else 1
             waited = 0.0
+            stock, taken = lane.stock, 0
             for _ in range(k):
-                d, e = lane.stock.popleft()
+                d, e = stock[0]
+                if d.after >= 0 and lane.gated(d):  # the rest waits for the lane's read
+                    self.gated.add(lane)
+                    break
+                stock.popleft()
+                taken += 1
                 held.discard(d.ref)
                 if e.enqueued:
                     waited += now - e.enqueued
@@ -449,6 +483,7 @@ class Scheduler:
                 lane.queued = False
             elif k == 1:
                 t.ready.rotate(-1)
+            k = taken
             t.stocked -= k
             self.stocked[top] -= k
             t.vtime += k / t.weight
@@ -461,6 +496,36 @@ class Scheduler:
                 tenants.remove(t)
         return out
 
+    def _open(self, t: Tenant) -> Lane | None:
+        """``t``'s next lane in turn whose next entry is not gated (the gated ones go to the back
+        of its turn and into `gated`), or None."""
+        ready = t.ready
+        for _ in range(len(ready)):
+            lane = ready[0]
+            if not lane.stock:
+                ready.popleft()
+                lane.queued = False
+            elif lane.gated(lane.stock[0][0]):
+                self.gated.add(lane)
+                ready.rotate(-1)
+            else:
+                return lane
+        return None
+
 
 def _vtime(t: Tenant) -> float:
     return t.vtime
+
+
+def _rank(item: Item) -> int:
+    return item[0].rank
+
+
+def _in_order(stock: deque[Item], items: list[Item]) -> bool:
+    """``items`` follow ``stock`` in the producer's order (the usual case: no sort needed)."""
+    last = stock[-1][0].rank if stock else -1
+    for d, _ in items:
+        if d.rank < last:
+            return False
+        last = d.rank
+    return True
