@@ -171,6 +171,14 @@ MUTATIONS = (
         "        lost: dict[bytes, int] = {}\n",
         (FAST_TESTS[3],),
     ),
+    Mutation(
+        "doorbell-admitted-on-sight",
+        "enqueue order across chunks (an intake entry waits for the lane entries sent before it)",
+        "worker/scheduler.py",
+        "        return d.after > self.read_seq and self.remote\n",
+        "        return False\n",
+        ("tests/test_lanes.py",),
+    ),
 )
 
 
