@@ -175,9 +175,17 @@ MUTATIONS = (
         "doorbell-admitted-on-sight",
         "enqueue order across chunks (an intake entry waits for the lane entries sent before it)",
         "worker/scheduler.py",
-        "        return d.after > self.read_seq and self.remote\n",
-        "        return False\n",
+        "            if d.before > lane.lane_read and lane.remote:\n",
+        "            if False:\n",
         ("tests/test_lanes.py",),
+    ),
+    Mutation(
+        "lane-entry-ahead-of-its-doorbell",
+        "enqueue order across chunks (a lane entry waits for the intake entry sent before it)",
+        "worker/scheduler.py",
+        "            d.before > lane.intake_read\n",
+        "            False\n",
+        ("tests/test_scheduler.py",),
     ),
 )
 

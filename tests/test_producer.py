@@ -21,7 +21,7 @@ from prefixq.client.producer import HEAD
 from prefixq.core import wire
 from prefixq.core.entries import Entry
 from prefixq.core.errors import ValidationError
-from prefixq.core.keys import Keys
+from prefixq.core.keys import POS, Keys
 from prefixq.core.records import Request
 from prefixq.core.settings import Settings
 
@@ -32,22 +32,21 @@ def entries(r: redis.Redis, s: Settings, shard: int = 0) -> list[Entry]:
 
 
 def enqueued(r: redis.Redis, s: Settings, burst: str) -> list[Entry]:
-    """A one-shard burst's entries in enqueue order: the head (intake), then per chunk its lane
-    part and its doorbell (intake; its last entry, sent after the rest)."""
+    """A one-shard burst's entries in enqueue order, from the places the producer gave them
+    (`POS`: the lane and intake entries sent before each), checked to be 0, 1, 2, ... with the
+    lane's in stream order."""
     keys = Keys(s.namespace)
     intake = [f for _, f in r.xrange(keys.stream(0))]
     lane = [f for _, f in r.xrange(keys.lane(0, burst))]
-    total = len(intake) + len(lane)
-    out, rest, size = intake[:HEAD], total - min(HEAD, total), 4 * HEAD
-    bells, at = iter(intake[HEAD:]), 0
-    while rest > 0:
-        n = min(size, rest)
-        if n > 1:
-            out += lane[at : at + n - 1]
-            at += n - 1
-        out.append(next(bells))
-        rest, size = rest - n, min(4 * size, 1024)
-    return [Entry.from_wire(wire.decode(f[b"d"])) for f in out]
+    placed = []
+    for f in intake + lane:
+        lanes, intakes = (int(x) for x in f[POS].split(b":"))
+        placed.append((lanes + intakes, f))
+    placed.sort(key=lambda x: x[0])
+    assert [k for k, _ in placed] == list(range(len(placed)))
+    in_lane = [f for _, f in placed if f in lane]
+    assert in_lane == lane, "lane entries out of stream order"
+    return [Entry.from_wire(wire.decode(f[b"d"])) for _, f in placed]
 
 
 def namespace_keys(r: redis.Redis, s: Settings) -> list[bytes]:

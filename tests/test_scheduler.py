@@ -7,8 +7,9 @@ import itertools
 from collections import Counter
 
 from prefixq.core.entries import Entry
+from prefixq.core.keys import POS
 from prefixq.worker.deliveries import Delivery
-from prefixq.worker.scheduler import Lane, Scheduler
+from prefixq.worker.scheduler import GATE_S, Item, Lane, Scheduler
 
 INTAKES = ["i:high", "i:normal", "i:low"]
 _ids = itertools.count()
@@ -222,35 +223,76 @@ def test_a_capped_tenants_full_stock_does_not_hold_a_lower_priority_back() -> No
     assert [(e.priority, e.tenant) for _, e, _ in s.pick(1, 0.0)] == [("high", "a")]
 
 
+def placed(s: Scheduler, lane: Lane, key: str, eid: str, pos: str, *, from_lane: bool) -> Item:
+    """An entry of ``lane``'s burst read from ``key`` with the place the producer gave it."""
+    d = Delivery(key, eid.encode(), {POS: pos.encode()})
+    s.place(lane, d, 0.0, from_lane=from_lane)
+    return d, entry(lane.burst)
+
+
 def test_a_doorbell_read_ahead_of_its_lane_waits_for_the_lane_and_never_stalls_the_round() -> None:
-    """A doorbell saying 3 lane entries came before it (`AFTER`), read before any of them: it is
-    not admitted, the round reads its lane although the doorbell fills the only free slot, and
-    the entries go first, then the doorbell. A lane read that comes back short (another
-    worker took the entries) lets it go at once."""
+    """A doorbell placed after 3 lane entries (`POS` 3:4), read before any of them: it is not
+    admitted, the round reads its lane although the doorbell fills the only free slot, and the
+    entries go first, then the doorbell. A lane read that comes back short (another worker took
+    the entries) lets it go at once."""
     s = sched()
     idle(s)
     lane = s.lane("b", "normal", "default")
     lane.exists = True
     s.set_remote(lane, True)
-    bell = Delivery(INTAKES[1], b"9-0", {}, rank=2 * 3 + 1, after=3)
-    s.stock(lane, (bell, entry("b")))
+    s.stock(lane, placed(s, lane, INTAKES[1], "9-0", "3:4", from_lane=False))
     assert picked(s, 1) == []
     plan = s.plan(1)
     assert plan.asked.get(lane.key) == 1, plan
-    lane_entries = [
-        (Delivery(lane.key, f"{i}-0".encode(), {}, rank=2 * i), entry("b")) for i in (1, 2, 3)
-    ]
-    lane.read_seq = 3
-    s.stock_many(lane, lane_entries)
-    assert [d.entry_id for d, _, _ in s.pick(4, 0.0)] == [b"1-0", b"2-0", b"3-0", b"9-0"]
+    s.stock_many(
+        lane, [placed(s, lane, lane.key, f"{i}-0", f"{i}:4", from_lane=True) for i in (0, 1, 2)]
+    )
+    assert [d.entry_id for d, _, _ in s.pick(4, 0.0)] == [b"0-0", b"1-0", b"2-0", b"9-0"]
 
     other = sched()
     idle(other)
     lane = other.lane("b", "normal", "default")
     lane.exists = True
     other.set_remote(lane, True)
-    other.stock(lane, (Delivery(INTAKES[1], b"9-0", {}, rank=7, after=3), entry("b")))
+    other.stock(lane, placed(other, lane, INTAKES[1], "9-0", "3:4", from_lane=False))
     assert picked(other, 1) == []
     plan = other.plan(1)
     other.read(plan, {})  # nothing came: the lane is drained
     assert picked(other, 1) == ["b"]
+
+
+def test_a_lane_entry_read_ahead_of_the_intake_entry_before_it_waits_for_the_intake() -> None:
+    """A lane entry placed after 5 intake entries (the head and a doorbell), read while this
+    worker has read only the head: it waits; the doorbell, read next, goes first. Read while the
+    intake is not read at all, it waits for a read of the intake that comes back short after it
+    (the doorbell went to another worker), and no longer than GATE_S in any case."""
+    s = sched()
+    idle(s)
+    lane = s.lane("b", "normal", "default")
+    lane.exists = True
+    head = [placed(s, lane, INTAKES[1], f"h{i}", f"0:{i}", from_lane=False) for i in range(4)]
+    for item in head:
+        s.stock(lane, item)
+    assert len(s.pick(8, 0.0)) == 4
+    s.stock_many(lane, [placed(s, lane, lane.key, "l5", "5:5", from_lane=True)])
+    assert picked(s, 8) == []  # the doorbell (5:4) is not read yet
+    s.stock(lane, placed(s, lane, INTAKES[1], "bell", "5:4", from_lane=False))
+    assert [d.entry_id for d, _, _ in s.pick(8, 0.0)] == [b"bell", b"l5"]
+
+    other = sched()
+    idle(other)
+    lane = other.lane("b", "normal", "default")
+    lane.exists = True
+    other.stock_many(lane, [placed(other, lane, lane.key, "l5", "5:5", from_lane=True)])
+    assert picked(other, 8) == []
+    plan = other.plan(8)
+    assert INTAKES[1] in plan.asked, plan
+    other.read(plan, {})  # the intake came back empty: what was before it is delivered
+    assert picked(other, 8) == ["b"]
+
+    late = sched()
+    idle(late)
+    lane = late.lane("b", "normal", "default")
+    late.stock_many(lane, [placed(late, lane, lane.key, "l5", "5:5", from_lane=True)])
+    assert picked(late, 8) == []
+    assert [d.entry_id for d, _, _ in late.pick(8, GATE_S + 0.1)] == [b"l5"]

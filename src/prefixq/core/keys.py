@@ -23,12 +23,11 @@ CARRIED = b"n"
 #: field of an intake entry saying that its burst's lane on that shard has new entries (a lane's
 #: doorbell: the producer adds it after them; docs/architecture.md)
 LANE = b"l"
-#: field of a lane entry: its place in its lane (1, 2, ...: the producer counts per burst and shard)
-SEQ = b"s"
-#: field of an intake entry of a burst that has a lane on its shard (a doorbell, or a chunk's only
-#: entry there): how many lane entries the producer enqueued before it. The worker admits it after
-#: those (worker/scheduler.py, "gated"), whatever order the two streams are read in.
-AFTER = b"a"
+#: field of every entry of a burst on a shard: its place in the burst's enqueue order there, as
+#: b"L:I", the lane entries and the intake entries the producer sent to that shard before it. A
+#: worker reads the intake and the lane apart; it admits an entry only after those (worker/
+#: scheduler.py, "gated"), whatever order the two streams are read in (client/layout.py).
+POS = b"o"
 
 
 @dataclass(frozen=True, slots=True)

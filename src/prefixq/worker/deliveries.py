@@ -17,6 +17,8 @@ from prefixq.core.entries import Entry
 from prefixq.core.records import Result
 
 __all__ = [
+    "WAIT_INTAKE",
+    "WAIT_LANE",
     "Delivery",
     "GroupLost",
     "Pending",
@@ -29,6 +31,8 @@ __all__ = [
 
 #: an entry: its stream's key and its id
 Ref = tuple[str, bytes]
+#: `Delivery.wait`: for the lane entries sent before it, or for the intake entries
+WAIT_LANE, WAIT_INTAKE = 1, 2
 
 _NO_SUCH_KEY = re.compile(r"No such key '(.*?)' or consumer group")
 
@@ -68,11 +72,17 @@ class Delivery:
     fields: dict[bytes, bytes]
     #: which delivery this is, counting deliveries carried over a `prefixq reclaim` move
     deliveries: int = 1
-    #: its place in its burst's enqueue order on the shard, where the producer said (the lane
-    #: entry's `SEQ` x 2, an intake entry's `AFTER` x 2 + 1; -1: before every lane entry)
+    #: its place in its burst's enqueue order on the shard (`POS`: L + I; -1: not given)
     rank: int = -1
-    #: an intake entry's `AFTER`: the lane entries to be read before it is admitted (-1: none)
-    after: int = -1
+    #: what it waits for before it is admitted (worker/scheduler.py, "gated"): `WAIT_LANE` (an
+    #: intake entry: the first ``before`` entries of its lane read) or `WAIT_INTAKE` (a lane entry:
+    #: the first ``before`` intake entries of its burst read, or a read of the intake that came
+    #: back short since round ``mark``); 0: nothing
+    wait: int = 0
+    before: int = 0
+    mark: int = 0
+    #: when it was read (time.time()), for `WAIT_INTAKE`: that gate holds `GATE_S` at most
+    read_at: float = 0.0
     #: (key, entry_id), made once: every held entry is looked up by it several times
     ref: Ref = field(init=False)
 

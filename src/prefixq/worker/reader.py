@@ -20,7 +20,7 @@ from typing import TypeVar
 
 from redis.exceptions import ResponseError
 
-from prefixq.core.keys import AFTER, LANE, SEQ
+from prefixq.core.keys import LANE
 from prefixq.core.sharing import LaneInfo, band
 from prefixq.store.connection import TRANSIENT
 from prefixq.store.retry import repeat
@@ -98,14 +98,18 @@ class Reader:
         round mark theirs again: a lane is never left unread with entries its doorbell announced."""
         sched, holds = self.sched, self.work.holds
         sched.read(plan, {k: len(v) for k, v in got.items()})
+        wall = time.time()
         for key, ds in got.items():
             lane = sched.by_key.get(key)
-            places(ds, lane)
+            if lane is not None:  # a lane's own entries
+                for d in ds:
+                    sched.place(lane, d, wall, from_lane=True)
+                fresh = [d for d in ds if not holds(d.ref)]
+                if fresh:
+                    sched.stock_many(lane, await self.intake.decode(fresh))
+                continue
             fresh = [d for d in ds if not holds(d.ref)]
             if not fresh:
-                continue
-            if lane is not None:  # a lane's own entries
-                sched.stock_many(lane, await self.intake.decode(fresh))
                 continue
             now = time.monotonic()  # an intake: heads, doorbells, requeued entries
             for d, e in await self.intake.decode(fresh):
@@ -113,6 +117,7 @@ class Reader:
                 if LANE in d.fields and not lane.ended:
                     lane.exists, lane.seen = True, now
                     sched.set_remote(lane, True)
+                sched.place(lane, d, wall, from_lane=False)
                 sched.stock(lane, (d, e))
 
     async def rejoin(self, err: GroupLost) -> None:
@@ -196,28 +201,3 @@ class Reader:
             elif not lane.exists:
                 sched.drop(lane)
         return closable
-
-
-def places(ds: list[Delivery], lane: Lane | None) -> None:
-    """Set each delivery's place in its burst's enqueue order from the producer's fields
-    (client/layout.py); ``lane``: the lane they were read from (None: an intake), whose count of
-    entries read so far they raise. A field that is not a number is ignored (a forged entry)."""
-    for d in ds:
-        fields = d.fields
-        if not fields:
-            continue
-        seq = _number(fields.get(SEQ))
-        if seq is not None:
-            d.rank = 2 * seq
-            if lane is not None and seq > lane.read_seq:
-                lane.read_seq = seq
-            continue
-        after = _number(fields.get(AFTER))
-        if after is not None:
-            d.rank, d.after = 2 * after + 1, after
-
-
-def _number(raw: bytes | None) -> int | None:
-    if raw is None or not raw.isdigit() or len(raw) > 18:
-        return None
-    return int(raw)

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prefixq.core.entries import Entry
+from prefixq.core.keys import CARRIED, POS
 from prefixq.core.settings import Settings
 from prefixq.core.sharing import PRIORITIES, band, parse_caps, parse_weights
-from prefixq.worker.deliveries import Delivery, Ref
+from prefixq.worker.deliveries import WAIT_INTAKE, WAIT_LANE, Delivery, Ref
 from prefixq.worker.groups import Resident, take_whole
 
 if TYPE_CHECKING:
@@ -28,6 +29,10 @@ if TYPE_CHECKING:
 __all__ = ["Lane", "Plan", "Scheduler", "Tenant"]
 
 Item = tuple[Delivery, Entry]
+#: seconds at most that a lane entry waits for the intake entry of its burst sent before it
+#: (`Scheduler.gated`): the intake may be backed up behind other bursts' entries, and the burst's
+#: fair turns are not held up longer than this for its order
+GATE_S = 1.0
 #: an admitted entry and the tenant it is counted for (its request leaves: `Scheduler.left`)
 Picked = tuple[Delivery, Entry, "Tenant"]
 
@@ -88,13 +93,11 @@ class Lane:
     rotating: bool = False
     #: the prefix of its last admitted entry (whole-group admission: groups.py)
     last_ref: str | None = None
-    #: the highest place (`SEQ`) among the entries read from its stream
-    read_seq: int = 0
-
-    def gated(self, d: Delivery) -> bool:
-        """``d`` waits for lane entries the producer enqueued before it (its `AFTER`) that may
-        still be undelivered: read them first (a doorbell read ahead of its lane)."""
-        return d.after > self.read_seq and self.remote
+    #: of its burst's entries on the shard, how many lane entries and how many intake entries
+    #: are known to be delivered (to this worker or another: each stream is read in order), from
+    #: the places (`POS`) of those this worker read
+    lane_read: int = 0
+    intake_read: int = 0
 
 
 @dataclass(slots=True)
@@ -146,8 +149,12 @@ class Scheduler:
         self.window = 0
         self.resident: Resident | None = None
         self.holding = False
-        #: lanes whose next entry is gated (`Lane.gated`): read whatever is asked of the others
-        self.gated: set[Lane] = set()
+        #: lanes whose next entry is `gated`: read whatever is asked of the others
+        self.waiting: set[Lane] = set()
+        #: per band, reads of its intake that came back short (its entries all delivered)
+        self.drained = [0] * len(PRIORITIES)
+        #: the time of the last pick (gates hold `GATE_S` at most)
+        self.clock = 0.0
 
     def set_admission(self, *, whole_groups: bool, resident_first: bool) -> None:
         """Switch groups.py's admission orders on or off (settings, or `prefixq bench`)."""
@@ -227,6 +234,52 @@ class Scheduler:
             lane.tenant.remote.append(lane)
             self._activate(lane.tenant)
 
+    def place(self, lane: Lane, d: Delivery, now: float, *, from_lane: bool) -> None:
+        """Note ``d``'s place in its burst's enqueue order (`POS`, client/layout.py) and what it
+        must wait for; ``from_lane``: read from ``lane``'s stream (else from an intake). An entry
+        put back on the intake (`CARRIED`) waits for nothing and tells nothing; a place that does
+        not parse (a forged entry) is ignored."""
+        fields = d.fields
+        raw = fields.get(POS) if fields else None
+        if raw is None:
+            return
+        lanes, _, intakes = raw.partition(b":")
+        if not (lanes.isdigit() and intakes.isdigit() and len(raw) < 40):
+            return
+        n_lane, n_intake = int(lanes), int(intakes)
+        d.rank = n_lane + n_intake
+        if CARRIED in fields:
+            return
+        if from_lane:
+            lane.lane_read = max(lane.lane_read, n_lane + 1)
+            if n_intake > lane.intake_read:
+                d.wait, d.before, d.mark = WAIT_INTAKE, n_intake, self.drained[lane.tenant.band]
+                d.read_at = now
+        else:
+            lane.intake_read = max(lane.intake_read, n_intake + 1)
+            if n_lane > lane.lane_read:
+                d.wait, d.before = WAIT_LANE, n_lane
+
+    def gated(self, lane: Lane, d: Delivery) -> bool:
+        """``d`` waits for entries of its burst sent before it that may still be undelivered
+        (`place`): a doorbell read ahead of the lane entries it announces, while its lane may
+        hold them (the lane is read meanwhile: a round or a few); a lane entry read ahead of the
+        intake entry before it (its chunk's predecessor's doorbell, or the head), until that is
+        read or a read of the intake comes back short, `GATE_S` at most."""
+        if not d.wait:
+            return False
+        if d.wait == WAIT_LANE:
+            if d.before > lane.lane_read and lane.remote:
+                return True
+        elif (
+            d.before > lane.intake_read
+            and d.mark == self.drained[lane.tenant.band]
+            and self.clock - d.read_at < GATE_S
+        ):
+            return True
+        d.wait = 0
+        return False
+
     def stock(self, lane: Lane, item: Item) -> None:
         """An entry read for ``lane``, to be admitted in turn."""
         self.stock_many(lane, [item])
@@ -267,7 +320,7 @@ class Scheduler:
                 t.stocked = 0
         self.stocked = [0] * len(self.stocked)
         self.held.clear()
-        self.gated.clear()
+        self.waiting.clear()
         return out
 
     def capped(self, name: str) -> bool:
@@ -354,16 +407,16 @@ class Scheduler:
         else:
             tenants = [t for t in self.bands[top].values() if not self.capped(t.name)]
             # a gated lane's stock fills no slot: its lane (remote) is read in turn meanwhile
-            waiting: Counter[str] = Counter()
+            held_back: Counter[str] = Counter()
             for lane in self._still_gated(top):
-                waiting[lane.tenant.name] += len(lane.stock)
-            need = room - len(self.first) - sum(t.stocked - waiting[t.name] for t in tenants)
+                held_back[lane.tenant.name] += len(lane.stock)
+            need = room - len(self.first) - sum(t.stocked - held_back[t.name] for t in tenants)
             if need > 0:
                 for b in range(top + 1):
                     if self.stocked[b] < self.stock_max:
                         plan.asked[self.intakes[b]] = need
                 by_count: dict[int, list[str]] = {}
-                for key, n in self._allocate(tenants, need, waiting).items():
+                for key, n in self._allocate(tenants, need, held_back).items():
                     by_count.setdefault(n, []).append(key)
                     plan.asked[key] = n
                 intakes = [k for k in self.intakes if k in plan.asked]
@@ -377,22 +430,24 @@ class Scheduler:
 
     def _still_gated(self, band_: int) -> list[Lane]:
         """The lanes of band ``band_`` whose next entry is still gated (the others leave
-        `gated`)."""
-        keep = [lane for lane in self.gated if lane.stock and lane.gated(lane.stock[0][0])]
-        self.gated = set(keep)
+        `waiting`)."""
+        keep = [lane for lane in self.waiting if lane.stock and self.gated(lane, lane.stock[0][0])]
+        self.waiting = set(keep)
         return [lane for lane in keep if lane.tenant.band == band_]
 
-    def _allocate(self, tenants: list[Tenant], need: int, waiting: Counter[str]) -> dict[str, int]:
+    def _allocate(
+        self, tenants: list[Tenant], need: int, held_back: Counter[str]
+    ) -> dict[str, int]:
         """``need`` reads spread over the remote lanes of ``tenants`` (lane key -> count);
-        ``waiting``: stock of gated lanes by tenant name."""
+        ``held_back``: stock of gated lanes by tenant name."""
         live = [t for t in tenants if t.has_remote()]
         if not live:
             return {}
         if len(live) == 1 and len(live[0].remote) == 1:  # the default path: one burst
-            return {live[0].remote[0].key: self._room_of(live[0], need, waiting)}
+            return {live[0].remote[0].key: self._room_of(live[0], need, held_back)}
         out: Counter[str] = Counter()
         vt = {id(t): t.vtime for t in live}
-        left = {id(t): self._room_of(t, need, waiting) for t in live}
+        left = {id(t): self._room_of(t, need, held_back) for t in live}
         for _ in range(need):
             open_ = [t for t in live if left[id(t)] > 0 and t.has_remote()]
             if not open_:
@@ -405,11 +460,11 @@ class Scheduler:
             left[id(t)] -= 1
         return dict(out)
 
-    def _room_of(self, t: Tenant, need: int, waiting: Counter[str]) -> int:
+    def _room_of(self, t: Tenant, need: int, held_back: Counter[str]) -> int:
         cap = self.caps.get(t.name)
         if cap is None:
             return need
-        return max(0, min(need, cap - self.inflight[t.name] - t.stocked + waiting[t.name]))
+        return max(0, min(need, cap - self.inflight[t.name] - t.stocked + held_back[t.name]))
 
     def read(self, plan: Plan, counts: dict[str, int]) -> None:
         """What the reads of ``plan`` returned (entries per key): a lane that gave fewer than
@@ -420,7 +475,10 @@ class Scheduler:
             if lane is not None:
                 self.set_remote(lane, got >= asked)
             elif key in self.intakes:
-                self.intake_more[self.intakes.index(key)] = got >= asked
+                b = self.intakes.index(key)
+                self.intake_more[b] = got >= asked
+                if got < asked:
+                    self.drained[b] += 1
 
     def pick(self, n: int, now: float) -> list[Picked]:
         """Up to ``n`` entries to admit now, in admission order: one slot at a time, from the
@@ -429,6 +487,7 @@ class Scheduler:
         out: list[Picked] = []
         held = self.held
         self.holding = False
+        self.clock = now
         while self.first and len(out) < n:
             d, e = self.first.popleft()
             held.discard(d.ref)
@@ -466,8 +525,8 @@ class Scheduler:
             stock, taken = lane.stock, 0
             for _ in range(k):
                 d, e = stock[0]
-                if d.after >= 0 and lane.gated(d):  # the rest waits for the lane's read
-                    self.gated.add(lane)
+                if d.wait and self.gated(lane, d):  # the rest waits for its predecessors
+                    self.waiting.add(lane)
                     break
                 stock.popleft()
                 taken += 1
@@ -498,15 +557,15 @@ class Scheduler:
 
     def _open(self, t: Tenant) -> Lane | None:
         """``t``'s next lane in turn whose next entry is not gated (the gated ones go to the back
-        of its turn and into `gated`), or None."""
+        of its turn and into `waiting`), or None."""
         ready = t.ready
         for _ in range(len(ready)):
             lane = ready[0]
             if not lane.stock:
                 ready.popleft()
                 lane.queued = False
-            elif lane.gated(lane.stock[0][0]):
-                self.gated.add(lane)
+            elif self.gated(lane, lane.stock[0][0]):
+                self.waiting.add(lane)
                 ready.rotate(-1)
             else:
                 return lane
