@@ -232,21 +232,20 @@ def placed(s: Scheduler, lane: Lane, key: str, eid: str, pos: str, *, from_lane:
 
 def test_a_doorbell_read_ahead_of_its_lane_waits_for_the_lane_and_never_stalls_the_round() -> None:
     """A doorbell placed after 3 lane entries (`POS` 3:4), read before any of them: it is not
-    admitted, the round reads its lane although the doorbell fills the only free slot, and the
-    entries go first, then the doorbell. A lane read that comes back short (another worker took
-    the entries) lets it go at once."""
+    admitted, the round reads its lane, and the entries go first, then the doorbell. A lane read
+    that comes back short (another worker took the entries) lets it go at once; so does a room
+    its stock fills (no read could bring the entries: it would wait for ever)."""
     s = sched()
     idle(s)
     lane = s.lane("b", "normal", "default")
     lane.exists = True
     s.set_remote(lane, True)
     s.stock(lane, placed(s, lane, INTAKES[1], "9-0", "3:4", from_lane=False))
-    assert picked(s, 1) == []
-    plan = s.plan(1)
-    assert plan.asked.get(lane.key) == 1, plan
-    s.stock_many(
-        lane, [placed(s, lane, lane.key, f"{i}-0", f"{i}:4", from_lane=True) for i in (0, 1, 2)]
-    )
+    assert picked(s, 4) == []
+    plan = s.plan(4)
+    assert plan.asked.get(lane.key) == 3, plan
+    lane_entries = [placed(s, lane, lane.key, f"{i}-0", f"{i}:4", from_lane=True) for i in range(3)]
+    s.stock_many(lane, lane_entries)
     assert [d.entry_id for d, _, _ in s.pick(4, 0.0)] == [b"0-0", b"1-0", b"2-0", b"9-0"]
 
     other = sched()
@@ -255,10 +254,19 @@ def test_a_doorbell_read_ahead_of_its_lane_waits_for_the_lane_and_never_stalls_t
     lane.exists = True
     other.set_remote(lane, True)
     other.stock(lane, placed(other, lane, INTAKES[1], "9-0", "3:4", from_lane=False))
-    assert picked(other, 1) == []
-    plan = other.plan(1)
+    assert picked(other, 4) == []
+    plan = other.plan(4)
     other.read(plan, {})  # nothing came: the lane is drained
-    assert picked(other, 1) == ["b"]
+    assert picked(other, 4) == ["b"]
+
+    full = sched()
+    idle(full)
+    lane = full.lane("b", "normal", "default")
+    lane.exists = True
+    full.set_remote(lane, True)
+    full.stock(lane, placed(full, lane, INTAKES[1], "9-0", "3:4", from_lane=False))
+    assert full.plan(1).reads == []  # one free slot, and the doorbell in it
+    assert picked(full, 1) == ["b"]
 
 
 def test_a_lane_entry_read_ahead_of_the_intake_entry_before_it_waits_for_the_intake() -> None:

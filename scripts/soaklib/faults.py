@@ -576,9 +576,17 @@ class MasterFailover(Fault):
     weight = 2.0
 
     def run(self, soak: Soak) -> list[Landed]:
-        if not unfinished(soak):
+        if unfinished(soak):
+            return [Landed(self.kind, soak.redis.failover())]
+        # the plan's bursts are all done: one of its own, so that the failover lands mid-burst
+        # (drawn late, it found nothing to hit again and again: a soak without a failover)
+        b = soak.extra_burst(soak.rng.randint(300, 900))
+        proc = launch_until_created(soak, b)
+        if proc is None:
             return []
-        return [Landed(self.kind, soak.redis.failover())]
+        how = soak.redis.failover()
+        soak.settle_submit(b, proc)
+        return [Landed(self.kind, f"{how} (mid-burst {b.burst_id}, submitted for it)")]
 
 
 FAULTS: dict[str, Callable[[], Fault]] = {

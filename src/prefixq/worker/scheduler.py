@@ -149,8 +149,6 @@ class Scheduler:
         self.window = 0
         self.resident: Resident | None = None
         self.holding = False
-        #: lanes whose next entry is `gated`: read whatever is asked of the others
-        self.waiting: set[Lane] = set()
         #: per band, reads of its intake that came back short (its entries all delivered)
         self.drained = [0] * len(PRIORITIES)
         #: the time of the last pick (gates hold `GATE_S` at most)
@@ -320,7 +318,6 @@ class Scheduler:
                 t.stocked = 0
         self.stocked = [0] * len(self.stocked)
         self.held.clear()
-        self.waiting.clear()
         return out
 
     def capped(self, name: str) -> bool:
@@ -406,17 +403,13 @@ class Scheduler:
                 return plan
         else:
             tenants = [t for t in self.bands[top].values() if not self.capped(t.name)]
-            # a gated lane's stock fills no slot: its lane (remote) is read in turn meanwhile
-            held_back: Counter[str] = Counter()
-            for lane in self._still_gated(top):
-                held_back[lane.tenant.name] += len(lane.stock)
-            need = room - len(self.first) - sum(t.stocked - held_back[t.name] for t in tenants)
+            need = room - len(self.first) - sum(t.stocked for t in tenants)
             if need > 0:
                 for b in range(top + 1):
                     if self.stocked[b] < self.stock_max:
                         plan.asked[self.intakes[b]] = need
                 by_count: dict[int, list[str]] = {}
-                for key, n in self._allocate(tenants, need, held_back).items():
+                for key, n in self._allocate(tenants, need).items():
                     by_count.setdefault(n, []).append(key)
                     plan.asked[key] = n
                 intakes = [k for k in self.intakes if k in plan.asked]
@@ -428,26 +421,16 @@ class Scheduler:
             plan.asked.update(dict.fromkeys(drain, self.read_count))
         return plan
 
-    def _still_gated(self, band_: int) -> list[Lane]:
-        """The lanes of band ``band_`` whose next entry is still gated (the others leave
-        `waiting`)."""
-        keep = [lane for lane in self.waiting if lane.stock and self.gated(lane, lane.stock[0][0])]
-        self.waiting = set(keep)
-        return [lane for lane in keep if lane.tenant.band == band_]
-
-    def _allocate(
-        self, tenants: list[Tenant], need: int, held_back: Counter[str]
-    ) -> dict[str, int]:
-        """``need`` reads spread over the remote lanes of ``tenants`` (lane key -> count);
-        ``held_back``: stock of gated lanes by tenant name."""
+    def _allocate(self, tenants: list[Tenant], need: int) -> dict[str, int]:
+        """``need`` reads spread over the remote lanes of ``tenants`` (lane key -> count)."""
         live = [t for t in tenants if t.has_remote()]
         if not live:
             return {}
         if len(live) == 1 and len(live[0].remote) == 1:  # the default path: one burst
-            return {live[0].remote[0].key: self._room_of(live[0], need, held_back)}
+            return {live[0].remote[0].key: self._room_of(live[0], need)}
         out: Counter[str] = Counter()
         vt = {id(t): t.vtime for t in live}
-        left = {id(t): self._room_of(t, need, held_back) for t in live}
+        left = {id(t): self._room_of(t, need) for t in live}
         for _ in range(need):
             open_ = [t for t in live if left[id(t)] > 0 and t.has_remote()]
             if not open_:
@@ -460,11 +443,11 @@ class Scheduler:
             left[id(t)] -= 1
         return dict(out)
 
-    def _room_of(self, t: Tenant, need: int, held_back: Counter[str]) -> int:
+    def _room_of(self, t: Tenant, need: int) -> int:
         cap = self.caps.get(t.name)
         if cap is None:
             return need
-        return max(0, min(need, cap - self.inflight[t.name] - t.stocked + held_back[t.name]))
+        return max(0, min(need, cap - self.inflight[t.name] - t.stocked))
 
     def read(self, plan: Plan, counts: dict[str, int]) -> None:
         """What the reads of ``plan`` returned (entries per key): a lane that gave fewer than
@@ -498,22 +481,27 @@ class Scheduler:
         if top is None:
             return out
         tenants = [t for t in self.bands[top].values() if t.has_ready() and not self.capped(t.name)]
+        # what the next round can read for the band (`plan`): a gate holds only while its
+        # predecessors can still come that way, or the stock would sit in the room for ever
+        need = n - len(self.first) - sum(t.stocked for t in tenants)
         resident = self.resident
         while tenants and len(out) < n:
             t = tenants[0] if len(tenants) == 1 else min(tenants, key=_vtime)
             if resident is not None and len(tenants) > 1:
                 t = resident.prefer(tenants, t)
-            lane = self._open(t)
-            if lane is None:  # each of its lanes waits for its stream to be read
-                tenants.remove(t)
-                continue
+            lane, forced = self._open(t), False
+            if lane is None:  # each of its lanes waits for entries sent before its next one
+                if self._room_of(t, need) > 0 or not t.ready:  # which the next round reads
+                    tenants.remove(t)
+                    continue
+                lane, forced = t.ready[0], True  # its stock fills its room: the gate gives way
             k = 1
-            if len(tenants) == 1 and len(t.ready) == 1:  # one lane to take from: in one go
+            if len(tenants) == 1 and len(t.ready) == 1 and not forced:  # one lane: in one go
                 k = min(n - len(out), len(lane.stock))
                 cap = self.caps.get(t.name)
                 if cap is not None:
                     k = max(1, min(k, cap - self.inflight[t.name]))
-            if self.whole_groups:
+            if self.whole_groups and not forced:
                 single = len(tenants) == 1 and len(t.ready) == 1
                 fit = take_whole(lane, k if single else n - len(out), self.window or n)
                 if not fit:  # its next group waits for room; the other tenants may go
@@ -525,8 +513,7 @@ class Scheduler:
             stock, taken = lane.stock, 0
             for _ in range(k):
                 d, e = stock[0]
-                if d.wait and self.gated(lane, d):  # the rest waits for its predecessors
-                    self.waiting.add(lane)
+                if d.wait and not forced and self.gated(lane, d):  # it waits: the rest too
                     break
                 stock.popleft()
                 taken += 1
@@ -557,7 +544,7 @@ class Scheduler:
 
     def _open(self, t: Tenant) -> Lane | None:
         """``t``'s next lane in turn whose next entry is not gated (the gated ones go to the back
-        of its turn and into `waiting`), or None."""
+        of its turn), or None."""
         ready = t.ready
         for _ in range(len(ready)):
             lane = ready[0]
@@ -565,7 +552,6 @@ class Scheduler:
                 ready.popleft()
                 lane.queued = False
             elif self.gated(lane, lane.stock[0][0]):
-                self.waiting.add(lane)
                 ready.rotate(-1)
             else:
                 return lane
