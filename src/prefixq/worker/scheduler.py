@@ -149,6 +149,8 @@ class Scheduler:
         self.window = 0
         self.resident: Resident | None = None
         self.holding = False
+        #: lanes whose next entry is `gated`: read whatever is asked of the others
+        self.waiting: set[Lane] = set()
         #: per band, reads of its intake that came back short (its entries all delivered)
         self.drained = [0] * len(PRIORITIES)
         #: the time of the last pick (gates hold `GATE_S` at most)
@@ -286,6 +288,8 @@ class Scheduler:
         """Entries read for ``lane`` (its own stream's, in one go), to be admitted in turn."""
         if not items:
             return
+        if any(d.wait for d, _ in items):  # it may hold its lane back (`_held_back`)
+            self.waiting.add(lane)
         if _in_order(lane.stock, items):
             lane.stock.extend(items)
         else:  # read ahead of entries enqueued before them: in the producer's order
@@ -318,6 +322,7 @@ class Scheduler:
                 t.stocked = 0
         self.stocked = [0] * len(self.stocked)
         self.held.clear()
+        self.waiting.clear()
         return out
 
     def capped(self, name: str) -> bool:
@@ -403,13 +408,14 @@ class Scheduler:
                 return plan
         else:
             tenants = [t for t in self.bands[top].values() if not self.capped(t.name)]
-            need = room - len(self.first) - sum(t.stocked for t in tenants)
+            held_back = self._held_back(top)
+            need = room - len(self.first) - sum(t.stocked - held_back[t.name] for t in tenants)
             if need > 0:
                 for b in range(top + 1):
                     if self.stocked[b] < self.stock_max:
                         plan.asked[self.intakes[b]] = need
                 by_count: dict[int, list[str]] = {}
-                for key, n in self._allocate(tenants, need).items():
+                for key, n in self._allocate(tenants, need, held_back).items():
                     by_count.setdefault(n, []).append(key)
                     plan.asked[key] = n
                 intakes = [k for k in self.intakes if k in plan.asked]
@@ -421,16 +427,31 @@ class Scheduler:
             plan.asked.update(dict.fromkeys(drain, self.read_count))
         return plan
 
-    def _allocate(self, tenants: list[Tenant], need: int) -> dict[str, int]:
-        """``need`` reads spread over the remote lanes of ``tenants`` (lane key -> count)."""
+    def _held_back(self, band_: int) -> Counter[str]:
+        """The stock of band ``band_``'s lanes whose next entry is gated, by tenant name: it
+        fills no slot (its lanes are read on meanwhile; lanes no longer gated leave
+        `waiting`)."""
+        keep = [lane for lane in self.waiting if lane.stock and self.gated(lane, lane.stock[0][0])]
+        self.waiting = set(keep)
+        out: Counter[str] = Counter()
+        for lane in keep:
+            if lane.tenant.band == band_:
+                out[lane.tenant.name] += len(lane.stock)
+        return out
+
+    def _allocate(
+        self, tenants: list[Tenant], need: int, held_back: Counter[str]
+    ) -> dict[str, int]:
+        """``need`` reads spread over the remote lanes of ``tenants`` (lane key -> count);
+        ``held_back``: stock of gated lanes by tenant name."""
         live = [t for t in tenants if t.has_remote()]
         if not live:
             return {}
         if len(live) == 1 and len(live[0].remote) == 1:  # the default path: one burst
-            return {live[0].remote[0].key: self._room_of(live[0], need)}
+            return {live[0].remote[0].key: self._room_of(live[0], need, held_back)}
         out: Counter[str] = Counter()
         vt = {id(t): t.vtime for t in live}
-        left = {id(t): self._room_of(t, need) for t in live}
+        left = {id(t): self._room_of(t, need, held_back) for t in live}
         for _ in range(need):
             open_ = [t for t in live if left[id(t)] > 0 and t.has_remote()]
             if not open_:
@@ -443,11 +464,11 @@ class Scheduler:
             left[id(t)] -= 1
         return dict(out)
 
-    def _room_of(self, t: Tenant, need: int) -> int:
+    def _room_of(self, t: Tenant, need: int, held_back: Counter[str]) -> int:
         cap = self.caps.get(t.name)
         if cap is None:
             return need
-        return max(0, min(need, cap - self.inflight[t.name] - t.stocked))
+        return max(0, min(need, cap - self.inflight[t.name] - t.stocked + held_back[t.name]))
 
     def read(self, plan: Plan, counts: dict[str, int]) -> None:
         """What the reads of ``plan`` returned (entries per key): a lane that gave fewer than
@@ -481,27 +502,22 @@ class Scheduler:
         if top is None:
             return out
         tenants = [t for t in self.bands[top].values() if t.has_ready() and not self.capped(t.name)]
-        # what the next round can read for the band (`plan`): a gate holds only while its
-        # predecessors can still come that way, or the stock would sit in the room for ever
-        need = n - len(self.first) - sum(t.stocked for t in tenants)
         resident = self.resident
         while tenants and len(out) < n:
             t = tenants[0] if len(tenants) == 1 else min(tenants, key=_vtime)
             if resident is not None and len(tenants) > 1:
                 t = resident.prefer(tenants, t)
-            lane, forced = self._open(t), False
+            lane = self._open(t)
             if lane is None:  # each of its lanes waits for entries sent before its next one
-                if self._room_of(t, need) > 0 or not t.ready:  # which the next round reads
-                    tenants.remove(t)
-                    continue
-                lane, forced = t.ready[0], True  # its stock fills its room: the gate gives way
+                tenants.remove(t)  # (its stock fills no slot: `plan` reads on for them)
+                continue
             k = 1
-            if len(tenants) == 1 and len(t.ready) == 1 and not forced:  # one lane: in one go
+            if len(tenants) == 1 and len(t.ready) == 1:  # one lane to take from: in one go
                 k = min(n - len(out), len(lane.stock))
                 cap = self.caps.get(t.name)
                 if cap is not None:
                     k = max(1, min(k, cap - self.inflight[t.name]))
-            if self.whole_groups and not forced:
+            if self.whole_groups:
                 single = len(tenants) == 1 and len(t.ready) == 1
                 fit = take_whole(lane, k if single else n - len(out), self.window or n)
                 if not fit:  # its next group waits for room; the other tenants may go
@@ -513,7 +529,8 @@ class Scheduler:
             stock, taken = lane.stock, 0
             for _ in range(k):
                 d, e = stock[0]
-                if d.wait and not forced and self.gated(lane, d):  # it waits: the rest too
+                if d.wait and self.gated(lane, d):  # it waits: the rest too
+                    self.waiting.add(lane)
                     break
                 stock.popleft()
                 taken += 1
@@ -544,7 +561,7 @@ class Scheduler:
 
     def _open(self, t: Tenant) -> Lane | None:
         """``t``'s next lane in turn whose next entry is not gated (the gated ones go to the back
-        of its turn), or None."""
+        of its turn and into `waiting`), or None."""
         ready = t.ready
         for _ in range(len(ready)):
             lane = ready[0]
@@ -552,6 +569,7 @@ class Scheduler:
                 ready.popleft()
                 lane.queued = False
             elif self.gated(lane, lane.stock[0][0]):
+                self.waiting.add(lane)
                 ready.rotate(-1)
             else:
                 return lane
