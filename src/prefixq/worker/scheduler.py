@@ -265,7 +265,8 @@ class Scheduler:
         (`place`): a doorbell read ahead of the lane entries it announces, while its lane may
         hold them (the lane is read meanwhile: a round or a few); a lane entry read ahead of the
         intake entry before it (its chunk's predecessor's doorbell, or the head), until that is
-        read or a read of the intake comes back short, `GATE_S` at most."""
+        read or a read of the intake comes back short, `GATE_S` at most. A gate once open stays
+        open (``d.wait`` is cleared)."""
         if not d.wait:
             return False
         if d.wait == WAIT_LANE:
@@ -431,9 +432,11 @@ class Scheduler:
         """The stock of band ``band_``'s lanes whose next entry is gated, by tenant name: it
         fills no slot (its lanes are read on meanwhile; lanes no longer gated leave
         `waiting`)."""
+        out: Counter[str] = Counter()
+        if not self.waiting:  # the usual round: nothing to look at
+            return out
         keep = [lane for lane in self.waiting if lane.stock and self.gated(lane, lane.stock[0][0])]
         self.waiting = set(keep)
-        out: Counter[str] = Counter()
         for lane in keep:
             if lane.tenant.band == band_:
                 out[lane.tenant.name] += len(lane.stock)
