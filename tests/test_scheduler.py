@@ -230,43 +230,46 @@ def placed(s: Scheduler, lane: Lane, key: str, eid: str, pos: str, *, from_lane:
     return d, entry(lane.burst)
 
 
+def burst_lane(*, remote: bool) -> tuple[Scheduler, Lane]:
+    """A scheduler with every intake read and found empty, and burst b's lane, which exists
+    (``remote``: and may hold entries not yet read)."""
+    s = sched()
+    idle(s)
+    lane = s.lane("b", "normal", "default")
+    lane.exists = True
+    if remote:
+        s.set_remote(lane, True)
+    return s, lane
+
+
+def rung(*, room: int) -> tuple[Scheduler, Lane]:
+    """`burst_lane` with a doorbell placed after 3 lane entries (`POS` 3:4) in stock, read
+    before any of them, and not admitted into ``room`` free slots."""
+    s, lane = burst_lane(remote=True)
+    s.stock(lane, placed(s, lane, INTAKES[1], "9-0", "3:4", from_lane=False))
+    assert picked(s, room) == []
+    return s, lane
+
+
 def test_a_doorbell_read_ahead_of_its_lane_waits_for_the_lane_and_never_stalls_the_round() -> None:
     """A doorbell placed after 3 lane entries (`POS` 3:4), read before any of them: it is not
     admitted, its stock fills no slot, so the round reads its lane for every free slot (the only
     one included: never a round that reads nothing and waits for ever), and the entries go
     first, then the doorbell. A lane read that comes back short (another worker took the
     entries) lets it go at once."""
-    s = sched()
-    idle(s)
-    lane = s.lane("b", "normal", "default")
-    lane.exists = True
-    s.set_remote(lane, True)
-    s.stock(lane, placed(s, lane, INTAKES[1], "9-0", "3:4", from_lane=False))
-    assert picked(s, 4) == []
+    s, lane = rung(room=4)
     plan = s.plan(4)
     assert plan.asked.get(lane.key) == 4, plan
     lane_entries = [placed(s, lane, lane.key, f"{i}-0", f"{i}:4", from_lane=True) for i in range(3)]
     s.stock_many(lane, lane_entries)
     assert [d.entry_id for d, _, _ in s.pick(4, 0.0)] == [b"0-0", b"1-0", b"2-0", b"9-0"]
 
-    other = sched()
-    idle(other)
-    lane = other.lane("b", "normal", "default")
-    lane.exists = True
-    other.set_remote(lane, True)
-    other.stock(lane, placed(other, lane, INTAKES[1], "9-0", "3:4", from_lane=False))
-    assert picked(other, 4) == []
+    other, lane = rung(room=4)
     plan = other.plan(4)
     other.read(plan, {})  # nothing came: the lane is drained
     assert picked(other, 4) == ["b"]
 
-    full = sched()
-    idle(full)
-    lane = full.lane("b", "normal", "default")
-    lane.exists = True
-    full.set_remote(lane, True)
-    full.stock(lane, placed(full, lane, INTAKES[1], "9-0", "3:4", from_lane=False))
-    assert picked(full, 1) == []
+    full, lane = rung(room=1)
     assert full.plan(1).asked.get(lane.key) == 1  # one free slot, and the doorbell in stock
 
 
@@ -275,10 +278,7 @@ def test_a_lane_entry_read_ahead_of_the_intake_entry_before_it_waits_for_the_int
     worker has read only the head: it waits; the doorbell, read next, goes first. Read while the
     intake is not read at all, it waits for a read of the intake that comes back short after it
     (the doorbell went to another worker), and no longer than GATE_S in any case."""
-    s = sched()
-    idle(s)
-    lane = s.lane("b", "normal", "default")
-    lane.exists = True
+    s, lane = burst_lane(remote=False)
     head = [placed(s, lane, INTAKES[1], f"h{i}", f"0:{i}", from_lane=False) for i in range(4)]
     for item in head:
         s.stock(lane, item)
@@ -288,10 +288,7 @@ def test_a_lane_entry_read_ahead_of_the_intake_entry_before_it_waits_for_the_int
     s.stock(lane, placed(s, lane, INTAKES[1], "bell", "5:4", from_lane=False))
     assert [d.entry_id for d, _, _ in s.pick(8, 0.0)] == [b"bell", b"l5"]
 
-    other = sched()
-    idle(other)
-    lane = other.lane("b", "normal", "default")
-    lane.exists = True
+    other, lane = burst_lane(remote=False)
     other.stock_many(lane, [placed(other, lane, lane.key, "l5", "5:5", from_lane=True)])
     assert picked(other, 8) == []
     plan = other.plan(8)
@@ -299,9 +296,7 @@ def test_a_lane_entry_read_ahead_of_the_intake_entry_before_it_waits_for_the_int
     other.read(plan, {})  # the intake came back empty: what was before it is delivered
     assert picked(other, 8) == ["b"]
 
-    late = sched()
-    idle(late)
-    lane = late.lane("b", "normal", "default")
+    late, lane = burst_lane(remote=False)
     late.stock_many(lane, [placed(late, lane, lane.key, "l5", "5:5", from_lane=True)])
     assert picked(late, 8) == []
     assert [d.entry_id for d, _, _ in late.pick(8, GATE_S + 0.1)] == [b"l5"]
