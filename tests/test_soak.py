@@ -45,6 +45,24 @@ def soak(tmp_path: Path, *args: str, timeout: float = 420) -> tuple[int, dict[st
     return p.returncode, json.loads(out.read_text()), text
 
 
+def record(out: dict[str, Any], what: str) -> None:
+    """Add a soak's faults and requests to the suite's ledger (``what``: which soak)."""
+    for kind, n in sorted(out["faults_by_kind"].items()):
+        LEDGER.fault(f"{what}: {kind}", n)
+    LEDGER.requests += out["requests"]
+    LEDGER.lost += out["lost"]
+    LEDGER.duplicated += out["duplicated"]
+
+
+def assert_clean(rc: int, out: dict[str, Any], text: str, again: str) -> None:
+    """Nothing lost, doubled, invented, misanswered or misreported; no traceback, no problem; a
+    passing exit (``again``: the command that reruns it)."""
+    defects = {k: out[k] for k in ("lost", "duplicated", "phantom", "misanswered", "misreported")}
+    assert defects == dict.fromkeys(defects, 0), f"{defects}: {out['examples'][:10]} ({again})"
+    assert not out["tracebacks"] and not out["problems"], (out["problems"], again)
+    assert rc == 0, text[-3000:]
+
+
 def test_the_short_soak_loses_duplicates_and_invents_no_result(tmp_path: Path) -> None:
     """Given 3,000 requests in bursts of every kind over 3 shards and at least 20 faults that
     landed (worker kill -9 and SIGTERM, duplicate workers, redis-server kill -9, maxmemory with
@@ -52,17 +70,10 @@ def test_the_short_soak_loses_duplicates_and_invents_no_result(tmp_path: Path) -
     start-up), every request has exactly one result under its own id, with its own answer."""
     seed = os.environ.get("PREFIXQ_SOAK_SEED") or str(secrets.randbelow(10**6))
     rc, out, text = soak(tmp_path, "--requests", "3000", "--faults", "20", "--seed", seed)
-    for kind, n in sorted(out["faults_by_kind"].items()):
-        LEDGER.fault(f"soak seed {seed}: {kind}", n)
-    LEDGER.requests += out["requests"]
-    LEDGER.lost += out["lost"]
-    LEDGER.duplicated += out["duplicated"]
+    record(out, f"soak seed {seed}")
     again = f"rerun: python scripts/soak.py --seed {seed}"
     assert out["faults"] >= 20, f"only {out['faults']} faults landed ({again})"
-    defects = {k: out[k] for k in ("lost", "duplicated", "phantom", "misanswered", "misreported")}
-    assert defects == dict.fromkeys(defects, 0), f"{defects}: {out['examples'][:10]} ({again})"
-    assert not out["tracebacks"] and not out["problems"], (out["problems"], again)
-    assert rc == 0, text[-3000:]
+    assert_clean(rc, out, text, again)
 
 
 def test_the_soak_fails_when_results_are_damaged_before_its_accounting(tmp_path: Path) -> None:
@@ -110,15 +121,8 @@ def test_the_soak_on_a_redis_cluster_rides_through_master_failovers(tmp_path: Pa
         seed,
         timeout=300,
     )
-    for kind, n in sorted(out["faults_by_kind"].items()):
-        LEDGER.fault(f"cluster soak seed {seed}: {kind}", n)
-    LEDGER.requests += out["requests"]
-    LEDGER.lost += out["lost"]
-    LEDGER.duplicated += out["duplicated"]
+    record(out, f"cluster soak seed {seed}")
     again = f"rerun: python scripts/soak.py --cluster --shards 4 --seed {seed}"
     assert out["failovers"] >= 1, f"no master failover landed ({again})"
     assert f"failovers injected: {out['failovers']}" in out["line"]
-    defects = {k: out[k] for k in ("lost", "duplicated", "phantom", "misanswered", "misreported")}
-    assert defects == dict.fromkeys(defects, 0), f"{defects}: {out['examples'][:10]} ({again})"
-    assert not out["tracebacks"] and not out["problems"], (out["problems"], again)
-    assert rc == 0, text[-3000:]
+    assert_clean(rc, out, text, again)
