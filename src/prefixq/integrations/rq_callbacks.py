@@ -95,7 +95,7 @@ def enqueue_on_complete(client: redis.Redis, settings: Settings, burst: str) -> 
                     burst,
                     job_id=job_id,
                     pipeline=pipe,
-                    meta={"prefixq_namespace": settings.namespace, "prefixq_burst": burst},
+                    meta=_job_meta(settings, burst),
                 )
                 if not pipe.explicit_transaction:
                     pipe.multi()
@@ -103,13 +103,7 @@ def enqueue_on_complete(client: redis.Redis, settings: Settings, burst: str) -> 
                 pipe.execute()
             except WatchError:
                 continue  # the record changed between WATCH and EXEC: look again
-            log.info(
-                "burst %s: enqueued on_complete %s as RQ job %s on queue %s",
-                burst,
-                func,
-                job_id,
-                queue.name,
-            )
+            _enqueued(burst, func, job_id, queue)
             return job_id
 
 
@@ -152,18 +146,21 @@ def _enqueue_apart(client: redis.Redis, settings: Settings, burst: str) -> str |
     rq = rq_client(settings)
     try:
         queue = Queue((queue_name or b"default").decode(), connection=rq, serializer=JSONSerializer)
-        meta_ = {"prefixq_namespace": settings.namespace, "prefixq_burst": burst}
-        queue.enqueue(func, burst, job_id=job_id, meta=meta_)
+        queue.enqueue(func, burst, job_id=job_id, meta=_job_meta(settings, burst))
     finally:
         rq.close()
-    log.info(
-        "burst %s: enqueued on_complete %s as RQ job %s on queue %s",
-        burst,
-        func,
-        job_id,
-        queue.name,
-    )
+    _enqueued(burst, func, job_id, queue)
     return job_id
+
+
+def _job_meta(settings: Settings, burst: str) -> dict[str, str]:
+    """The callback job's RQ meta: which burst of which namespace it is for."""
+    return {"prefixq_namespace": settings.namespace, "prefixq_burst": burst}
+
+
+def _enqueued(burst: str, func: str, job_id: str, queue: Queue) -> None:
+    what = "burst %s: enqueued on_complete %s as RQ job %s on queue %s"
+    log.info(what, burst, func, job_id, queue.name)
 
 
 def rq_client(settings: Settings) -> redis.Redis:
