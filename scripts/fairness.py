@@ -54,10 +54,6 @@ class SleepEngine:
     def block_size(self) -> int:
         return 16
 
-    @property
-    def running(self) -> int | None:
-        return None
-
     async def start(self) -> None:
         pass
 

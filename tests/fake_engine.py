@@ -49,10 +49,6 @@ class FakeEngine:
     def block_size(self) -> int:
         return self._block_size
 
-    @property
-    def running(self) -> int | None:
-        return None
-
     async def start(self) -> None:
         self.started = True
 

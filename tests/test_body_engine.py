@@ -214,36 +214,3 @@ def test_token_ids_outside_the_vocabulary_are_refused_and_the_engine_serves_on(
         assert len((await engine.generate(good)).token_ids) == 2
 
     direct.run(scenario())
-
-
-@pytest.mark.vllm_compat  # vLLM's scheduler statistics (their logger hook changed across releases)
-def test_the_engine_reports_how_many_requests_its_scheduler_runs(direct: Direct) -> None:
-    """`VllmEngine.running` is what vLLM's latest step scheduled (engine/scheduler_stats.py):
-    with three long requests in the engine it reads 3, never more than what was handed in; the
-    worker's fair shares start a newly arriving burst behind that many (worker/engine_order.py)."""
-    engine = direct.engine
-
-    async def scenario() -> None:
-        reqs = [
-            EngineRequest(
-                request_id=f"run-{i}",
-                prompt_token_ids=[1 + i] * 8,
-                sampling={"max_tokens": 4000, "ignore_eos": True},
-            )
-            for i in range(3)
-        ]
-        tasks = [asyncio.create_task(engine.generate(q)) for q in reqs]
-        seen: list[int | None] = []
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and (not seen or seen[-1] != 3):
-            await asyncio.sleep(0.2)
-            seen.append(engine.running)
-        for q in reqs:
-            await engine.abort(q.request_id)
-        for t in tasks:
-            with pytest.raises(EngineAborted):
-                await asyncio.wait_for(t, timeout=30)
-        assert seen and seen[-1] == 3, seen
-        assert all(n is None or 0 <= n <= 3 for n in seen), seen
-
-    direct.run(scenario())

@@ -117,33 +117,6 @@ def test_a_burst_arriving_late_starts_where_the_others_got_to() -> None:
     assert o.enter("normal", "tb", "B", 1.0) == max(6 * SCALE, (8 * SCALE + 5_500) // 2)
 
 
-def test_where_the_engine_says_what_runs_a_newcomer_starts_behind_it() -> None:
-    """With the engine's running count (`Engine.running`), a burst that arrives starts at the
-    band's first request still waiting (start-time fair queueing): behind what runs, tied with
-    what waits first (ties go by arrival), no credit for its own service time; a higher band's
-    requests run first; with everything running it starts at the band's last one."""
-    o = EngineOrder()
-    a = [o.enter("normal", "ta", "A", 1.0, running=0) for _ in range(10)]
-    assert a == [i * SCALE for i in range(10)]  # alone: nothing to start behind
-    # A's first four run: B's first ties with A's fifth (without the count: A's first, 0)
-    assert o.enter("normal", "tb", "B", 1.0, running=4) == 4 * SCALE
-    for p in a[:4]:  # those four finished; the engine holds A 4 000..9 000 and B 4 000
-        o.left("normal", "A", p)
-    # three run (4 000, 4 000, 5 000): C starts at the next, 6 000 (the mean of the completion
-    # fronts would have put it at 3 500, ahead of what runs)
-    assert o.enter("normal", "tc", "C", 1.0, running=3) == 6 * SCALE
-    h = [o.enter("high", "th", "H", 1.0, running=0) for _ in range(2)]
-    assert h == [-SPAN, -SPAN + SCALE]
-    # four run: the two high ones first, then two normal (4 000, 4 000): D at 5 000
-    assert o.enter("normal", "td", "D", 1.0, running=4) == 5 * SCALE
-    # all of it runs: at the band's last (A's 9 000)
-    assert o.enter("normal", "te", "E", 1.0, running=100) == 9 * SCALE
-    # a burst whose own clock is ahead keeps it (no credit for an idle spell either way)
-    b = o.enter("normal", "tb", "B", 1.0, running=0)
-    assert b == 5 * SCALE  # B still had its first one in: no entry, its clock goes on
-    assert o.inflight("normal") == 6 + 2 + 1 + 1 + 1
-
-
 def test_a_tenants_bursts_share_its_weight_and_bands_stay_apart() -> None:
     """Two bursts of one tenant advance twice as fast as a lone tenant's burst; a low request
     is above every normal one and a high below, however far the clocks run."""

@@ -32,10 +32,6 @@ class NullEngine:
     def block_size(self) -> int:
         return self._block_size
 
-    @property
-    def running(self) -> int | None:
-        return None
-
     async def start(self) -> None:
         pass
 

@@ -69,13 +69,6 @@ class Engine(Protocol):
         """Tokens per KV-cache block."""
         ...
 
-    @property
-    def running(self) -> int | None:
-        """Requests the engine's latest step ran (scheduled; the others handed in wait), or None
-        when it cannot tell: the worker's fair shares start a newly arriving burst behind them
-        (worker/engine_order.py)."""
-        ...
-
     async def start(self) -> None:
         """Load the model and start serving; returns once requests can be sent."""
         ...

@@ -25,7 +25,6 @@ from prefixq.core.errors import (
 )
 from prefixq.core.sampling import DEFAULT_MAX_TOKENS
 from prefixq.engine.protocol import EngineOutput, EngineRequest
-from prefixq.engine.scheduler_stats import Running, running_logger
 from prefixq.engine.vllm_compat import cpu_block_size, is_retryable
 
 log = logging.getLogger(__name__)
@@ -138,16 +137,10 @@ class VllmEngine:
         #: request ids aborted before or while they ran (bounded; see `abort`)
         self._aborted: OrderedDict[str, None] = OrderedDict()
         self._running: set[str] = set()
-        #: what vLLM's latest step scheduled (engine/scheduler_stats.py)
-        self._scheduled = Running()
 
     @property
     def max_num_seqs(self) -> int:
         return self._max_num_seqs
-
-    @property
-    def running(self) -> int | None:
-        return self._scheduled.count
 
     @property
     def block_size(self) -> int:
@@ -171,11 +164,7 @@ class VllmEngine:
             )
         t0 = time.perf_counter()
         try:
-            factory = running_logger(self._scheduled)
-            extra: dict[str, Any] = {"stat_loggers": [factory]} if factory is not None else {}
-            self._llm = AsyncLLM.from_engine_args(
-                AsyncEngineArgs(model=self.model, **args), **extra
-            )
+            self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=self.model, **args))
         except pydantic.ValidationError as e:  # --model or an --engine-arg vLLM refuses
             what = "; ".join(
                 ".".join(str(x) for x in err["loc"]) + ": " + err["msg"]

@@ -9,21 +9,14 @@ first, and takes any int. `EngineOrder` gives each request a priority = its band
 - each burst has a clock that grows by k / weight per request handed to the engine (its
   tenant's weight; k: that tenant's bursts with requests in the engine), so bursts of a band
   interleave inside the engine by tenant weight, and a tenant's bursts share its weight;
-- a burst with no request in the engine starts where the engine has got to in its band, never
-  below its own clock (no credit for an idle spell). Where the engine says how many requests its
-  latest step ran (`Engine.running`: vLLM's scheduler statistics), that is the band's *waiting
-  front*: the first of the band's requests still waiting, counting the engine's runs from the
-  lowest value up (vLLM starts its waiting requests in priority order). The newcomer goes behind
-  everything running and interleaves with what waits: start-time fair queueing (SFQ; the same
-  rule as VTC's "lift a newly active client's counter to the others'"). It gets no credit for
-  the service time its first requests take: on one H200 the credit of the rule below (about the
-  requests running when it arrived) over-served the second of three bursts by that much while
-  all three had work (docs/BENCHMARKS.md). Where the engine cannot tell, the front is the mean,
-  over the band's bursts in the engine, of how far each has got there (the largest virtual time
-  of its requests that finished, or its oldest one while none has), so a newcomer goes before
-  about the requests running when it arrived; the mean of completion fronts, not the oldest
-  request still there, so one slow request does not hand a newcomer credit for everything
-  started since.
+- a burst with no request in the engine starts at the band's *front*, never below its own
+  clock (no credit for an idle spell): the mean, over the band's bursts in the engine, of how
+  far each has got there (the largest virtual time of its requests that finished, or its oldest
+  one while none has). A burst that arrives while the engine is busy with others thus goes
+  before part of what they have waiting there, about its share of the requests running when it
+  arrived: those finish for the others while it waits, and its completions keep pace with
+  theirs from then on. The mean of completion fronts, not the oldest request still there, so
+  one slow request does not hand a newcomer credit for everything started since.
 
 Requests already running are not preempted by a lower value (vLLM preempts only when KV blocks
 run out, and then the highest value it runs), so a burst's first completions come once the
@@ -77,24 +70,16 @@ class EngineOrder:
 
     def __init__(self) -> None:
         self._bands = [_Band() for _ in PRIORITIES]
-        #: the engine priorities of the requests in the engine, all bands
-        self._live: Counter[int] = Counter()
 
-    def enter(
-        self, priority: str, tenant: str, burst: str, weight: float, running: int | None = None
-    ) -> int:
+    def enter(self, priority: str, tenant: str, burst: str, weight: float) -> int:
         """The engine priority of a request of ``burst`` handed to the engine now; give it back
-        to `left` when the request leaves the engine. ``running``: the requests the engine's
-        latest step ran (`Engine.running`; None: it cannot tell)."""
+        to `left` when the request leaves the engine."""
         b = self._bands[band(priority)]
         f = b.bursts.get(burst)
         if f is None:
             f = b.bursts[burst] = _Burst(tenant)
         if not f.inflight:  # it enters: at the band's front, or its own clock if ahead
-            front = self._waiting_front(priority, running) if running is not None else None
-            if front is not None:
-                f.clock = max(f.clock, front)
-            elif b.live:
+            if b.live:
                 f.clock = max(f.clock, b.fronts // b.live)
             f.front = f.clock = min(f.clock, SPAN - 1)
             b.fronts += f.front
@@ -104,30 +89,7 @@ class EngineOrder:
         f.clock = min(f.clock + max(1, round(SCALE * b.tenants[tenant] / weight)), SPAN - 1)
         f.inflight += 1
         b.inflight += 1
-        value = band_priority(priority) * SPAN + tag
-        self._live[value] += 1
-        return value
-
-    def _waiting_front(self, priority: str, running: int) -> int | None:
-        """The virtual time of the band's first request still waiting in the engine, if the
-        engine ran ``running`` of what it holds from the lowest value up (the band's last one if
-        all of it runs); None when the band has nothing in the engine."""
-        low = band_priority(priority) * SPAN
-        ahead, mine = 0, []
-        for value, n in self._live.items():
-            if value < low:
-                ahead += n
-            elif value < low + SPAN:
-                mine.append((value - low, n))
-        if not mine:
-            return None
-        mine.sort()
-        k = running - ahead  # the band's requests that run
-        for tag, n in mine:
-            if k < n:
-                return tag
-            k -= n
-        return mine[-1][0]
+        return band_priority(priority) * SPAN + tag
 
     def left(self, priority: str, burst: str, engine_priority: int) -> None:
         """A request that `enter` gave ``engine_priority`` left the engine."""
@@ -135,9 +97,6 @@ class EngineOrder:
         f = b.bursts[burst]
         f.inflight -= 1
         b.inflight -= 1
-        self._live[engine_priority] -= 1
-        if not self._live[engine_priority]:
-            del self._live[engine_priority]
         if not b.inflight:  # nothing of the band in the engine: no order to keep, start afresh
             self._bands[band(priority)] = _Band()
             return

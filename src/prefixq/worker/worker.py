@@ -367,7 +367,6 @@ class Worker:
         prefixes = await retry("reading stored prefixes", lambda: self.prefixes.resolve(entries))
         max_attempts = self.settings.max_attempts
         order = self.order
-        running = self.engine.running  # what the engine's latest step ran: where newcomers start
         # one loop step: each task runs until it awaits the engine, which then holds its
         # request; no collection runs meanwhile, and what they all hold is frozen after it
         # (worker/gc_policy.py)
@@ -378,7 +377,7 @@ class Worker:
                 ref = d.ref
                 prio = ENGINE_PRIORITY[e.priority]
                 if order is not None:  # in admission order: the engine's queue follows the shares
-                    prio = order.enter(e.priority, t.name, e.burst, t.weight, running)
+                    prio = order.enter(e.priority, t.name, e.burst, t.weight)
                 serve = self._serve(ref, e, t, prefixes, solo, t_read, prio)
                 self.inflight[ref] = asyncio.create_task(serve)
             await asyncio.sleep(0)
