@@ -101,15 +101,14 @@ class Reader:
         wall = time.time()
         for key, ds in got.items():
             lane = sched.by_key.get(key)
-            if lane is not None:  # a lane's own entries
+            if lane is not None:  # every entry read tells how far its lane is read
                 for d in ds:
                     sched.place(lane, d, wall, from_lane=True)
-                fresh = [d for d in ds if not holds(d.ref)]
-                if fresh:
-                    sched.stock_many(lane, await self.intake.decode(fresh))
-                continue
             fresh = [d for d in ds if not holds(d.ref)]
             if not fresh:
+                continue
+            if lane is not None:  # a lane's own entries
+                sched.stock_many(lane, await self.intake.decode(fresh))
                 continue
             now = time.monotonic()  # an intake: heads, doorbells, requeued entries
             for d, e in await self.intake.decode(fresh):
