@@ -4,9 +4,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
+import signal
 import subprocess
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,6 +23,7 @@ from prefixq.cli.redis_server import RedisServer, free_port
 from prefixq.client import Producer
 from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
+from prefixq.store.connection import async_client
 
 pytestmark = pytest.mark.slow
 
@@ -152,3 +157,38 @@ def test_denied_user_gets_a_clear_error_at_once(
     print(f"  worker: exit {rc}")
     assert rc == 2 and says in (tmp_path / "denied.log").read_text()
     LEDGER.fault(f"denied connection: {says}")
+
+
+def test_a_cancelled_command_over_tls_leaves_no_socket_open(
+    tls_server: tuple[RedisServer, Path],
+) -> None:
+    """A blocking read cancelled on a TLS connection (what a worker's stop does to its readers)
+    while Redis does not answer, the client closed and the event loop ended at once: no socket is
+    left for the garbage collector (store/forced_close.py: redis-py's forced close starts a TLS
+    close whose answer the ended loop never reads)."""
+    srv, ca = tls_server
+    s = Settings(redis_url=tls_url(srv, ca, "alice", "s3cret-pw"), namespace="tls", shards=1)
+    assert srv.proc is not None
+
+    async def cancel_a_read() -> None:
+        r = async_client(s)
+        await r.ping()
+        read = asyncio.create_task(r.xread({"tls:nothing": "$"}, block=5000))
+        await asyncio.sleep(0.1)
+        srv.proc.send_signal(signal.SIGSTOP)  # the close_notify goes unanswered
+        read.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await read
+        await r.aclose()
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", ResourceWarning)
+        try:
+            for _ in range(3):
+                asyncio.run(cancel_a_read())
+                gc.collect()
+                srv.proc.send_signal(signal.SIGCONT)
+        finally:
+            srv.proc.send_signal(signal.SIGCONT)
+    unclosed = [str(w.message) for w in seen if issubclass(w.category, ResourceWarning)]
+    assert unclosed == []

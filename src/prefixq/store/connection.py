@@ -60,7 +60,7 @@ from redis.retry import Retry
 
 from prefixq.core.errors import ConfigError, RedisOutOfMemory, RedisUnavailable
 from prefixq.core.settings import Settings
-from prefixq.store import packing
+from prefixq.store import forced_close, packing
 
 #: errors that mean "try again later", never "this request is bad" (but see `refused`: redis-py's
 #: AuthenticationError is a ConnectionError too). The cluster ones are what a failover looks like
@@ -335,7 +335,8 @@ def async_client(settings: Settings) -> aredis.Redis:
         client = aredis.Redis.from_url(settings.redis_url, retry=retry, **_options(settings))
     except ValueError as e:
         raise ConfigError(f"bad REDIS_URL {settings.redis_url!r}: {e}") from None
-    return packing.install(client)  # commands packed by hiredis, as the blocking client does
+    packing.install(client)  # commands packed by hiredis, as the blocking client does
+    return forced_close.install(client)  # a failed or cancelled command's socket closes at once
 
 
 def sync_client(settings: Settings) -> redis.Redis:
