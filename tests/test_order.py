@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from prefixq.bench.workloads import Shape, Sizes, build
 from prefixq.client.order import ORDERS, Peek, enqueue_order, peek, peeks
 from prefixq.core.records import Request
 
@@ -70,6 +71,20 @@ def test_decode_first_puts_decode_heavy_groups_ahead_of_prefill_heavy_ones() -> 
         else:
             reqs.append({"id": f"q{i}", "prefix": doc, "prompt": "?", "max_tokens": 16})
     assert _ids(reqs, "decode-first") == ["long1", "long3", "long5", "q0", "q2", "q4"]
+
+
+@pytest.mark.parametrize("name", ["no-reuse", "reuse", "overflow", "multi-burst", "system-prompt"])
+def test_decode_first_is_grouped_where_the_groups_are_alike(name: str) -> None:
+    """On the benchmark's token-id workloads whose groups ask alike (every document the same
+    length, every answer the same budget) decode-first enqueues exactly the grouped order, so the
+    GPU runs of grouped hold for the default (docs/BENCHMARKS.md); on mixed it differs."""
+    for b in build(name, Shape(token_ids=True), Sizes(), capacity_tokens=131_072).bursts:
+        reqs = b.requests
+        assert enqueue_order("decode-first", peeks(reqs, "decode-first")) == enqueue_order(
+            "grouped", peeks(reqs, "grouped")
+        )
+    mixed = build("mixed", Shape(token_ids=True), Sizes()).bursts[0].requests
+    assert _ids(mixed, "decode-first") != _ids(mixed, "grouped")
 
 
 def test_decode_first_reads_the_output_budget_of_openai_lines_and_requests() -> None:

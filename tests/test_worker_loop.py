@@ -85,7 +85,8 @@ def test_engine_death_leaves_in_flight_entries_pending_and_exits_3(
     exits 3, and a restarted worker (same name) serves them exactly once."""
     s, keys = settings, Keys(settings.namespace)
     fw = fake_worker(s, engine=FakeEngine(lethal=True))
-    burst = Producer(s).submit(prompts("sleep:5 a", "sleep:5 b", "die:now"))
+    # input order: the two sleeps go in ahead of the request that kills the engine
+    burst = Producer(s).submit(prompts("sleep:5 a", "sleep:5 b", "die:now"), order="input")
     assert fw.wait(30) == EXIT_ENGINE_DEAD
     assert fw.engine.dead.is_set()
     assert r.xpending(keys.stream(0), GROUP)["pending"] == 3
