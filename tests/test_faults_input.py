@@ -343,6 +343,22 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any] | list[dict[str, Any]], str]] = [
         "unknown role 'wizard'",
     ),
     ("messages-not-a-list", {"messages": "hi"}, "messages must be a non-empty list"),
+    # messages ordering looks at before validation (client/order.py): refused, not a TypeError
+    (
+        "system-content-a-number",
+        {"messages": [{"role": "system", "content": 7}, {"role": "user", "content": "x"}]},
+        "message 0 content must be a string",
+    ),
+    (
+        "content-part-text-a-number",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+        "message 0 content must be a string",
+    ),
+    (
+        "prefix-message-content-a-number",
+        {"prefix": [{"content": 5}], "prompt": "?"},
+        "a token-id prefix goes with prompt_token_ids",
+    ),
     (
         "too-many-messages",
         {"messages": [{"role": "user", "content": "x"}] * 5},

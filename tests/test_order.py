@@ -124,3 +124,25 @@ def test_input_order_still_groups_for_counting_prefix_uses() -> None:
     got = peeks(reqs, "input")
     assert got[0].group is not None and got[0].size == 999 and got[1] == Peek()
     assert enqueue_order("input", got) == [0, 1]
+
+
+ODD = [
+    {"id": "a", "messages": [{"role": "system", "content": 7}, {"role": "user", "content": "x"}]},
+    {"id": "b", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+    {"id": "c", "prefix": [{"content": 5}], "prompt": "?"},
+    {"id": "d", "prefix": [1, "a", None], "prompt": "?"},
+    {"id": "e", "body": {"messages": [{"content": {"nested": 1}}]}},
+    {"id": "f", "messages": [5, None], "max_tokens": float("inf")},
+]
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_an_odd_request_is_a_group_of_its_own_in_every_order(order: str) -> None:
+    """Ordering runs before validation: a request too odd to look at (a message content that is
+    a number, a prefix of mixed types) is a group of its own, never an exception (validation
+    refuses it later, tests/test_faults_input.py), and the burst still gets a permutation."""
+    reqs = [*ODD, {"id": "ok", "prefix": "doc " * 200, "prompt": "?"}]
+    looks = peeks(reqs, order)
+    assert looks[0] == Peek()  # its prefix's size cannot be counted: no group, no counts
+    assert looks[-1].group is not None
+    assert sorted(enqueue_order(order, looks)) == list(range(len(reqs)))

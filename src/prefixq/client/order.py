@@ -109,7 +109,18 @@ def peek(
     raw: Request | Mapping[str, Any], order: str, memo: dict[int, _Known] | None = None
 ) -> Peek:
     """The `Peek` of one request as given, for ``order``. ``memo`` (by object identity, holding
-    the object so that its id cannot be reused) spares hashing a prefix shared by many."""
+    the object so that its id cannot be reused) spares hashing a prefix shared by many.
+
+    Never raises: the burst is ordered before it is validated, so a request too odd to look at
+    (a message whose content is a number, a prefix that is not packable) is a group of its own
+    with no counts, and validation refuses it with its line number when its chunk comes."""
+    try:
+        return _peek(raw, order, memo)
+    except Exception:
+        return Peek()
+
+
+def _peek(raw: Request | Mapping[str, Any], order: str, memo: dict[int, _Known] | None) -> Peek:
     from prefixq.client.encoding import _fingerprint
 
     prefix = peek_prefix(raw)
@@ -120,11 +131,8 @@ def peek(
         ((_, value),) = prefix.items()
         known = memo.get(id(value)) if memo is not None else None
         if known is None or known[0] is not value:
-            try:
-                fp: Hashable = _fingerprint(value)
-                walk = _path(value) if order == "depth-first" else ()
-            except Exception:  # not even packable (validation refuses it later): its own group
-                return Peek()
+            fp: Hashable = _fingerprint(value)
+            walk = _path(value) if order == "depth-first" else ()
             known = (value, fp, walk, _tokens(value), _size(value))
             if memo is not None:
                 memo[id(value)] = known
