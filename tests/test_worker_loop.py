@@ -217,3 +217,20 @@ def test_a_burst_done_hook_that_meets_redis_loading_runs_again_until_it_succeeds
         wait_until(lambda: len(calls) >= 3, 10, "the hook run a third time")
     assert calls == [burst] * 3
     assert "burst-done hook failed" not in caplog.text
+
+
+def test_results_waiting_for_their_replicas_do_not_hold_up_recording_later_ones(
+    make_settings: Callable[..., Settings], fake_worker: MakeWorker, r: redis.Redis
+) -> None:
+    """With min_replicas_acked=1 on a Redis whose replica never confirms (here: none), no result
+    is acked, yet the results that finish while the first batch waits are recorded on the master
+    too (the writer's retried batch takes them in: worker/writer.py `_top_up`), so a replica that
+    falls behind holds up the acks, not the master's copy of the results."""
+    s = make_settings(max_inflight=3)  # the producer's: it would fence its entries too
+    keys = Keys(s.namespace)
+    fw = fake_worker(s.replace(min_replicas_acked=1, min_replicas_acked_timeout_ms=50))
+    # all three in the engine at once (unacked results keep their slots), finishing apart
+    burst = Producer(s).submit(prompts("sleep:0.1 a", "sleep:1.0 b", "sleep:2.0 c"))
+    wait_until(lambda: r.hlen(keys.results(burst)) == 3, 30, "all 3 results on the master")
+    assert pending_on(r, s, fw.name) == 3  # recorded, none acked: the replicas never confirmed
+    fw.stop()

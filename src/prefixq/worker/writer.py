@@ -62,6 +62,8 @@ class ResultWriter:
         self.duplicates = 0
         self.written = 0
         self._closed = asyncio.Event()
+        #: the end of the queue (None, `close`) was taken: `run` returns once the queue is empty
+        self._stop_seen = False
 
     @property
     def backlog(self) -> int:
@@ -87,22 +89,21 @@ class ResultWriter:
 
     async def run(self) -> None:
         try:
-            while True:
+            while not (self._stop_seen and self.queue.empty()):  # None: the end, once drained
                 item = await self.queue.get()
                 batch: list[Written] = []
-                stop = item is None
-                if item is not None:
+                if item is None:
+                    self._stop_seen = True
+                else:
                     batch.append(item)
                 while len(batch) < self.write_batch and not self.queue.empty():
                     nxt = self.queue.get_nowait()
                     if nxt is None:
-                        stop = True
+                        self._stop_seen = True
                         break
                     batch.append(nxt)
                 if batch:
                     await self._write(batch)
-                if stop and self.queue.empty():
-                    return
         finally:
             self._closed.set()
 
@@ -130,7 +131,10 @@ class ResultWriter:
             done = [(w, r) for w, r in zip(todo, replies, strict=True) if isinstance(r, int)]
             errors = [r for r in replies if not isinstance(r, int)]
             if done and not await self._fenced([w for w, _ in done], backoff):
-                continue  # not acked: recorded again (a duplicate, or afresh if a failover lost it)
+                # not acked: recorded again (a duplicate, or afresh if a failover lost it), with
+                # the results finished meanwhile
+                todo = self._top_up(todo)
+                continue
             await self._ack([w for w, _ in done])
             for w, reply in done:
                 await self._settled(w, reply)
@@ -139,6 +143,20 @@ class ResultWriter:
                 await backoff.wait(f"recording {len(todo)} results", errors[0], logging.ERROR)
             else:
                 backoff.reset()
+
+    def _top_up(self, todo: list[Written]) -> list[Written]:
+        """``todo``, whose replicas have not confirmed it, with the results queued meanwhile (up
+        to ``write_batch``): the master records them while the batch waits, as it would without
+        the fence, and they are confirmed and acked together, so a replica that falls behind
+        holds up the acks, not the recording."""
+        out = list(todo)
+        while len(out) < self.write_batch and not self._stop_seen and not self.queue.empty():
+            nxt = self.queue.get_nowait()
+            if nxt is None:
+                self._stop_seen = True
+            else:
+                out.append(nxt)
+        return out
 
     async def _fenced(self, done: list[Written], backoff: Backoff) -> bool:
         """With ``min_replicas_acked``: whether the replicas of the masters holding these
