@@ -164,7 +164,7 @@ def test_a_cancelled_command_over_tls_leaves_no_socket_open(
 ) -> None:
     """A blocking read cancelled on a TLS connection (what a worker's stop does to its readers)
     while Redis does not answer, the client closed and the event loop ended at once: no socket is
-    left for the garbage collector (store/forced_close.py: redis-py's forced close starts a TLS
+    left for the garbage collector (store/aio_connections.py: redis-py's forced close starts a TLS
     close whose answer the ended loop never reads)."""
     srv, ca = tls_server
     s = Settings(redis_url=tls_url(srv, ca, "alice", "s3cret-pw"), namespace="tls", shards=1)

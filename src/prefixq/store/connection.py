@@ -60,7 +60,7 @@ from redis.retry import Retry
 
 from prefixq.core.errors import ConfigError, RedisOutOfMemory, RedisUnavailable
 from prefixq.core.settings import Settings
-from prefixq.store import forced_close, packing
+from prefixq.store import aio_connections, packing
 
 #: errors that mean "try again later", never "this request is bad" (but see `refused`: redis-py's
 #: AuthenticationError is a ConnectionError too). The cluster ones are what a failover looks like
@@ -326,17 +326,18 @@ def async_client(settings: Settings) -> aredis.Redis:
     if cluster_mode(settings.redis_url):
         nodes = [acluster.ClusterNode(h, p) for h, p in seeds(settings.redis_url)]
         try:
-            return acluster.RedisCluster(
+            cluster = acluster.RedisCluster(
                 startup_nodes=nodes, retry=retry, **_cluster_options(settings)
             )
         except (TypeError, RedisClusterException) as e:
             raise ConfigError(f"bad REDIS_URL {redact(settings.redis_url)}: {e}") from None
+        return aio_connections.install_cluster(cluster)
     try:
         client = aredis.Redis.from_url(settings.redis_url, retry=retry, **_options(settings))
     except ValueError as e:
         raise ConfigError(f"bad REDIS_URL {settings.redis_url!r}: {e}") from None
     packing.install(client)  # commands packed by hiredis, as the blocking client does
-    return forced_close.install(client)  # a failed or cancelled command's socket closes at once
+    return aio_connections.install(client)  # forced closes abort; a torn write is a lost connection
 
 
 def sync_client(settings: Settings) -> redis.Redis:

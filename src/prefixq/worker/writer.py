@@ -62,7 +62,7 @@ class ResultWriter:
         self.duplicates = 0
         self.written = 0
         self._closed = asyncio.Event()
-        #: the end of the queue (None, `close`) was taken: `run` returns once the queue is empty
+        #: `run` took the end of the queue (None, `close`): it returns once the queue is empty
         self._stop_seen = False
 
     @property
@@ -150,12 +150,12 @@ class ResultWriter:
         the fence, and they are confirmed and acked together, so a replica that falls behind
         holds up the acks, not the recording."""
         out = list(todo)
-        while len(out) < self.write_batch and not self._stop_seen and not self.queue.empty():
+        while len(out) < self.write_batch and not self.queue.empty():
             nxt = self.queue.get_nowait()
-            if nxt is None:
-                self._stop_seen = True
-            else:
-                out.append(nxt)
+            if nxt is None:  # the end (`close`) is `run`'s to take: back, behind what is queued
+                self.queue.put_nowait(None)
+                break
+            out.append(nxt)
         return out
 
     async def _fenced(self, done: list[Written], backoff: Backoff) -> bool:
