@@ -22,7 +22,7 @@ B=/tmp/bench
 ISSUE22="--gpus 0 --model dummy:llama-3.1-8b --engine-arg gpu_memory_utilization=0.30 \
   --engine-arg kv_cache_memory_bytes=17179869184 --engine-arg max_model_len=8192 --pairs 1 \
   --workloads overflow,multi-burst,system-prompt,mixed,reuse --bench-placements affinity --setups sorted,overflow:offload \
-  --orders system-prompt:depth-first,mixed:grouped \
+  --orders system-prompt:depth-first,mixed:decode-first \
   --admissions overflow:whole-groups,multi-burst:resident-first"
 args() { if [ "$1" = issue22 ]; then echo "$ISSUE22 ${2:-}"; else echo "$1"; fi; }
 running() { [ -s $B/pid ] && kill -0 "$(cat $B/pid)" 2>/dev/null; }

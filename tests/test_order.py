@@ -77,7 +77,7 @@ def test_decode_first_puts_decode_heavy_groups_ahead_of_prefill_heavy_ones() -> 
 def test_decode_first_is_grouped_where_the_groups_are_alike(name: str) -> None:
     """On the benchmark's token-id workloads whose groups ask alike (every document the same
     length, every answer the same budget) decode-first enqueues exactly the grouped order, so the
-    GPU runs of grouped hold for the default (docs/BENCHMARKS.md); on mixed it differs."""
+    GPU runs of grouped hold for it (docs/BENCHMARKS.md); on mixed it differs."""
     for b in build(name, Shape(token_ids=True), Sizes(), capacity_tokens=131_072).bursts:
         reqs = b.requests
         assert enqueue_order("decode-first", peeks(reqs, "decode-first")) == enqueue_order(

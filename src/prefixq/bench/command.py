@@ -53,7 +53,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "--orders",
         default="",
         help="other enqueue orders to measure on every workload with shared prefixes, or "
-        "WORKLOAD:ORDER on one, e.g. input,system-prompt:depth-first,mixed:grouped "
+        "WORKLOAD:ORDER on one, e.g. input,system-prompt:depth-first,mixed:decode-first "
         "(every case runs in the enqueue_order setting's order too)",
     )
     b.add_argument(

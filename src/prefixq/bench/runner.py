@@ -72,7 +72,7 @@ class BenchConfig:
     layout: str = ""
     start_timeout: float = 1200.0
     #: the enqueue order of every case (the producer's default: settings' enqueue_order)
-    order: str = "decode-first"
+    order: str = "grouped"
     #: other enqueue orders measured on workloads whose requests share prefixes (NAME: every
     #: such workload, WORKLOAD:NAME: that one)
     orders: list[str] = field(default_factory=list)

@@ -6,23 +6,24 @@ share a prefix (a document, a system prompt and a document, a chat's leading mes
 
 - ``input``: the burst as given.
 - ``leaders-first``: the first request of every group first, then the rest in input order.
-- ``grouped``: groups in order of first appearance, each group's requests together (on two H200
-  it ran a 64-document reuse burst 3.4% faster than ``input`` and a 160-document burst that
-  overflows the KV cache 1.88x faster: docs/BENCHMARKS.md).
+- ``grouped`` (the default, ``enqueue_order``): groups in order of first appearance, each group's
+  requests together (on two H200 it ran a 64-document reuse burst 3.4% faster than ``input`` and
+  a 160-document burst that overflows the KV cache 1.88x faster: docs/BENCHMARKS.md).
 - ``depth-first``: groups in the order of a depth-first walk of the prefix tree, so groups whose
   prefixes share a leading part (one system prompt before several documents) come one after
   another; siblings are ordered by content (hashes of the prefix's leading blocks, `PATH_BLOCK`
   bytes each), so two bursts over the same documents walk them in the same order. Requests
   without a shared prefix come first, in input order.
-- ``decode-first`` (the default, ``enqueue_order``): grouped, with the groups ordered by the
-  output tokens they ask per prompt token to prefill (the shared prefix counted once), most
-  first, ties in order of first appearance: decode-heavy work starts early and its decode
-  overlaps the later groups' prefill instead of running alone at the end of the burst
-  (BatchLLM's observation). On one H200 it ran a burst of 256 prefill-heavy and 64 decode-heavy
-  requests 1.046-1.057x the burst sorted by document handed to vLLM alone (grouped:
-  1.001-1.015), and kept the other workloads level with grouped or ahead (docs/BENCHMARKS.md).
-  Requests without a shared prefix are groups of one, so they are ordered too: among equal
-  outputs the shortest prompts first (a burst whose requests are alike keeps its input order).
+- ``decode-first``: groups ordered by the output tokens they ask per prompt token to prefill
+  (the shared prefix counted once), most first, ties in order of first appearance: decode-heavy
+  work starts early and its decode overlaps the later groups' prefill instead of running alone
+  at the end of the burst (BatchLLM's observation). On one H200 it ran a burst of 256
+  prefill-heavy and 64 decode-heavy requests 1.046-1.057x the burst sorted by document handed
+  to vLLM alone (grouped: 1.001-1.015), and kept overflow and reuse bursts ahead of that user
+  (docs/BENCHMARKS.md). Not the default: it also reorders a burst's own requests by estimated
+  output per prompt token (those without a shared prefix are groups of one), and where bursts
+  share the workers that costs fairness between them: on the vLLM CPU engine three bursts of
+  mixed output budgets completed 24 : 31 : 28 while all had work (grouped: 27 : 29 : 27).
 
 Ordering looks at each request as given (`peek`, no validation: the burst's head still goes out
 within milliseconds) and keeps a small `Peek` per request, never the request. Results are read

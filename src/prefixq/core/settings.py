@@ -99,11 +99,9 @@ class Settings:
     guard_margin_tokens: int = 262_144
     #: and by this factor (both must hold)
     guard_factor: float = 2.0
-    #: order a burst is enqueued in: decode-first (each shared prefix's requests together, the
-    #: groups that ask the most output per prompt token first), grouped (groups in order of first
-    #: appearance), input, leaders-first, depth-first (prefix tree walked depth first)
-    #: (client/order.py)
-    enqueue_order: str = "decode-first"
+    #: order a burst is enqueued in: grouped (each shared prefix's requests together), input,
+    #: leaders-first, depth-first (prefix tree walked depth first), decode-first (client/order.py)
+    enqueue_order: str = "grouped"
     #: producer-side tokenizer (HF folder) for token block hashes; empty = character blocks
     tokenizer: str = ""
 
