@@ -14,6 +14,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -57,6 +58,17 @@ def test_a_stop_during_a_start_that_blocks_its_thread_exits_0_at_once(
     LEDGER.fault(f"{signal.Signals(sig).name} to a worker whose start blocks its thread")
 
 
+def _title(p: Any) -> str:
+    """A process's name and first argument; "" once it is gone (a child that just forked has
+    no command line yet, one that just ended none any more)."""
+    import psutil
+
+    try:
+        return p.name() + " " + " ".join(p.cmdline()[:1])
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return ""
+
+
 @pytest.mark.engine
 def test_sigterm_while_prefixq_worker_builds_its_vllm_engine_exits_0_at_once(
     make_settings: Callable[..., Settings], r: redis.Redis, start_worker: Callable[..., WorkerProc]
@@ -74,7 +86,7 @@ def test_sigterm_while_prefixq_worker_builds_its_vllm_engine_exits_0_at_once(
         if w.proc.poll() is not None:
             raise AssertionError(f"worker exited {w.proc.returncode}:\n{w.tail()}")
         kids = psutil.Process(w.proc.pid).children(recursive=True)
-        return [p for p in kids if "EngineCore" in p.name() or "EngineCore" in p.cmdline()[0]]
+        return [p for p in kids if "EngineCore" in _title(p)]
 
     cores = wait_until(engine_core, 600, "vLLM's engine core process", 0.1)
     kids = psutil.Process(w.proc.pid).children(recursive=True)
