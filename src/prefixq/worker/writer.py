@@ -62,8 +62,6 @@ class ResultWriter:
         self.duplicates = 0
         self.written = 0
         self._closed = asyncio.Event()
-        #: `run` took the end of the queue (None, `close`): it returns once the queue is empty
-        self._stop_seen = False
 
     @property
     def backlog(self) -> int:
@@ -89,21 +87,14 @@ class ResultWriter:
 
     async def run(self) -> None:
         try:
-            while not (self._stop_seen and self.queue.empty()):  # None: the end, once drained
+            while True:
                 item = await self.queue.get()
-                batch: list[Written] = []
-                if item is None:
-                    self._stop_seen = True
-                else:
-                    batch.append(item)
-                while len(batch) < self.write_batch and not self.queue.empty():
-                    nxt = self.queue.get_nowait()
-                    if nxt is None:
-                        self._stop_seen = True
-                        break
-                    batch.append(nxt)
-                if batch:
-                    await self._write(batch)
+                if item is None:  # the end (`close`), once what was queued after it is written
+                    if self.queue.empty():
+                        return
+                    self.queue.put_nowait(None)
+                    continue
+                await self._write(self._fill([item]))
         finally:
             self._closed.set()
 
@@ -133,7 +124,7 @@ class ResultWriter:
             if done and not await self._fenced([w for w, _ in done], backoff):
                 # not acked: recorded again (a duplicate, or afresh if a failover lost it), with
                 # the results finished meanwhile
-                todo = self._top_up(todo)
+                todo = self._fill(todo)
                 continue
             await self._ack([w for w, _ in done])
             for w, reply in done:
@@ -144,15 +135,16 @@ class ResultWriter:
             else:
                 backoff.reset()
 
-    def _top_up(self, todo: list[Written]) -> list[Written]:
-        """``todo``, whose replicas have not confirmed it, with the results queued meanwhile (up
-        to ``write_batch``): the master records them while the batch waits, as it would without
-        the fence, and they are confirmed and acked together, so a replica that falls behind
-        holds up the acks, not the recording."""
+    def _fill(self, todo: list[Written]) -> list[Written]:
+        """``todo`` with the results queued behind it, up to ``write_batch``; the end of the
+        queue (None) stays in it, behind what is queued, for `run`. A batch whose replicas have
+        not confirmed it is filled again before it is recorded again: the master records the
+        results finished meanwhile as it would without the fence, and they are confirmed and
+        acked together, so a replica that falls behind holds up the acks, not the recording."""
         out = list(todo)
         while len(out) < self.write_batch and not self.queue.empty():
             nxt = self.queue.get_nowait()
-            if nxt is None:  # the end (`close`) is `run`'s to take: back, behind what is queued
+            if nxt is None:
                 self.queue.put_nowait(None)
                 break
             out.append(nxt)
