@@ -160,8 +160,8 @@ def test_unknown_prefixes_spread_by_prefill_tokens_not_count(
         start = rng.randrange(len(words) - 3000)
         text = f"[{i}] " + " ".join(words[start : start + 3000])
         reqs.append({"id": f"p{i}", "prompt": text[:n], "max_tokens": 4})
-    # in input order, whatever the default order: decode-first would sort these by length, and
-    # a greedy placement of sorted lengths can come out even in counts too
+    # in input order, whatever the default order: an order that moved some of these would
+    # change the greedy placement's input, which sorted lengths can make even in counts too
     burst = Producer(s).submit(reqs, order="input")
     load = {int(k): int(v) for k, v in r.hgetall(Keys(s.namespace).load).items()}
     counts = [int(x) for x in r.hget(Keys(s.namespace).burst(burst), "per_shard").split(b",")]

@@ -47,7 +47,7 @@ def test_quick_bench_writes_a_complete_report_and_plot(
     assert set(report["workloads"]["reuse"]["placements"]) == {"affinity", "random"}
     assert "pipeline" in report["workloads"]["reuse"]["affinity_gain"]
     orders = report["workloads"]["reuse"]["orders"]
-    assert set(orders) == {"grouped", "input"}  # the default order, and the one asked for
+    assert set(orders) == {"decode-first", "input"}  # the default order, and the one asked for
     assert all(len(o["ratios"]) == 1 and o["median_ratio"] > 0 for o in orders.values())
     for w in report["workloads"].values():
         assert w["gc_unfrozen"]["throughput"] > 0

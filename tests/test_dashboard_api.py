@@ -73,6 +73,13 @@ def test_the_apis_shards_and_bursts_are_inspects_objects(
     burst = Producer(settings).submit(reqs, tenant="team-a")
     wait_burst(r, settings, burst, 20)
     wait_settled(r, settings)
+    # admissions are counted at the worker's next heartbeat, which can come after the results
+    stats = Keys(settings.namespace).shard_stats
+    wait_until(
+        lambda: sum(int(v) for f, v in r.hgetall(stats).items() if b":admitted:" in f) == 10,
+        20,
+        "the worker's heartbeat to count the 10 admissions",
+    )
     srv = serve(settings)
 
     want = inspect_json(settings, "--burst", burst)

@@ -44,7 +44,7 @@ from prefixq.bench.workloads import SHARING, Counter, Shape, Sizes, build
 from prefixq.client import Producer
 from prefixq.core.errors import ConfigError, SetupError
 from prefixq.core.inputs import normalize
-from prefixq.core.settings import Settings
+from prefixq.core.settings import DEFAULT_ORDER, Settings
 from prefixq.store.connection import async_client
 from prefixq.worker import control
 
@@ -72,7 +72,7 @@ class BenchConfig:
     layout: str = ""
     start_timeout: float = 1200.0
     #: the enqueue order of every case (the producer's default: settings' enqueue_order)
-    order: str = "grouped"
+    order: str = DEFAULT_ORDER
     #: other enqueue orders measured on workloads whose requests share prefixes (NAME: every
     #: such workload, WORKLOAD:NAME: that one)
     orders: list[str] = field(default_factory=list)

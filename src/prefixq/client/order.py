@@ -6,24 +6,27 @@ share a prefix (a document, a system prompt and a document, a chat's leading mes
 
 - ``input``: the burst as given.
 - ``leaders-first``: the first request of every group first, then the rest in input order.
-- ``grouped`` (the default, ``enqueue_order``): groups in order of first appearance, each group's
-  requests together (on two H200 it ran a 64-document reuse burst 3.4% faster than ``input`` and
-  a 160-document burst that overflows the KV cache 1.88x faster: docs/BENCHMARKS.md).
+- ``grouped``: groups in order of first appearance, each group's requests together (on two
+  H200 it ran a 64-document reuse burst 3.4% faster than ``input`` and a 160-document burst
+  that overflows the KV cache 1.88x faster: docs/BENCHMARKS.md).
 - ``depth-first``: groups in the order of a depth-first walk of the prefix tree, so groups whose
   prefixes share a leading part (one system prompt before several documents) come one after
   another; siblings are ordered by content (hashes of the prefix's leading blocks, `PATH_BLOCK`
   bytes each), so two bursts over the same documents walk them in the same order. Requests
   without a shared prefix come first, in input order.
-- ``decode-first``: groups ordered by the output tokens they ask per prompt token to prefill
-  (the shared prefix counted once), most first, ties in order of first appearance: decode-heavy
-  work starts early and its decode overlaps the later groups' prefill instead of running alone
-  at the end of the burst (BatchLLM's observation). On one H200 it ran a burst of 256
-  prefill-heavy and 64 decode-heavy requests 1.046-1.057x the burst sorted by document handed
-  to vLLM alone (grouped: 1.001-1.015), and kept overflow and reuse bursts ahead of that user
-  (docs/BENCHMARKS.md). Not the default: it also reorders a burst's own requests by estimated
-  output per prompt token (those without a shared prefix are groups of one), and where bursts
-  share the workers that costs fairness between them: on the vLLM CPU engine three bursts of
-  mixed output budgets completed 24 : 31 : 28 while all had work (grouped: 27 : 29 : 27).
+- ``decode-first`` (the default, ``enqueue_order``): groups that ask for long answers first,
+  longest first, then the rest in the grouped order. A group asks for a long answer when one of
+  its requests' output budget is at least `LONG_OUTPUT` times the burst's median budget: such a
+  request's decode is a chain of that many engine steps, and started early it runs beside the
+  other groups' prefill instead of alone at the end of the burst (BatchLLM's observation; the
+  longest chain first, as in longest-processing-time scheduling). On one H200 this order ran a
+  burst of 256 prefill-heavy and 64 decode-heavy requests 1.046-1.057x the burst sorted by
+  document handed to vLLM alone (grouped: 0.999-1.015; docs/BENCHMARKS.md). Where no request
+  asks for several times the burst's typical answer it is exactly ``grouped``, so a burst's own
+  requests keep their order and bursts that share the workers stay fair (an earlier rule that
+  sorted every group by output per prompt token cost that: three tenants' bursts of 12-16
+  output tokens completed 24 : 31 : 28 on the vLLM CPU engine while all had work, grouped
+  27 : 29 : 27).
 
 Ordering looks at each request as given (`peek`, no validation: the burst's head still goes out
 within milliseconds) and keeps a small `Peek` per request, never the request. Results are read
@@ -45,26 +48,33 @@ from prefixq.core.records import Request
 from prefixq.core.sampling import DEFAULT_MAX_TOKENS
 from prefixq.core.settings import ORDERS
 
-__all__ = ["ORDERS", "PATH_BLOCK", "Peek", "enqueue_order", "peek", "peek_prefix", "peeks"]
+__all__ = [
+    "LONG_OUTPUT",
+    "ORDERS",
+    "PATH_BLOCK",
+    "Peek",
+    "enqueue_order",
+    "peek",
+    "peek_prefix",
+    "peeks",
+]
 
 #: bytes per block of a prefix's depth-first path (UTF-8 text, 8-byte token ids, packed messages)
 PATH_BLOCK = 1024
-#: characters per token, to estimate a text prompt's tokens
-_CHARS_PER_TOKEN = 4
+#: an output budget this many times the burst's median is a long answer (``decode-first``)
+LONG_OUTPUT = 4
 
 
 @dataclass(frozen=True, slots=True)
 class Peek:
     """What ordering needs of one request: its group (a content key of its shared prefix; None:
-    a group of its own), for ``depth-first`` its prefix's path, and for ``decode-first`` its
-    estimated prompt tokens, those of its shared prefix, and the output tokens it asks; ``size``
-    is the prefix's `prefixq.core.entries.prefix_size` (whether it is long enough to store once:
-    the producer counts each group's uses from these, client/encoding.py)."""
+    a group of its own), for ``depth-first`` its prefix's path, and for ``decode-first`` the
+    output tokens it asks (0: not looked at); ``size`` is the prefix's
+    `prefixq.core.entries.prefix_size` (whether it is long enough to store once: the producer
+    counts each group's uses from these, client/encoding.py)."""
 
     group: Hashable | None = None
     path: tuple[int, ...] = ()
-    prompt: int = 0
-    prefix: int = 0
     output: int = 0
     size: int = 0
 
@@ -85,18 +95,28 @@ def enqueue_order(order: str, items: Sequence[Peek]) -> list[int]:
     if order == "depth-first":
         members.sort(key=lambda g: items[g[0]].path)  # stable: equal paths keep first appearance
     elif order == "decode-first":
-        members.sort(key=lambda g: -_decode_per_prefill(items, g))
+        members = _long_answers_first(items, members)
     return [i for g in members for i in g]
 
 
-def _decode_per_prefill(items: Sequence[Peek], group: list[int]) -> float:
-    shared = items[group[0]].prefix
-    prefill = shared + sum(items[i].prompt - items[i].prefix for i in group)
-    return sum(items[i].output for i in group) / max(1, prefill)
+def _long_answers_first(items: Sequence[Peek], members: list[list[int]]) -> list[list[int]]:
+    """The groups asking for a long answer (`LONG_OUTPUT`), longest first, then the rest as they
+    are; ties and the rest keep their order (sorting is stable)."""
+    budgets = sorted(p.output for p in items if p.output > 0)
+    if not budgets:
+        return members
+    long = LONG_OUTPUT * budgets[(len(budgets) - 1) // 2]  # the median (the lower one)
+    longest = [max(items[i].output for i in g) for g in members]
+    first = [k for k, b in enumerate(longest) if b >= long]
+    if not first:
+        return members
+    first.sort(key=lambda k: -longest[k])
+    chosen = set(first)
+    return [members[k] for k in first] + [g for k, g in enumerate(members) if k not in chosen]
 
 
-#: a prefix value and what was computed of it: group, path, tokens, size
-_Known = tuple[Any, Hashable, tuple[int, ...], int, int]
+#: a prefix value and what was computed of it: group, path, size
+_Known = tuple[Any, Hashable, tuple[int, ...], int]
 
 
 def peeks(raw: Sequence[Request | Mapping[str, Any]], order: str) -> list[Peek]:
@@ -127,21 +147,19 @@ def _peek(raw: Request | Mapping[str, Any], order: str, memo: dict[int, _Known] 
     prefix = peek_prefix(raw)
     group: Hashable | None = None
     path: tuple[int, ...] = ()
-    pre = size = 0
+    size = 0
     if prefix:
         ((_, value),) = prefix.items()
         known = memo.get(id(value)) if memo is not None else None
         if known is None or known[0] is not value:
             fp: Hashable = _fingerprint(value)
             walk = _path(value) if order == "depth-first" else ()
-            known = (value, fp, walk, _tokens(value), _size(value))
+            known = (value, fp, walk, _size(value))
             if memo is not None:
                 memo[id(value)] = known
-        _, group, path, pre, size = known
-    if order != "decode-first":
-        return Peek(group, path, size=size)
-    own = _own_tokens(raw)
-    return Peek(group, path, prompt=pre + own, prefix=pre, output=_output(raw), size=size)
+        _, group, path, size = known
+    output = _output(raw) if order == "decode-first" else 0
+    return Peek(group, path, output, size)
 
 
 def _size(value: Any) -> int:
@@ -169,44 +187,6 @@ def _path(value: Any) -> tuple[int, ...]:
             h = xxhash.xxh3_64_intdigest(data[start : start + PATH_BLOCK], seed=h)
             out.append(h)
     return tuple(out)
-
-
-def _tokens(value: Any) -> int:
-    """Estimated tokens of a prefix value (text, token ids or messages)."""
-    if isinstance(value, str):
-        return len(value) // _CHARS_PER_TOKEN
-    if isinstance(value, list) and value and isinstance(value[0], Mapping):
-        return sum(_text_len(m.get("content")) for m in value) // _CHARS_PER_TOKEN
-    return len(value) if isinstance(value, list) else 0
-
-
-def _text_len(content: Any) -> int:
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):  # content parts
-        return sum(len(p.get("text") or "") for p in content if isinstance(p, Mapping))
-    return 0
-
-
-def _own_tokens(raw: Request | Mapping[str, Any]) -> int:
-    """Estimated tokens of a request's own part (its prompt, token ids or last message)."""
-    if isinstance(raw, Request):
-        if raw.prompt_token_ids is not None:
-            return len(raw.prompt_token_ids)
-        if raw.messages:
-            return _text_len(raw.messages[-1].get("content")) // _CHARS_PER_TOKEN
-        return len(raw.prompt or "") // _CHARS_PER_TOKEN
-    body = raw.get("body", raw)
-    if not isinstance(body, Mapping):
-        return 0
-    ids = body.get("prompt_token_ids")
-    if isinstance(ids, list):
-        return len(ids)
-    messages = body.get("messages")
-    if isinstance(messages, list) and messages and isinstance(messages[-1], Mapping):
-        return _text_len(messages[-1].get("content")) // _CHARS_PER_TOKEN
-    prompt = body.get("prompt")
-    return len(prompt) // _CHARS_PER_TOKEN if isinstance(prompt, str) else 0
 
 
 def _output(raw: Request | Mapping[str, Any]) -> int:

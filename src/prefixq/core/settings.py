@@ -26,6 +26,8 @@ CODECS = ("zlib", "zstd", "none")
 PLACEMENTS = ("affinity", "hash", "random", "round-robin")
 #: enqueue orders (prefixq.client.order)
 ORDERS = ("input", "leaders-first", "grouped", "depth-first", "decode-first")
+#: the enqueue order of a burst that names none (client/order.py says why)
+DEFAULT_ORDER = "decode-first"
 #: PREFIXQ_* variables that are not settings (the dev script's)
 _NOT_SETTINGS = frozenset({"PREFIXQ_VENV"})
 _WARNED: set[str] = set()
@@ -99,9 +101,10 @@ class Settings:
     guard_margin_tokens: int = 262_144
     #: and by this factor (both must hold)
     guard_factor: float = 2.0
-    #: order a burst is enqueued in: grouped (each shared prefix's requests together), input,
-    #: leaders-first, depth-first (prefix tree walked depth first), decode-first (client/order.py)
-    enqueue_order: str = "grouped"
+    #: order a burst is enqueued in: decode-first (grouped, with the groups that ask for several
+    #: times the burst's median answer first), grouped (each shared prefix's requests together),
+    #: input, leaders-first, depth-first (prefix tree walked depth first): client/order.py
+    enqueue_order: str = DEFAULT_ORDER
     #: producer-side tokenizer (HF folder) for token block hashes; empty = character blocks
     tokenizer: str = ""
 
