@@ -99,7 +99,7 @@ def test_decode_first_on_the_mixed_workload_starts_every_long_answer_then_groups
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_decode_first_keeps_input_order_where_no_answer_is_several_times_the_median(
+def test_decode_first_keeps_input_order_where_no_answer_is_several_times_the_short_ones(
     seed: int,
 ) -> None:
     """Answers of 1 to 3.9 times the smallest budget (the fairness test's bursts of 12 to 16
@@ -132,9 +132,28 @@ def test_decode_first_starts_the_longest_answer_first_and_moves_a_whole_group() 
         {"id": "odd", "prefix": [object()], "prompt": "x"},  # not packable: Peek()
         {"id": "d2", "prefix": doc, "prompt": "long?", "max_tokens": 600},
         {"id": "f", "prompt": "x", "max_tokens": 16},
-        {"id": "g", "prompt": "x", "max_tokens": 63},
+        {"id": "g", "prompt": "x", "max_tokens": 63},  # under 4 x 16
     ]
     assert _ids(reqs, "decode-first") == ["c", "d1", "d2", "b", "a", "e", "odd", "f", "g"]
+
+
+@pytest.mark.parametrize("longs", [1, 30, 60, 89])
+def test_decode_first_moves_long_answers_whether_they_are_few_or_most_of_the_burst(
+    longs: int,
+) -> None:
+    """A burst of 100 where some ask 512 tokens and the rest 16, shuffled: the long ones first
+    (in input order), however many (short answers left beside them would end the burst with
+    the long ones still running); a single 1-token answer among 256-token ones moves nothing."""
+    rng = random.Random(longs)
+    budgets = [512] * longs + [16] * (100 - longs)
+    rng.shuffle(budgets)
+    reqs = [{"id": f"r{i}", "prompt": "x", "max_tokens": b} for i, b in enumerate(budgets)]
+    got = _ids(reqs, "decode-first")
+    assert got == [q["id"] for q in reqs if q["max_tokens"] == 512] + [
+        q["id"] for q in reqs if q["max_tokens"] == 16
+    ]
+    odd = [{"id": f"s{i}", "prompt": "x", "max_tokens": 1 if i == 7 else 256} for i in range(50)]
+    assert _ids(odd, "decode-first") == [q["id"] for q in odd]
 
 
 def test_the_default_order_is_decode_first() -> None:

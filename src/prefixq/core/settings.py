@@ -101,8 +101,8 @@ class Settings:
     guard_margin_tokens: int = 262_144
     #: and by this factor (both must hold)
     guard_factor: float = 2.0
-    #: order a burst is enqueued in: decode-first (grouped, with the groups that ask for several
-    #: times the burst's median answer first), grouped (each shared prefix's requests together),
+    #: order a burst is enqueued in: decode-first (grouped, with the groups that ask for 4x the
+    #: burst's 10th-percentile answer first), grouped (each shared prefix's requests together),
     #: input, leaders-first, depth-first (prefix tree walked depth first): client/order.py
     enqueue_order: str = DEFAULT_ORDER
     #: producer-side tokenizer (HF folder) for token block hashes; empty = character blocks
