@@ -28,7 +28,8 @@ share a prefix (a document, a system prompt and a document, a chat's leading mes
   requests keep their order and bursts that share the workers stay fair (an earlier rule that
   sorted every group by output per prompt token cost that: three tenants' bursts of 12-16
   output tokens completed 24 : 31 : 28 on the vLLM CPU engine while all had work, grouped
-  27 : 29 : 27).
+  27 : 29 : 27). Where long answers are asked, a burst's first results come later (after its
+  long answers' first decode steps): ``grouped`` where time to the first result matters more.
 
 Ordering looks at each request as given (`peek`, no validation: the burst's head still goes out
 within milliseconds) and keeps a small `Peek` per request, never the request. Results are read
