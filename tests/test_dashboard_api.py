@@ -23,6 +23,7 @@ from prefixq.client import Producer
 from prefixq.core.keys import GROUP, Keys
 from prefixq.core.settings import Settings
 from prefixq.ops.recovery import Recovery
+from prefixq.ops.stats import shard_stats
 
 ACT = {"X-Prefixq-Action": "1"}
 
@@ -74,9 +75,8 @@ def test_the_apis_shards_and_bursts_are_inspects_objects(
     wait_burst(r, settings, burst, 20)
     wait_settled(r, settings)
     # admissions are counted at the worker's next heartbeat, which can come after the results
-    stats = Keys(settings.namespace).shard_stats
     wait_until(
-        lambda: sum(int(v) for f, v in r.hgetall(stats).items() if b":admitted:" in f) == 10,
+        lambda: sum(n for n, _ in shard_stats(r, settings, 1)[0]["admitted"].values()) == 10,
         20,
         "the worker's heartbeat to count the 10 admissions",
     )

@@ -109,13 +109,12 @@ def _long_answers_first(items: Sequence[Peek], members: list[list[int]]) -> list
     if not budgets:
         return members
     long = LONG_OUTPUT * budgets[(len(budgets) - 1) // 10]  # the 10th percentile (lower)
-    longest = [max(items[i].output for i in g) for g in members]
-    first = [k for k, b in enumerate(longest) if b >= long]
-    if not first:
-        return members
-    first.sort(key=lambda k: -longest[k])
-    chosen = set(first)
-    return [members[k] for k in first] + [g for k, g in enumerate(members) if k not in chosen]
+
+    def key(group: list[int]) -> int:
+        longest = max(items[i].output for i in group)
+        return -longest if longest >= long else 0
+
+    return sorted(members, key=key)
 
 
 #: a prefix value and what was computed of it: group, path, size
