@@ -30,6 +30,7 @@ from typing import Any
 
 import redis
 
+from prefixq.bench.null_engine import NullEngine
 from prefixq.cli.redis_server import RedisServer
 from prefixq.client import Producer
 from prefixq.core import wire
@@ -40,42 +41,14 @@ from prefixq.engine.protocol import EngineOutput, EngineRequest
 
 
 # ---- the worker (a process of its own) ------------------------------------------------------
-class SleepEngine:
+class SleepEngine(NullEngine):
     """``sleep:S`` prompts take S seconds; everything else answers at once."""
-
-    def __init__(self, max_num_seqs: int) -> None:
-        self._max = max_num_seqs
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self._max
-
-    @property
-    def block_size(self) -> int:
-        return 16
-
-    async def start(self) -> None:
-        pass
 
     async def generate(self, request: EngineRequest) -> EngineOutput:
         prompt = request.prompt or ""
         if prompt.startswith("sleep:"):
             await asyncio.sleep(float(prompt.split()[0][6:]))
-        return EngineOutput(
-            text="ok", token_ids=[1], finish_reason="stop", prompt_tokens=1, cached_tokens=0
-        )
-
-    async def abort(self, request_id: str) -> None:
-        pass
-
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        return ""
-
-    async def reset_prefix_cache(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
+        return await super().generate(request)
 
 
 def worker_main(argv: list[str]) -> int:
@@ -88,7 +61,7 @@ def worker_main(argv: list[str]) -> int:
     s = Settings(**json.loads(args.settings))
 
     async def run() -> int:
-        w = Worker(s, 0, SleepEngine(max(s.max_inflight // 2, 1)), name=args.name)
+        w = Worker(s, 0, SleepEngine(max_num_seqs=max(s.max_inflight // 2, 1)), name=args.name)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, w.stop)

@@ -174,17 +174,17 @@ MUTATIONS = (
     Mutation(
         "doorbell-admitted-on-sight",
         "enqueue order across chunks (an intake entry waits for the lane entries sent before it)",
-        "worker/scheduler.py",
-        "            if d.before > lane.lane_read and lane.remote:\n",
-        "            if False:\n",
+        "worker/gates.py",
+        "        if d.before > lane.lane_read and lane.remote:\n",
+        "        if False:\n",
         ("tests/test_lanes.py",),
     ),
     Mutation(
         "lane-entry-ahead-of-its-doorbell",
         "enqueue order across chunks (a lane entry waits for the intake entry sent before it)",
-        "worker/scheduler.py",
-        "            d.before > lane.intake_read\n",
-        "            False\n",
+        "worker/gates.py",
+        "    elif d.before > lane.intake_read and d.mark == drained",
+        "    elif False and d.mark == drained",
         ("tests/test_scheduler.py",),
     ),
 )

@@ -11,7 +11,7 @@ import sys
 import time
 
 from prefixq.core.records import Result
-from prefixq.integrations.metrics import WorkerMetrics
+from prefixq.integrations.worker_metrics import WorkerMetrics
 
 ROUNDS = 5
 

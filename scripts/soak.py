@@ -58,6 +58,7 @@ from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from soaklib import accounting, faults
 from soaklib.deployment import ENV, PY, ROOT, ClusterNodes, Redis, SingleNode, Workers, backlog
+from soaklib.run import Landed
 from soaklib.workload import Plan, Planned
 
 #: failed submits of one burst's requests tried again under a new id, at most
@@ -95,13 +96,13 @@ class Soak:
         self.plan = Plan(random.Random(args.seed + 1), f"s{args.seed}", args.requests, span)
         self.launched: list[Planned] = []
         self.extra = 0
-        self.landed: list[faults.Landed] = []
+        self.landed: list[Landed] = []
         self.problems: list[str] = []
         self.notes: list[str] = []
         self._lock = threading.Lock()
         self._running: list[tuple[Planned, subprocess.Popen[bytes]]] = []
         #: observations made once the run has drained: (look, what it was)
-        self._later: list[tuple[Callable[[], faults.Landed | None], str]] = []
+        self._later: list[tuple[Callable[[], Landed | None], str]] = []
 
     # ---- what faults use ---------------------------------------------------------------------
     def say(self, what: str) -> None:
@@ -115,7 +116,7 @@ class Soak:
         self.notes.append(what)
         self.say(f"note: {what}")
 
-    def later(self, look: Callable[[], faults.Landed | None], what: str) -> None:
+    def later(self, look: Callable[[], Landed | None], what: str) -> None:
         """Observe a fault's landing once the run has drained (``look`` returns it, or None)."""
         self._later.append((look, what))
 

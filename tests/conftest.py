@@ -4,18 +4,22 @@ Real parts only: `redis_server` is a `redis-server` binary on a free port (tests
 restart it); `fake_worker` builds in-process workers (the real `Worker` loop over
 tests/fake_engine.py) and always stops them; `start_worker` starts `prefixq worker` processes with
 the real vLLM CPU engine on the embedded model; `engines` is the session's 2-shard deployment of
-two such workers. Locally a missing redis-server skips Redis tests; in CI (CI=true) it fails them.
+two such workers; `server` and `client` are a `prefixq serve` process and an OpenAI client of it
+(tests/openai_server.py, a plugin here). Locally a missing redis-server skips Redis tests; in CI
+(CI=true) it fails them.
 Helpers every module shares (the CLI runner, the result waiter) are in tests/helpers.py.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,7 +35,10 @@ from prefixq.core.settings import Settings
 from prefixq.worker.command import worker_command
 from redis_cluster import cluster, cluster_settings, cluster_worker, cr, redis_cluster  # noqa: F401
 
+pytest_plugins = ["openai_server"]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+#: this process's name under pytest-xdist (``gw0``...), "" when the run is not distributed
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 ENGINE_START_TIMEOUT = 900
 
 
@@ -208,8 +215,10 @@ _LAST_ENGINES_USER: list[str] = []
 def _engines_early(request: pytest.FixtureRequest) -> None:
     """Start the shared workers' processes with the session's first test when any selected test
     uses them: their engines build (over a minute on 2 cores) while the fast modules run
-    (`pytest_collection_modifyitems` puts those first); `engines` then waits for them."""
-    if _LAST_ENGINES_USER:
+    (`pytest_collection_modifyitems` puts those first); `engines` then waits for them. Under
+    xdist the engine modules run first on one worker, which starts them with its first test;
+    the other workers never start them."""
+    if _LAST_ENGINES_USER and not XDIST_WORKER:
         request.getfixturevalue("_engines_started")
 
 
@@ -260,18 +269,40 @@ def _group(items: list[pytest.Item]) -> int:
     return 3 if any(it.get_closest_marker("slow") for it in items) else 0
 
 
-@pytest.hookimpl(trylast=True)  # after -m and -k deselected what will not run
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Fast modules first, then the modules on the shared workers, then those that start engines
-    of their own, then the slow fake-engine ones; each module's tests stay together and in order
-    (module fixtures are built once). Notes the last test on the shared workers."""
+#: the order of the groups in a distributed run (pytest-xdist, ``./dev test``): the engine
+#: modules first (one work unit, the longest), then the slow fake-engine ones, then the fast ones,
+#: so the long units start early and the short ones fill the other workers' gaps
+_XDIST_ORDER = {1: 0, 2: 1, 3: 2, 0: 3}
+
+
+def _modules(items: list[pytest.Item]) -> dict[str, list[pytest.Item]]:
     modules: dict[str, list[pytest.Item]] = {}
     for it in items:
         modules.setdefault(it.nodeid.split("::")[0], []).append(it)
+    return modules
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k deselected what will not run
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Fast modules first, then the modules on the shared workers, then those that start engines
+    of their own, then the slow fake-engine ones (in a distributed run the engine modules first,
+    then the slow ones, then the fast: `_XDIST_ORDER`); each module's tests stay together and in
+    order (module fixtures are built once). Notes the last test on the shared workers; an xdist
+    worker also writes down which modules run engines (`EngineUnit`)."""
+    modules = _modules(items)
     group = {m: _group(its) for m, its in modules.items()}
-    items.sort(key=lambda it: group[it.nodeid.split("::")[0]])  # stable: order kept within
+    place = _XDIST_ORDER if XDIST_WORKER else {g: g for g in _XDIST_ORDER}
+    items.sort(key=lambda it: place[group[it.nodeid.split("::")[0]]])  # stable: order kept within
     users = [it.nodeid for it in items if "engines" in it.fixturenames]
     _LAST_ENGINES_USER[:] = users[-1:]
+    if any(g in (1, 2) for g in group.values()):
+        _quiet_resource_tracker()
+    if XDIST_WORKER:
+        engine_modules = sorted(m for m, g in group.items() if g in (1, 2))
+        path = _engine_modules_file(os.environ["PYTEST_XDIST_TESTRUNUID"])
+        tmp = path.with_name(f"{path.name}.{XDIST_WORKER}")
+        tmp.write_text(json.dumps(engine_modules))
+        tmp.replace(path)  # every worker writes the same list
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -284,11 +315,97 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         _SHARED.clear()
 
 
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """The fault suite's ledger (tests/ledger.py), as the summary's last line."""
+def _engine_modules_file(testrunuid: str) -> Path:
+    """Where the xdist workers of run ``testrunuid`` leave the list of modules that run engines."""
+    return Path(tempfile.gettempdir()) / f"prefixq-engine-modules-{testrunuid}.json"
+
+
+class _Distributed:
+    """The controller of a distributed run (pytest-xdist: ``./dev test`` passes ``-n``): its
+    scheduler (`pytest_xdist_make_scheduler`), and the ledgers the workers hand back."""
+
+    def __init__(self) -> None:
+        self.ledgers: list[tuple[int, int, int]] = []
+
+    def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:
+        """Every module a work unit of its own (module fixtures built once), and all the modules
+        that run a real engine one unit: one worker runs them in the serial run's order, the
+        shared workers' modules first, so no two sets of engines share the 2 cores and the shared
+        workers start once. Units go out in the collection's order (`_XDIST_ORDER`: the engine
+        unit, the longest, first). xdist's own ``loadgroup`` would group by a mark, but 3.8 does it
+        by rewriting ``item._nodeid``, which pytest 9 no longer reads."""
+        if config.getoption("dist") == "each":
+            return None
+        from xdist.scheduler import LoadScopeScheduling
+
+        class EngineUnit(LoadScopeScheduling):  # type: ignore[misc]
+            engine_modules: frozenset[str] = frozenset()
+
+            def schedule(self) -> None:
+                if self.collection is None and self.nodes:  # the first call: all collected
+                    path = _engine_modules_file(self.nodes[0].workerinput["testrunuid"])
+                    if path.is_file():
+                        self.engine_modules = frozenset(json.loads(path.read_text()))
+                        path.unlink()
+                    self.config.option.loadscopereorder = False  # the collection's order
+                super().schedule()
+
+            def _split_scope(self, nodeid: str) -> str:
+                module = nodeid.split("::")[0]
+                return "engines" if module in self.engine_modules else module
+
+        return EngineUnit(config, log)
+
+    def pytest_testnodedown(self, node: Any, error: object) -> None:
+        counts = getattr(node, "workeroutput", {}).get("ledger")
+        if counts:
+            self.ledgers.append(tuple(counts))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.pluginmanager.hasplugin("xdist") and not XDIST_WORKER:
+        config.pluginmanager.register(_Distributed(), "prefixq-distributed")
+
+
+def _quiet_resource_tracker() -> None:
+    """vLLM engines run inside the test process (test_e2e.py's direct AsyncLLM,
+    test_body_engine.py's `VllmEngine`) force-kill their worker process when they shut down, which
+    leaves its shared memory and a semaphore registered with multiprocessing's resource tracker:
+    the tracker unlinks them when the test process exits, and warns about each on stderr, after
+    pytest's summary. Started here first, the tracker (a process of its own, with its own warning
+    filters) ignores that warning; it still unlinks what was left."""
+    from multiprocessing import resource_tracker
+
+    before = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = "ignore::UserWarning:multiprocessing.resource_tracker"
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONWARNINGS"]
+        else:
+            os.environ["PYTHONWARNINGS"] = before
+
+
+def _ledger() -> tuple[int, int, int]:
     ledger = getattr(sys.modules.get("ledger"), "LEDGER", None)
-    if ledger is not None and ledger.faults:
+    return (ledger.faults, ledger.lost, ledger.duplicated) if ledger is not None else (0, 0, 0)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """An xdist worker hands its ledger to the controller, which prints the line."""
+    out = getattr(session.config, "workeroutput", None)
+    if out is not None:
+        out["ledger"] = _ledger()
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The fault suite's ledger (tests/ledger.py), summed over the xdist workers if any, as the
+    summary's last line."""
+    distributed = terminalreporter.config.pluginmanager.get_plugin("prefixq-distributed")
+    counts = [_ledger(), *(distributed.ledgers if distributed else [])]
+    faults, lost, duplicated = (sum(c[k] for c in counts) for k in range(3))
+    if faults:
         terminalreporter.write_line(
-            f"faults injected: {ledger.faults}, requests lost: {ledger.lost}, "
-            f"duplicated: {ledger.duplicated}"
+            f"faults injected: {faults}, requests lost: {lost}, duplicated: {duplicated}"
         )

@@ -20,12 +20,12 @@ from typing import Any
 
 from prefixq.core.errors import EngineAborted, EngineDead, EngineError
 from prefixq.core.settings import Settings
-from prefixq.engine.protocol import EngineOutput, EngineRequest
+from prefixq.engine.protocol import EngineOutput, EngineRequest, EngineSizes
 from prefixq.integrations.rq_callbacks import RqCompletion
 from prefixq.worker.worker import Worker
 
 
-class FakeEngine:
+class FakeEngine(EngineSizes):
     def __init__(self, max_num_seqs: int = 4, block_size: int = 16, *, lethal: bool = True) -> None:
         self.lethal = lethal
         self._max_num_seqs = max_num_seqs
@@ -40,14 +40,6 @@ class FakeEngine:
         self.priorities: list[tuple[str, int]] = []
         self.aborted: set[str] = set()
         self._abort_events: dict[str, asyncio.Event] = {}
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self._max_num_seqs
-
-    @property
-    def block_size(self) -> int:
-        return self._block_size
 
     async def start(self) -> None:
         self.started = True

@@ -1,18 +1,27 @@
 """`prefixq serve` (or `prefixq dashboard`) as a real process on a free port, and OpenAI batch
-input lines, for the OpenAI Batch API and dashboard tests."""
+input lines, for the OpenAI Batch API and dashboard tests; the `server` and `client` fixtures
+(conftest.py makes them every module's) and `wait_batch`, which the test_openai_* modules share."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import pytest
 
 from prefixq.cli.redis_server import free_port
 from prefixq.core.settings import Settings
+
+if TYPE_CHECKING:
+    from openai import OpenAI
+    from openai.types import Batch
 
 TESTS = Path(__file__).resolve().parent
 PY = sys.executable
@@ -143,3 +152,29 @@ def completion_line(cid: str, prompt: str, max_tokens: int = 8, **body: Any) -> 
             **body,
         },
     }
+
+
+def jsonl(lines: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(x) + "\n" for x in lines).encode()
+
+
+@pytest.fixture
+def server(settings: Settings, tmp_path: Path) -> Iterator[Server]:
+    with Server(settings, tmp_path / "files", extra=["--max-file-lines", "20"]) as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server: Server) -> OpenAI:
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url, api_key="anything", max_retries=0)
+
+
+def wait_batch(c: OpenAI, batch_id: str, until: set[str], timeout: float = 60) -> Batch:
+    deadline = time.monotonic() + timeout
+    while True:
+        b = c.batches.retrieve(batch_id)
+        if b.status in until or time.monotonic() > deadline:
+            return b
+        time.sleep(0.2)

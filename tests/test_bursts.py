@@ -21,7 +21,7 @@ from prefixq.core.records import Result
 from prefixq.core.settings import Settings
 from prefixq.store import burst_end
 from prefixq.store.connection import lua
-from prefixq.worker.shard import record_call
+from prefixq.store.scripts import record_call
 
 
 def submit(settings: Settings, n: int, **options: Any) -> str:

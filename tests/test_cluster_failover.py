@@ -35,7 +35,7 @@ import redis
 from helpers import cli, fault_worker, settings_flags, wait_until
 from ledger import LEDGER, account
 from prefixq.client import Producer, results
-from prefixq.client.producer import new_burst_id
+from prefixq.client.submit_args import new_burst_id
 from prefixq.core.errors import PrefixqError
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings

@@ -32,9 +32,10 @@ from prefixq.core.keys import GROUP
 from prefixq.core.settings import Settings
 from prefixq.core.sharing import LaneInfo
 from prefixq.store import connection
-from prefixq.store.connection import async_client, cluster_mode, seed_url, seeds, sync_client
+from prefixq.store.connection import async_client, cluster_mode, sync_client
 from prefixq.store.fence import afence, fence, fence_key
 from prefixq.store.policy import acheck_policy
+from prefixq.store.redis_url import seed_url, seeds
 from prefixq.store.topology import layout_lines
 from prefixq.worker.prefixes import PrefixCache
 from prefixq.worker.shard import ShardStream

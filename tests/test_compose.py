@@ -165,7 +165,7 @@ def test_compose_cluster_profile_runs_six_nodes_a_one_shot_create_and_workers_on
     )
     script = " ".join(init["command"])
     assert "--cluster create" in script and "--cluster-replicas 1" in script
-    from prefixq.store.connection import seeds
+    from prefixq.store.redis_url import seeds
 
     for k in (0, 1):
         w = svc[f"cluster-worker-{k}"]

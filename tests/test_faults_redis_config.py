@@ -27,8 +27,9 @@ from prefixq.cli.redis_server import RedisServer
 from prefixq.client import Producer, results
 from prefixq.core.errors import ConfigError, RedisOutOfMemory
 from prefixq.core.settings import Settings
-from prefixq.store.connection import describe, error_text, lua
+from prefixq.store.connection import lua
 from prefixq.store.policy import acheck_policy, check_policy
+from prefixq.store.redis_errors import describe, error_text
 
 pytestmark = pytest.mark.slow
 

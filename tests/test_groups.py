@@ -9,7 +9,8 @@ from collections import Counter
 
 from prefixq.core.entries import Entry
 from prefixq.worker.deliveries import Delivery
-from prefixq.worker.scheduler import Lane, Scheduler
+from prefixq.worker.lanes import Lane
+from prefixq.worker.scheduler import Scheduler
 
 INTAKES = ["i:high", "i:normal", "i:low"]
 _ids = itertools.count()

@@ -1,4 +1,5 @@
-"""The package's import graph: no cycle, and imports run down the layer folders.
+"""The package's import graph: no cycle, and imports run down the layer folders; and no cycle
+among the modules of scripts/ either (the soak's library below the soak's command).
 
 Every import of a prefixq module counts — at module level, inside functions and under
 ``TYPE_CHECKING`` alike — so a new cycle fails here however it hides.
@@ -10,6 +11,8 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+#: run as scripts, with this folder on sys.path: ``soak``, ``soaklib.faults`` ...
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 #: the layer folders, bottom first, and what each may import (itself included): imports run one
 #: way, down this list (docs/architecture.md, "Layers")
@@ -44,19 +47,20 @@ TOP_LEVEL: dict[str, set[str]] = {
 }
 
 
-def modules() -> dict[str, Path]:
+def modules(root: Path = SRC, under: str = "prefixq") -> dict[str, Path]:
+    """Dotted name -> file, for every module in ``root / under`` (named from ``root``)."""
     out = {}
-    for f in (SRC / "prefixq").rglob("*.py"):
-        parts = list(f.relative_to(SRC).with_suffix("").parts)
+    for f in (root / under).rglob("*.py"):
+        parts = list(f.relative_to(root).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
         out[".".join(parts)] = f
     return out
 
 
-def graph() -> dict[str, set[str]]:
-    """module -> prefixq modules it imports."""
-    mods = modules()
+def graph(mods: dict[str, Path] | None = None) -> dict[str, set[str]]:
+    """module -> the modules of ``mods`` (default: the prefixq package's) it imports."""
+    mods = modules() if mods is None else mods
 
     def resolve(name: str) -> str | None:
         while name not in mods and "." in name:
@@ -79,7 +83,7 @@ def graph() -> dict[str, set[str]]:
                     f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names
                 ]
             for name in names:
-                target = resolve(name) if name.startswith("prefixq") else None
+                target = resolve(name)
                 if target is not None and target != m:
                     edges[m].add(target)
     return edges
@@ -123,6 +127,14 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 def test_the_import_graph_has_no_cycle() -> None:
     """No two prefixq modules import each other, however indirectly."""
     assert cycles(graph()) == []
+
+
+def test_the_scripts_import_graph_has_no_cycle() -> None:
+    """No two modules of scripts/ import each other (scripts/soaklib/ sits below scripts/soak.py,
+    as src/ is layered)."""
+    mods = modules(SCRIPTS, "")
+    assert {"soak", "soaklib.faults"} <= set(mods)  # the finder sees scripts/ and soaklib/
+    assert cycles(graph(mods)) == []
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:

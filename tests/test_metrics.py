@@ -27,7 +27,9 @@ from prefixq.core.errors import ConfigError, SetupError
 from prefixq.core.keys import FIELD, Keys
 from prefixq.core.records import Result
 from prefixq.core.settings import Settings
-from prefixq.integrations.metrics import COUNTERS, MetricsExporter, WorkerMetrics
+from prefixq.integrations.metric_series import COUNTERS
+from prefixq.integrations.metrics import MetricsExporter
+from prefixq.integrations.worker_metrics import WorkerMetrics
 from prefixq.worker.worker import EXIT_OK, Worker
 
 Samples = dict[str, float]

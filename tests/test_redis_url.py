@@ -16,7 +16,8 @@ from prefixq.cli.redis_server import RedisServer, free_port
 from prefixq.client import Producer, results
 from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
-from prefixq.store.connection import async_client, redact, sync_client
+from prefixq.store.connection import async_client, sync_client
+from prefixq.store.redis_url import redact
 
 HOST = "127.0.0.1"
 

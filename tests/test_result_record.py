@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from prefixq.core import wire
-from prefixq.core.records import ERROR_CODES, Choice, Result, Timings, TokenLogprob
+from prefixq.core.records import Choice, TokenLogprob
+from prefixq.core.result_record import ERROR_CODES, Result, Timings
 
 
 def _logprobs() -> list[TokenLogprob]:

@@ -9,7 +9,9 @@ from collections import Counter
 from prefixq.core.entries import Entry
 from prefixq.core.keys import POS
 from prefixq.worker.deliveries import Delivery
-from prefixq.worker.scheduler import GATE_S, Item, Lane, Scheduler
+from prefixq.worker.gates import GATE_S
+from prefixq.worker.lanes import Item, Lane
+from prefixq.worker.scheduler import Scheduler
 
 INTAKES = ["i:high", "i:normal", "i:low"]
 _ids = itertools.count()

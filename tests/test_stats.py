@@ -19,7 +19,7 @@ from prefixq.core.settings import Settings
 from prefixq.ops import stats
 from prefixq.store.burst_end import cancel
 from prefixq.store.connection import lua
-from prefixq.worker.shard import record_call
+from prefixq.store.scripts import record_call
 
 
 @pytest.fixture

@@ -1,8 +1,9 @@
 """The soak's faults, one class per kind, each counted only when it is seen to land.
 
-A fault's `run` returns what landed, each with how it was observed (`Landed`); a fault that finds
-nothing to hit (no request in flight, no burst left to cancel) or whose effect is not seen
-returns nothing and is not counted. How each kind is observed:
+A fault's `run` acts on the running soak (`SoakRun`, soaklib/run.py) and returns what landed,
+each with how it was observed (`Landed`); a fault that finds nothing to hit (no request in
+flight, no burst left to cancel) or whose effect is not seen returns nothing and is not counted.
+How each kind is observed:
 
 - ``worker_kill9``: the worker had entries pending on its consumer name right before SIGKILL, and
   its exit status says it was killed; it is started again under the same name (it replays its
@@ -56,7 +57,6 @@ import subprocess
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import redis
@@ -69,21 +69,13 @@ from prefixq.store.census import count_enqueued
 from prefixq.store.connection import async_client
 from prefixq.worker.worker import stop_bound_s
 from soaklib.deployment import Worker, pending_on
+from soaklib.run import Landed, SoakRun
 
 if TYPE_CHECKING:
-    from soak import Soak
     from soaklib.workload import Planned
 
 #: the 64 MiB of zeros a zlib bomb inflates to (made once: compressing takes a moment)
 _BOMB: bytes = b""
-
-
-@dataclass
-class Landed:
-    """A fault that landed, and how that was seen."""
-
-    kind: str
-    how: str
 
 
 class Fault:
@@ -95,11 +87,11 @@ class Fault:
     #: how often it is drawn, relative to the others
     weight: ClassVar[float] = 1.0
 
-    def run(self, soak: Soak) -> list[Landed]:
+    def run(self, soak: SoakRun) -> list[Landed]:
         raise NotImplementedError
 
 
-def busy_primary(soak: Soak, timeout: float = 6.0) -> tuple[Worker, int] | None:
+def busy_primary(soak: SoakRun, timeout: float = 6.0) -> tuple[Worker, int] | None:
     """A live primary worker with entries pending on it (waits up to ``timeout`` for one)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -119,7 +111,7 @@ def busy_primary(soak: Soak, timeout: float = 6.0) -> tuple[Worker, int] | None:
     return None
 
 
-def kill9(soak: Soak, w: Worker, n: int, where: str = "") -> Landed | None:
+def kill9(soak: SoakRun, w: Worker, n: int, where: str = "") -> Landed | None:
     w.proc.send_signal(signal.SIGKILL)
     rc = w.proc.wait(30)
     if rc != -signal.SIGKILL:
@@ -127,7 +119,7 @@ def kill9(soak: Soak, w: Worker, n: int, where: str = "") -> Landed | None:
     return Landed("worker_kill9", f"{w.name} (shard {w.shard}) with {n} entries pending{where}")
 
 
-def restart(soak: Soak, w: Worker, *, same_name: bool | None = None) -> None:
+def restart(soak: SoakRun, w: Worker, *, same_name: bool | None = None) -> None:
     """A primary for ``w``'s shard again: under ``w``'s name (it replays its own pending
     entries) or a new one (they are reclaimed after claim_idle_s); either, at random."""
     same = soak.rng.random() < 0.5 if same_name is None else same_name
@@ -138,7 +130,7 @@ class WorkerKill9(Fault):
     kind = "worker_kill9"
     weight = 3.0
 
-    def run(self, soak: Soak) -> list[Landed]:
+    def run(self, soak: SoakRun) -> list[Landed]:
         got = busy_primary(soak)
         if got is None:
             return []
@@ -153,7 +145,7 @@ class WorkerSigterm(Fault):
     kind = "worker_sigterm"
     weight = 2.0
 
-    def run(self, soak: Soak) -> list[Landed]:
+    def run(self, soak: SoakRun) -> list[Landed]:
         got = busy_primary(soak)
         if got is None:
             return []
@@ -163,7 +155,7 @@ class WorkerSigterm(Fault):
         return [landed] if landed else []
 
 
-def sigterm(soak: Soak, w: Worker, n: int, kind: str, where: str) -> Landed | None:
+def sigterm(soak: SoakRun, w: Worker, n: int, kind: str, where: str) -> Landed | None:
     """SIGTERM ``w``; a landed fault if it exits 0 within its bound, else a problem."""
     bound = stop_bound_s(soak.settings)
     t0 = time.monotonic()
@@ -184,7 +176,7 @@ class SigtermAtStart(Fault):
     kind = "sigterm_at_start"
     weight = 1.0
 
-    def run(self, soak: Soak) -> list[Landed]:
+    def run(self, soak: SoakRun) -> list[Landed]:
         k = soak.rng.randrange(soak.settings.shards)
         hold = f"{soak.rng.uniform(5.0, 30.0):.1f}"
         w = soak.workers.start(k, "", "--hold-start", hold, role="extra")
@@ -210,7 +202,7 @@ class DuplicateWorker(Fault):
     kind = "duplicate_worker"
     weight = 2.0
 
-    def run(self, soak: Soak) -> list[Landed]:
+    def run(self, soak: SoakRun) -> list[Landed]:
         k = soak.rng.randrange(soak.settings.shards)
         primary = soak.workers.primary(k)
         if primary is None:
@@ -234,7 +226,7 @@ class DuplicateWorker(Fault):
         return [Landed(self.kind, f"a second worker served shard {k} {how}")]
 
 
-def unfinished(soak: Soak) -> list[str]:
+def unfinished(soak: SoakRun) -> list[str]:
     """Bursts submitted (record created) with results still missing."""
     out: list[str] = []
     for b in soak.created_bursts():
@@ -254,7 +246,7 @@ class RedisKill9(Fault):
     #: SIGTERM a worker with entries pending while Redis is down (`SigtermRedisDown`)
     stop_one = False
 
-    def run(self, soak: Soak) -> list[Landed]:
+    def run(self, soak: SoakRun) -> list[Landed]:
         missing = unfinished(soak)
         got = busy_primary(soak, timeout=2.0) if self.stop_one else None
         if not missing or (self.stop_one and got is None):
@@ -286,7 +278,7 @@ class MaxMemory(Fault):
     needs = frozenset({"maxmemory"})
     weight = 1.5
 
-    def run(self, soak: Soak) -> list[Landed]:
+    def run(self, soak: SoakRun) -> list[Landed]:
         r = soak.r
         used = int(r.info("memory")["used_memory"])
         r.config_set("maxmemory", max(1, int(used * 0.9)))
@@ -317,7 +309,7 @@ class MaxMemory(Fault):
         return landed
 
 
-def launch_until_created(soak: Soak, b: Planned) -> subprocess.Popen[bytes] | None:
+def launch_until_created(soak: SoakRun, b: Planned) -> subprocess.Popen[bytes] | None:
     """Start ``b``'s submit and return once its burst record exists (the moment a fault mid-submit
     aims at); None, with the submit settled, if it ended or took 30 s without creating one."""
     proc = soak.launch(b)
@@ -340,7 +332,7 @@ class MaxMemoryMidSubmit(Fault):
     needs = frozenset({"maxmemory"})
     weight = 1.0
 
-    def run(self, soak: Soak) -> list[Landed]:
+    def run(self, soak: SoakRun) -> list[Landed]:
         b = soak.extra_burst(soak.rng.randint(800, 2000))
         proc = launch_until_created(soak, b)
         if proc is None:
@@ -368,7 +360,7 @@ class Reclaim(Fault):
     kind = "reclaim"
     weight = 1.5
 
-    def run(self, soak: Soak) -> list[Landed]:
+    def run(self, soak: SoakRun) -> list[Landed]:
         got = busy_primary(soak)
         if got is None:
             return []
@@ -396,7 +388,7 @@ class Cancel(Fault):
     kind = "cancel"
     weight = 1.5
 
-    def run(self, soak: Soak) -> list[Landed]:
+    def run(self, soak: SoakRun) -> list[Landed]:
         missing = unfinished(soak)
         if not missing:
             return []
@@ -436,7 +428,7 @@ class Garbage(Fault):
     def __init__(self) -> None:
         self.sent = 0
 
-    def run(self, soak: Soak) -> list[Landed]:
+    def run(self, soak: SoakRun) -> list[Landed]:
         variant = self.VARIANTS[0] if not self.sent else soak.rng.choice(self.VARIANTS[1:])
         self.sent += 1
         k = soak.rng.randrange(soak.settings.shards)
@@ -458,7 +450,7 @@ class Garbage(Fault):
         return []
 
     def _entry(
-        self, soak: Soak, variant: str, k: int
+        self, soak: SoakRun, variant: str, k: int
     ) -> tuple[str | None, bytes, dict[bytes, bytes]]:
         rng, keys = soak.rng, soak.keys
         intake = keys.intake(k, rng.choice(PRIORITIES))
@@ -481,7 +473,7 @@ def _where(key: str) -> str:
     return "a lane" if ":lane:" in key else "intake " + key.rsplit(":", 1)[-1]
 
 
-def _handled(soak: Soak, key: str, entry_id: bytes, k: int, what: str) -> Landed | None:
+def _handled(soak: SoakRun, key: str, entry_id: bytes, k: int, what: str) -> Landed | None:
     """A garbage entry's landing: gone from its stream (handled and acked), with a dead letter
     when it did not decode."""
     try:
@@ -497,7 +489,7 @@ def _handled(soak: Soak, key: str, entry_id: bytes, k: int, what: str) -> Landed
     return Landed("garbage", f"{what}: acked" + (", dead-lettered" if dead else ""))
 
 
-def _forged(soak: Soak, variant: str, k: int) -> bytes:
+def _forged(soak: SoakRun, variant: str, k: int) -> bytes:
     """A forged entry of ``variant``: well formed but for one thing."""
     bursts = soak.created_bursts()
     burst = soak.rng.choice(bursts) if bursts else "no-such-burst"
@@ -531,7 +523,7 @@ class ProducerKill(Fault):
     kind = "producer_kill"
     weight = 2.0
 
-    def run(self, soak: Soak) -> list[Landed]:
+    def run(self, soak: SoakRun) -> list[Landed]:
         b = soak.extra_burst(soak.rng.randint(300, 900))
         proc = launch_until_created(soak, b)
         if proc is None:
@@ -575,7 +567,7 @@ class MasterFailover(Fault):
     needs = frozenset({"failover"})
     weight = 2.0
 
-    def run(self, soak: Soak) -> list[Landed]:
+    def run(self, soak: SoakRun) -> list[Landed]:
         if unfinished(soak):
             return [Landed(self.kind, soak.redis.failover())]
         # the plan's bursts are all done: one of its own, so that the failover lands mid-burst

@@ -22,8 +22,9 @@ from typing import Any
 
 import redis.asyncio as aredis
 
+from prefixq.bench.engine_set import Engines
 from prefixq.bench.measures import optimum_cached, pair_ratios, setup_summary, shares, strongest
-from prefixq.bench.setups import GIVEN, MODE_OF, SORTED, Engines, sorted_order
+from prefixq.bench.setups import GIVEN, MODE_OF, SORTED, sorted_order
 from prefixq.bench.timeline import Stamp, gaps, medians, timeline, worker_stats
 from prefixq.bench.workloads import Workload
 from prefixq.client import Producer

@@ -17,11 +17,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from prefixq.bench.engine_set import Answered, Engines, Handed
 from prefixq.bench.timeline import Stamp
 from prefixq.core.errors import SetupError
-from prefixq.core.records import Request
 from prefixq.core.settings import Settings
-from prefixq.engine.protocol import EngineOutput, EngineRequest
 from prefixq.engine.vllm_engine import VllmEngine
 from prefixq.worker.command import worker_command
 
@@ -42,22 +41,12 @@ def _visible(gpu: str | None) -> Iterator[None]:
                 os.environ["CUDA_VISIBLE_DEVICES"] = old
 
 
-def engine_request(req: Request, rid: str) -> EngineRequest:
-    """The prompt exactly as a worker builds it (prefix + prompt, or prefix ids + ids)."""
-    if req.prompt_token_ids is not None:
-        ids = (req.prefix if isinstance(req.prefix, list) else []) + req.prompt_token_ids
-        return EngineRequest(request_id=rid, prompt_token_ids=ids, sampling=req.sampling)
-    text = (req.prefix if isinstance(req.prefix, str) else "") + (req.prompt or "")
-    return EngineRequest(request_id=rid, prompt=text, sampling=req.sampling)
-
-
-class Standalone:
+class Standalone(Engines):
     """N engines in this process."""
 
     def __init__(self, model: str, engine_args: dict[str, Any], gpus: list[str | None]) -> None:
         self.engines = [VllmEngine(model, engine_args) for _ in gpus]
         self.gpus = gpus
-        self._runs = 0
 
     @property
     def kv_tokens(self) -> list[int]:
@@ -68,43 +57,21 @@ class Standalone:
             with _visible(gpu):
                 await engine.start()
 
-    async def run(
-        self,
-        requests: list[Request],
-        shards: list[int],
-        at: list[float] | None = None,
-        order: list[int] | None = None,
-    ) -> tuple[float, float, list[Stamp]]:
-        """Hand every request to its shard's engine, at once or at its arrival (``at``), in
-        ``order``; (start, end, per-request stamps in the requests' order)."""
-        self._runs += 1
-        ereqs = [engine_request(q, f"sa{self._runs}-{i}") for i, q in enumerate(requests)]
+    async def _hand_over(self, handed: list[Handed]) -> tuple[float, float, list[Answered]]:
+        """Every request to its engine as a task of its own."""
         t0 = time.time()
 
-        async def one(i: int) -> tuple[float, EngineOutput, float]:
-            if at and at[i] > 0:
-                await asyncio.sleep(max(0.0, t0 + at[i] - time.time()))
+        async def one(h: Handed) -> Answered:
+            if h.at > 0:
+                await asyncio.sleep(max(0.0, t0 + h.at - time.time()))
             added = time.time()
-            out = await self.engines[shards[i]].generate(ereqs[i])
-            return added, out, time.time()
+            o = await self.engines[h.shard].generate(h.request)
+            stamp = Stamp(added, o.first_token, time.time(), o.prompt_tokens, o.cached_tokens)
+            return Answered(h.index, stamp, len(o.token_ids))
 
-        idx = order if order is not None else list(range(len(requests)))
-        tasks = {i: asyncio.create_task(one(i)) for i in idx}  # created (and added) in order
-        await asyncio.gather(*tasks.values())
-        got = [tasks[i].result() for i in range(len(requests))]
-        t1 = time.time()
-        short = sum(
-            1
-            for (_, o, _), q in zip(got, requests, strict=True)
-            if len(o.token_ids) != q.sampling.get("max_tokens")
-        )
-        if short:
-            raise SetupError(f"standalone: {short} requests returned fewer tokens than asked")
-        stamps = [
-            Stamp(added, o.first_token, done, o.prompt_tokens, o.cached_tokens)
-            for added, o, done in got
-        ]
-        return t0, t1, stamps
+        tasks = [asyncio.create_task(one(h)) for h in handed]  # created (and added) in order
+        got = list(await asyncio.gather(*tasks))
+        return t0, time.time(), got
 
     async def reset_prefix_cache(self) -> None:
         for e in self.engines:

@@ -12,10 +12,10 @@ import time
 from typing import Any
 
 from prefixq.core.errors import EngineAborted
-from prefixq.engine.protocol import EngineOutput, EngineRequest
+from prefixq.engine.protocol import EngineOutput, EngineRequest, EngineSizes
 
 
-class NullEngine:
+class NullEngine(EngineSizes):
     """Answers at once: prompt tokens are counted as 4 characters each (or the ids given)."""
 
     def __init__(self, max_num_seqs: int = 256, block_size: int = 16, hold_s: float = 0.0) -> None:
@@ -23,14 +23,6 @@ class NullEngine:
         self._block_size = block_size
         self.hold_s = hold_s
         self._aborted: set[str] = set()
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self._max_num_seqs
-
-    @property
-    def block_size(self) -> int:
-        return self._block_size
 
     async def start(self) -> None:
         pass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,19 +20,20 @@ def table(report: dict[str, Any], console: Console | None = None) -> None:
         f"[bold]prefixq bench[/]: {env.get('layout')}; vllm {vllm}, torch {env.get('torch')}, "
         f"{env.get('gpu', 'CPU')}"
     )
-    t = Table()
-    for col in (
-        "workload",
-        "placement",
-        "standalone req/s",
-        "pipeline req/s",
-        "median ratio",
-        "min ratio",
-        "pair ratios",
-        "raw -> stored bytes",
-        "max GC pause ms",
-    ):
-        t.add_column(col, justify="right")
+    t = _columns(
+        None,
+        (
+            "workload",
+            "placement",
+            "standalone req/s",
+            "pipeline req/s",
+            "median ratio",
+            "min ratio",
+            "pair ratios",
+            "raw -> stored bytes",
+            "max GC pause ms",
+        ),
+    )
     for wl, w in report["workloads"].items():
         for pl, p in w["placements"].items():
             ratio = p["raw_bytes"] / p["stored_bytes"] if p["stored_bytes"] else 0.0
@@ -79,12 +81,21 @@ def table(report: dict[str, Any], console: Console | None = None) -> None:
             )
 
 
+def _columns(title: str | None, names: Iterable[str]) -> Table:
+    """A table (titled ``title``) whose columns, named in order, are all right-aligned."""
+    t = Table(title=title)
+    for name in names:
+        t.add_column(name, justify="right")
+    return t
+
+
 def _setups(report: dict[str, Any]) -> Table:
     """Per case: each standalone set-up's median throughput and the pipeline against it, the
     strongest set-up, and cached prompt tokens against the optimum."""
-    t = Table(title="standalone set-ups (pipeline / set-up: median, min over pairs)")
-    for col in ("case", "set-up", "req/s", "pipeline / it", "cached tokens", "of the optimum"):
-        t.add_column(col, justify="right")
+    t = _columns(
+        "standalone set-ups (pipeline / set-up: median, min over pairs)",
+        ("case", "set-up", "req/s", "pipeline / it", "cached tokens", "of the optimum"),
+    )
     for wl, w in report["workloads"].items():
         for pl, p in w["placements"].items():
             opt = p.get("optimum_cached_tokens")
@@ -117,16 +128,10 @@ def _pct(v: float | None) -> str:
 def _timelines(report: dict[str, Any]) -> Table:
     """Median timeline of each case and mode (seconds from the run's start), the pipeline's gap
     at each point (ms), cache hits, and the workers' read-to-engine and loop lag."""
-    t = Table(title="where the time goes (median s from the start; gap = pipeline - standalone)")
-    for col in (
-        "case",
-        "mode",
-        *POINTS,
-        "cached / prompt tok",
-        "read->engine p99 ms",
-        "loop lag max ms",
-    ):
-        t.add_column(col, justify="right")
+    t = _columns(
+        "where the time goes (median s from the start; gap = pipeline - standalone)",
+        ("case", "mode", *POINTS, "cached / prompt tok", "read->engine p99 ms", "loop lag max ms"),
+    )
     for wl, w in report["workloads"].items():
         for pl, p in w["placements"].items():
             tl = p.get("timeline")

@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from prefixq.bench.cases import Bursts, Env, by_gen, pipeline, reset, run_case
+from prefixq.bench.engine_set import Engines
 from prefixq.bench.engines import Standalone, Workers
 from prefixq.bench.setups import (
     GIVEN,
     OFFLOAD,
     SORTED,
-    Engines,
     host_offload_gib,
     offload_args,
     offload_unsupported,

@@ -15,9 +15,8 @@ All of them get the pipeline's shard assignment and the same arrivals.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any
 
-from prefixq.bench.timeline import Stamp
 from prefixq.client.order import enqueue_order, peeks
 from prefixq.core.records import Request
 
@@ -26,28 +25,6 @@ SETUPS = (GIVEN, SORTED, OFFLOAD)
 MODE_OF = {GIVEN: "standalone", SORTED: "standalone-sorted", OFFLOAD: "standalone-offload"}
 #: share of the host's available memory the offloading engines may pin, all together
 HOST_SHARE = 0.4
-
-
-class Engines(Protocol):
-    """One set-up's engines (bench/standalone.py, or bench/engines.py for ``--standalone
-    inline``)."""
-
-    @property
-    def kv_tokens(self) -> list[int]: ...
-
-    async def start(self) -> None: ...
-
-    async def run(
-        self,
-        requests: list[Request],
-        shards: list[int],
-        at: list[float] | None = None,
-        order: list[int] | None = None,
-    ) -> tuple[float, float, list[Stamp]]: ...
-
-    async def reset_prefix_cache(self) -> None: ...
-
-    async def close(self) -> None: ...
 
 
 def parse_scoped(raw: str, known: tuple[str, ...], flag: str) -> list[str]:

@@ -23,9 +23,9 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from prefixq.bench.engine_set import Answered, Engines, Handed
 from prefixq.bench.timeline import Stamp
 from prefixq.core.errors import SetupError
-from prefixq.core.records import Request
 from prefixq.engine.protocol import EngineRequest
 
 
@@ -86,16 +86,18 @@ async def _run(
     return time.time(), got
 
 
-class ProcessStandalone:
+class ProcessStandalone(Engines):
     """N engines, each in a process of its own."""
 
     def __init__(self, model: str, engine_args: dict[str, Any], gpus: list[str | None]) -> None:
         self.model, self.engine_args, self.gpus = model, engine_args, gpus
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
-        self._runs = 0
-        #: each engine's KV cache in tokens, as vLLM sized it
-        self.kv_tokens: list[int] = []
+        self._kv_tokens: list[int] = []
+
+    @property
+    def kv_tokens(self) -> list[int]:
+        return self._kv_tokens
 
     async def start(self) -> None:
         """Start the engines one after another (engines sharing a GPU profile its memory)."""
@@ -107,7 +109,7 @@ class ProcessStandalone:
             self._procs.append(p)
             self._conns.append(parent)
             up = await self._expect(len(self._conns) - 1, "up")
-            self.kv_tokens.append(int(up[1]))
+            self._kv_tokens.append(int(up[1]))
 
     async def _expect(self, k: int, what: str) -> tuple[Any, ...]:
         conn, proc = self._conns[k], self._procs[k]
@@ -119,23 +121,12 @@ class ProcessStandalone:
             raise SetupError(f"standalone engine {k}: expected {what!r}, got {msg[0]!r}")
         return msg
 
-    async def run(
-        self,
-        requests: list[Request],
-        shards: list[int],
-        at: list[float] | None = None,
-        order: list[int] | None = None,
-    ) -> tuple[float, float, list[Stamp]]:
-        """Every request to its shard's engine, at once or at its arrival (``at``: seconds after
-        the start), in ``order`` (default: as given); (start, end, per-request stamps in the
-        requests' order)."""
-        from prefixq.bench.engines import engine_request
-
-        self._runs += 1
+    async def _hand_over(self, handed: list[Handed]) -> tuple[float, float, list[Answered]]:
+        """Every process is sent its share (off the clock), then told to go; the run ends with
+        the last process's last request."""
         share: list[list[tuple[int, float, EngineRequest]]] = [[] for _ in self._conns]
-        for i in order if order is not None else range(len(requests)):
-            er = engine_request(requests[i], f"sa{self._runs}-{i}")
-            share[shards[i]].append((i, at[i] if at else 0.0, er))
+        for h in handed:
+            share[h.shard].append((h.index, h.at, h.request))
         for k, conn in enumerate(self._conns):
             conn.send(("load", share[k]))
             await self._expect(k, "loaded")
@@ -144,11 +135,7 @@ class ProcessStandalone:
             conn.send(("go",))
         done = [await self._expect(k, "done") for k in range(len(self._conns))]
         t1 = max(d[1] for d in done)
-        rows = sorted(row for d in done for row in d[2])
-        short = sum(1 for row in rows if row[6] != row[7])
-        if short:
-            raise SetupError(f"standalone: {short} requests returned fewer tokens than asked")
-        return t0, t1, [Stamp(*row[1:6]) for row in rows]
+        return t0, t1, [Answered(row[0], Stamp(*row[1:6]), row[6]) for d in done for row in d[2]]
 
     async def reset_prefix_cache(self) -> None:
         for k, conn in enumerate(self._conns):

@@ -32,7 +32,9 @@ from prefixq.client import results
 from prefixq.core.errors import SetupError
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
-from prefixq.store.connection import error_text, redact, sync_client
+from prefixq.store.connection import sync_client
+from prefixq.store.redis_errors import error_text
+from prefixq.store.redis_url import redact
 from prefixq.worker.command import worker_command
 
 DOCUMENTS = ("while", "assert", "return", "global")

@@ -2,26 +2,31 @@
 
 Every `Settings` field is a flag on every subcommand (``--redis-url``, ``--max-inflight`` ...) and
 an environment variable (``REDIS_URL``, ``PREFIXQ_MAX_INFLIGHT`` ...); flags win.
+
+Here: the parser and the dispatch. The commands, by family: prefixq.cli.worker_commands
+(worker, workers), prefixq.cli.burst_commands (submit, results, cancel),
+prefixq.cli.serve_commands (serve, dashboard), prefixq.cli.ops_commands (inspect, check,
+reclaim, dead); demo and bench hand on to prefixq.cli.demo and prefixq.bench.command.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import logging
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import get_type_hints
 
 from redis.exceptions import RedisError
 
+from prefixq.cli.burst_commands import cmd_cancel, cmd_results, cmd_submit
 from prefixq.cli.logs import configure as configure_logging
+from prefixq.cli.ops_commands import cmd_check, cmd_dead, cmd_inspect, cmd_reclaim
+from prefixq.cli.serve_commands import cmd_dashboard, cmd_serve
+from prefixq.cli.worker_commands import cmd_worker, cmd_workers
 from prefixq.core.errors import ConfigError, PrefixqError, SetupError
 from prefixq.core.settings import Settings
-
-log = logging.getLogger(__name__)
 
 
 def _settings_parser() -> argparse.ArgumentParser:
@@ -50,6 +55,16 @@ def _settings_parser() -> argparse.ArgumentParser:
         help="text (default) or json: one object per line with ts, level, logger, msg",
     )
     return p
+
+
+def _add_listen_args(p: argparse.ArgumentParser) -> None:
+    """``--host`` and ``--port`` of a command that serves HTTP (serve, dashboard)."""
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1; others need PREFIXQ_API_KEYS)",
+    )
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,24 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser(
         "serve", parents=[common], help="an OpenAI-compatible Batch API (/v1/files, /v1/batches)"
     )
-    sv.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to listen on (default 127.0.0.1; others need PREFIXQ_API_KEYS)",
-    )
-    sv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    _add_listen_args(sv)
 
     db = sub.add_parser(
         "dashboard",
         parents=[common],
         help="the live dashboard alone (prefixq serve shows it too, beside /v1)",
     )
-    db.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to listen on (default 127.0.0.1; others need PREFIXQ_API_KEYS)",
-    )
-    db.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    _add_listen_args(db)
 
     ca = sub.add_parser(
         "cancel",
@@ -192,285 +197,6 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return Settings.from_env(**{k: v for k, v in vars(args).items() if k in names})
 
 
-def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
-    from prefixq.cli.worker_signals import WorkerSignals
-
-    signals = WorkerSignals().install()  # a stop before the worker serves exits 0 at once
-    log.info("worker shard=%d starting (pid %d)", args.shard, os.getpid())
-    from prefixq.cli.worker_process import run_worker
-    from prefixq.engine.embedded_model import default_cache_dir, resolve_model
-    from prefixq.engine.vllm_engine import parse_engine_args
-
-    model = resolve_model(args.model, default_cache_dir(settings.cache_dir))
-    return run_worker(
-        settings,
-        args.shard,
-        model,
-        gpu=args.gpu,
-        engine_args=parse_engine_args(args.engine_arg),
-        name=args.name,
-        signals=signals,
-    )
-
-
-def cmd_workers(args: argparse.Namespace, settings: Settings, argv: Sequence[str]) -> int:
-    from prefixq.cli.worker_process import supervise
-
-    if args.gpus is None and args.cpu < 1:
-        raise ConfigError(f"--cpu needs at least 1 worker, not {args.cpu}")
-    gpus: list[str | None] = (
-        [g.strip() for g in args.gpus.split(",") if g.strip()] if args.gpus else [None] * args.cpu
-    )
-    if not gpus:
-        raise ConfigError("--gpus needs at least one GPU index")
-    if settings.shards and settings.shards != len(gpus):
-        raise ConfigError(f"--shards {settings.shards} but {len(gpus)} workers")
-    passthrough = _strip_options(argv, {"--gpus", "--cpu", "--shards", "--metrics-port"})
-    return supervise(
-        [*passthrough, "--shards", str(len(gpus))], gpus, metrics_port=settings.metrics_port
-    )
-
-
-def _strip_options(argv: Sequence[str], drop: set[str]) -> list[str]:
-    out: list[str] = []
-    it: Iterator[str] = iter(argv[1:])  # argv[0] is the subcommand
-    for a in it:
-        name = a.split("=", 1)[0]
-        if name in drop:
-            if "=" not in a:
-                next(it, None)
-            continue
-        out.append(a)
-    return out
-
-
-def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
-    from prefixq.cli.progress import BurstProgress, EnqueueProgress
-    from prefixq.client import Producer, results
-    from prefixq.client.request_file import read_request_file
-    from prefixq.integrations.rq_callbacks import RQ_ON_COMPLETE
-    from prefixq.openai.outputs import input_metadata, write_results
-
-    _check_timeout(args.timeout)
-    if not args.wait and (args.out or args.timeout is not None):
-        raise ConfigError("--out and --timeout go with --wait")
-    if not args.out and (args.format or args.token_ids):
-        raise ConfigError("--format and --token-ids go with --out")
-    why = results.out_path_problem(args.out) if args.out else None
-    if why:
-        raise ConfigError(f"--out {args.out}: not a file in an existing folder (it {why})")
-    reqs = read_request_file(args.file, settings)  # checked whole, read again as it is sent
-    meta = input_metadata(args.file)
-    fmt = args.format or ("openai" if meta and meta.get("input_format") == "openai" else None)
-    if args.token_ids and fmt == "openai":  # refused before the burst is submitted, not after
-        raise ConfigError("--token-ids goes with the prefixq format, not openai")
-    with EnqueueProgress(len(reqs)) as bar:
-        burst = Producer(settings, on_burst_done=RQ_ON_COMPLETE).submit(
-            reqs, burst_id=args.burst_id, progress=bar.update, metadata=meta
-        )
-    print(f"submitted {len(reqs)} requests as burst {burst}", file=sys.stderr)
-    try:
-        if args.wait:
-            with BurstProgress(burst) as bar:
-                st = results.wait(burst, settings, timeout=args.timeout, progress=bar.update)
-            if args.out:
-                n = write_results(
-                    burst, args.out, settings, fmt=args.format, token_ids=args.token_ids
-                )
-                print(f"wrote {n} results to {args.out}", file=sys.stderr)
-            print(f"{st.done} done, {st.failed} failed", file=sys.stderr)
-    finally:  # the id on stdout also when waiting fails (a timeout): the burst runs on
-        print(burst)
-    return 0
-
-
-def _check_timeout(timeout: float | None) -> None:
-    if timeout is not None and not timeout >= 0:  # nan too
-        raise ConfigError(f"--timeout must be >= 0 seconds, not {timeout}")
-
-
-def cmd_results(args: argparse.Namespace, settings: Settings) -> int:
-    from prefixq.client import results
-    from prefixq.openai.outputs import write_results
-
-    _check_timeout(args.timeout)
-
-    out = args.out or sys.stdout
-    n = write_results(
-        args.burst,
-        out,
-        settings,
-        fmt=args.format,
-        timeout=args.timeout,
-        token_ids=args.token_ids,
-    )
-    if args.out:
-        print(f"wrote {n} results to {args.out}", file=sys.stderr)
-    missing = results.unrecorded_ids(args.burst, settings)
-    if missing:
-        print(
-            f"prefixq: note: {missing} of its {n} results have no id (null): their request ids "
-            f"were never recorded (burst {args.burst}'s producer stopped before writing them); "
-            "a line's place in the output is its request's input index",
-            file=sys.stderr,
-        )
-    return 0
-
-
-def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
-    """The OpenAI-compatible Batch API (docs/openai.md) and the dashboard (docs/dashboard.md),
-    until SIGINT or SIGTERM."""
-    from prefixq.dashboard.api import mount
-    from prefixq.integrations.rq_callbacks import aenqueue_on_complete
-    from prefixq.openai.serve import serve
-
-    return serve(
-        settings,
-        host=args.host,
-        port=args.port,
-        on_burst_done=aenqueue_on_complete,
-        extensions=[mount],
-    )
-
-
-def cmd_dashboard(args: argparse.Namespace, settings: Settings) -> int:
-    """The dashboard (docs/dashboard.md) without the batch API, until SIGINT or SIGTERM."""
-    from prefixq.dashboard.api import mount
-    from prefixq.integrations.rq_callbacks import aenqueue_on_complete
-    from prefixq.openai.serve import serve
-
-    return serve(
-        settings,
-        host=args.host,
-        port=args.port,
-        on_burst_done=aenqueue_on_complete,
-        batch_api=False,
-        extensions=[mount],
-    )
-
-
-def cmd_cancel(args: argparse.Namespace, settings: Settings) -> int:
-    """Cancel a burst (prefixq.store.burst_end.cancel); exit 0 also when it had finished already."""
-    from prefixq.integrations.rq_callbacks import enqueue_on_complete
-    from prefixq.store.burst_end import cancel
-
-    rep = cancel(args.burst, settings, on_burst_done=enqueue_on_complete)
-    if args.json:
-        print(json.dumps(rep.to_json(), indent=2))
-    elif rep.already_finished:
-        print(f"burst {rep.burst} had already ended ({rep.status}); nothing changed")
-    else:
-        print(
-            f"burst {rep.burst} {rep.status}: {rep.cancelled} requests cancelled, "
-            f"{rep.done} done, {rep.failed} failed of {rep.total}"
-        )
-    return 0
-
-
-def cmd_inspect(args: argparse.Namespace, settings: Settings) -> int:
-    from prefixq.cli.progress import render_snapshot
-    from prefixq.ops.stats import snapshot
-
-    if args.recent < 0:
-        raise ConfigError(f"--recent must be >= 0, not {args.recent}")
-    if args.watch:
-        return _watch(args, settings)
-    snap = snapshot(settings, burst=args.burst, recent=args.recent)
-    if args.json:
-        print(json.dumps(snap, indent=2))
-    else:
-        render_snapshot(snap)
-    return 0
-
-
-def _watch(args: argparse.Namespace, settings: Settings) -> int:
-    """``inspect --watch``: a live view until Ctrl-C (exit 0) or ``--watch-count`` views."""
-    from prefixq.cli.progress import watch_snapshot
-    from prefixq.ops.stats import snapshot
-    from prefixq.store.connection import sync_client
-
-    if args.json:
-        raise ConfigError("--watch shows a live table; use --json without --watch")
-    if not args.interval > 0 or args.watch_count < 0:  # nan too
-        raise ConfigError("--interval must be > 0 and --watch-count >= 0")
-    r = sync_client(settings)
-    try:
-        watch_snapshot(
-            lambda: snapshot(settings, burst=args.burst, recent=args.recent, client=r),
-            interval=args.interval,
-            count=args.watch_count,
-        )
-    finally:
-        r.close()
-    return 0
-
-
-def cmd_check(args: argparse.Namespace, settings: Settings) -> int:
-    """Exit 0 if a live worker with its engine up serves each shard checked, else 1; one line."""
-    from prefixq.ops.health import check
-
-    health = check(settings, shard=args.shard)
-    for line in health.layout:  # a Redis Cluster: its nodes and each shard's master
-        print(line)
-    print(health.reason, file=sys.stdout if health.ok else sys.stderr)
-    return 0 if health.ok else 1
-
-
-def cmd_reclaim(args: argparse.Namespace, settings: Settings) -> int:
-    """Entries idle on dead consumers back to live workers; over-limit ones to dead letters."""
-    from prefixq.integrations.rq_callbacks import enqueue_on_complete
-    from prefixq.ops.recovery import Recovery
-
-    if args.idle_s is not None and not args.idle_s >= 0:
-        raise ConfigError(f"--idle-s must be >= 0, not {args.idle_s}")
-    reports = Recovery(settings, on_burst_done=enqueue_on_complete).reclaim(args.shard, args.idle_s)
-    if args.json:
-        print(json.dumps([r.to_json() for r in reports], indent=2))
-        return 0
-    for r in reports:
-        print(
-            f"shard {r.shard}: moved {r.moved} back to the stream, dead-lettered {r.dead}, "
-            f"left {r.live} to live workers ({r.raced} taken meanwhile, {r.gone} already gone)"
-        )
-    return 0
-
-
-def cmd_dead(args: argparse.Namespace, settings: Settings) -> int:
-    """List dead letters, or re-submit them with --requeue."""
-    import time
-
-    from prefixq.integrations.rq_callbacks import enqueue_on_complete
-    from prefixq.ops.recovery import Recovery
-
-    rec = Recovery(settings, on_burst_done=enqueue_on_complete)
-    if args.requeue:
-        rep = rec.requeue(args.shard, args.id or None)
-        if args.json:
-            print(json.dumps(rep.to_json(), indent=2))
-        else:
-            print(
-                f"requeued {rep.requeued} (failed results taken back: {rep.cleared}); "
-                f"{rep.resolved} had succeeded already (dropped); {len(rep.skipped)} skipped"
-            )
-        for dead_id, why in rep.skipped:
-            print(f"skipped {dead_id}: {why}", file=sys.stderr)
-        return 0
-    if args.id:
-        raise ConfigError("--id goes with --requeue")
-    if args.limit < 1:
-        raise ConfigError(f"--limit must be >= 1, not {args.limit}")
-    letters = rec.letters(args.shard, limit=args.limit)
-    if args.json:
-        print(json.dumps([d.to_json() for d in letters], indent=2))
-        return 0
-    for d in letters:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d.at))
-        where = f"{d.burst}:{d.index}" if d.burst is not None else "-"
-        print(f"{d.id}  shard {d.shard}  delivered {d.delivered}  {where}  {when}  {d.reason}")
-    print(f"{len(letters)} dead letters", file=sys.stderr)
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -501,7 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"prefixq: error: {where}{e.strerror or e}", file=sys.stderr)
         return 1
     except RedisError as e:  # what the retries did not absorb; refused credentials -> 2
-        from prefixq.store.connection import describe, is_oom, sync_client
+        from prefixq.store.connection import sync_client
+        from prefixq.store.redis_errors import describe, is_oom
 
         settings = settings_from(args)
         client = sync_client(settings) if is_oom(e) else None  # for its memory figures

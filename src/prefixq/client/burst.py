@@ -24,7 +24,8 @@ from prefixq.core.records import Result
 from prefixq.core.settings import Settings
 from prefixq.store import burst_end
 from prefixq.store.burst_end import CancelReport, OnBurstDone
-from prefixq.store.connection import TRANSIENT, adescribe, async_client, sync_client
+from prefixq.store.connection import async_client, sync_client
+from prefixq.store.redis_errors import TRANSIENT, adescribe
 
 __all__ = ["Burst"]
 

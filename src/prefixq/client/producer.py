@@ -1,71 +1,56 @@
 """`Producer`: a burst in, entries on the shards' streams out — its head first.
 
-`Producer.asubmit` validates, places and encodes the burst's head (its first `HEAD` requests in
-enqueue order), creates the burst record with the ids of all its requests (lua/create_burst.lua:
-an id is taken once, and a burst never exists without its ids), sends the head, and only then
-validates, places and sends the rest in growing chunks (`_Submission.run`), so that the engines
-start within milliseconds whatever the burst's size. Where the entries go is
-layout.py's; the enqueue order is order.py's. The invariant to keep: once the record exists, no
-failure may leave the burst half sent (`_Submission._abandon` cancels it as a whole); before
-that, a refusal leaves nothing behind. docs/architecture.md, "The producer: the head first", has
-the steps, the failure cases and the measured start. A `RequestFile` (request_file.py) was
-checked whole before anything is sent and is read again chunk by chunk; every request is dropped
-once its entry is sent.
+`Producer.asubmit` checks its arguments (submit_args.py), then validates, places and encodes the
+burst's head (its first `HEAD` requests in enqueue order: burst_requests.py), creates the burst
+record with the ids of all its requests (enqueue.py, lua/create_burst.lua: an id is taken once,
+and a burst never exists without its ids), sends the head, and only then validates, places and
+sends the rest in growing chunks (`_Submission.run`), so that the engines start within
+milliseconds whatever the burst's size. Where the entries go is layout.py's; the enqueue order is
+order.py's. The invariant to keep: once the record exists, no failure may leave the burst half
+sent (`_Submission._abandon` cancels it as a whole); before that, a refusal leaves nothing behind.
+docs/architecture.md, "The producer: the head first", has the steps, the failure cases and the
+measured start. A `RequestFile` (request_file.py) was checked whole before anything is sent and
+is read again chunk by chunk; every request is dropped once its entry is sent.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import math
-import re
-import secrets
 import time
-from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import redis.asyncio as aredis
 from redis.exceptions import RedisError
 
-from prefixq.affinity.placement import (
-    HashPlacer,
-    Placed,
-    Placer,
-    RandomPlacer,
-    RoundRobinPlacer,
-)
+from prefixq.affinity.placement import HashPlacer, Placed, Placer, RandomPlacer, RoundRobinPlacer
 from prefixq.affinity.prefix_map import AffinityPlacer
 from prefixq.client.burst import Burst
-from prefixq.client.encoding import Encoded, EntryEncoder, Parts
+from prefixq.client.burst_requests import BurstRequests
+from prefixq.client.encoding import Encoded, EntryEncoder
+from prefixq.client.enqueue import BurstWriter
 from prefixq.client.items import ItemBuilder
 from prefixq.client.layout import Layout
-from prefixq.client.order import ORDERS, enqueue_order, peeks
-from prefixq.client.request_file import RequestFile
-from prefixq.core.checks import callback_path
-from prefixq.core.entries import split_prefix
+from prefixq.client.order import enqueue_order, peeks
+from prefixq.client.submit_args import (
+    Progress,
+    check_burst_id,
+    check_options,
+    check_requests,
+    new_burst_id,
+)
 from prefixq.core.errors import BurstIdTaken, ValidationError
-from prefixq.core.inputs import IdCheck, normalize_one
 from prefixq.core.keys import Keys
-from prefixq.core.openai_lines import is_openai_line
 from prefixq.core.records import Request
 from prefixq.core.settings import Settings
-from prefixq.core.sharing import check_priority, check_tenant
 from prefixq.store.burst_end import OnBurstDone, acancel
 from prefixq.store.census import count_enqueued
-from prefixq.store.connection import (
-    TRANSIENT,
-    adescribe,
-    async_client,
-    is_cluster,
-    lua,
-    transient,
-)
+from prefixq.store.connection import async_client
 from prefixq.store.deployment import aresolve_shards
 from prefixq.store.fence import afence
-from prefixq.store.retry import Backoff
+from prefixq.store.redis_errors import TRANSIENT, adescribe
 
 log = logging.getLogger(__name__)
 
@@ -74,47 +59,9 @@ log = logging.getLogger(__name__)
 HEAD = 4
 #: requests per chunk after the head grow 4x per chunk up to this
 _CHUNK = 1024
-#: burst index entries a submit looks at for pruning (the oldest)
-_PRUNE = 32
-
-#: seconds a submit on a Redis Cluster keeps sending a chunk through a failover (`_execute`):
-#: a replica is promoted within about twice ``cluster-node-timeout``
-RIDE_THROUGH_S = 30.0
-#: request ids per RPUSH of the burst's id list
-_IDS_CHUNK = 10_000
-#: seconds a staged id list lives if its producer dies before the create call (Keys.staged_ids)
-_STAGED_TTL_S = 3600
 #: new ids a submit tries when the one it made is taken (two producers in the same second drew
 #: the same 6 random hex digits: at tens of bursts a second, a matter of days)
 _NEW_ID_ATTEMPTS = 5
-_BURST_ID = re.compile(r"[A-Za-z0-9_.:@+-]{1,200}")
-#: called with (requests enqueued so far, total)
-Progress = Callable[[int, int], None]
-
-
-def check_burst_id(burst: str) -> str:
-    """``burst`` if it is a usable burst id: 1-200 of letters, digits and ``_.:@+-`` (no braces:
-    a burst's keys share one Cluster hash tag built from it; no spaces or control characters:
-    it is printed and typed). ValidationError otherwise."""
-    if not isinstance(burst, str) or not _BURST_ID.fullmatch(burst):
-        raise ValidationError(
-            f"burst id {burst!r} must be 1-200 characters of letters, digits and _.:@+-"
-        )
-    return burst
-
-
-def raw_id(raw: Request | Mapping[str, Any], index: int) -> str:
-    """The id request ``index`` of a burst gets once parsed (`Request.from_json`: ``custom_id`` of
-    an OpenAI batch line, else ``id``, else its index), read without parsing it."""
-    if isinstance(raw, Request):
-        return raw.id
-    rid = raw.get("custom_id") if is_openai_line(raw) else raw.get("id")
-    return str(index) if rid is None else str(rid)
-
-
-def new_burst_id() -> str:
-    """Sortable and unique: UTC time plus 6 random hex digits."""
-    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(3)
 
 
 class Producer:
@@ -185,64 +132,19 @@ class Producer:
         """
         s = self.settings
         order = order or s.enqueue_order
-        if isinstance(requests, str | bytes | Mapping | Request):
-            raise ValidationError(
-                "submit takes a list (an iterable) of requests, not one "
-                f"{type(requests).__name__}: wrap a single request in a list"
-            )
-        if not isinstance(requests, Iterable):  # an int, an async generator, None
-            raise ValidationError(
-                f"submit takes a list (an iterable) of requests, not {type(requests).__name__}"
-            )
-        raw: Sequence[Request | Mapping[str, Any]]
-        if isinstance(requests, RequestFile):  # checked already, read again chunk by chunk
-            raw = requests
-        else:
-            raw = list(requests)
-            for i, x in enumerate(raw):  # the rest is validated after the head went out
-                if not isinstance(x, Mapping | Request):
-                    raise ValidationError(
-                        f"line {i + 1}: expected a JSON object, got {type(x).__name__}"
-                    )
-        if not raw:
-            raise ValidationError("the burst is empty")
-        if order not in ORDERS:
-            raise ValidationError(f"order must be one of {', '.join(ORDERS)}, not {order!r}")
-        if on_complete is not None:
-            if not isinstance(on_complete, str):
-                raise ValidationError(
-                    f"on_complete must look like 'package.module:function', not {on_complete!r}"
-                )
-            callback_path(on_complete)  # ValidationError unless dotted names around one colon
-        if rq_queue is not None and (not isinstance(rq_queue, str) or not rq_queue.strip()):
-            raise ValidationError(f"rq_queue must be an RQ queue name, not {rq_queue!r}")
-        meta: dict[str, Any] = {
-            "priority": check_priority(s.priority if priority is None else priority),
-            "tenant": check_tenant(s.tenant if tenant is None else tenant),
-        }
-        if deadline is not None:
-            if isinstance(deadline, bool) or not isinstance(deadline, int | float):
-                raise ValidationError(f"deadline must be epoch seconds, not {deadline!r}")
-            if not math.isfinite(deadline):
-                raise ValidationError(f"deadline must be finite epoch seconds, not {deadline!r}")
-            meta["deadline"] = deadline
-        if metadata is not None and not isinstance(metadata, Mapping):
-            raise ValidationError(f"metadata must map strings to strings, not {metadata!r}")
-        if progress is not None and not callable(progress):
-            raise ValidationError(f"progress must be a function (done, total), not {progress!r}")
-        if (
-            placement is not None
-            and not isinstance(placement, str)
-            and not callable(getattr(placement, "place", None))
-        ):
-            raise ValidationError(f"placement must be a name or a Placer, not {placement!r}")
-        if metadata:
-            if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-                raise ValidationError("metadata must map strings to strings")
-            meta["metadata"] = json.dumps(dict(metadata), ensure_ascii=False)
-        if on_complete:
-            meta["on_complete"] = on_complete
-            meta["rq_queue"] = rq_queue or "default"
+        raw = check_requests(requests)
+        meta = check_options(
+            s,
+            order=order,
+            placement=placement,
+            on_complete=on_complete,
+            rq_queue=rq_queue,
+            progress=progress,
+            deadline=deadline,
+            metadata=metadata,
+            priority=priority,
+            tenant=tenant,
+        )
         kept = self._kept if self._kept_loop is asyncio.get_running_loop() else None
         r = kept if kept is not None else async_client(s)
         try:
@@ -298,7 +200,9 @@ class Producer:
 
 
 class _Submission:
-    """One burst on its way in (`Producer.asubmit`)."""
+    """One burst on its way in (`Producer.asubmit`): its requests (burst_requests.py) and its
+    writes (enqueue.py), in the order that starts the engines first and never leaves a created
+    burst half sent."""
 
     def __init__(
         self,
@@ -310,53 +214,41 @@ class _Submission:
         progress: Progress | None,
     ) -> None:
         self.p, self.s, self.keys, self.r = producer, producer.settings, producer.keys, r
-        #: a Redis Cluster client: the prefixes go in a pipeline of their own (`_send`)
-        self.cluster = is_cluster(r)
-        self.raw, self.burst, self.meta, self.progress = raw, burst, meta, progress
+        self.burst, self.meta, self.progress = burst, meta, progress
         self.n = len(raw)
-        #: a file checked as a whole already, whose requests are read again as they are encoded
-        self.file = raw if isinstance(raw, RequestFile) else None
-        #: each request's prefix fingerprint when its prefix is long enough to store once
-        self.prefix_keys: list[Hashable | None] = []
-        #: requests validated and not sent yet (each is dropped once its entry is sent)
-        self.reqs: list[Request | None] = [None] * self.n
-        self.parts: list[Parts | None] = [None] * self.n
-        self.ids = IdCheck()
         self.enc = EntryEncoder(self.s, burst=burst, enqueued=time.time())
         self.enc.deadline = meta.get("deadline")
         self.enc.priority, self.enc.tenant = meta["priority"], meta["tenant"]
         self.layout = Layout(self.keys, burst, meta["priority"], meta["tenant"])
-        self.per_shard: Counter[int] = Counter()
-        #: requests whose pipeline Redis acknowledged; requests of the pipeline awaiting its reply
-        self.sent = 0
-        self.sending = 0
+        self.requests = BurstRequests(raw, self.s, r=r, items=producer.items, enc=self.enc)
+        self.writer = BurstWriter(
+            r, self.s, self.keys, burst, n=self.n, meta=meta, enc=self.enc, layout=self.layout
+        )
         self.shards = 0
-        self.created = False
-        #: tells this submission's create apart from another producer's of the same burst id
-        self.token = secrets.token_hex(8)
 
     async def run(self, placement: str | Placer, seed: int | None, order: str) -> str:
         shards = self.shards = await self.p.shards(self.r)
         placer = await self.p.placer(self.r, placement, seed)
-        looks = self.file.peeks(order) if self.file is not None else peeks(self.raw, order)
+        reqs = self.requests
+        looks = reqs.file.peeks(order) if reqs.file is not None else peeks(reqs.raw, order)
         perm = enqueue_order(order, looks)
         long_enough = self.enc.long_enough
-        self.prefix_keys = [p.group if long_enough(p.size) else None for p in looks]
+        reqs.prefix_keys = [p.group if long_enough(p.size) else None for p in looks]
         del looks
         head, rest = perm[:HEAD], perm[HEAD:]
-        self._validate(head)
-        head_chunk = await self._encode(head, placer, shards, inline=True)
+        reqs.validate(head)
+        head_chunk = await reqs.encode(head, placer, shards, inline=True)
         await self._create(shards, placement, order)
         try:
             await self._send(head, head_chunk, first=True)
-            if self.file is None:  # a file was checked whole before anything was sent
-                self._validate(rest)
-            self.enc.count(self.prefix_keys)
+            if reqs.file is None:  # a file was checked whole before anything was sent
+                reqs.validate(rest)
+            self.enc.count(reqs.prefix_keys)
             size, start = 4 * HEAD, 0
             while start < len(rest):
                 chunk = rest[start : start + size]
-                self._validate(chunk)  # a file's: read again now
-                await self._send(chunk, await self._encode(chunk, placer, shards))
+                reqs.validate(chunk)  # a file's: read again now
+                await self._send(chunk, await reqs.encode(chunk, placer, shards))
                 start, size = start + len(chunk), min(4 * size, _CHUNK)
             # min_replicas_acked: the replicas hold every entry and the record before submit
             # returns (the writes go to every master: entries, prefixes, record, indexes)
@@ -364,225 +256,24 @@ class _Submission:
         except Exception as e:  # ours, Redis's, or a bug: never a created burst left half sent
             await self._abandon(e)
             raise
-        await self._finish(shards)
+        await self.writer.finish(shards)
         return self.burst
 
     # ---- steps -------------------------------------------------------------------------------
-    def _validate(self, idx: Sequence[int]) -> None:
-        """Validate (and parse) requests ``idx`` not validated yet: each on its own (its entry's
-        size included: `entries.check_size`), and its id across the burst; a checked file's are
-        only read again."""
-        for i in idx:
-            if self.reqs[i] is not None:
-                continue
-            if self.file is not None:
-                q = self.file[i]
-            else:
-                q = normalize_one(self.raw[i], i, self.s)  # its entry's size too
-                self.ids.add(i, [q.id])
-            self.reqs[i], self.parts[i] = q, split_prefix(q)
-
-    async def _encode(
-        self, idx: Sequence[int], placer: Placer, shards: int, *, inline: bool = False
-    ) -> tuple[Encoded, list[Placed]]:
-        """Place and encode requests ``idx`` (validated)."""
-        reqs, parts = self._validated(idx)
-        items = [self.p.items.build(q, p[0]) for q, p in zip(reqs, parts, strict=True)]
-        placed = await placer.place(self.r, items, shards)
-        encoded = Encoded()
-        keys = self.prefix_keys
-        for q, part, pl, i in zip(reqs, parts, placed, idx, strict=True):
-            # indexes need not touch
-            one = self.enc.encode([q], [part], [pl], i, keys=[keys[i]], inline=inline)
-            encoded.new_prefixes.update(one.new_prefixes)
-            for shard, rows in one.by_shard.items():
-                encoded.by_shard.setdefault(shard, []).extend(rows)
-        return encoded, placed
-
-    def _validated(self, idx: Sequence[int]) -> tuple[list[Request], list[Parts]]:
-        reqs, parts = [], []
-        for i in idx:
-            q, p = self.reqs[i], self.parts[i]
-            assert q is not None and p is not None, f"request {i} not validated"
-            reqs.append(q)
-            parts.append(p)
-        return reqs, parts
-
     async def _create(self, shards: int, placement: str | Placer, order: str) -> None:
         """The burst record and its id list, once, in one round trip (BurstIdTaken, a
         ValidationError, if the id is taken)."""
-        meta = {
-            "total": self.n,
-            "done": 0,
-            "failed": 0,
-            "created": self.enc.enqueued,
-            "status": "queued",
-            "shards": shards,
-            "codec": self.s.codec,
-            "placement": placement if isinstance(placement, str) else type(placement).__name__,
-            "order": order,
-            **self.meta,
-        }
-        flat = [x for kv in meta.items() for x in kv]
-        keys = self.keys
-        staged = keys.staged_ids(self.burst, self.token)
-        ids = self._ids()
-        pipe = self.r.pipeline(transaction=False)
-        pipe.delete(staged)  # a pipeline the client sends again starts the list afresh
-        for start in range(0, len(ids), _IDS_CHUNK):
-            pipe.rpush(staged, *ids[start : start + _IDS_CHUNK])
-        pipe.expire(staged, _STAGED_TTL_S)
-        keys_args = [keys.burst(self.burst), staged, keys.ids(self.burst)]
-        pipe.eval(lua("create_burst"), 3, *keys_args, self.token, self.n, len(meta), *flat)
-        *writes, created = await pipe.execute(raise_on_error=False)
-        if isinstance(created, Exception):
-            raise created
-        if created == -1:  # a push of the ids was refused (out of memory): nothing was created
-            raise next((x for x in writes if isinstance(x, Exception)), RedisError(str(writes)))
-        if not created:
-            raise BurstIdTaken(f"burst {self.burst!r} already exists")
-        self.created = True
+        await self.writer.create(self.requests.id_list(), shards, placement, order)
 
     async def _send(
         self, idx: Sequence[int], chunk: tuple[Encoded, list[Placed]], *, first: bool = False
     ) -> None:
-        """One pipeline: new prefixes (SET NX + TTL, before the entries that refer to them), the
-        entries (to the intakes and the lanes: layout.py) and the shards' load counters; with the
-        head, the ids and the burst indexes."""
-        encoded, placed = chunk
-        keys, ttl = self.keys, self.s.prefix_ttl_s
-
-        def prefixes(pipe: Any) -> None:
-            for ref, value in encoded.new_prefixes.items():
-                pipe.set(keys.prefix(ref), value, nx=True, ex=ttl)
-                pipe.expire(keys.prefix(ref), ttl)
-
-        def entries(pipe: Any) -> None:
-            self.layout.add(pipe, encoded.by_shard, first=first)
-            if first:
-                pipe.zadd(keys.bursts, {self.burst: self.enc.enqueued})
-                if "deadline" in self.meta:
-                    pipe.zadd(keys.deadlines, {self.burst: self.meta["deadline"]})
-
-        def both(pipe: Any) -> None:
-            prefixes(pipe)
-            entries(pipe)
-
-        self.sending = len(idx)
-        if self.cluster and encoded.new_prefixes:
-            # the prefix keys live in other slots (other masters) than the streams, and a cluster
-            # pipeline sends to each master at once: the prefixes are written (answered) first,
-            # so an entry never reaches a worker before the prefix it refers to (ordering in
-            # place of one pipeline's order)
-            stored = await self._execute(prefixes, idx)
-            replies = [*stored, *await self._execute(entries, idx)]
-        else:
-            replies = await self._execute(both, idx)
-        self.sending = 0  # answered: what was refused is raised below, and was not written
-        for x in replies:  # a lane left behind by an expired burst of the same id keeps its group
-            if isinstance(x, Exception) and "BUSYGROUP" not in str(x):
-                raise x
-        fresh = [bool(x) for x in replies[: 2 * len(encoded.new_prefixes) : 2]]
-        self.enc.stored(encoded.new_prefixes, fresh)
-        self.per_shard.update(p.shard for p in placed)
-        for i in idx:  # sent: what a submit holds stays one chunk of parsed requests
-            self.reqs[i] = self.parts[i] = None
-        self.sent += len(idx)
+        """Requests ``idx``'s pipeline (`BurstWriter.send`; with the head, the burst indexes);
+        once it is answered they are dropped, and ``progress`` hears of them."""
+        await self.writer.send(len(idx), chunk, first=first)
+        self.requests.drop(idx)
         if self.progress:
-            self.progress(self.sent, self.n)
-
-    def _held(self, counted: int) -> str:
-        """What a failed submit says Redis holds, from `count_enqueued`'s ``counted``. On a
-        cluster a pipeline goes to every master at once, and when one master fails redis-py raises
-        while the others may still be writing their part of the chunk: the count is then a lower
-        bound, and the chunk in flight the upper one."""
-        if self.cluster and self.sending and counted < self.sent + self.sending:
-            return (
-                f"at least {counted} and at most {self.sent + self.sending} of its {self.n} "
-                "requests"
-            )
-        return f"{counted} of its {self.n} requests"
-
-    async def _execute(self, build: Callable[[Any], None], idx: Sequence[int]) -> list[Any]:
-        """The replies of a pipeline that ``build`` fills. On a Redis Cluster an error a failover
-        causes (the master gone, CLUSTERDOWN or TRYAGAIN while its replica is promoted, a slot
-        moved) sends the pipeline again, for up to `RIDE_THROUGH_S`, with one log line per
-        outage: the submit rides through. What the failed try wrote stays: a request of it may
-        be enqueued twice, and still gets one result (record_result.lua keeps the first; the
-        other is acked unrecorded). On a single Redis an error is raised at once (`_abandon`)."""
-        backoff = Backoff(0.05, 1.0)
-        give_up = time.monotonic() + RIDE_THROUGH_S
-        mark = self.layout.mark()
-        while True:
-            self.layout.rewind(mark)  # a lane's group, index entry and places are sent again too
-            pipe = self.r.pipeline(transaction=False)
-            build(pipe)
-            try:
-                replies: list[Any] = await pipe.execute(raise_on_error=False)
-            except Exception as e:
-                if not (self.cluster and transient(e)) or time.monotonic() >= give_up:
-                    raise
-                err: BaseException = e
-            else:
-                bad = [x for x in replies if isinstance(x, Exception) and transient(x)]
-                if not (self.cluster and bad) or time.monotonic() >= give_up:
-                    backoff.reset()
-                    return replies
-                err = bad[0]
-            first, last = self.sent + 1, self.sent + len(idx)
-            await backoff.wait(f"burst {self.burst}: sending requests {first}-{last}", err)
-
-    def _ids(self) -> list[str]:
-        """The burst's request ids in input order (a checked file's, or each request's: parsed
-        already, or the id its parse will give it, since a cancel may need them before they are
-        validated)."""
-        if self.file is not None:
-            return list(self.file.ids)
-        return [self._raw_id(i) for i in range(self.n)]
-
-    def _raw_id(self, i: int) -> str:
-        q = self.reqs[i]
-        return q.id if q is not None else raw_id(self.raw[i], i)
-
-    async def _finish(self, shards: int) -> None:
-        sz = self.enc.sizes
-        fields = {
-            "per_shard": ",".join(str(self.per_shard[k]) for k in range(shards)),
-            "prefixes": sz.prefixes,
-            "prefix_bytes": sz.prefixes_new,
-            "prefix_bytes_reused": sz.prefixes_reused,
-            "raw_bytes": sz.raw,
-            "entry_bytes": sz.entries,
-            "encoded_bytes": sz.entries + sz.prefixes_new,
-        }
-        pipe = self.r.pipeline(transaction=False)
-        pipe.hset(self.keys.burst(self.burst), mapping=fields)
-        self.layout.seal(pipe)
-        pipe.zrange(self.keys.bursts, 0, _PRUNE - 1)
-        oldest = (await pipe.execute())[-1]
-        await self._prune(oldest)
-        log.info(
-            "burst %s: %d requests on %d shards (%s), %d -> %d bytes",
-            self.burst,
-            self.n,
-            shards,
-            fields["per_shard"],
-            sz.raw,
-            fields["encoded_bytes"],
-        )
-
-    async def _prune(self, oldest: list[bytes]) -> None:
-        """Drop the burst index's oldest entries whose record is gone (expired after its
-        ``result_ttl_s``, or evicted): a few per submit, so the index stays as long as the
-        bursts Redis still holds (`prefixq inspect` prunes the same way)."""
-        if not oldest:
-            return
-        pipe = self.r.pipeline(transaction=False)
-        for b in oldest:
-            pipe.exists(self.keys.burst(b.decode()))
-        gone = [b for b, alive in zip(oldest, await pipe.execute(), strict=True) if not alive]
-        if gone:
-            await self.r.zrem(self.keys.bursts, *gone)
+            self.progress(self.writer.sent, self.n)
 
     async def _abandon(self, err: BaseException) -> None:
         """A request refused, or Redis failed, after the head was sent: cancel the burst as a
@@ -590,12 +281,13 @@ class _Submission:
         number of its requests Redis really holds (store/census.py: a pipeline Redis processed
         in part before the connection dropped counts too), or, when Redis cannot be asked, the
         bounds the producer knows."""
-        if not self.created:
+        w = self.writer
+        if not w.created:
             return
         log.error(
             "burst %s: submit failed after %d of %d requests: %s",
             self.burst,
-            self.sent,
+            w.sent,
             self.n,
             err,
         )
@@ -616,21 +308,21 @@ class _Submission:
                 self.layout.seal(pipe)
                 await pipe.execute()
             note = (
-                f"; {self._held(enqueued)} had been enqueued, so burst {self.burst} "
+                f"; {w.held(enqueued)} had been enqueued, so burst {self.burst} "
                 "was cancelled as a whole (what already finished keeps its result)"
             )
         except Exception as e:  # Redis itself may be what failed
             log.error("could not cancel burst %s: %s", self.burst, e)
             if enqueued is not None:
-                part = self._held(enqueued)
-            elif self.sending:  # Redis may have processed part of the pipeline it never answered
-                first, last = self.sent + 1, self.sent + self.sending
+                part = w.held(enqueued)
+            elif w.sending:  # Redis may have processed part of the pipeline it never answered
+                first, last = w.sent + 1, w.sent + w.sending
                 part = (
-                    f"at least {self.sent} and at most {last} of its {self.n} requests: Redis "
+                    f"at least {w.sent} and at most {last} of its {self.n} requests: Redis "
                     f"stopped answering while requests {first}-{last} were being sent"
                 )
             else:
-                part = f"{self.sent} of its {self.n} requests"
+                part = f"{w.sent} of its {self.n} requests"
             note = (
                 f"; burst {self.burst} is partly enqueued ({part}) and could not be cancelled: "
                 f"run `prefixq cancel {self.burst}`"

@@ -1,7 +1,9 @@
 """Wait for, stream and collect a burst's results: blocking (`wait`, `iterate`, `collect`,
 `status`: CLI, RQ jobs, scripts) and on an event loop (`await_`, `aiterate`, `acollect`,
 `astatus`). A `Burst` handle (client/burst.py) calls these with its own settings and clients;
-they take a burst id for code that only has the id as a string.
+they take a burst id for code that only has the id as a string. A blocking function and its
+event-loop twin share what their loops decide (client/read_loops.py, no I/O); what Redis keeps is
+decoded by client/stored.py.
 
 Results live in one hash per burst (input index -> encoded `Result`); every recorded result also
 adds an entry to the burst's events stream, which waiters block on (XREAD) instead of polling.
@@ -11,11 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -23,17 +22,13 @@ import redis
 import redis.asyncio as aredis
 from redis.exceptions import RedisError
 
+from prefixq.client.read_loops import Waits, chunk, chunks, leading
+from prefixq.client.stored import BurstStatus, decoded, read_stored, status_of, unreadable
 from prefixq.core import wire
-from prefixq.core.errors import (
-    BurstNotFound,
-    BurstRecordLost,
-    BurstTimeout,
-    ValidationError,
-    WireError,
-)
 from prefixq.core.records import Result
 from prefixq.core.settings import Settings
-from prefixq.store.connection import adescribe, async_client, describe, sync_client
+from prefixq.store.connection import async_client, sync_client
+from prefixq.store.redis_errors import adescribe, describe
 
 __all__ = [
     "BurstStatus",
@@ -51,8 +46,6 @@ __all__ = [
     "write_lines",
 ]
 
-_FETCH = 512
-
 
 def out_path_problem(path: str | os.PathLike[str]) -> str | None:
     """Why a burst's results could not be written to ``path`` (checked before the burst is
@@ -63,65 +56,6 @@ def out_path_problem(path: str | os.PathLike[str]) -> str | None:
     if not os.path.isdir(folder):
         return f"is in a folder that does not exist ({folder!r})"
     return None
-
-
-def read_stored(raw: bytes, index: int, rid: str, limits: wire.Limits) -> Result:
-    """A recorded result; one that does not decode (a value written over in Redis) becomes a
-    failed result that says so, with code ``internal_error``: one unreadable value costs its own
-    line, never the burst's other results."""
-    try:
-        return Result.from_wire(wire.decode(raw, limits))
-    except (WireError, KeyError, TypeError, ValueError, IndexError) as e:
-        return Result(
-            id=rid,
-            index=index,
-            error=f"its recorded result does not decode: {e}",
-            error_code="internal_error",
-        )
-
-
-@dataclass(slots=True)
-class BurstStatus:
-    """A burst's record and progress."""
-
-    burst: str
-    total: int
-    done: int
-    failed: int
-    status: str
-    created: float
-    finished_at: float
-    meta: dict[str, str]
-
-    @property
-    def finished(self) -> bool:
-        return self.total > 0 and self.done + self.failed >= self.total
-
-    @classmethod
-    def from_hash(cls, burst: str, h: dict[bytes, bytes]) -> BurstStatus:
-        """The status in a burst record; BurstRecordLost if the record has no valid ``total``
-        (a partial record: what is left of one that expired or was evicted)."""
-        m = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in h.items()}
-        try:
-            total = int(m["total"])
-            if total <= 0:
-                raise ValueError(total)
-            return cls(
-                burst=burst,
-                total=total,
-                done=int(m.get("done", 0)),
-                failed=int(m.get("failed", 0)),
-                status=m.get("status", "?"),
-                created=float(m.get("created", 0)),
-                finished_at=float(m.get("finished_at", 0)),
-                meta=m,
-            )
-        except (KeyError, ValueError):
-            raise BurstRecordLost(
-                f"burst {burst!r}: its record is incomplete (fields: {', '.join(sorted(m))}): it "
-                "expired or was evicted, and was partly written again; its results cannot be "
-                "read as complete or finished. Submit the burst again"
-            ) from None
 
 
 class _Session:
@@ -137,7 +71,7 @@ class _Session:
     def status(self) -> BurstStatus:
         with self.redis_errors():
             h = self.r.hgetall(self.keys.burst(self.burst))
-        return _status(self.burst, self.settings, h)
+        return status_of(self.burst, self.settings, h)
 
     def block(self, last: str, ms: int) -> str:
         """Wait until a result is recorded after event ``last`` (or ``ms`` pass)."""
@@ -150,8 +84,8 @@ class _Session:
     def fetch(self, indexes: range) -> list[Result | None]:
         with self.redis_errors():
             raw = self.r.hmget(self.keys.results(self.burst), list(indexes))
-        out = _decoded(indexes, raw, self.limits)
-        for res in _unreadable(out):
+        out = decoded(indexes, raw, self.limits)
+        for res in unreadable(out):
             with self.redis_errors():  # the unreadable result's request id, if still kept
                 rid = self.r.lindex(self.keys.ids(self.burst), res.index)
             res.id = (rid or b"").decode("utf-8", "replace")
@@ -166,29 +100,9 @@ class _Session:
             raise describe(self.settings, e) from e
 
 
-def _status(burst: str, settings: Settings, h: dict[bytes, bytes]) -> BurstStatus:
-    if not h:
-        raise BurstNotFound(
-            f"no burst {burst!r} in namespace {settings.namespace!r}: it was never "
-            "submitted, or its record expired (result_ttl_s) or was evicted"
-        )
-    return BurstStatus.from_hash(burst, h)
-
-
-def _decoded(indexes: range, raw: list[bytes | None], limits: wire.Limits) -> list[Result | None]:
-    return [
-        None if v is None else read_stored(v, i, "", limits)
-        for i, v in zip(indexes, raw, strict=True)
-    ]
-
-
-def _unreadable(results: list[Result | None]) -> list[Result]:
-    """Results stored unreadably (read as internal_error without their request id)."""
-    return [r for r in results if r is not None and r.error_code == "internal_error" and not r.id]
-
-
 class _AsyncSession:
-    """`_Session` on an event loop: the caller's client, or one of its own for the call."""
+    """`_Session` on an event loop: the caller's client, or one of its own for the call (closed
+    when ``async with`` ends)."""
 
     def __init__(self, burst: str, settings: Settings | None, client: aredis.Redis | None) -> None:
         self.settings = settings or Settings.from_env()
@@ -198,13 +112,16 @@ class _AsyncSession:
         self.burst = burst
         self.limits = wire.Limits.from_settings(self.settings)
 
-    async def close(self) -> None:
+    async def __aenter__(self) -> _AsyncSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
         if self.own:
             await self.r.aclose()
 
     async def status(self) -> BurstStatus:
         h = await self._call(self.r.hgetall(self.keys.burst(self.burst)))
-        return _status(self.burst, self.settings, h)
+        return status_of(self.burst, self.settings, h)
 
     async def block(self, last: str, ms: int) -> str:
         events = {self.keys.events(self.burst): last}
@@ -213,8 +130,8 @@ class _AsyncSession:
 
     async def fetch(self, indexes: range) -> list[Result | None]:
         raw = await self._call(self.r.hmget(self.keys.results(self.burst), list(indexes)))
-        out = _decoded(indexes, raw, self.limits)
-        for res in _unreadable(out):
+        out = decoded(indexes, raw, self.limits)
+        for res in unreadable(out):
             rid = await self._call(self.r.lindex(self.keys.ids(self.burst), res.index))
             res.id = (rid or b"").decode("utf-8", "replace")
         return out
@@ -246,26 +163,6 @@ def unrecorded_ids(
         return max(0, total - int(ses.r.llen(ses.keys.ids(burst))))
 
 
-def _deadline(timeout: float | None) -> float | None:
-    """The monotonic time ``timeout`` s from now; None (no limit) for None or infinity."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or math.isnan(timeout):
-        raise ValidationError(f"timeout must be a number of seconds or None, not {timeout!r}")
-    if timeout == math.inf:
-        return None
-    return time.monotonic() + timeout
-
-
-def _wait_ms(deadline: float | None) -> int:
-    """How long one blocking read may wait: a second, or what is left before ``deadline``
-    (monotonic, None: no limit); 0 once it has passed."""
-    if deadline is None:
-        return 1000
-    left = deadline - time.monotonic()
-    return 0 if left <= 0 else max(1, min(1000, int(left * 1000)))
-
-
 def wait(
     burst: str,
     settings: Settings | None = None,
@@ -276,20 +173,13 @@ def wait(
 ) -> BurstStatus:
     """Block until every request of the burst has a result; BurstTimeout past ``timeout`` s."""
     ses = _Session(burst, settings, client)
-    deadline = _deadline(timeout)
-    last = "0-0"
+    waits = Waits(burst, timeout)
     while True:
         st = ses.status()
-        if progress:
-            progress(st)
-        if st.finished:
+        ms = waits.until_finished(st, progress)
+        if ms is None:
             return st
-        ms = _wait_ms(deadline)
-        if not ms:
-            raise BurstTimeout(
-                f"burst {burst}: {st.done + st.failed}/{st.total} results after {timeout:.0f}s"
-            )
-        last = ses.block(last, ms)
+        waits.last = ses.block(waits.last, ms)
 
 
 def iterate(
@@ -302,21 +192,15 @@ def iterate(
     """Yield results in input order, each as soon as it and all before it are recorded."""
     ses = _Session(burst, settings, client)
     total = ses.status().total
-    deadline = _deadline(timeout)
-    nxt, last = 0, "0-0"
+    waits = Waits(burst, timeout)
+    nxt = 0
     while nxt < total:
-        got = ses.fetch(range(nxt, min(total, nxt + _FETCH)))
-        for res in got:
-            if res is None:
-                break
-            yield res
-            nxt += 1
-        else:
-            continue
-        ms = _wait_ms(deadline)
-        if not ms:
-            raise BurstTimeout(f"burst {burst}: {nxt}/{total} results in order after {timeout}s")
-        last = ses.block(last, ms)
+        got = ses.fetch(chunk(nxt, total))
+        ready = leading(got)
+        yield from ready
+        nxt += len(ready)
+        if len(ready) < len(got):
+            waits.last = ses.block(waits.last, waits.until_next(nxt, total))
 
 
 def collect(
@@ -325,21 +209,15 @@ def collect(
     """Every recorded result, in input order (missing ones are skipped)."""
     ses = _Session(burst, settings, client)
     total = ses.status().total
-    out: list[Result] = []
-    for start in range(0, total, _FETCH):
-        out.extend(r for r in ses.fetch(range(start, min(total, start + _FETCH))) if r)
-    return out
+    return [r for indexes in chunks(total) for r in ses.fetch(indexes) if r]
 
 
 async def astatus(
     burst: str, settings: Settings | None = None, *, client: aredis.Redis | None = None
 ) -> BurstStatus:
     """`status` on an event loop."""
-    ses = _AsyncSession(burst, settings, client)
-    try:
+    async with _AsyncSession(burst, settings, client) as ses:
         return await ses.status()
-    finally:
-        await ses.close()
 
 
 async def await_(
@@ -352,24 +230,14 @@ async def await_(
 ) -> BurstStatus:
     """`wait` on an event loop (``await`` is Python's, so the a-prefixed name takes PEP 8's
     trailing underscore)."""
-    ses = _AsyncSession(burst, settings, client)
-    deadline = _deadline(timeout)
-    last = "0-0"
-    try:
+    async with _AsyncSession(burst, settings, client) as ses:
+        waits = Waits(burst, timeout)
         while True:
             st = await ses.status()
-            if progress:
-                progress(st)
-            if st.finished:
+            ms = waits.until_finished(st, progress)
+            if ms is None:
                 return st
-            ms = _wait_ms(deadline)
-            if not ms:
-                raise BurstTimeout(
-                    f"burst {burst}: {st.done + st.failed}/{st.total} results after {timeout:.0f}s"
-                )
-            last = await ses.block(last, ms)
-    finally:
-        await ses.close()
+            waits.last = await ses.block(waits.last, ms)
 
 
 async def aiterate(
@@ -380,44 +248,27 @@ async def aiterate(
     client: aredis.Redis | None = None,
 ) -> AsyncIterator[Result]:
     """`iterate` on an event loop: ``async for result in aiterate(...)``."""
-    ses = _AsyncSession(burst, settings, client)
-    try:
+    async with _AsyncSession(burst, settings, client) as ses:
         total = (await ses.status()).total
-        deadline = _deadline(timeout)
-        nxt, last = 0, "0-0"
+        waits = Waits(burst, timeout)
+        nxt = 0
         while nxt < total:
-            got = await ses.fetch(range(nxt, min(total, nxt + _FETCH)))
-            for res in got:
-                if res is None:
-                    break
+            got = await ses.fetch(chunk(nxt, total))
+            ready = leading(got)
+            for res in ready:
                 yield res
-                nxt += 1
-            else:
-                continue
-            ms = _wait_ms(deadline)
-            if not ms:
-                raise BurstTimeout(
-                    f"burst {burst}: {nxt}/{total} results in order after {timeout}s"
-                )
-            last = await ses.block(last, ms)
-    finally:
-        await ses.close()
+            nxt += len(ready)
+            if len(ready) < len(got):
+                waits.last = await ses.block(waits.last, waits.until_next(nxt, total))
 
 
 async def acollect(
     burst: str, settings: Settings | None = None, *, client: aredis.Redis | None = None
 ) -> list[Result]:
     """`collect` on an event loop."""
-    ses = _AsyncSession(burst, settings, client)
-    try:
+    async with _AsyncSession(burst, settings, client) as ses:
         total = (await ses.status()).total
-        out: list[Result] = []
-        for start in range(0, total, _FETCH):
-            got = await ses.fetch(range(start, min(total, start + _FETCH)))
-            out.extend(r for r in got if r)
-        return out
-    finally:
-        await ses.close()
+        return [r for indexes in chunks(total) for r in await ses.fetch(indexes) if r]
 
 
 def write_jsonl(

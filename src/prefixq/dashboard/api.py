@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from prefixq.client import results as results_api
-from prefixq.client.producer import check_burst_id
+from prefixq.client.submit_args import check_burst_id
 from prefixq.core.errors import BurstNotFound, ConfigError, ValidationError
 from prefixq.core.settings import Settings
 from prefixq.dashboard.access import ACTION_HEADER, Access

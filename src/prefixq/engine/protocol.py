@@ -1,7 +1,8 @@
 """The seam between the worker loop and an inference engine.
 
 `VllmEngine` (vllm_engine.py) is the real one; tests may put a deterministic engine behind the same
-protocol to inject faults into the worker loop.
+protocol to inject faults into the worker loop. `EngineSizes` gives an implementation the
+protocol's two read-only sizes.
 """
 
 from __future__ import annotations
@@ -52,6 +53,22 @@ class EngineOutput:
             sum(len(c.token_ids) for c in self.choices) if self.choices else len(self.token_ids)
         )
         res.timings.first_token = self.first_token
+
+
+class EngineSizes:
+    """`Engine.max_num_seqs` and `Engine.block_size`, read-only, for an implementation to inherit:
+    it sets ``_max_num_seqs`` and ``_block_size`` (when built, or once its engine has started)."""
+
+    _max_num_seqs: int
+    _block_size: int
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self._max_num_seqs
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
 
 
 class Engine(Protocol):

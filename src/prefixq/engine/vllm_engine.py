@@ -24,7 +24,7 @@ from prefixq.core.errors import (
     SetupError,
 )
 from prefixq.core.sampling import DEFAULT_MAX_TOKENS
-from prefixq.engine.protocol import EngineOutput, EngineRequest
+from prefixq.engine.protocol import EngineOutput, EngineRequest, EngineSizes
 from prefixq.engine.vllm_compat import cpu_block_size, is_retryable
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ def _clamp(lp: float) -> float:
     return float(lp) if lp > MIN_LOGPROB else MIN_LOGPROB
 
 
-class VllmEngine:
+class VllmEngine(EngineSizes):
     """`Engine` over `vllm.v1.engine.async_llm.AsyncLLM`."""
 
     def __init__(self, model: str, engine_args: Mapping[str, Any] | None = None) -> None:
@@ -137,14 +137,6 @@ class VllmEngine:
         #: request ids aborted before or while they ran (bounded; see `abort`)
         self._aborted: OrderedDict[str, None] = OrderedDict()
         self._running: set[str] = set()
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self._max_num_seqs
-
-    @property
-    def block_size(self) -> int:
-        return self._block_size
 
     async def start(self) -> None:
         try:

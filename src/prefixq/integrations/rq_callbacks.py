@@ -27,14 +27,9 @@ from prefixq.core.checks import callback_path
 from prefixq.core.errors import ConfigError, ValidationError
 from prefixq.core.settings import Settings
 from prefixq.store.burst_end import OnBurstDone
-from prefixq.store.connection import (
-    TRANSIENT,
-    cluster_mode,
-    describe,
-    is_cluster,
-    redact,
-    sync_client,
-)
+from prefixq.store.connection import cluster_mode, is_cluster, sync_client
+from prefixq.store.redis_errors import TRANSIENT, describe
+from prefixq.store.redis_url import redact
 from prefixq.worker.middleware import Middleware
 from prefixq.worker.view import WorkerView
 

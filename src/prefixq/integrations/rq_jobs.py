@@ -25,7 +25,8 @@ from rq import get_current_job
 from rq.job import Job
 
 from prefixq.client import results
-from prefixq.client.producer import Producer, check_burst_id, new_burst_id
+from prefixq.client.producer import Producer
+from prefixq.client.submit_args import check_burst_id, new_burst_id
 from prefixq.core.errors import (
     BurstFailed,
     BurstIdTaken,
@@ -38,7 +39,8 @@ from prefixq.core.records import Request
 from prefixq.core.settings import Settings
 from prefixq.integrations.rq_callbacks import RQ_ON_COMPLETE, enqueue_on_complete
 from prefixq.store import burst_end
-from prefixq.store.connection import redact, sync_client
+from prefixq.store.connection import sync_client
+from prefixq.store.redis_url import redact
 
 __all__ = ["DEFAULT_TIMEOUT", "run_burst"]
 

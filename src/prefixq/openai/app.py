@@ -34,7 +34,8 @@ from prefixq.openai.batches import BatchStore
 from prefixq.openai.pages import parse_limit
 from prefixq.openai.runner import Sweeper
 from prefixq.store.burst_end import AsyncBurstDone
-from prefixq.store.connection import async_client, describe, sync_client
+from prefixq.store.connection import async_client, sync_client
+from prefixq.store.redis_errors import describe
 
 __all__ = ["Extension", "Served", "create_app"]
 

@@ -51,7 +51,8 @@ def _uid(prefix: str, burst: str, index: int) -> str:
 
 
 def error_code(res: Result) -> str | None:
-    """The result's error code (None on success): one of `prefixq.core.records.ERROR_CODES`."""
+    """The result's error code (None on success): one of
+    `prefixq.core.result_record.ERROR_CODES`."""
     if res.error is None:
         return None
     if res.error_code:

@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator
 
 import redis.asyncio as aredis
 
-from prefixq.store.connection import TRANSIENT, lua, raise_if_cancelled
+from prefixq.store.connection import lua, raise_if_cancelled
+from prefixq.store.redis_errors import TRANSIENT
 
 __all__ = ["RENEW_S", "TTL_MS", "acquire", "held", "release"]
 

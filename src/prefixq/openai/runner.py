@@ -37,7 +37,8 @@ from prefixq.openai.files import new_file_id
 from prefixq.openai.formats import Line, Usage, format_result
 from prefixq.openai.validate import check_input
 from prefixq.store import burst_end
-from prefixq.store.connection import TRANSIENT, raise_if_cancelled
+from prefixq.store.connection import raise_if_cancelled
+from prefixq.store.redis_errors import TRANSIENT
 
 __all__ = ["Sweeper"]
 

@@ -18,15 +18,10 @@ from redis.exceptions import RedisError
 
 from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
-from prefixq.store.connection import (
-    describe,
-    error_text,
-    is_cluster,
-    redact,
-    refused,
-    sync_client,
-)
+from prefixq.store.connection import is_cluster, sync_client
 from prefixq.store.policy import check_policy
+from prefixq.store.redis_errors import describe, error_text, refused
+from prefixq.store.redis_url import redact
 from prefixq.store.topology import layout_lines
 
 log = logging.getLogger(__name__)

@@ -38,8 +38,9 @@ from prefixq.store.dead_letters import (
     identify,
 )
 from prefixq.store.deployment import resolve_shards
+from prefixq.store.scripts import BURST_DONE, FINISHED_DUPLICATE, record_call
+from prefixq.worker.deliveries import group_lost
 from prefixq.worker.reclaim import over_limit
-from prefixq.worker.shard import BURST_DONE, FINISHED_DUPLICATE, group_lost, record_call
 
 __all__ = ["ReclaimReport", "Recovery", "RequeueReport"]
 

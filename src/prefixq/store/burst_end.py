@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Generator, Iterator
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 import redis.asyncio as aredis
@@ -28,9 +28,10 @@ import redis.asyncio as aredis
 from prefixq.core import wire
 from prefixq.core.errors import BurstNotFound, BurstRecordLost
 from prefixq.core.keys import Keys
-from prefixq.core.records import ENDED_ERRORS, Result
+from prefixq.core.result_record import ENDED_ERRORS, Result
 from prefixq.core.settings import Settings
-from prefixq.store.connection import TRANSIENT, describe, lua, sync_client
+from prefixq.store.connection import lua, sync_client
+from prefixq.store.redis_errors import TRANSIENT, describe
 
 __all__ = [
     "CHUNK",
@@ -50,6 +51,14 @@ log = logging.getLogger(__name__)
 BurstDone = Callable[[redis.Redis, Settings, str], object]
 #: the same on an event loop (prefixq.integrations.rq_callbacks.aenqueue_on_complete)
 AsyncBurstDone = Callable[[aredis.Redis, Settings, str], Awaitable[object]]
+
+#: one Redis call as a function of the client: a blocking client's gives the reply, an asyncio
+#: client's an awaitable of it
+_Call = Callable[[Any], Any]
+T = TypeVar("T")
+#: Redis calls written once for both kinds of client: a generator that yields each `_Call` and
+#: is sent its reply; `_run` drives it with a blocking client, `_arun` on an event loop
+_Steps = Generator[_Call, Any, T]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +86,8 @@ NO_ID = (
 )
 #: the worker name failed results carry
 _WRITER = {"cancelled": "prefixq-cancel", "expired": "prefixq-expire"}
+#: the fields of a burst record `_counts` reads
+_COUNTED = ("total", "done", "failed", "status")
 
 
 @dataclass(slots=True)
@@ -99,8 +110,8 @@ class CancelReport:
 
 
 class _Finisher:
-    """The I/O-free part of finishing a burst's missing results, shared by the sync and async
-    drivers below: which commands to send for a chunk, and what to make of the replies."""
+    """The I/O-free part of finishing a burst's missing results, for `_finishing`: which
+    commands to send for a chunk, and what to make of the replies."""
 
     def __init__(self, keys: Keys, settings: Settings, burst: str, reason: str) -> None:
         self.keys, self.settings, self.burst, self.reason = keys, settings, burst, reason
@@ -140,11 +151,89 @@ class _Finisher:
         self.state = state
         self.completed = self.completed or state == _COMPLETED
 
+    def look(self, chunk: range) -> _Call:
+        """A pipeline asking which indexes of ``chunk`` have a result, and their request ids."""
+
+        def call(r: Any) -> Any:
+            pipe = r.pipeline(transaction=False)
+            for i in chunk:
+                pipe.hexists(self.keys.results(self.burst), str(i))
+            pipe.lrange(self.keys.ids(self.burst), chunk.start, chunk.stop - 1)
+            return pipe.execute()
+
+        return call
+
+    def script(self, args: list[Any]) -> _Call:
+        """A finish_missing call with ARGV ``args``."""
+        keys = self.script_keys
+        return lambda r: r.register_script(lua("finish_missing"))(keys=keys, args=args)
+
 
 def _no_index(f: _Finisher) -> list[Any]:
     """ARGV for a call with no index: it marks the burst ``cancelling``/``expiring`` (first
     call), or completes it if every result is in by now (last call)."""
     return [f.reason, f.settings.result_ttl_s, repr(f.now)]
+
+
+# ---- the steps, written once, and their drivers -------------------------------------------------
+def _finishing(f: _Finisher, total: int) -> _Steps[None]:
+    """Fail every index of the burst below ``total`` that has no result, a chunk at a time."""
+    f.absorb((yield f.script(_no_index(f))))
+    for chunk in f.chunks(total):
+        *exists, ids = yield f.look(chunk)
+        args = f.args(chunk, exists, ids)
+        if args is not None:
+            f.absorb((yield f.script(args)))
+    if not f.completed and f.state == _STILL_MISSING:
+        f.absorb((yield f.script(_no_index(f))))
+
+
+def _cancelling(
+    settings: Settings, burst: str, on_burst_done: Callable[..., Any] | None
+) -> _Steps[CancelReport]:
+    """`cancel` and `acancel`, step by step."""
+    keys = settings.keys
+    before = _counts((yield lambda r: r.hmget(keys.burst(burst), *_COUNTED)), burst)
+    if before is None:
+        raise BurstNotFound(f"no burst {burst!r} in namespace {settings.namespace!r}")
+    total, done, failed, status = before
+    if done + failed >= total:
+        return CancelReport(burst, status, total, done, failed, 0, True)
+    f = _Finisher(keys, settings, burst, "cancelled")
+    yield from _finishing(f, total)
+    notice = _notice(burst, (yield lambda r: r.hget(keys.burst(burst), "created")))
+    yield lambda r: r.xadd(keys.cancels, notice, **_KEEP)
+    yield lambda r: r.zrem(keys.deadlines, burst)
+    if f.completed and on_burst_done is not None:
+        yield lambda r: on_burst_done(r, settings, burst)
+    after = _counts((yield lambda r: r.hmget(keys.burst(burst), *_COUNTED)), burst)
+    total, done, failed, status = after or before
+    log.info("burst %s cancelled: %d requests failed as cancelled", burst, f.recorded)
+    return CancelReport(burst, status, total, done, failed, f.recorded, False, f.completed)
+
+
+def _run(r: redis.Redis, steps: _Steps[T]) -> T:
+    """Make the calls of ``steps`` with a blocking client; what the steps return."""
+    reply = None
+    while True:
+        try:
+            call = steps.send(reply)
+        except StopIteration as end:
+            value: T = end.value
+            return value
+        reply = call(r)
+
+
+async def _arun(r: aredis.Redis, steps: _Steps[T]) -> T:
+    """`_run` with an asyncio client."""
+    reply = None
+    while True:
+        try:
+            call = steps.send(reply)
+        except StopIteration as end:
+            value: T = end.value
+            return value
+        reply = await call(r)
 
 
 # ---- sync -------------------------------------------------------------------------------------
@@ -162,50 +251,12 @@ def cancel(
     """
     r = client or sync_client(settings)
     try:
-        return _cancel(r, settings, burst, on_burst_done)
+        return _run(r, _cancelling(settings, burst, on_burst_done))
     except TRANSIENT as e:
         raise describe(settings, e) from e
     finally:
         if client is None:
             r.close()
-
-
-def _cancel(
-    r: redis.Redis, settings: Settings, burst: str, on_burst_done: BurstDone | None
-) -> CancelReport:
-    keys = settings.keys
-    before = _counts(r.hmget(keys.burst(burst), "total", "done", "failed", "status"), burst)
-    if before is None:
-        raise BurstNotFound(f"no burst {burst!r} in namespace {settings.namespace!r}")
-    total, done, failed, status = before
-    if done + failed >= total:
-        return CancelReport(burst, status, total, done, failed, 0, True)
-    f = _Finisher(keys, settings, burst, "cancelled")
-    _finish(r, f, total)
-    r.xadd(keys.cancels, _notice(burst, r.hget(keys.burst(burst), "created")), **_KEEP)
-    r.zrem(keys.deadlines, burst)
-    if f.completed and on_burst_done is not None:
-        on_burst_done(r, settings, burst)
-    after = _counts(r.hmget(keys.burst(burst), "total", "done", "failed", "status"), burst)
-    total, done, failed, status = after or before
-    log.info("burst %s cancelled: %d requests failed as cancelled", burst, f.recorded)
-    return CancelReport(burst, status, total, done, failed, f.recorded, False, f.completed)
-
-
-def _finish(r: redis.Redis, f: _Finisher, total: int) -> None:
-    script = r.register_script(lua("finish_missing"))
-    f.absorb(script(keys=f.script_keys, args=_no_index(f)))
-    for chunk in f.chunks(total):
-        pipe = r.pipeline(transaction=False)
-        for i in chunk:
-            pipe.hexists(f.keys.results(f.burst), str(i))
-        pipe.lrange(f.keys.ids(f.burst), chunk.start, chunk.stop - 1)
-        *exists, ids = pipe.execute()
-        args = f.args(chunk, exists, ids)
-        if args is not None:
-            f.absorb(script(keys=f.script_keys, args=args))
-    if not f.completed and f.state == _STILL_MISSING:
-        f.absorb(script(keys=f.script_keys, args=_no_index(f)))
 
 
 # ---- async ------------------------------------------------------------------------------------
@@ -217,24 +268,7 @@ async def acancel(
     on_burst_done: AsyncBurstDone | None = None,
 ) -> CancelReport:
     """`cancel` inside an event loop, on the caller's client."""
-    keys = settings.keys
-    before = _counts(await r.hmget(keys.burst(burst), "total", "done", "failed", "status"), burst)
-    if before is None:
-        raise BurstNotFound(f"no burst {burst!r} in namespace {settings.namespace!r}")
-    total, done, failed, status = before
-    if done + failed >= total:
-        return CancelReport(burst, status, total, done, failed, 0, True)
-    f = _Finisher(keys, settings, burst, "cancelled")
-    await _afinish(r, f, total)
-    notice = _notice(burst, await r.hget(keys.burst(burst), "created"))
-    await r.xadd(keys.cancels, notice, **_KEEP)
-    await r.zrem(keys.deadlines, burst)
-    if f.completed and on_burst_done is not None:
-        await on_burst_done(r, settings, burst)
-    after = _counts(await r.hmget(keys.burst(burst), "total", "done", "failed", "status"), burst)
-    total, done, failed, status = after or before
-    log.info("burst %s cancelled: %d requests failed as cancelled", burst, f.recorded)
-    return CancelReport(burst, status, total, done, failed, f.recorded, False, f.completed)
+    return await _arun(r, _cancelling(settings, burst, on_burst_done))
 
 
 async def expire_due(
@@ -256,16 +290,14 @@ async def expire_due(
     for raw in due:
         try:  # anything with write access may have written the index: skip what is not a burst
             burst = raw.decode() if isinstance(raw, bytes) else str(raw)
-            before = _counts(
-                await r.hmget(keys.burst(burst), "total", "done", "failed", "status"), burst
-            )
+            before = _counts(await r.hmget(keys.burst(burst), *_COUNTED), burst)
         except (UnicodeDecodeError, BurstRecordLost) as e:
             log.warning("deadline index entry %r dropped: %s", raw, e)
             await r.zrem(keys.deadlines, raw)
             continue
         if before is not None and before[1] + before[2] < before[0]:
             f = _Finisher(keys, settings, burst, "expired")
-            await _afinish(r, f, before[0])
+            await _arun(r, _finishing(f, before[0]))
             notice = _notice(burst, await r.hget(keys.burst(burst), "created"), "expired")
             await r.xadd(keys.cancels, notice, **_KEEP)
             if f.completed and on_burst_done is not None:
@@ -275,22 +307,6 @@ async def expire_due(
                 log.info("burst %s expired: %d requests failed as expired", burst, f.recorded)
         await r.zrem(keys.deadlines, burst)
     return expired
-
-
-async def _afinish(r: aredis.Redis, f: _Finisher, total: int) -> None:
-    script = r.register_script(lua("finish_missing"))
-    f.absorb(await script(keys=f.script_keys, args=_no_index(f)))
-    for chunk in f.chunks(total):
-        pipe = r.pipeline(transaction=False)
-        for i in chunk:
-            pipe.hexists(f.keys.results(f.burst), str(i))
-        pipe.lrange(f.keys.ids(f.burst), chunk.start, chunk.stop - 1)
-        *exists, ids = await pipe.execute()
-        args = f.args(chunk, exists, ids)
-        if args is not None:
-            f.absorb(await script(keys=f.script_keys, args=args))
-    if not f.completed and f.state == _STILL_MISSING:
-        f.absorb(await script(keys=f.script_keys, args=_no_index(f)))
 
 
 def _notice(burst: str, created: bytes | None, reason: str = "") -> dict[Any, Any]:

@@ -29,7 +29,8 @@ from redis.asyncio.cluster import PipelineCommand
 from prefixq.core.errors import ReplicasBehind
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
-from prefixq.store.connection import is_cluster, redact
+from prefixq.store.connection import is_cluster
+from prefixq.store.redis_url import redact
 
 __all__ = ["afence", "fence", "fence_key"]
 

@@ -25,7 +25,9 @@ from redis.exceptions import ResponseError
 
 from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
-from prefixq.store.connection import error_text, is_cluster, redact
+from prefixq.store.connection import is_cluster
+from prefixq.store.redis_errors import error_text
+from prefixq.store.redis_url import redact
 
 __all__ = ["REQUIRED", "acheck_policy", "check_policy", "verdict"]
 

@@ -19,7 +19,8 @@ from typing import TypeVar
 from redis.exceptions import ResponseError
 
 from prefixq.core.settings import Settings
-from prefixq.store.connection import TRANSIENT, describe, error_text, raise_if_cancelled, refused
+from prefixq.store.connection import raise_if_cancelled
+from prefixq.store.redis_errors import TRANSIENT, describe, error_text, refused
 
 __all__ = ["RETRIED", "Backoff", "repeat", "retry"]
 

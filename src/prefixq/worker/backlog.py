@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 
 from prefixq.store.retry import retry
-from prefixq.worker.shard import Pending, ShardStream, last_allowed
+from prefixq.worker.deliveries import Pending, last_allowed
+from prefixq.worker.shard import ShardStream
 from prefixq.worker.view import WorkerView
 
 log = logging.getLogger(__name__)

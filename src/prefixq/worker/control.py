@@ -22,7 +22,7 @@ import redis.asyncio as aredis
 from redis.exceptions import ResponseError
 
 from prefixq.core.keys import Keys
-from prefixq.store.connection import TRANSIENT
+from prefixq.store.redis_errors import TRANSIENT
 
 log = logging.getLogger(__name__)
 

@@ -74,7 +74,7 @@ class Delivery:
     deliveries: int = 1
     #: its place in its burst's enqueue order on the shard (`POS`: L + I; -1: not given)
     rank: int = -1
-    #: what it waits for before it is admitted (worker/scheduler.py, "gated"): `WAIT_LANE` (an
+    #: what it waits for before it is admitted (worker/gates.py, `gated`): `WAIT_LANE` (an
     #: intake entry: the first ``before`` entries of its lane read) or `WAIT_INTAKE` (a lane entry:
     #: the first ``before`` intake entries of its burst read, or a read of the intake that came
     #: back short since round ``mark``); 0: nothing

@@ -24,7 +24,7 @@ from prefixq.core.entries import Entry
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from prefixq.store.burst_end import AsyncBurstDone, expire_due
-from prefixq.store.connection import TRANSIENT, inside_redis_py
+from prefixq.store.redis_errors import TRANSIENT, inside_redis_py
 from prefixq.store.retry import retry
 
 log = logging.getLogger(__name__)

@@ -22,13 +22,13 @@ from typing import Any, Protocol, TypeVar
 from prefixq.core.entries import Entry
 
 
-class _Lane(Protocol):  # scheduler.Lane, as seen here (scheduler.py imports this module)
+class _Lane(Protocol):  # lanes.Lane, as seen here (scheduler.py imports this module)
     stock: Any
     remote: bool
     last_ref: str | None
 
 
-class _Tenant(Protocol):  # scheduler.Tenant
+class _Tenant(Protocol):  # lanes.Tenant
     vtime: float
     weight: float
     ready: Any

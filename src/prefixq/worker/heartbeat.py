@@ -24,7 +24,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from prefixq.store.connection import TRANSIENT
+from prefixq.store.redis_errors import TRANSIENT
 from prefixq.worker.deliveries import Ref
 from prefixq.worker.gc_policy import GcPolicy
 from prefixq.worker.history import History

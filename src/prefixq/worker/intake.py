@@ -20,9 +20,9 @@ from prefixq.core import wire
 from prefixq.core.entries import Entry
 from prefixq.core.errors import PrefixqError
 from prefixq.core.keys import FIELD
-from prefixq.core.records import ENDED_ERRORS
-from prefixq.store.connection import TRANSIENT
+from prefixq.core.result_record import ENDED_ERRORS
 from prefixq.store.dead_letters import dead_lettered_result
+from prefixq.store.redis_errors import TRANSIENT
 from prefixq.worker.deliveries import Delivery, Ref
 from prefixq.worker.ends import BurstEnds
 from prefixq.worker.prefixes import PrefixCache

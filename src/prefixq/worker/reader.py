@@ -22,11 +22,12 @@ from redis.exceptions import ResponseError
 
 from prefixq.core.keys import LANE
 from prefixq.core.sharing import LaneInfo, band
-from prefixq.store.connection import TRANSIENT
+from prefixq.store.redis_errors import TRANSIENT
 from prefixq.store.retry import repeat
 from prefixq.worker.deliveries import Delivery, GroupLost
 from prefixq.worker.intake import Intake
-from prefixq.worker.scheduler import Lane, Plan, Scheduler
+from prefixq.worker.lanes import Lane
+from prefixq.worker.scheduler import Plan, Scheduler
 from prefixq.worker.shard import ShardStream
 from prefixq.worker.view import WorkerView
 

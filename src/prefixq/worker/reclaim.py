@@ -18,7 +18,7 @@ import logging
 from redis.exceptions import ResponseError
 
 from prefixq.core.settings import Settings
-from prefixq.store.connection import TRANSIENT
+from prefixq.store.redis_errors import TRANSIENT
 from prefixq.store.retry import retry
 from prefixq.worker.deliveries import Delivery, Pending, last_allowed
 from prefixq.worker.shard import ShardStream

@@ -5,7 +5,9 @@ A shard's requests wait in several streams read through one consumer group (`GRO
 name and its Redis client, and sends every command a worker sends about entries (join, read,
 claim, renew the lease, page through pending entries, record and ack, dead-letter, close a lane);
 the reader, writer, reclaimer, heartbeat and backlog replay all go through it. An entry is named
-by its stream and its id together (worker/deliveries.py). The invariant: **record, then
+by its stream and its id together (worker/deliveries.py); the Lua scripts it runs on lanes
+(closing a drained lane, giving entries back) go through `LaneScripts` (worker/lane_scripts.py).
+The invariant: **record, then
 acknowledge** — only entries whose result was recorded (lua/record_result.lua, exactly once per
 index) are acked, in a second round trip, so a refused record or a crash leaves the entry
 pending, to be redelivered and found recorded. docs/delivery.md, "At-least-once delivery,
@@ -24,20 +26,12 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from prefixq.core import wire
 from prefixq.core.entries import Entry
-from prefixq.core.keys import CARRIED, GROUP, Keys
+from prefixq.core.keys import GROUP, Keys
 from prefixq.core.settings import Settings
-from prefixq.store.connection import is_cluster, lua
+from prefixq.store.connection import lua
 from prefixq.store.dead_letters import DEAD_MAXLEN, carried, dead_letter_record
 from prefixq.store.retry import retry
-from prefixq.store.scripts import (
-    BURST_DONE,
-    DUPLICATE,
-    FINISHED_DUPLICATE,
-    OUT_OF_RANGE,
-    RECORD_LOST,
-    RECORDED,
-    record_call,
-)
+from prefixq.store.scripts import record_call
 from prefixq.worker.deliveries import (
     Delivery,
     GroupLost,
@@ -46,26 +40,10 @@ from prefixq.worker.deliveries import (
     Written,
     by_key,
     group_lost,
-    last_allowed,
 )
+from prefixq.worker.lane_scripts import LaneScripts
 
-__all__ = [
-    "BURST_DONE",
-    "DUPLICATE",
-    "FINISHED_DUPLICATE",
-    "OUT_OF_RANGE",
-    "RECORDED",
-    "RECORD_LOST",
-    "Delivery",
-    "GroupLost",
-    "Pending",
-    "Ref",
-    "ShardStream",
-    "Written",
-    "group_lost",
-    "last_allowed",
-    "record_call",
-]
+__all__ = ["ShardStream"]
 
 log = logging.getLogger(__name__)
 
@@ -87,15 +65,9 @@ class ShardStream:
         self.limits = wire.Limits.from_settings(settings)
         self._record_lua = lua("record_result")
         self._record_sha = ""
-        self._close = r.register_script(lua("close_lane"))
-        self._move = r.register_script(lua("reclaim_entry"))
+        self._lanes = LaneScripts(r, index=self.index, consumer=consumer)
         self._ack_lua = lua("ack_entries")
         self._ack_sha = ""
-        #: a cluster pipeline sends a Script as a bare EVALSHA (it loads nothing): `_scripted`
-        #: loads the scripts on every master first, and again after a NOSCRIPT (a promoted
-        #: replica starts with an empty script cache)
-        self._cluster = is_cluster(r)
-        self._loaded = False
 
     # ---- the group ---------------------------------------------------------------------------
     async def join(self) -> None:
@@ -276,41 +248,13 @@ class ShardStream:
         and sealed (or its burst ended and nothing was added for a while): lua/close_lane.lua.
         Per lane: 1 closed, 0 left (entries pending, or it may grow), -1 it holds undelivered
         entries (read it again)."""
-        if not lanes:
-            return []
-        pipe = self.r.pipeline(transaction=False)
-        now_ms = int(time.time() * 1000)
-        for key, burst, ended in lanes:
-            args = [burst, "ended" if ended else "sealed", _ENDED_IDLE_MS, GROUP, now_ms]
-            await self._scripted(pipe, self._close, [key, self.index], args)
-        replies = await pipe.execute(raise_on_error=False)
-        self._loaded = self._loaded and not any(isinstance(x, NoScriptError) for x in replies)
-        return [x if isinstance(x, int) else 0 for x in replies]
+        return await self._lanes.close(lanes)
 
     async def release(self, items: Sequence[tuple[Delivery, str]]) -> None:
         """Give back entries read but never started (a stopping worker's stock): each is re-added
         to the tail of its intake stream (``(delivery, intake)``) with the deliveries it had
         before this one, and acked and deleted here, atomically (lua/reclaim_entry.lua)."""
-        if not items:
-            return
-        pipe = self.r.pipeline(transaction=False)
-        for d, intake in items:
-            args = [GROUP, d.entry_id, self.consumer, 0, "requeue", CARRIED, d.deliveries - 1, ""]
-            await self._scripted(pipe, self._move, [d.key, intake], args)
-        replies = await pipe.execute(raise_on_error=False)
-        self._loaded = self._loaded and not any(isinstance(x, NoScriptError) for x in replies)
-
-    async def _scripted(self, pipe: Any, script: Any, keys: list[str], args: list[Any]) -> None:
-        """Add a call of ``script`` to ``pipe`` (on a cluster: EVALSHA, routed by its first key,
-        the scripts loaded on every master first)."""
-        if not self._cluster:
-            await script(keys=keys, args=args, client=pipe)
-            return
-        if not self._loaded:
-            for one in (self._close, self._move):
-                await self.r.script_load(one.script)
-            self._loaded = True
-        pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        await self._lanes.release(items)
 
     # ---- results -----------------------------------------------------------------------------
     async def record(self, batch: Sequence[Written]) -> list[int | RedisError]:
@@ -398,8 +342,3 @@ class ShardStream:
         if entry is None:
             await self.ack_refs([delivery.ref])
         return entry
-
-
-#: a lane of an ended burst (cancelled, expired) that nobody sealed is closed once nothing has been
-#: added to it for this long (its producer may still be streaming entries that are then skipped)
-_ENDED_IDLE_MS = 60_000

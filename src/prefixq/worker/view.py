@@ -18,7 +18,7 @@ from prefixq.worker.deliveries import Delivery, Ref
 from prefixq.worker.solo import SoloGate
 
 if TYPE_CHECKING:
-    from prefixq.worker.scheduler import Picked
+    from prefixq.worker.lanes import Picked
 
 
 class WorkerView(Protocol):

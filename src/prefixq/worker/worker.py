@@ -1,12 +1,12 @@
 """The long-lived consumer of one shard: stream -> engine -> results, with continuous admission.
 
-`Worker` owns the in-flight window and admission: up to ``max_inflight`` requests inside the
-engine or waiting to be written; the reader (reader.py) reads more as room frees up, in the order
-the scheduler (scheduler.py: priorities, tenants, bursts) picks, after the worker's own pending
-entries of a restart (backlog.py), and each request is handed to the engine as soon as it is
-picked. Everything else is a collaborator with its own module: the stream protocol (shard.py),
-intake (intake.py), the writer, heartbeat, reclaimer, burst ends, probes and middleware;
-docs/architecture.md draws who owns what.
+`Worker` owns the in-flight window and the worker's lifecycle: up to ``max_inflight`` requests
+inside the engine or waiting to be written; the reader (reader.py) reads more as room frees up, in
+the order the scheduler (scheduler.py: priorities, tenants, bursts) picks, after the worker's own
+pending entries of a restart (backlog.py), and admission (admission.py) hands each request to the
+engine as soon as it is picked. Everything else is a collaborator with its own module: the stream
+protocol (shard.py), intake (intake.py), the writer, heartbeat, reclaimer, burst ends, probes and
+middleware; docs/architecture.md draws who owns what.
 ``stop()`` (SIGTERM) stops reading, lets in-flight requests finish within ``grace_s`` of it, writes
 and acks their results; what did not finish stays pending for a restart or a reclaim. Whatever
 Redis does, the stop ends within `stop_bound_s` (``grace_s`` + `FLUSH_S`): a read waiting on Redis
@@ -27,64 +27,43 @@ from typing import Any
 
 import redis.asyncio as aredis
 
-from prefixq.core.entries import Entry
-from prefixq.core.errors import EngineAborted, EngineDead, EngineError, PrefixqError
-from prefixq.core.records import ENDED_ERRORS, error_code_of
 from prefixq.core.settings import Settings
-from prefixq.core.sharing import PRIORITIES
-from prefixq.engine.protocol import Engine, EngineRequest
+from prefixq.engine.protocol import Engine
 from prefixq.store.connection import async_client
 from prefixq.store.retry import retry
+from prefixq.worker.admission import Admission
 from prefixq.worker.aio import cancel_all, drain, first_of, unless_stopped, within
 from prefixq.worker.backlog import replay_backlog
 from prefixq.worker.control import control_loop
+from prefixq.worker.deliveries import Delivery, Ref
 from prefixq.worker.ends import BurstEnds
-from prefixq.worker.engine_order import EngineOrder, band_priority
 from prefixq.worker.groups import commands as admission_commands
 from prefixq.worker.heartbeat import Heartbeat
 from prefixq.worker.intake import Intake
+from prefixq.worker.lanes import Picked
+from prefixq.worker.lifecycle import (
+    _UNREGISTER_S,
+    EXIT_ENGINE_DEAD,
+    EXIT_OK,
+    FLUSH_S,
+    READ_STOP_S,
+    default_name,
+    stop_bound_s,
+)
 from prefixq.worker.middleware import Middleware
 from prefixq.worker.prefixes import PrefixCache
 from prefixq.worker.probes import Probes
 from prefixq.worker.reader import Reader
 from prefixq.worker.reclaim import Reclaimer
-from prefixq.worker.scheduler import Picked, Scheduler, Tenant
-from prefixq.worker.shard import Delivery, Ref, ShardStream, last_allowed
+from prefixq.worker.scheduler import Scheduler
+from prefixq.worker.shard import ShardStream
 from prefixq.worker.solo import SoloGate
 from prefixq.worker.startup import record_engine, register, warm_up
 from prefixq.worker.writer import ResultWriter
 
 log = logging.getLogger(__name__)
 
-EXIT_OK = 0
-EXIT_ENGINE_DEAD = 3
-#: seconds a stopping worker lets its reader finish the round it is in (a read blocks for at most
-#: reader.BLOCK_MS) before it cancels it: a read retrying an unreachable Redis is given up
-READ_STOP_S = 1.0
-#: seconds after the drain (in-flight requests done, or the grace period over) for writing and
-#: acking results and unregistering, whatever Redis does; what is not done by then stays pending
-#: (nothing is lost: a restarted worker of the same name replays it, another reclaims it after
-#: claim_idle_s)
-FLUSH_S = 5.0
-#: of `FLUSH_S`, what unregistering is sure to get
-_UNREGISTER_S = 0.5
-
-
-def stop_bound_s(settings: Settings) -> float:
-    """The longest a worker's stop takes from `Worker.stop` (SIGTERM) to its exit, whatever Redis
-    does: ``grace_s`` for in-flight requests, then `FLUSH_S` (plus the engine's own shutdown
-    and the process's exit)."""
-    return settings.grace_s + FLUSH_S
-
-
-#: a request's place in its engine's own queue (vLLM: lower first), by its burst's priority
-#: alone (``engine_fair_order`` off; on, worker/engine_order.py adds the burst's fair share)
-ENGINE_PRIORITY = {p: band_priority(p) for p in PRIORITIES}
-
-
-def default_name(shard: int, gpu: str | None) -> str:
-    """Stable per host, shard and GPU, so a restarted worker resumes its own pending entries."""
-    return f"{socket.gethostname()}-s{shard}-{'gpu' + gpu if gpu else 'cpu'}"
+__all__ = ["EXIT_ENGINE_DEAD", "EXIT_OK", "Worker", "default_name", "stop_bound_s"]
 
 
 class Worker:
@@ -141,8 +120,6 @@ class Worker:
             retry=self._retry,
         )
         self.sched = Scheduler.of(self.stream, settings)
-        #: engine priorities by fair share (worker/engine_order.py), or by priority alone
-        self.order = EngineOrder() if settings.engine_fair_order else None
         self.reader = Reader(
             stream=self.stream,
             sched=self.sched,
@@ -160,6 +137,25 @@ class Worker:
             tallies=self.sched.tallies,
             busy=self.busy,
             gc_policy=self.gc_policy,
+        )
+        self.admission = Admission(
+            settings=settings,
+            shard=shard,
+            name=self.name,
+            engine=engine,
+            sched=self.sched,
+            intake=self.intake,
+            ends=self.ends,
+            prefixes=self.prefixes,
+            writer=self.writer,
+            probes=self.probes,
+            gate=self._gate,
+            middleware=self.middleware,
+            inflight=self.inflight,
+            counts=self.counts,
+            room=self._room,
+            request_done=self.heartbeat.request_done,
+            on_engine_dead=self._engine_died,
         )
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -288,7 +284,7 @@ class Worker:
             self.stream.stream,
         )
 
-    # ---- what the helpers see (worker/admission.py) --------------------------------------
+    # ---- what the helpers see (worker/view.py) ---------------------------------------------
     def room(self) -> int:
         return self.max_inflight - len(self.inflight) - self.writer.backlog
 
@@ -331,125 +327,18 @@ class Worker:
         await self.reader.run()
 
     async def admit(self, deliveries: list[Delivery]) -> None:
-        """Take the entries in (worker/intake.py) and hand each request to the engine at
-        once (the backlog replay: no scheduling)."""
-        t_read = time.perf_counter()
-        now, sched = time.time(), self.sched
-        picked = []
-        for d, e in await self.intake.decode(deliveries):
-            t = sched.tenant_of(e)
-            sched.admitted(t, e, now)
-            picked.append((d, e, t))
-        await self.launch(picked, t_read)
+        """Take the entries in and hand each request to the engine at once (the backlog
+        replay: no scheduling; worker/admission.py)."""
+        await self.admission.admit(deliveries)
 
     async def take_over(self, deliveries: list[Delivery]) -> None:
-        """Entries claimed from a dead worker: admitted before anything else (consumers/
-        scheduler.py), in turn as room frees up."""
-        for item in await self.intake.decode(deliveries):
-            self.sched.take_over(item)
-        self._room.set()
+        """Entries claimed from a dead worker: admitted before anything else, in turn as room
+        frees up (worker/admission.py)."""
+        await self.admission.take_over(deliveries)
 
     async def launch(self, items: list[Picked], t_read: float) -> None:
-        """Hand each admitted request to the engine at once (counted in flight for its tenant
-        already). An entry whose delivery is its last allowed one runs alone
-        (worker/solo.py); one of a burst that ended meanwhile gets its ended result."""
-        ready = items
-        if self.ends.ended or any(e.deadline is not None for _, e, _ in items):
-            now, ready = time.time(), []
-            for d, e, t in items:
-                if self.intake.ended(d, e, now):
-                    self.sched.left(t)
-                else:
-                    ready.append((d, e, t))
-            if not ready:
-                return
-        entries = [e for _, e, _ in ready]
-        prefixes = await retry("reading stored prefixes", lambda: self.prefixes.resolve(entries))
-        max_attempts = self.settings.max_attempts
-        order = self.order
-        # one loop step: each task runs until it awaits the engine, which then holds its
-        # request; no collection runs meanwhile, and what they all hold is frozen after it
-        # (worker/gc_policy.py)
-        with self.gc_policy.admitting(len(ready)):
-            for d, e, t in ready:
-                self.counts["admitted"] += 1
-                solo = last_allowed(d.deliveries, max_attempts)
-                ref = d.ref
-                prio = ENGINE_PRIORITY[e.priority]
-                if order is not None:  # in admission order: the engine's queue follows the shares
-                    prio = order.enter(e.priority, t.name, e.burst, t.weight)
-                serve = self._serve(ref, e, t, prefixes, solo, t_read, prio)
-                self.inflight[ref] = asyncio.create_task(serve)
-            await asyncio.sleep(0)
-
-    async def _serve(
-        self,
-        ref: Ref,
-        e: Entry,
-        tenant: Tenant,
-        prefixes: dict[str, dict[str, Any] | str],
-        solo: bool,
-        t_read: float,
-        priority: int,
-    ) -> None:
-        res = e.result(self.shard, self.name)
-        try:
-            prefix = prefixes.get(e.prefix_ref) if e.prefix_ref else None
-            if isinstance(prefix, str):
-                raise EngineError(prefix)
-            req = e.to_request(prefix)
-            req.validate(
-                max_chars=self.settings.max_prompt_chars, max_messages=self.settings.max_messages
-            )
-            prompt = self.engine.render_chat(req.messages) if req.messages else req.prompt
-            async with self._gate.call(solo):
-                why = self.ends.ended_reason(e)
-                if why is not None:  # it ended while this waited for the gate
-                    raise EngineAborted(why)
-                res.timings.admitted = time.time()
-                self.probes.read_to_engine.add(time.perf_counter() - t_read)
-                rid = f"{e.burst}:{e.index}:{ref[1].decode()}"
-                self.ends.running(ref, e.burst, rid)
-                out = await self.engine.generate(
-                    EngineRequest(
-                        request_id=rid,
-                        prompt=prompt,
-                        prompt_token_ids=req.prompt_token_ids,
-                        sampling=req.sampling,
-                        chat=req.messages is not None,
-                        priority=priority,
-                    )
-                )
-            out.apply(res)
-        except EngineDead as err:
-            self._engine_died(str(err))
-            return
-        except EngineAborted:  # its burst was cancelled or expired (BurstEnds.watch)
-            why = self.ends.ended_reason(e) or "cancelled"
-            res.error, res.error_code = ENDED_ERRORS[why], why
-        except PrefixqError as err:  # EngineError, ValidationError, WireError: this request only
-            res.error, res.error_code = str(err), error_code_of(err)
-        except asyncio.CancelledError:
-            raise
-        except Exception as err:  # never let one payload take the worker down
-            log.exception("unexpected error serving %s", e.id)
-            res.error = f"internal error: {type(err).__name__}: {err}"
-            res.error_code = error_code_of(err)
-        finally:
-            self.inflight.pop(ref, None)
-            self.sched.left(tenant)
-            if self.order is not None:
-                self.order.left(e.priority, e.burst, priority)
-            self.ends.done(ref)
-            self._room.set()
-            self.heartbeat.request_done()
-        if not res.timings.admitted:
-            res.timings.admitted = time.time()
-        res.timings.finished = time.time()
-        self.counts["failed" if res.error else "finished"] += 1
-        for m in self.middleware:
-            m.after_result(res)
-        self.writer.put(ref, e, res)
+        """Hand each picked request to the engine at once (worker/admission.py)."""
+        await self.admission.launch(items, t_read)
 
     def _engine_died(self, why: str) -> None:
         if self._dead is None:

@@ -21,18 +21,18 @@ from collections.abc import Awaitable, Callable
 from prefixq.core.entries import Entry
 from prefixq.core.errors import ReplicasBehind
 from prefixq.core.records import Result
-from prefixq.store.connection import TRANSIENT
 from prefixq.store.fence import afence
+from prefixq.store.redis_errors import TRANSIENT
 from prefixq.store.retry import Backoff, retry
-from prefixq.worker.deliveries import Ref, Written
-from prefixq.worker.shard import (
+from prefixq.store.scripts import (
     BURST_DONE,
     DUPLICATE,
     FINISHED_DUPLICATE,
     OUT_OF_RANGE,
     RECORD_LOST,
-    ShardStream,
 )
+from prefixq.worker.deliveries import Ref, Written
+from prefixq.worker.shard import ShardStream
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,69 @@
+"""``prefixq worker`` and ``prefixq workers``: one worker process on one shard, and the supervisor
+of one worker process per GPU (or CPU worker). The process itself is composed in
+prefixq.cli.worker_process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Iterator, Sequence
+
+from prefixq.core.errors import ConfigError
+from prefixq.core.settings import Settings
+
+#: the logger the worker's start line has always come from (log queries and filters match it)
+log = logging.getLogger("prefixq.cli.main")
+
+
+def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
+    from prefixq.cli.worker_signals import WorkerSignals
+
+    signals = WorkerSignals().install()  # a stop before the worker serves exits 0 at once
+    log.info("worker shard=%d starting (pid %d)", args.shard, os.getpid())
+    from prefixq.cli.worker_process import run_worker
+    from prefixq.engine.embedded_model import default_cache_dir, resolve_model
+    from prefixq.engine.vllm_engine import parse_engine_args
+
+    model = resolve_model(args.model, default_cache_dir(settings.cache_dir))
+    return run_worker(
+        settings,
+        args.shard,
+        model,
+        gpu=args.gpu,
+        engine_args=parse_engine_args(args.engine_arg),
+        name=args.name,
+        signals=signals,
+    )
+
+
+def cmd_workers(args: argparse.Namespace, settings: Settings, argv: Sequence[str]) -> int:
+    from prefixq.cli.worker_process import supervise
+
+    if args.gpus is None and args.cpu < 1:
+        raise ConfigError(f"--cpu needs at least 1 worker, not {args.cpu}")
+    gpus: list[str | None] = (
+        [g.strip() for g in args.gpus.split(",") if g.strip()] if args.gpus else [None] * args.cpu
+    )
+    if not gpus:
+        raise ConfigError("--gpus needs at least one GPU index")
+    if settings.shards and settings.shards != len(gpus):
+        raise ConfigError(f"--shards {settings.shards} but {len(gpus)} workers")
+    passthrough = _strip_options(argv, {"--gpus", "--cpu", "--shards", "--metrics-port"})
+    return supervise(
+        [*passthrough, "--shards", str(len(gpus))], gpus, metrics_port=settings.metrics_port
+    )
+
+
+def _strip_options(argv: Sequence[str], drop: set[str]) -> list[str]:
+    out: list[str] = []
+    it: Iterator[str] = iter(argv[1:])  # argv[0] is the subcommand
+    for a in it:
+        name = a.split("=", 1)[0]
+        if name in drop:
+            if "=" not in a:
+                next(it, None)
+            continue
+        out.append(a)
+    return out
