@@ -28,17 +28,44 @@ from prefixq.engine.embedded_model import (
     resolve_model,
 )
 
+#: a conversion in a process of its own, as the demo's first run makes it: its log lines, then
+#: the folder, on stdout
+CONVERT = (
+    "import sys; from pathlib import Path; "
+    "from prefixq.engine.embedded_model import prepare_embedded; "
+    "print(prepare_embedded(Path(sys.argv[1]), log=print))"
+)
+
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[str]]:
+def conversion(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
     """One real conversion per module, into a cache that holds leftovers of a crashed build."""
     cache = tmp_path_factory.mktemp("cache")
     models = cache / "models"
     (models / pm.EMBEDDED_DIR).mkdir(parents=True)
     (models / pm.EMBEDDED_DIR / "config.json").write_text("{}")  # half-made: no marker
     (models / f".{pm.EMBEDDED_DIR}.tmp-crashed").mkdir()
-    logs: list[str] = []
-    return cache, prepare_embedded(cache, log=logs.append), logs
+    p = subprocess.run(
+        [sys.executable, "-c", CONVERT, str(cache)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    return cache, p
+
+
+@pytest.fixture(scope="module")
+def built(
+    conversion: tuple[Path, subprocess.CompletedProcess[str]],
+) -> tuple[Path, Path, list[str]]:
+    """The conversion's cache, the folder it returned and the lines it logged."""
+    cache, p = conversion
+    *logs, folder = p.stdout.splitlines()
+    return cache, Path(folder), logs
 
 
 @pytest.mark.vllm_compat  # the GGUF conversion on the transformers the release pins
@@ -69,6 +96,17 @@ def test_prepare_builds_a_hf_folder(built: tuple[Path, Path, list[str]]) -> None
     assert "<|im_start|>user\nWhat is the capital of France?<|im_end|>" in text
     assert text.endswith("<|im_start|>assistant\n")
     assert tokenizer.eos_token_id == config["eos_token_id"]
+
+
+def test_the_conversion_prints_nothing_of_the_libraries(
+    conversion: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    """A newcomer's first `prefixq demo` converts the model: transformers' warning about the GGUF
+    dtype and the tqdm bar of its GGUF reader are silenced for that conversion, so nothing but
+    prefixq's own lines is printed."""
+    _, p = conversion
+    assert p.stderr == "", p.stderr[-3000:]
+    assert len(p.stdout.splitlines()) == 3, p.stdout
 
 
 def test_second_call_returns_at_once(built: tuple[Path, Path, list[str]]) -> None:

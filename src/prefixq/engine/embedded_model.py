@@ -7,14 +7,17 @@ folder under ``<cache_dir>/models``; later uses find it ready (a marker file say
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import functools
+import importlib
 import importlib.util
 import logging
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,16 +69,43 @@ def _gguf_path() -> Path:
     )
 
 
+@contextlib.contextmanager
+def _quiet(hf: Any) -> Iterator[None]:
+    """transformers' own output during the conversion, silenced for it alone (progress is
+    reported through ``log``): its progress bars, the tqdm bar its GGUF reader draws for itself
+    (``modeling_gguf_pytorch_utils.tqdm``, not behind transformers' switch), and the GGUF
+    quantizer's warning that a packed checkpoint loads fastest in float32 (we dequantize to bf16
+    on purpose: the folder's dtype, which vLLM serves)."""
+    hf_logging = hf.utils.logging
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    quantizer = logging.getLogger("transformers.quantizers.quantizer_gguf")
+    level = quantizer.level
+    quantizer.setLevel(logging.ERROR)
+    try:  # where the releases vLLM pins keep it
+        reader: Any = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+    except ImportError:
+        reader = None
+    tqdm = getattr(reader, "tqdm", None)
+    if tqdm is not None:
+        reader.tqdm = functools.partial(tqdm, disable=True)
+    try:
+        yield
+    finally:
+        if tqdm is not None:
+            reader.tqdm = tqdm
+        quantizer.setLevel(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def _convert(gguf: Path, out: Path) -> None:
     """Dequantize ``gguf`` into a bf16 safetensors folder ``out`` (model, config, tokenizer)."""
     import torch
     import transformers
 
     hf: Any = transformers  # partly annotated (untyped helpers, base-class config types)
-    hf_logging = hf.utils.logging
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # progress is reported through ``log``
-    try:
+    with _quiet(hf):
         tokenizer = hf.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         loaded = hf.AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
@@ -88,9 +118,6 @@ def _convert(gguf: Path, out: Path) -> None:
         model.generation_config = loaded.generation_config
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
     if not getattr(tokenizer, "chat_template", None):
         raise SetupError(f"the tokenizer in {gguf} has no chat template")
 
