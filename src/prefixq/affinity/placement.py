@@ -38,6 +38,8 @@ class Placed:
     shard: int
     work: int
     predicted_cached: int = 0
+    #: the checkpoint that ends the request's shared prefix (its prefix group; affinity only)
+    anchor: bytes | None = None
 
 
 class Placer(Protocol):

@@ -1,12 +1,14 @@
 """Affinity placement over a prefix map shared in Redis by every producer (`AffinityPlacer`).
 
-A request goes to the shard named by the deepest of its checkpoints (chained block hashes) that
-the map knows or this burst has already placed; a request with none starts a new prefix group on
-the shard with the least estimated outstanding prefill work. Two invariants: new checkpoints are
-claimed atomically (``HSETNX`` in lua/claim_prefixes.lua), so when two producers race for one
-prefix the loser follows the winner; and the map stays bounded (``map_max_entries``, least
-recently used evicted first). docs/architecture.md, "Affinity", has the design (checkpoints, the
-load guard, moves) and its measured costs.
+A request goes to the shard named by the deepest of its checkpoints (chained block hashes) that the
+map knows or this burst has already placed; a request with none starts a new prefix group on the
+shard with the least estimated outstanding prefill work. Only shards with a live worker are chosen
+(store/liveness.py): a checkpoint the map gives to a shard without one is placed again, and the map
+moves with it (affinity is a preference, never a reason for work to wait). Two invariants: new
+checkpoints are claimed atomically (``HSETNX`` in lua/claim_prefixes.lua), so when two producers
+race for one prefix the loser follows the winner; and the map stays bounded (``map_max_entries``,
+least recently used evicted first). docs/architecture.md, "Affinity", has the design (checkpoints,
+the load guard, moves) and its measured costs.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import redis.asyncio as aredis
 from prefixq.affinity.placement import Item, Placed
 from prefixq.core.settings import Settings
 from prefixq.store.connection import lua
+from prefixq.store.liveness import alive_mask
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +67,20 @@ class AffinityPlacer:
     async def place(self, r: aredis.Redis, items: list[Item], shards: int) -> list[Placed]:
         plans = [_Plan(self.checkpoints(it)) for it in items]
         unique = list({cp for p in plans for _, cp in p.cps})
+        raw_live = await r.hgetall(self.keys.live)
+        alive = alive_mask(raw_live, shards, self.s.heartbeat_ttl_s, time.time())
+        live = [k for k in range(shards) if alive[k]]
         known: dict[bytes, int] = {}
+        modes: dict[bytes, str] = {}
         for start in range(0, len(unique), 10_000):
             chunk = unique[start : start + 10_000]
             for cp, v in zip(chunk, await r.hmget(self.keys.prefix_map, chunk), strict=True):
-                if v is not None and 0 <= int(v) < shards:
+                if v is None or not 0 <= int(v) < shards:
+                    continue
+                if alive[int(v)]:
                     known[cp] = int(v)
+                else:  # its shard has no live worker: placed anew, the map entry moved
+                    modes[cp] = "m"
         raw = await r.hgetall(self.keys.load)
         load = [0.0] * shards
         for k, v in raw.items():
@@ -77,7 +88,6 @@ class AffinityPlacer:
                 load[int(k)] = max(0.0, float(v))
 
         local: dict[bytes, int] = {}  # decided in this burst (claims and moves)
-        modes: dict[bytes, str] = {}
         placed: list[Placed] = []
         for it, plan in zip(items, plans, strict=True):
             shard, depth = -1, 0
@@ -88,15 +98,15 @@ class AffinityPlacer:
                     break
             if shard >= 0 and depth * it.block_tokens < self.s.affinity_min_match * it.tokens:
                 shard, depth = -1, 0  # only a short common head (an instruction): a new group
-            if shard >= 0 and self._guard(load, shard):
-                target = min(range(shards), key=lambda k: (load[k], k))
+            if shard >= 0 and self._guard(load, live, shard):
+                target = min(live, key=lambda k: (load[k], k))
                 self._record_move(plan, shard, target, load)
                 for _, cp in plan.cps[: self._depth_index(plan, depth)]:
                     local[cp] = target
                     modes[cp] = "m"
                 shard, depth = target, 0
             if shard < 0:
-                shard = min(range(shards), key=lambda k: (load[k], k))
+                shard = min(live, key=lambda k: (load[k], k))
             cached = self._cached_tokens(it, depth)
             for _, cp in plan.cps:
                 if cp not in local and cp not in known:
@@ -106,7 +116,7 @@ class AffinityPlacer:
             plan.shard, plan.matched = shard, depth
             work = max(0, it.tokens - cached)
             load[shard] += work
-            placed.append(Placed(shard, work, cached))
+            placed.append(Placed(shard, work, cached, self._anchor(it)))
 
         stored = await self._claim(r, local, modes, [cp for cp in unique if cp not in local])
         # a racing producer claimed some checkpoints first: their requests follow the winner
@@ -125,11 +135,18 @@ class AffinityPlacer:
         await self._record(r)
         return placed
 
+    def _anchor(self, item: Item) -> bytes | None:
+        """The checkpoint that ends ``item``'s shared prefix (one of its `checkpoints`)."""
+        n = len(item.blocks)
+        if not (item.prefix_blocks and n):
+            return None
+        return _cp(item.blocks[min(item.prefix_blocks, n) - 1])
+
     def _depth_index(self, plan: _Plan, depth: int) -> int:
         return sum(1 for i, _ in plan.cps if i < depth)
 
-    def _guard(self, load: list[float], shard: int) -> bool:
-        low = min(load)
+    def _guard(self, load: list[float], live: list[int], shard: int) -> bool:
+        low = min(load[k] for k in live)
         return (
             load[shard] - low > self.s.guard_margin_tokens
             and load[shard] > self.s.guard_factor * low

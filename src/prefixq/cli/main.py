@@ -6,7 +6,8 @@ an environment variable (``REDIS_URL``, ``PREFIXQ_MAX_INFLIGHT`` ...); flags win
 Here: the parser and the dispatch. The commands, by family: prefixq.cli.worker_commands
 (worker, workers), prefixq.cli.burst_commands (submit, results, cancel),
 prefixq.cli.serve_commands (serve, dashboard), prefixq.cli.ops_commands (inspect, check,
-reclaim, dead); demo and bench hand on to prefixq.cli.demo and prefixq.bench.command.
+reclaim, dead), prefixq.cli.fleet_commands (handover, worker --join); demo and bench hand on to
+prefixq.cli.demo and prefixq.bench.command.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import get_type_hints
 from redis.exceptions import RedisError
 
 from prefixq.cli.burst_commands import cmd_cancel, cmd_results, cmd_submit
+from prefixq.cli.fleet_commands import cmd_handover
 from prefixq.cli.logs import configure as configure_logging
 from prefixq.cli.ops_commands import cmd_check, cmd_dead, cmd_inspect, cmd_reclaim
 from prefixq.cli.serve_commands import cmd_dashboard, cmd_serve
@@ -78,7 +80,20 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-tokens", type=int, default=48)
 
     w = sub.add_parser("worker", parents=[common], help="serve one shard on one GPU or the CPU")
-    w.add_argument("--shard", type=int, required=True)
+    which = w.add_mutually_exclusive_group(required=True)
+    which.add_argument("--shard", type=int)
+    which.add_argument(
+        "--join",
+        action="store_true",
+        help="serve the lowest shard without a live worker, or a new one (the count grows by 1)",
+    )
+    w.add_argument(
+        "--hand-over",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="on SIGTERM: finish what is in the engine, move the rest of the queue to live "
+        "shards, exit 0 (default off; on for `prefixq workers`)",
+    )
     w.add_argument("--gpu", default=None, help="GPU index (sets CUDA_VISIBLE_DEVICES); none=CPU")
     w.add_argument("--model", default="", help="HF folder or name (default: embedded model)")
     w.add_argument(
@@ -96,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     grp.add_argument("--cpu", type=int, metavar="N", help="N CPU workers (shards 0..N-1)")
     ws.add_argument("--model", default="")
     ws.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE")
+    ws.add_argument(
+        "--hand-over",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="each worker hands its queue to live shards when it stops (default on)",
+    )
 
     s = sub.add_parser("submit", parents=[common], help="enqueue a burst from a JSONL file")
     s.add_argument("file", help="JSONL: plain lines or OpenAI batch lines ('-' = stdin)")
@@ -172,6 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("--shard", type=int, default=None, help="this shard only (default: all)")
     rc.add_argument("--idle-s", type=float, default=None, help="idle time (default claim_idle_s)")
     rc.add_argument("--json", action="store_true")
+
+    ho = sub.add_parser(
+        "handover",
+        parents=[common],
+        help="move a shard's queued work to the live shards now, whole prefix groups at a time",
+    )
+    ho.add_argument("--shard", type=int, required=True)
+    ho.add_argument("--json", action="store_true")
 
     dl = sub.add_parser("dead", parents=[common], help="list (or --requeue) dead letters")
     dl.add_argument("--shard", type=int, default=None, help="this shard only (default: all)")
@@ -267,6 +296,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace, Settings], int]] = {
     "inspect": cmd_inspect,
     "check": cmd_check,
     "reclaim": cmd_reclaim,
+    "handover": cmd_handover,
     "dead": cmd_dead,
     "bench": cmd_bench,
     "demo": cmd_demo,

@@ -100,6 +100,25 @@ def _out_console() -> Console:
     return Console(width=None if Console().is_terminal else 120)
 
 
+def fleet_lines(fleet: dict[str, Any]) -> list[RenderableType]:
+    """Shards without a live worker (orphaned: their queue moves) and the moves so far."""
+    out: list[RenderableType] = []
+    for s in fleet.get("shards", ()):
+        if not s["live"] and s["dead_for_s"] > 0:
+            state = (
+                "orphaned: its queue moves to live shards" if s["orphaned"] else "no live worker"
+            )
+            out.append(f"[yellow]shard {s['shard']}: {state} ({s['dead_for_s']:.0f} s)[/]")
+    moves = fleet.get("moves") or {}
+    if moves:
+        parts = [
+            f"{why} {m['groups']} groups / {m['requests']} requests / {m['tokens']} tok"
+            for why, m in sorted(moves.items())
+        ]
+        out.append("moves between shards: " + "; ".join(parts))
+    return out
+
+
 def snapshot_renderables(snap: dict[str, Any]) -> list[RenderableType]:
     """What `render_snapshot` prints, in order (tables and markup strings)."""
     out: list[RenderableType] = []
@@ -128,6 +147,7 @@ def snapshot_renderables(snap: dict[str, Any]) -> list[RenderableType]:
             f"{s['cached_tokens']} ({s['predicted_cached_tokens']}) / {s['prompt_tokens']}",
         )
     out.append(t)
+    out += fleet_lines(snap.get("fleet") or {})
     workers = [(s["shard"], w) for s in snap["shards"] for w in s.get("worker_detail", ())]
     if workers:
         wt = Table(title="workers")

@@ -21,6 +21,11 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     from prefixq.cli.worker_signals import WorkerSignals
 
     signals = WorkerSignals().install()  # a stop before the worker serves exits 0 at once
+    if args.join:
+        from prefixq.cli.fleet_commands import join_shard
+
+        args.shard = join_shard(settings)
+        log.info("worker joins the deployment as shard %d", args.shard)
     log.info("worker shard=%d starting (pid %d)", args.shard, os.getpid())
     from prefixq.cli.worker_process import run_worker
     from prefixq.engine.embedded_model import default_cache_dir, resolve_model
@@ -35,6 +40,7 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
         engine_args=parse_engine_args(args.engine_arg),
         name=args.name,
         signals=signals,
+        hand_over=args.hand_over,
     )
 
 
@@ -50,19 +56,27 @@ def cmd_workers(args: argparse.Namespace, settings: Settings, argv: Sequence[str
         raise ConfigError("--gpus needs at least one GPU index")
     if settings.shards and settings.shards != len(gpus):
         raise ConfigError(f"--shards {settings.shards} but {len(gpus)} workers")
-    passthrough = _strip_options(argv, {"--gpus", "--cpu", "--shards", "--metrics-port"})
+    drop = {"--gpus", "--cpu", "--shards", "--metrics-port", "--hand-over", "--no-hand-over"}
+    passthrough = _strip_options(argv, drop, flags=frozenset({"--hand-over", "--no-hand-over"}))
+    hand_over = "--hand-over" if args.hand_over else "--no-hand-over"
     return supervise(
-        [*passthrough, "--shards", str(len(gpus))], gpus, metrics_port=settings.metrics_port
+        [*passthrough, "--shards", str(len(gpus)), hand_over],
+        gpus,
+        metrics_port=settings.metrics_port,
     )
 
 
-def _strip_options(argv: Sequence[str], drop: set[str]) -> list[str]:
+def _strip_options(
+    argv: Sequence[str], drop: set[str], *, flags: frozenset[str] = frozenset()
+) -> list[str]:
+    """``argv`` past the subcommand without the options in ``drop`` (and their values; those in
+    ``flags`` take none)."""
     out: list[str] = []
     it: Iterator[str] = iter(argv[1:])  # argv[0] is the subcommand
     for a in it:
         name = a.split("=", 1)[0]
         if name in drop:
-            if "=" not in a:
+            if "=" not in a and name not in flags:
                 next(it, None)
             continue
         out.append(a)

@@ -71,6 +71,7 @@ def run_worker(
     engine_args: dict[str, Any] | None = None,
     name: str = "",
     signals: WorkerSignals | None = None,
+    hand_over: bool = False,
 ) -> int:
     """Run one worker in this process until SIGTERM/SIGINT or engine death; returns exit code.
     ``signals``: the handlers the process installed on its first line (cli/worker_signals.py:
@@ -88,7 +89,13 @@ def run_worker(
         from prefixq.integrations.rq_callbacks import RqCompletion
 
         worker = Worker(
-            settings, shard, engine, name=name, gpu=gpu, middleware=[RqCompletion(settings)]
+            settings,
+            shard,
+            engine,
+            name=name,
+            gpu=gpu,
+            middleware=[RqCompletion(settings)],
+            hand_over=hand_over,
         )
         if settings.metrics_port > 0:
             worker.add_middleware(metrics_exporter(worker, settings.metrics_port))

@@ -151,6 +151,7 @@ class EntryEncoder:
                 enqueued=self.enqueued,
                 work=pl.work,
                 predicted_cached=pl.predicted_cached,
+                anchor=pl.anchor,
                 own=own,
                 deadline=self.deadline,
                 priority=self.priority,

@@ -86,7 +86,6 @@ class Producer:
         #: size as Redis recorded them (they never change once recorded)
         self._kept: aredis.Redis | None = None
         self._kept_loop: asyncio.AbstractEventLoop | None = None  # the loop it belongs to
-        self._shards = 0
         self._block = 0
 
     def submit(self, requests: Iterable[Request | Mapping[str, Any]], **options: Any) -> Burst:
@@ -177,10 +176,9 @@ class Producer:
             await kept.aclose()
 
     async def shards(self, r: aredis.Redis) -> int:
-        """The deployment's shard count (read once)."""
-        if not self._shards:
-            self._shards = await aresolve_shards(r, self.settings)
-        return self._shards
+        """The deployment's shard count, read for each burst: it grows when a worker joins
+        (`prefixq worker --join`)."""
+        return await aresolve_shards(r, self.settings)
 
     async def placer(self, r: aredis.Redis, name: str | Placer, seed: int | None) -> Placer:
         """The placement strategy ``name`` (or ``name`` itself, a `Placer`)."""

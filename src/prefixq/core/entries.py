@@ -9,7 +9,9 @@ prefix stored once, content-addressed, under `Keys.prefix`). A prefix object is 
 ``dl`` the burst's deadline (epoch s; absent = none), ``u`` the OpenAI url of the line (absent for
 a plain line) and ``md`` its body's model (absent when none): both only for the output objects;
 ``pr`` the burst's priority and ``tn`` its tenant (absent: ``normal`` and ``default``, so that the
-default path's entries carry no extra byte; prefixq.core.sharing).
+default path's entries carry no extra byte; prefixq.core.sharing); ``a`` the checkpoint hash
+that ends the request's shared prefix (8 bytes; absent without one): its prefix group, which moves
+between shards whole, and the prefix map's entry that follows it (affinity/handover.py).
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ class Entry:
     #: the burst's priority (prefixq.core.sharing.PRIORITIES) and tenant
     priority: str = DEFAULT_PRIORITY
     tenant: str = DEFAULT_TENANT
+    #: the checkpoint hash that ends the shared prefix (its prefix group), if it has one
+    anchor: bytes | None = None
 
     @classmethod
     def from_wire(cls, d: Any) -> Entry:
@@ -106,6 +110,9 @@ class Entry:
             )
         except (TypeError, ValueError, OverflowError) as err:
             raise WireError(f"malformed entry: {err}") from None
+        anchor = d.get("a")
+        if anchor is not None:  # only a hint for moves: one that is not 8 bytes is no group
+            e.anchor = anchor if isinstance(anchor, bytes) and len(anchor) == 8 else None
         pr, tn = d.get("pr"), d.get("tn")  # absent on the default path: nothing to check
         if pr is not None:
             if not isinstance(pr, str) or pr not in PRIORITIES:
@@ -188,6 +195,7 @@ def to_wire(
     deadline: float | None = None,
     priority: str = DEFAULT_PRIORITY,
     tenant: str = DEFAULT_TENANT,
+    anchor: bytes | None = None,
 ) -> dict[str, Any]:
     """The entry map for one request (prefix inline or by reference, never both)."""
     d: dict[str, Any] = {
@@ -213,6 +221,8 @@ def to_wire(
         d["pr"] = priority
     if tenant != DEFAULT_TENANT:
         d["tn"] = tenant
+    if anchor is not None:
+        d["a"] = anchor
     if prefix_ref is not None:
         d["xr"] = prefix_ref
     elif prefix is not None:

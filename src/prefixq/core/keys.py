@@ -95,6 +95,22 @@ class Keys:
         """Hash with TTL: one live worker's state (pid, host, in flight, counters)."""
         return f"{self.ns}:{{s{shard}}}:hb:{worker}"
 
+    def moving(self, shard: int) -> str:
+        """Hash: entries taken off this shard and not yet put on their new shard (``<stream>\n<id>``
+        -> msgpack [target shard, fields]); a mover that dies leaves its plan here for the next
+        (store/entry_moves.py)."""
+        return f"{self.ns}:{{s{shard}}}:moving"
+
+    def moved_in(self, shard: int) -> str:
+        """Set with TTL: the entries moved onto this shard (``<source>\n<stream>\n<id>``), so that
+        a retried move adds none twice (store/entry_moves.py)."""
+        return f"{self.ns}:{{s{shard}}}:movedin"
+
+    def mover(self, shard: int) -> str:
+        """String with TTL: the lease of the one process moving this shard's queue away
+        (worker/fleet.py, `prefixq handover`)."""
+        return f"{self.ns}:{{s{shard}}}:mover"
+
     def history(self, shard: int) -> str:
         """Stream, capped: the shard's rolling history, one sample per worker every
         ``history_every_s`` (worker/history.py; the dashboard draws it)."""
@@ -118,8 +134,28 @@ class Keys:
 
     @property
     def moves(self) -> str:
-        """Stream: one entry per prefix group the load guard moved."""
+        """Stream: one entry per prefix group moved: by the load guard at placement (``why``
+        absent), or queued entries moved off a shard (``why``: orphaned, steal, drain, operator)."""
         return f"{self.ns}:moves"
+
+    # the fleet: which shards have a live worker (one slot, hash tag {fleet}: store/liveness.py)
+    @property
+    def live(self) -> str:
+        """Hash: shard -> the last heartbeat of any of its workers (epoch s): which shards have a
+        live worker, for placement and the movers in one read."""
+        return f"{self.ns}:{{fleet}}:live"
+
+    @property
+    def orphans(self) -> str:
+        """Hash: shard -> when a live worker first saw it without one (epoch s); cleared by the
+        shard's next heartbeat."""
+        return f"{self.ns}:{{fleet}}:orphans"
+
+    @property
+    def joins(self) -> str:
+        """Hash: shard -> until when a joining worker holds it while its engine starts (epoch s;
+        `prefixq worker --join`, store/liveness.py)."""
+        return f"{self.ns}:{{fleet}}:joins"
 
     @property
     def shard_stats(self) -> str:
@@ -157,7 +193,9 @@ class Keys:
 
     @property
     def deadlines(self) -> str:
-        """Sorted set: burst id -> deadline (epoch s), for bursts submitted with one."""
+        """Sorted set: burst id -> deadline (epoch s), for bursts submitted with one; written just
+        before the burst's record, in its create's round trip. The record's ``deadline`` is the
+        truth: an entry is when to look (store/burst_end.expire_due)."""
         return f"{self.ns}:deadlines"
 
     @property

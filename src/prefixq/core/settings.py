@@ -139,6 +139,14 @@ class Settings:
     heartbeat_ttl_s: float = 15.0
     #: SIGTERM: seconds to finish in-flight requests before exiting
     grace_s: float = 60.0
+    #: a shard without a live worker this long is orphaned: live workers move its queue to live
+    #: shards, whole prefix groups at a time (worker/handover.py); 0 = never (work waits for a
+    #: worker of its own shard)
+    orphan_after_s: float = 45.0
+    #: an idle worker takes whole prefix groups from the tail of the most backlogged live shard
+    #: when that one's outstanding prompt tokens exceed its own by this many (worker/fleet.py);
+    #: 0 = never
+    steal_min_tokens: int = 4096
     #: seconds results and burst records live after the burst's last write
     result_ttl_s: int = 7 * 86_400
     #: results are written and acked in groups of up to this many
@@ -243,6 +251,7 @@ class Settings:
             "prefix_store_min_chars",
             "prefix_cache_entries",
             "guard_margin_tokens",
+            "steal_min_tokens",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, not {getattr(self, name)}")
@@ -250,7 +259,7 @@ class Settings:
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ConfigError(f"{name} must be a positive number, not {v}")
-        for name in ("grace_s", "history_every_s"):
+        for name in ("grace_s", "history_every_s", "orphan_after_s"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ConfigError(f"{name} must be a number >= 0, not {v}")

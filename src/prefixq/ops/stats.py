@@ -12,7 +12,6 @@ means.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -23,11 +22,13 @@ from redis.exceptions import ResponseError
 from prefixq.client import results as results_api
 from prefixq.core import wire
 from prefixq.core.errors import BurstNotFound
-from prefixq.core.keys import GROUP, Keys
+from prefixq.core.keys import Keys
 from prefixq.core.records import Result
 from prefixq.core.settings import Settings
 from prefixq.core.sharing import band
 from prefixq.ops import distributions, queues
+from prefixq.ops.fleet_stats import fleet
+from prefixq.ops.worker_stats import gone_workers, live_workers
 from prefixq.store.deployment import resolve_shards
 
 PERCENTILES = (50, 95, 99)
@@ -35,8 +36,6 @@ PERCENTILES = (50, 95, 99)
 SAMPLE = 1000
 #: index entries of the burst index checked per call for a record that is gone (oldest first)
 PRUNE = 100
-#: workers with an expired heartbeat listed per shard (``workers_gone``), newest first
-_GONE_SHOWN = 20
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -91,9 +90,9 @@ def shard_stats(
         pipe.xlen(keys.dead(k))
         pipe.zrange(keys.workers(k), 0, -1)
         dead, names = pipe.execute()
-        workers = _workers(r, keys, k, [n.decode() for n in names], now)
+        workers = live_workers(r, keys, k, [n.decode() for n in names], now)
         gone = (
-            _gone(r, keys, k, {w["name"] for w in workers}, now)
+            gone_workers(r, keys, k, {w["name"] for w in workers}, now)
             if len(workers) < len(names)
             else []
         )
@@ -177,96 +176,6 @@ def sharing(
         if x["admitted"]:
             x["mean_queue_wait_s"] = round(waited.get(key, 0.0) / x["admitted"], 3)
     return sorted(rows.values(), key=lambda x: (band(x["priority"]), x["tenant"]))
-
-
-def _workers(
-    r: redis.Redis, keys: Keys, shard: int, names: list[str], now: float
-) -> list[dict[str, Any]]:
-    """The live workers of a shard (heartbeat present): their pending entries in every stream of
-    the shard (consumer groups, exact) and what their last heartbeat said (``inflight_at_beat``,
-    ``beat_age_s`` old)."""
-    pending: dict[str, int] = {}
-    if names:
-        streams = queues.QueueRead(keys, shard).set_index(r.hgetall(keys.lanes(shard)))
-        pipe = r.pipeline(transaction=False)
-        for key in streams:
-            pipe.xpending(key, GROUP)
-        for summary in pipe.execute(raise_on_error=False):
-            if isinstance(summary, Exception):
-                continue
-            for c in summary.get("consumers") or ():
-                name = c["name"].decode()
-                pending[name] = pending.get(name, 0) + int(c["pending"])
-    pipe = r.pipeline(transaction=False)
-    for name in names:
-        pipe.hmget(keys.heartbeat(shard, name), ["inflight", "beat", *_BEAT_DETAIL])
-    beats = pipe.execute() if names else []
-    out = []
-    for name, (inflight, beat, *detail) in zip(names, beats, strict=True):
-        if inflight is None and beat is None:  # heartbeat expired: not live
-            continue
-        age = round(max(0.0, now - _number(beat, now)), 3)
-        every = _number(detail[_BEAT_DETAIL.index("every_s")], 0.0)
-        out.append(
-            {
-                "name": name,
-                "pending": pending.get(name, 0),
-                "inflight_at_beat": int(inflight or 0),
-                "beat_age_s": age,
-                **{
-                    k: _number(v, 0.0) if k not in ("host", "gpu") else _text(v)
-                    for k, v in zip(_BEAT_DETAIL, detail, strict=True)
-                },
-                # missed three beats: still listed until its heartbeat's TTL ends, but quiet
-                "quiet": bool(every) and age > 3 * every,
-            }
-        )
-    return out
-
-
-#: heartbeat fields a worker's row carries besides the above (worker.health and heartbeat.py)
-_BEAT_DETAIL = (
-    "host",
-    "gpu",
-    "engine_up",
-    "stopping",
-    "max_inflight",
-    "started",
-    "every_s",
-    "admitted",
-    "finished",
-    "failed",
-    "gc_max_pause_ms",
-    "gc_pauses",
-    "loop_lag_p99_ms",
-    "loop_lag_max_ms",
-)
-
-
-def _number(raw: bytes | None, default: float) -> float:
-    """A heartbeat field as a number (ints stay ints); ``default`` when absent or not one."""
-    try:
-        v = float(raw) if raw is not None else default
-    except ValueError:
-        return default
-    if not math.isfinite(v):
-        return default
-    return int(v) if v.is_integer() and b"." not in (raw or b"") else v
-
-
-def _text(raw: bytes | None) -> str:
-    return raw.decode(errors="replace")[:200] if raw is not None else ""
-
-
-def _gone(r: redis.Redis, keys: Keys, shard: int, live: set[str], now: float) -> list[Any]:
-    """Workers still in the shard's worker set whose heartbeat expired (killed, hung, or cut off
-    from Redis): name and age of their last beat, newest first."""
-    rows = r.zrevrange(keys.workers(shard), 0, len(live) + _GONE_SHOWN - 1, withscores=True)
-    return [
-        {"name": n.decode(errors="replace"), "last_beat_age_s": round(max(0.0, now - t), 3)}
-        for n, t in rows
-        if n.decode(errors="replace") not in live
-    ]
 
 
 def shown_status(st: results_api.BurstStatus) -> str:
@@ -390,10 +299,12 @@ def snapshot(
     bursts = [burst] if burst else recent_bursts(r, settings.keys, recent)
     lane_bursts: dict[tuple[str, str], set[str]] = {}
     per_shard = shard_stats(r, settings, shards, lane_bursts)
+    now = time.time()
     return {
         "namespace": settings.namespace,
         "shards": per_shard,
+        "fleet": fleet(r, settings, shards, now),
         "sharing": sharing(per_shard, lane_bursts),
         "bursts": [_burst_or_why(r, settings, b, b == burst) for b in bursts],
-        "at": time.time(),
+        "at": now,
     }

@@ -1,18 +1,27 @@
 """The deployment's shape as Redis records it: the shard count (and the engine's block size).
 
 The first worker (or producer given ``PREFIXQ_SHARDS``) writes the shard count into the namespace's
-config hash; every later producer, tool and worker reads it from there.
+config hash; every later producer, tool and worker reads it from there. A worker started with
+``--join`` takes the lowest shard without a live worker, or grows the count by one
+(`ajoin_shard`); a count in the settings below Redis's is then a deployment that grew, not an
+error.
 """
 
 from __future__ import annotations
+
+import time
 
 import redis
 import redis.asyncio as aredis
 
 from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
+from prefixq.store.connection import lua
 
-__all__ = ["aresolve_shards", "resolve_shards"]
+__all__ = ["ajoin_shard", "aresolve_shards", "resolve_shards"]
+
+#: seconds a joining worker holds its shard before its first heartbeat (its engine starts)
+JOIN_HOLD_S = 900.0
 
 
 def _shards(stored: bytes | None, settings: Settings) -> tuple[int, bool]:
@@ -28,7 +37,7 @@ def _shards(stored: bytes | None, settings: Settings) -> tuple[int, bool]:
                 f"namespace {settings.namespace!r} has a corrupt shard count {stored!r} in Redis "
                 f"({keys.config}, field shards): set it to the number of shards (HSET)"
             )
-        if settings.shards and settings.shards != n:
+        if settings.shards and settings.shards > n:
             raise ConfigError(
                 f"PREFIXQ_SHARDS={settings.shards} but namespace {settings.namespace!r} has {n} "
                 f"shards in Redis ({keys.config}); drop the setting or use another namespace"
@@ -56,3 +65,20 @@ def resolve_shards(r: redis.Redis, settings: Settings) -> int:
     if record:
         r.hsetnx(settings.keys.config, "shards", n)
     return n
+
+
+async def ajoin_shard(r: aredis.Redis, settings: Settings, *, hold_s: float = JOIN_HOLD_S) -> int:
+    """The shard a joining worker serves: the lowest without a live worker that no other joiner
+    holds, else a new one (the recorded count grows by one). Held for ``hold_s`` or until the
+    worker's first heartbeat makes it live."""
+    keys = settings.keys
+    join = r.register_script(lua("join_shard"))
+    grow = r.register_script(lua("grow_shards"))
+    n = await aresolve_shards(r, settings)
+    while True:
+        now = time.time()
+        args = [repr(now), settings.heartbeat_ttl_s, n, repr(now + hold_s)]
+        k = int(await join(keys=[keys.live, keys.joins], args=args))
+        if k >= 0:
+            return k
+        n = int(await grow(keys=[keys.config], args=[n]))

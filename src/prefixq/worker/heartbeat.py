@@ -24,6 +24,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
+from prefixq.store.liveness import beat_commands
 from prefixq.store.redis_errors import TRANSIENT
 from prefixq.worker.deliveries import Ref
 from prefixq.worker.gc_policy import GcPolicy
@@ -54,6 +55,7 @@ class Heartbeat:
         tallies: Callable[[], list[tuple[str, str, int, float]]] = list,
         busy: Callable[[], bool],
         gc_policy: GcPolicy,
+        serving: Callable[[], bool] = lambda: True,
     ) -> None:
         self.stream = stream
         self.every_s = every_s
@@ -65,6 +67,8 @@ class Heartbeat:
         self.tallies = tallies
         self._untold: list[tuple[str, str, int, float]] = []
         self.busy = busy
+        #: whether the shard counts as live (store/liveness.py): not while the worker stops
+        self.serving = serving
         self.gc_policy = gc_policy
         self._served_since_collect = 0
         self._last_done = 0.0
@@ -95,6 +99,8 @@ class Heartbeat:
         pipe.zadd(workers, {self.stream.consumer: now})
         # workers killed without unregistering: shown as gone for a while, then forgotten
         pipe.zremrangebyscore(workers, "-inf", now - GONE_KEPT_S)
+        if self.serving():
+            beat_commands(pipe, self.stream.keys, self.stream.shard, now)
         await pipe.execute()
         await self.stream.renew(self.holding())
         self._untold += self.tallies()

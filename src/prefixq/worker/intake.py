@@ -26,6 +26,7 @@ from prefixq.store.redis_errors import TRANSIENT
 from prefixq.worker.deliveries import Delivery, Ref
 from prefixq.worker.ends import BurstEnds
 from prefixq.worker.prefixes import PrefixCache
+from prefixq.worker.reclaim import over_limit
 from prefixq.worker.shard import ShardStream
 from prefixq.worker.writer import ResultWriter
 
@@ -55,8 +56,12 @@ class Intake:
         """The deliveries to run, with their decoded entries (the rest is taken care of)."""
         decoded: list[tuple[Delivery, Entry]] = []
         empty: list[Ref] = []
+        limit = self.stream.settings.max_attempts
         for d in deliveries:
             data = d.fields.get(FIELD)
+            if d.deliveries > limit and data is not None:  # moved with deliveries it had used up
+                await self.dead_letter(d, over_limit(d.deliveries - 1, limit))
+                continue
             if data is None:
                 if not d.fields:  # deleted after its result was recorded: only ack it
                     empty.append(d.ref)

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 async def register(stream: ShardStream, settings: Settings) -> None:
     """Check the server's eviction policy (store/policy.py), make sure the deployment's shard
     count is recorded, and join the shard's group. A worker without ``--shards`` on a Redis that
-    has none, with a ``--shards`` other than the recorded count, or for a shard outside it is a
+    has none, with a ``--shards`` above the recorded count, or for a shard outside it is a
     ConfigError (producers would never send it work, or send work no worker serves)."""
     r, keys = stream.r, stream.keys
     await retry(
@@ -44,7 +44,7 @@ async def register(stream: ShardStream, settings: Settings) -> None:
         count = int(raw)
 
     await retry("recording the shard count", shards, settings=settings)
-    if settings.shards and settings.shards != count:
+    if settings.shards and settings.shards > count:  # below it: a deployment grown by --join
         raise ConfigError(
             f"--shards {settings.shards} but namespace {settings.namespace!r} has {count} shards "
             f"in Redis ({keys.config}); drop the setting, use {count}, or use another namespace"

@@ -37,6 +37,7 @@ from prefixq.worker.backlog import replay_backlog
 from prefixq.worker.control import control_loop
 from prefixq.worker.deliveries import Delivery, Ref
 from prefixq.worker.ends import BurstEnds
+from prefixq.worker.fleet import HAND_OVER_S, FleetWatch
 from prefixq.worker.groups import commands as admission_commands
 from prefixq.worker.heartbeat import Heartbeat
 from prefixq.worker.intake import Intake
@@ -79,7 +80,10 @@ class Worker:
         gpu: str | None = None,
         redis: aredis.Redis | None = None,
         middleware: Iterable[Middleware] = (),
+        hand_over: bool = False,
     ) -> None:
+        """``hand_over``: when it stops, the worker moves what is left of its shard's queue to
+        live shards (unless another worker serves the shard; worker/fleet.py)."""
         self.settings, self.shard, self.engine, self.gpu = settings, shard, engine, gpu
         self.name = name or default_name(shard, gpu)
         self.r = redis or async_client(settings)
@@ -137,7 +141,10 @@ class Worker:
             tallies=self.sched.tallies,
             busy=self.busy,
             gc_policy=self.gc_policy,
+            serving=lambda: self.serving and not self.stopping,
         )
+        self.hand_over = hand_over
+        self.fleet = FleetWatch(self.r, settings, shard=shard, name=self.name, idle=self.idle)
         self.admission = Admission(
             settings=settings,
             shard=shard,
@@ -231,6 +238,7 @@ class Worker:
                 ("expiry", self.ends.expire()),
                 ("control", control_loop(self.r, self.keys, self.name, commands, probes.stats)),
                 ("lanes", self.reader.refresh_loop()),
+                ("fleet", self.fleet.run(self._stopping)),
             )
         ]
         final = time.monotonic() + stop_bound_s(self.settings)  # when the stop must be over
@@ -254,6 +262,8 @@ class Worker:
             left = max(_UNREGISTER_S, final - time.monotonic())
             if not await within(self.heartbeat.unregister(), left):
                 log.warning("could not unregister: the heartbeat expires by its TTL")
+            if self.hand_over and not self._dead:
+                await within(self.fleet.hand_over(), HAND_OVER_S)
             self.gc.stop()
             await self.engine.close()
             await self.r.aclose()
@@ -290,6 +300,10 @@ class Worker:
 
     def busy(self) -> bool:
         return bool(self.inflight)
+
+    def idle(self) -> bool:
+        """Serving, nothing read and waiting, room in the engine: free to take work elsewhere."""
+        return self.serving and not self.stopping and not self.sched.held and self.room() > 0
 
     def holds(self, ref: Ref) -> bool:
         return ref in self.inflight or self.writer.holds(ref) or ref in self.sched.held

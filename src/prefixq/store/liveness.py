@@ -1,0 +1,98 @@
+"""Which shards have a live worker, in one hash every producer and worker reads (`Keys.live`).
+
+Every heartbeat of a worker writes its shard's field with the time (`beat_commands`); a shard is
+live while its field is younger than ``heartbeat_ttl_s`` (the same bound as a worker's health key).
+Placement puts no new prefix on a shard that is not live, and a shard whose last heartbeat is
+``orphan_after_s`` old (and at least ``heartbeat_ttl_s``) is orphaned: the live workers move its
+queue away (worker/handover.py). A shard that never had a worker has no field; the first live worker
+that looks records when it saw it so (`Keys.orphans`), and its age counts from then.
+
+Times are the hosts' wall clocks, as for the workers' heartbeats: hosts whose clocks differ by a
+good part of ``heartbeat_ttl_s`` see each other's shards as dead too early or too late.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aredis
+
+from prefixq.core.keys import Keys
+from prefixq.core.settings import Settings
+
+__all__ = ["Liveness", "alive_mask", "beat_commands", "read_liveness"]
+
+
+@dataclass(slots=True)
+class Liveness:
+    """What one read of the live hash says about shards ``0 .. shards-1``."""
+
+    #: shard -> its last heartbeat (epoch s), for shards that ever had one
+    last: dict[int, float]
+    #: shard -> when a live worker first saw it without a live worker
+    seen_dead: dict[int, float]
+    shards: int
+    ttl: float
+    now: float
+
+    def alive(self, shard: int) -> bool:
+        return self.now - self.last.get(shard, float("-inf")) <= self.ttl
+
+    def live_shards(self) -> list[int]:
+        return [k for k in range(self.shards) if self.alive(k)]
+
+    def dead_for(self, shard: int) -> float:
+        """Seconds shard ``shard`` has been without a live worker: since its last heartbeat, or
+        since a live worker first saw it without one when it never had one (0: live, or not seen
+        yet). At least ``ttl`` once it is dead: a worker is dead ``ttl`` after its last beat."""
+        if self.alive(shard):
+            return 0.0
+        if shard in self.last:
+            return self.now - self.last[shard]
+        if shard in self.seen_dead:
+            return max(0.0, self.now - self.seen_dead[shard])
+        return 0.0
+
+
+def _floats(raw: dict[Any, Any], shards: int) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for k, v in raw.items():
+        try:
+            shard, at = int(k), float(v)
+        except (TypeError, ValueError):
+            continue
+        if 0 <= shard < shards:
+            out[shard] = at
+    return out
+
+
+async def read_liveness(r: aredis.Redis, settings: Settings, shards: int) -> Liveness:
+    """Both hashes in one round trip."""
+    keys = Keys(settings.namespace)
+    pipe = r.pipeline(transaction=False)
+    pipe.hgetall(keys.live)
+    pipe.hgetall(keys.orphans)
+    live, orphans = await pipe.execute()
+    return Liveness(
+        _floats(live, shards),
+        _floats(orphans, shards),
+        shards,
+        settings.heartbeat_ttl_s,
+        time.time(),
+    )
+
+
+def alive_mask(raw: dict[Any, Any], shards: int, ttl: float, now: float) -> list[bool]:
+    """Which of ``shards`` are live by a read of the live hash (``raw``); every shard when none
+    is (no worker is up yet: work waits for the first one, wherever it goes)."""
+    last = _floats(raw, shards)
+    mask = [now - last.get(k, float("-inf")) <= ttl for k in range(shards)]
+    return mask if any(mask) else [True] * shards
+
+
+def beat_commands(pipe: Any, keys: Keys, shard: int, now: float) -> None:
+    """Add a heartbeat's liveness writes to ``pipe``: the shard is live now, not orphaned."""
+    pipe.hset(keys.live, str(shard), repr(now))
+    pipe.hdel(keys.orphans, str(shard))

@@ -1,0 +1,146 @@
+"""A live worker's part in an elastic fleet (`FleetWatch`): no queue waits for a dead or busy GPU.
+
+Every heartbeat, each live worker reads which shards have a live worker (store/liveness.py, one
+round trip), and:
+
+- **orphans**: a shard seen without one gets its first-seen time recorded (`Keys.orphans`); once
+  it has been without one for ``orphan_after_s``, this worker moves its queue to the live shards
+  (worker/handover.py), under the shard's mover lease, so only one live worker does it at a time.
+  What producers still send it meanwhile (no new prefix: placement skips shards without a live
+  worker) is moved on a later look;
+- **steals**: when this worker is idle (nothing read and waiting, room in its engine) and its
+  own outstanding work is small, it takes whole never-delivered prefix groups from the tail of
+  the live shard with the most outstanding work (`Handover.steal` has the rule). A worker that
+  joins a deployment mid-burst (``--join``) starts idle, so this is how it takes its share;
+- **hand-over** (`hand_over`, ``--hand-over``): a worker that stops moves what is left of its
+  shard's queue to the live shards, unless another live worker serves the shard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import redis.asyncio as aredis
+
+from prefixq.core.keys import Keys
+from prefixq.core.settings import Settings
+from prefixq.store.deployment import aresolve_shards
+from prefixq.store.liveness import read_liveness
+from prefixq.store.redis_errors import TRANSIENT
+from prefixq.worker.handover import Handover, MoveReport
+
+__all__ = ["HAND_OVER_S", "FleetWatch"]
+
+#: seconds a stopping worker gives its hand-over (what is not moved by then, a live worker moves
+#: once the shard is orphaned: a plan begun is finished first)
+HAND_OVER_S = 30.0
+#: heartbeats an idle worker waits after a look for work to steal that found none
+STEAL_BACKOFF = 5
+
+log = logging.getLogger(__name__)
+
+
+class FleetWatch:
+    """Watches the namespace's shards from the worker of shard ``shard``."""
+
+    def __init__(
+        self,
+        r: aredis.Redis,
+        settings: Settings,
+        *,
+        shard: int,
+        name: str,
+        idle: Callable[[], bool] = lambda: False,
+        on_move: Callable[[MoveReport], Awaitable[None] | None] | None = None,
+    ) -> None:
+        self.r = r
+        self.s = settings
+        self.shard = shard
+        self.keys = Keys(settings.namespace)
+        self.name = name
+        self.handover = Handover(r, settings, name=name)
+        self.idle = idle
+        self.on_move = on_move
+        self.reports: list[MoveReport] = []
+        self._next_steal = 0.0
+
+    async def look(self) -> list[MoveReport]:
+        """One look: record shards first seen without a live worker, move the queues of those
+        orphaned for ``orphan_after_s``. Returns what was moved."""
+        shards = await aresolve_shards(self.r, self.s)
+        live = await read_liveness(self.r, self.s, shards)
+        if not live.alive(self.shard):  # this worker's own beat is not written yet
+            return []
+        out: list[MoveReport] = []
+        for k in range(shards):
+            if k == self.shard or live.alive(k) or self.s.orphan_after_s <= 0:
+                continue
+            if k not in live.last and k not in live.seen_dead:  # never had a worker
+                await self.r.hsetnx(self.keys.orphans, str(k), repr(live.now))
+                continue
+            if live.dead_for(k) < self.s.orphan_after_s:
+                continue
+            await self._report(await self.handover.move_shard(k, shards, why="orphaned"), out)
+        if self.s.steal_min_tokens > 0 and self.idle() and time.monotonic() >= self._next_steal:
+            await self._steal(live.live_shards(), out)
+        return out
+
+    async def _steal(self, live: list[int], out: list[MoveReport]) -> None:
+        raw = await self.r.hgetall(self.keys.load)
+        load = dict.fromkeys(live, 0.0)
+        for k, v in raw.items():
+            if int(k) in load:
+                load[int(k)] = max(0.0, float(v))
+        mine = load.get(self.shard, 0.0)
+        others = [k for k in live if k != self.shard]
+        if not others:
+            return
+        victim = max(others, key=lambda k: (load[k], -k))
+        if load[victim] - mine <= self.s.steal_min_tokens:
+            return
+        rep = await self.handover.steal(
+            victim, self.shard, victim_load=load[victim], thief_load=mine, why="steal"
+        )
+        if not rep.requests:  # nothing worth taking: look again a while later, not every beat
+            self._next_steal = time.monotonic() + STEAL_BACKOFF * self.s.heartbeat_s
+        await self._report(rep, out)
+
+    async def _report(self, rep: MoveReport, out: list[MoveReport]) -> None:
+        if not rep.requests:
+            return
+        out.append(rep)
+        self.reports.append(rep)
+        if self.on_move is not None:
+            result = self.on_move(rep)
+            if result is not None:
+                await result
+
+    async def hand_over(self) -> MoveReport | None:
+        """Move what is left of this worker's shard to the live shards, unless another live
+        worker serves it (called once this worker has unregistered)."""
+        keys = self.keys
+        others = await self.r.zrange(keys.workers(self.shard), 0, -1)
+        for w in others:
+            name = w.decode(errors="replace")
+            if name != self.name and await self.r.exists(keys.heartbeat(self.shard, name)):
+                return None
+        await self.r.hdel(keys.live, str(self.shard))  # no new prefix comes here now
+        shards = await aresolve_shards(self.r, self.s)
+        rep = await self.handover.move_shard(self.shard, shards, why="drain")
+        if rep.skipped:
+            log.warning("hand-over of shard %d: %s; its queue waits", self.shard, rep.skipped)
+        return rep
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Look every ``heartbeat_s`` until ``stop``; a Redis error skips one look."""
+        while not stop.is_set():
+            try:
+                await self.look()
+            except TRANSIENT as err:
+                log.debug("fleet look skipped: %s", err)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=self.s.heartbeat_s)

@@ -1,0 +1,267 @@
+"""Handing a shard's queued work to live shards, whole prefix groups at a time (`Handover`).
+
+Affinity is a preference, never a reason for work to wait: when a shard has had no live worker
+for ``orphan_after_s`` (store/liveness.py), a live worker moves its queue (worker/fleet.py runs
+this; `prefixq handover` is the operator's command for it). One mover per shard at a time: a lease
+in the shard's slot (`Keys.mover`). The move itself (take, put, done; exactly once, also across a
+failover) is store/entry_moves.py's; this module decides what moves where:
+
+- **what**: the entries never delivered (all of them, in queue order), and the entries pending on
+  a consumer that has no heartbeat (they were in flight on the dead worker: they move with the
+  deliveries they had, as `prefixq reclaim` would put them back, so ``max_attempts`` counts
+  across moves);
+- **in groups**: the entries of one prefix group (the checkpoint that ends their shared prefix,
+  ``a`` in the entry, else the stored prefix's digest) go to one shard together, so the prefix is
+  computed once there; a request without a shared prefix is a group of its own;
+- **where**: the shard the prefix map names for the group when that one is live, else the live
+  shard with the least estimated outstanding prefill work (the placement rule for a new prefix,
+  counting what this move already gave each shard). The prefix map follows (the group's anchor
+  names its new shard), the load estimate moves with the work, and the moves stream records
+  each group (``why``, from, to, requests, prompt tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import redis.asyncio as aredis
+
+from prefixq.core import wire
+from prefixq.core.keys import Keys
+from prefixq.core.settings import Settings
+from prefixq.store.connection import lua
+from prefixq.store.entry_moves import EntryMoves
+from prefixq.store.liveness import read_liveness
+from prefixq.worker.queued import Group, groups, scan
+
+__all__ = ["Handover", "MoveReport"]
+
+log = logging.getLogger(__name__)
+
+#: how long a mover's lease lasts without renewal (it renews between groups)
+LEASE_MS = 30_000
+
+
+@dataclass(slots=True)
+class MoveReport:
+    """What one `Handover.move_shard` did."""
+
+    source: int
+    why: str
+    #: requests moved, by target shard
+    moved: dict[int, int] = field(default_factory=dict)
+    groups: int = 0
+    #: estimated uncached prompt tokens moved
+    tokens: int = 0
+    #: groups left in place: taken by a worker between the look and the move
+    raced: int = 0
+    #: no live shard to move to, or another mover holds the lease
+    skipped: str = ""
+
+    @property
+    def requests(self) -> int:
+        return sum(self.moved.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Handover:
+    """Moves of one namespace's queued work, over one asyncio client, by ``name``."""
+
+    def __init__(self, r: aredis.Redis, settings: Settings, *, name: str) -> None:
+        self.r = r
+        self.s = settings
+        self.name = name
+        self.keys = Keys(settings.namespace)
+        self.limits = wire.Limits.from_settings(settings)
+        self.moves = EntryMoves(r, settings)
+        self._lease = r.register_script(lua("batch_lease"))
+
+    # ---- the lease --------------------------------------------------------------------------
+    async def _acquire(self, source: int) -> str | None:
+        token = f"{self.name}:{secrets.token_hex(6)}"
+        got = await self.r.set(self.keys.mover(source), token, nx=True, px=LEASE_MS)
+        return token if got else None
+
+    async def _renew(self, source: int, token: str) -> bool:
+        args = [token, "renew", LEASE_MS]
+        return bool(await self._lease(keys=[self.keys.mover(source)], args=args))
+
+    async def _release(self, source: int, token: str) -> None:
+        await self._lease(keys=[self.keys.mover(source)], args=[token, "release", 0])
+
+    # ---- the moves --------------------------------------------------------------------------
+    async def move_shard(self, source: int, shards: int, *, why: str) -> MoveReport:
+        """Move shard ``source``'s queued work (never delivered, or pending on dead consumers) to
+        the live shards among ``0 .. shards-1``, each group to the shard the map names for it if
+        that is live, else to the least loaded."""
+        rep = MoveReport(source=source, why=why)
+        live = await read_liveness(self.r, self.s, shards)
+        targets = [k for k in live.live_shards() if k != source]
+        if not targets:
+            rep.skipped = "no live shard to move to"
+            return rep
+        return await self._run(rep, targets, dead_pending=True, steal=None)
+
+    async def steal(
+        self, victim: int, thief: int, *, victim_load: float, thief_load: float, why: str
+    ) -> MoveReport:
+        """Move whole never-delivered prefix groups from the tail of ``victim``'s queue to
+        ``thief`` while that shortens the victim's backlog: a group (``w`` tokens to compute
+        there, ``c`` more predicted cached there and computed again on the thief) moves if the
+        victim's backlog without it, ``V - w``, stays at least the thief's with it, ``T + w + c``
+        (V, T: their outstanding work, updated as groups move); a group too large is passed
+        over for a smaller one before it."""
+        rep = MoveReport(source=victim, why=why)
+        balance = [victim_load, thief_load]
+        return await self._run(rep, [thief], dead_pending=False, steal=balance)
+
+    async def _run(
+        self, rep: MoveReport, targets: list[int], *, dead_pending: bool, steal: list[float] | None
+    ) -> MoveReport:
+        source = rep.source
+        token = await self._acquire(source)
+        if token is None:
+            rep.skipped = "another mover holds the lease"
+            return rep
+        try:
+            await self.moves.finish(source)
+            found = await scan(self.r, self.keys, self.limits, source, dead_pending=dead_pending)
+            queued = groups(found)
+            if steal is not None:
+                queued.reverse()  # the tail first
+            if queued:
+                await self._move_groups(rep, queued, targets, token, steal)
+        finally:
+            await self._release(source, token)
+        if rep.requests or rep.raced:
+            log.warning(
+                "shard %d (%s): moved %d requests in %d prefix groups (%d prompt tokens) to %s; "
+                "%d groups raced",
+                source,
+                rep.why,
+                rep.requests,
+                rep.groups,
+                rep.tokens,
+                dict(sorted(rep.moved.items())),
+                rep.raced,
+            )
+        return rep
+
+    async def _loads(self, targets: list[int]) -> dict[int, float]:
+        raw = await self.r.hgetall(self.keys.load)
+        load = dict.fromkeys(targets, 0.0)
+        for k, v in raw.items():
+            if int(k) in load:
+                load[int(k)] = max(0.0, float(v))
+        return load
+
+    async def _mapped(self, queued: list[Group], targets: list[int]) -> dict[bytes, int]:
+        anchors = [g.anchor for g in queued if g.anchor is not None]
+        mapped: dict[bytes, int] = {}
+        if anchors:
+            shards = await self.r.hmget(self.keys.prefix_map, anchors)
+            for a, v in zip(anchors, shards, strict=True):
+                if v is not None and int(v) in targets:
+                    mapped[a] = int(v)
+        return mapped
+
+    async def _move_groups(
+        self,
+        rep: MoveReport,
+        queued: list[Group],
+        targets: list[int],
+        token: str,
+        steal: list[float] | None,
+    ) -> None:
+        source = rep.source
+        load = await self._loads(targets)
+        mapped = {} if steal is not None else await self._mapped(queued, targets)
+        claims: dict[bytes, int] = {}
+        shifted: dict[int, int] = defaultdict(int)
+        records: list[dict[str, Any]] = []
+        for i, g in enumerate(queued):
+            if steal is not None:
+                victim, thief = steal
+                if victim - thief <= 0:
+                    break
+                if victim - g.work < thief + g.work + g.cached:
+                    continue
+                target = targets[0]
+            else:
+                named = mapped.get(g.anchor) if g.anchor is not None else None
+                target = named if named is not None else min(targets, key=lambda k: (load[k], k))
+            if not await self._take_group(source, g, target):
+                rep.raced += 1
+                continue
+            if steal is not None:
+                steal[0] -= g.work
+                steal[1] += g.work + g.cached
+            load[target] += g.work
+            shifted[target] += g.work
+            rep.moved[target] = rep.moved.get(target, 0) + len(g.items)
+            rep.groups += 1
+            rep.tokens += g.work
+            if g.anchor is not None:
+                claims[g.anchor] = target
+            records.append(self._record(source, target, g, rep.why))
+            if i % 64 == 63 and not await self._renew(source, token):
+                log.warning("shard %d: the mover's lease was lost; stopping", source)
+                break
+        await self.moves.finish(source)
+        await self._follow(source, claims, shifted, records)
+
+    async def _take_group(self, source: int, g: Group, target: int) -> bool:
+        """Take every entry of ``g`` (one call per stream and consumer): False if any part of it
+        was taken by a worker meanwhile (what was taken before moves on; the rest stays)."""
+        parts: dict[tuple[str, bytes | None], list[bytes]] = defaultdict(list)
+        for f in g.items:
+            parts[(f.stream, f.consumer)].append(f.id)
+        whole = True
+        for (stream, consumer), ids in parts.items():
+            got = await self.moves.take(source, stream, ids, target, pending_on=consumer)
+            whole = whole and got > 0
+        return whole
+
+    def _record(self, source: int, target: int, g: Group, why: str) -> dict[str, Any]:
+        return {
+            "why": why,
+            "from": source,
+            "to": target,
+            "requests": len(g.items),
+            "tokens": g.work,
+            "anchor": g.anchor.hex() if g.anchor else "",
+            "by": self.name,
+            "at": time.time(),
+        }
+
+    async def _follow(
+        self,
+        source: int,
+        claims: dict[bytes, int],
+        shifted: dict[int, int],
+        records: list[dict[str, Any]],
+    ) -> None:
+        """The prefix map, the load estimate and the moves stream follow the moved groups."""
+        if claims:
+            script = self.r.register_script(lua("claim_prefixes"))
+            items = list(claims.items())
+            for start in range(0, len(items), 4000):
+                chunk = items[start : start + 4000]
+                args: list[Any] = [repr(time.time()), self.s.map_max_entries, len(chunk)]
+                for cp, shard in chunk:
+                    args += [cp, shard, "m"]
+                await script(keys=[self.keys.prefix_map, self.keys.prefix_lru], args=args)
+        pipe = self.r.pipeline(transaction=False)
+        for target, work in shifted.items():
+            pipe.hincrby(self.keys.load, str(target), work)
+            pipe.hincrby(self.keys.load, str(source), -work)
+        for rec in records:
+            pipe.xadd(self.keys.moves, rec, maxlen=10_000, approximate=True)
+        await pipe.execute()

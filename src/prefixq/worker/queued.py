@@ -1,0 +1,135 @@
+"""What waits in a shard's queue, in prefix groups (`scan`, `groups`): what a move can take.
+
+A shard's queue is its intake streams (by priority) and its bursts' lanes. `scan` lists, stream
+by stream in queue order, the entries never delivered to any consumer (past the group's
+last-delivered id) and, when asked, those pending on a consumer that has no heartbeat (they were
+in flight on a dead worker). `groups` gathers them into prefix groups: the entries whose shared
+prefix ends at the same checkpoint (``a`` in the entry, core/entries.py), else with the same
+stored prefix; a request without a shared prefix is a group of its own. The producer enqueues a
+group's requests together, so a group's entries are next to each other in a stream, and its
+first entry in queue order tells whether the group has started.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aredis
+from redis.exceptions import ResponseError
+
+from prefixq.core import wire
+from prefixq.core.entries import Entry
+from prefixq.core.keys import FIELD, GROUP, Keys
+from prefixq.store.dead_letters import identify
+
+__all__ = ["Found", "Group", "groups", "scan"]
+
+_PAGE = 1000
+
+
+@dataclass(slots=True)
+class Found:
+    """One queued entry."""
+
+    stream: str
+    id: bytes
+    entry: Entry | None
+    #: the dead consumer it is pending on (None: never delivered)
+    consumer: bytes | None = None
+
+
+@dataclass(slots=True)
+class Group:
+    """The queued entries of one prefix group, in queue order."""
+
+    key: tuple[Any, ...]
+    items: list[Found] = field(default_factory=list)
+    anchor: bytes | None = None
+    #: estimated uncached prompt tokens where the entries were placed (`Entry.work`)
+    work: int = 0
+    #: prompt tokens predicted cached there (computed again on another shard)
+    cached: int = 0
+
+
+async def scan(
+    r: aredis.Redis, keys: Keys, limits: wire.Limits, shard: int, *, dead_pending: bool
+) -> list[Found]:
+    """Every entry of ``shard``'s streams still to serve and free to move: never delivered, and
+    with ``dead_pending`` also those pending on consumers without a heartbeat (first in each
+    stream: they were read before the rest)."""
+    lanes = [b.decode(errors="replace") for b in await r.hkeys(keys.lanes(shard))]
+    out: list[Found] = []
+    alive: dict[bytes, bool] = {}
+    for key in keys.streams(shard, lanes):
+        try:
+            info = await r.xinfo_groups(key)
+        except ResponseError:  # no such stream (a lane closed meanwhile)
+            continue
+        ours = [g for g in info if _name(g) == GROUP]
+        last = ours[0]["last-delivered-id"] if ours else b"0-0"
+        if ours and dead_pending:  # no group: no worker ever read it, nothing is pending
+            out += await _dead_pending(r, keys, limits, shard, key, alive)
+        start = b"(" + (last if isinstance(last, bytes) else str(last).encode())
+        while True:
+            rows = await r.xrange(key, min=start, max="+", count=_PAGE)
+            out += [Found(key, eid, _entry(f, limits)) for eid, f in rows]
+            if len(rows) < _PAGE:
+                break
+            start = b"(" + rows[-1][0]
+    return out
+
+
+async def _dead_pending(
+    r: aredis.Redis,
+    keys: Keys,
+    limits: wire.Limits,
+    shard: int,
+    key: str,
+    alive: dict[bytes, bool],
+) -> list[Found]:
+    out: list[Found] = []
+    start: bytes | str = "-"
+    while True:
+        page = await r.xpending_range(key, GROUP, min=start, max="+", count=_PAGE)
+        for p in page:
+            consumer: bytes = p["consumer"]
+            if consumer not in alive:
+                hb = keys.heartbeat(shard, consumer.decode(errors="replace"))
+                alive[consumer] = bool(await r.exists(hb))
+            if alive[consumer]:
+                continue
+            eid = p["message_id"]
+            rows = await r.xrange(key, eid, eid)
+            out.append(Found(key, eid, _entry(rows[0][1], limits) if rows else None, consumer))
+        if len(page) < _PAGE:
+            return out
+        start = "(" + page[-1]["message_id"].decode()
+
+
+def _entry(fields: dict[bytes, bytes], limits: wire.Limits) -> Entry | None:
+    return identify(fields.get(FIELD), limits)
+
+
+def groups(found: list[Found]) -> list[Group]:
+    """``found`` in prefix groups, each in queue order, the groups in the order they start."""
+    out: dict[tuple[Any, ...], Group] = {}
+    for f in found:
+        e = f.entry
+        if e is not None and e.anchor is not None:
+            gk: tuple[Any, ...] = ("a", e.anchor)
+        elif e is not None and e.prefix_ref is not None:
+            gk = ("r", e.prefix_ref)
+        else:
+            gk = ("e", f.stream, f.id)
+        g = out.setdefault(gk, Group(gk, anchor=e.anchor if e else None))
+        g.items.append(f)
+        if e is not None:
+            g.work += e.work
+            g.cached += e.predicted_cached
+    return list(out.values())
+
+
+def _name(group: dict[Any, Any]) -> str:
+    name = group.get("name", b"")
+    return name.decode() if isinstance(name, bytes) else str(name)

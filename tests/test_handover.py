@@ -1,0 +1,326 @@
+"""Moving a shard's queued work to live shards (worker/handover.py, store/entry_moves.py) on a
+real redis-server, with bursts submitted by the real producer and no engine: whole prefix groups,
+exactly once, retried moves adding nothing, deliveries carried, priorities kept."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+import redis
+
+from helpers import cli, queued_entries, wait_burst
+from prefixq.client import Producer
+from prefixq.core import wire
+from prefixq.core.entries import Entry
+from prefixq.core.keys import CARRIED, FIELD, GROUP, LANE, POS, Keys
+from prefixq.core.settings import Settings
+from prefixq.store.connection import async_client
+from prefixq.store.deployment import ajoin_shard
+from prefixq.store.entry_moves import EntryMoves
+from prefixq.store.liveness import alive_mask
+from prefixq.worker.handover import Handover, MoveReport
+
+
+def _burst(docs: int, per_doc: int, *, doc_chars: int = 3000) -> list[dict[str, Any]]:
+    reqs = []
+    for d in range(docs):
+        doc = f"document {d} " + ("lorem ipsum dolor sit amet " * doc_chars)[:doc_chars]
+        for q in range(per_doc):
+            reqs.append(
+                {"id": f"d{d}q{q}", "prefix": doc, "prompt": f"question {q}?", "max_tokens": 4}
+            )
+    return reqs
+
+
+def _entries(r: redis.Redis, s: Settings, shard: int) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    return queued_entries(r, s, shard)
+
+
+def _decoded(fields: dict[bytes, bytes]) -> Entry:
+    return Entry.from_wire(wire.decode(fields[FIELD]))
+
+
+def _mark_live(r: redis.Redis, s: Settings, *shards: int) -> None:
+    for k in shards:
+        r.hset(Keys(s.namespace).live, str(k), repr(time.time()))
+
+
+def _move(s: Settings, source: int, shards: int, why: str = "orphaned") -> MoveReport:
+    async def go() -> MoveReport:
+        client = async_client(s)
+        try:
+            return await Handover(client, s, name="test").move_shard(source, shards, why=why)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(go())
+
+
+@pytest.fixture
+def three(make_settings: Any) -> Settings:
+    return make_settings(shards=3, placement="hash")
+
+
+def test_an_orphaned_shards_queue_moves_whole_groups_to_live_shards_exactly_once(
+    r: redis.Redis, make_settings: Any
+) -> None:
+    three = make_settings(shards=3)
+    _mark_live(r, three, 0, 1, 2)
+    Producer(three).submit(_burst(12, 5))
+    before = {k: len(_entries(r, three, k)) for k in range(3)}
+    assert before[1] > 0
+    r.hdel(Keys(three.namespace).live, "1")
+    rep = _move(three, 1, 3)
+    assert rep.requests == before[1]
+    assert _entries(r, three, 1) == []
+    after = {k: _entries(r, three, k) for k in (0, 2)}
+    assert sum(map(len, after.values())) == sum(before.values())
+    ids = Counter(_decoded(f).id for rows in after.values() for _, f in rows)
+    assert set(ids.values()) == {1} and len(ids) == 60
+    # every document's questions on one shard: a group is never split by the move
+    home: dict[str, set[int]] = {}
+    for k, rows in after.items():
+        for _, f in rows:
+            home.setdefault(_decoded(f).id.split("q")[0], set()).add(k)
+    assert all(len(v) == 1 for v in home.values())
+    moved = [f for rows in after.values() for _, f in rows if CARRIED in f]
+    assert len(moved) == before[1]
+    assert all(LANE not in f and POS not in f and f[CARRIED] == b"0" for f in moved)
+    recs = r.xrange(Keys(three.namespace).moves)
+    assert sum(int(f[b"requests"]) for _, f in recs) == before[1]
+    assert {f[b"why"] for _, f in recs} == {b"orphaned"}
+    # the prefix map followed: a later question on a moved document goes where it went
+    moved_doc = next(
+        d
+        for d, ks in home.items()
+        if any(
+            _decoded(f).id.startswith(d + "q") and CARRIED in f
+            for rows in after.values()
+            for _, f in rows
+        )
+    )
+    doc_index = int(moved_doc[1:])
+    Producer(three).submit([{**_burst(12, 1)[doc_index], "id": "later"}])
+    assert {
+        k for k in (0, 2) for _, f in _entries(r, three, k) if _decoded(f).id == "later"
+    } == home[moved_doc]
+
+
+def test_nothing_moves_without_a_live_shard_or_under_another_movers_lease(
+    r: redis.Redis, three: Settings
+) -> None:
+    Producer(three).submit(_burst(6, 2))
+    n = len(_entries(r, three, 1))
+    assert _move(three, 1, 3).skipped == "no live shard to move to"
+    _mark_live(r, three, 0)
+    r.set(Keys(three.namespace).mover(1), "someone", px=5000)
+    assert _move(three, 1, 3).skipped == "another mover holds the lease"
+    assert len(_entries(r, three, 1)) == n
+
+
+def test_a_mover_that_dies_after_taking_leaves_a_plan_the_next_one_finishes_once(
+    r: redis.Redis, three: Settings
+) -> None:
+    Producer(three).submit(_burst(6, 3))
+    keys = Keys(three.namespace)
+    rows = [(key, eid) for key in keys.intakes(1) for eid, _ in r.xrange(key)]
+    assert rows
+
+    async def take_then_die() -> None:
+        client = async_client(three)
+        try:
+            moves = EntryMoves(client, three)
+            for key, eid in rows:
+                assert await moves.take(1, key, [eid], 2) == 1
+            plans = await moves.planned(1)
+            assert len(plans) == len(rows)
+            # put, then "die" before the plan is dropped: the plan is still there
+            await moves._put_batch(2, plans)
+        finally:
+            await client.aclose()
+
+    asyncio.run(take_then_die())
+    assert r.hlen(keys.moving(1)) == len(rows)
+    on_two = len(_entries(r, three, 2))
+    _mark_live(r, three, 2)
+    _move(three, 1, 3)  # finishes the plan first: adds nothing twice
+    assert r.hlen(keys.moving(1)) == 0
+    ids = Counter(_decoded(f).id for _, f in _entries(r, three, 2))
+    assert set(ids.values()) == {1}
+    assert len(_entries(r, three, 2)) >= on_two
+
+
+def test_a_delivered_entry_is_not_taken_and_takes_none_of_its_group(
+    r: redis.Redis, three: Settings
+) -> None:
+    Producer(three).submit(_burst(1, 4))
+    keys = Keys(three.namespace)
+    shard = next(k for k in range(3) if _entries(r, three, k))
+    stream = keys.stream(shard)
+    r.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    ids = [eid for eid, _ in r.xrange(stream)]
+    r.xreadgroup(GROUP, "live-worker", {stream: ">"}, count=1)
+
+    async def take() -> int:
+        client = async_client(three)
+        try:
+            return await EntryMoves(client, three).take(shard, stream, ids, (shard + 1) % 3)
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(take()) == 0
+    assert [eid for eid, _ in r.xrange(stream)] == ids
+
+
+def test_entries_pending_on_a_dead_consumer_move_with_their_deliveries(
+    r: redis.Redis, three: Settings
+) -> None:
+    Producer(three).submit(_burst(2, 2), priority="high")
+    keys = Keys(three.namespace)
+    shard = next(k for k in range(3) if _entries(r, three, k))
+    target = (shard + 1) % 3
+    high = keys.intake(shard, "high")
+    r.xgroup_create(high, GROUP, id="0", mkstream=True)
+    got = r.xreadgroup(GROUP, "dead-worker", {high: ">"}, count=100)
+    n = len(got[0][1])
+    assert n > 0
+    _mark_live(r, three, target)
+    rep = _move(three, shard, 3)
+    assert rep.requests >= n
+    moved = r.xrange(keys.intake(target, "high"))
+    assert len(moved) >= n
+    carried = sorted(int(f[CARRIED]) for _, f in moved if CARRIED in f)
+    assert carried.count(1) == n  # one delivery each on the dead consumer
+    assert r.xpending(high, GROUP)["pending"] == 0
+
+
+def test_entries_pending_on_a_consumer_with_a_heartbeat_stay(
+    r: redis.Redis, three: Settings
+) -> None:
+    Producer(three).submit(_burst(1, 3))
+    keys = Keys(three.namespace)
+    shard = next(k for k in range(3) if _entries(r, three, k))
+    stream = keys.stream(shard)
+    r.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    r.xreadgroup(GROUP, "busy-worker", {stream: ">"}, count=100)
+    r.hset(keys.heartbeat(shard, "busy-worker"), "pid", 1)
+    _mark_live(r, three, (shard + 1) % 3)
+    assert _move(three, shard, 3).requests == 0
+    assert r.xpending(stream, GROUP)["pending"] == 3
+
+
+def test_alive_mask_treats_every_shard_as_live_when_none_is() -> None:
+    now = time.time()
+    assert alive_mask({}, 3, 15.0, now) == [True, True, True]
+    assert alive_mask({b"1": repr(now).encode()}, 3, 15.0, now) == [False, True, False]
+    assert alive_mask({b"1": repr(now - 60).encode()}, 3, 15.0, now) == [True, True, True]
+
+
+def _shard_of(r: redis.Redis, s: Settings, rid: str, shards: int) -> int:
+    for k in range(shards):
+        for _, f in _entries(r, s, k):
+            if _decoded(f).id == rid:
+                return k
+    raise AssertionError(f"{rid} is in no shard's queue")
+
+
+def test_placement_skips_shards_without_a_live_worker_and_moves_their_map_entries(
+    r: redis.Redis, make_settings: Any
+) -> None:
+    s = make_settings(shards=3)
+    keys = Keys(s.namespace)
+    _mark_live(r, s, 0, 1, 2)
+    Producer(s).submit(_burst(6, 1))
+    homes = {f"d{d}q0": _shard_of(r, s, f"d{d}q0", 3) for d in range(6)}
+    dead = homes["d0q0"]
+    r.hset(keys.live, str(dead), repr(time.time() - 3600))
+    before = {k: len(_entries(r, s, k)) for k in range(3)}
+    # the same documents again, and new ones: none goes to the dead shard
+    burst = [
+        {"id": f"again{d}", "prefix": req["prefix"], "prompt": "more?", "max_tokens": 4}
+        for d, req in enumerate(_burst(6, 1))
+    ] + [{**req, "id": f"new-{req['id']}"} for req in _burst(12, 1, doc_chars=2500)]
+    Producer(s).submit(burst)
+    assert len(_entries(r, s, dead)) == before[dead]
+    # a document whose map entry named the dead shard now names where its question went, and a
+    # third burst follows it there
+    moved_to = _shard_of(r, s, "again0", 3)
+    assert moved_to != dead
+    Producer(s).submit([{"id": "third0", "prefix": _burst(1, 1)[0]["prefix"], "prompt": "x?"}])
+    assert _shard_of(r, s, "third0", 3) == moved_to
+    # documents on live shards stay where their cache is
+    for d, home in homes.items():
+        if home != dead:
+            assert _shard_of(r, s, f"again{d[1:-2]}", 3) == home
+
+
+def _join(s: Settings) -> int:
+    async def go() -> int:
+        client = async_client(s)
+        try:
+            return await ajoin_shard(client, s)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(go())
+
+
+def test_a_joining_worker_takes_the_lowest_shard_without_a_worker_then_grows_the_count(
+    r: redis.Redis, make_settings: Any
+) -> None:
+    s = make_settings(shards=3)
+    keys = Keys(s.namespace)
+    r.hset(keys.config, "shards", 3)
+    _mark_live(r, s, 0, 2)
+    assert _join(s) == 1  # the gap
+    assert _join(s) == 3  # 1 is held for the first joiner: every shard served, the count grows
+    assert r.hget(keys.config, "shards") == b"4"
+    # two joiners at once never take the same shard
+    _mark_live(r, s, 1, 3)
+    got = sorted(asyncio.run(_two_joins(s)))
+    assert got == [4, 5] and r.hget(keys.config, "shards") == b"6"
+
+
+async def _two_joins(s: Settings) -> list[int]:
+    clients = [async_client(s), async_client(s)]
+    try:
+        return list(await asyncio.gather(*(ajoin_shard(c, s) for c in clients)))
+    finally:
+        for c in clients:
+            await c.aclose()
+
+
+def test_prefixq_handover_moves_a_shard_by_hand(r: redis.Redis, three: Settings) -> None:
+    Producer(three).submit(_burst(6, 2))
+    n = len(_entries(r, three, 1))
+    _mark_live(r, three, 0, 2)
+    out = cli(three, "handover", "--shard", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    assert (sum(rep["moved"].values()), rep["why"]) == (n, "operator")
+    assert _entries(r, three, 1) == []
+    bad = cli(three, "handover", "--shard", "7")
+    assert bad.returncode == 2 and "does not exist" in bad.stderr
+
+
+def test_an_entry_moved_with_its_attempts_used_up_is_dead_lettered_not_run(
+    r: redis.Redis, settings: Settings, fake_worker: Any
+) -> None:
+    """An entry whose carried deliveries already reach max_attempts (a move off a dead worker)
+    is dead-lettered when read, its request failed once, and the engine never sees it."""
+    burst = Producer(settings).submit([{"id": "tired", "prompt": "hello there", "max_tokens": 2}])
+    keys = Keys(settings.namespace)
+    ((eid, fields),) = r.xrange(keys.stream(0))
+    r.xdel(keys.stream(0), eid)
+    r.xadd(keys.stream(0), {**fields, CARRIED: str(settings.max_attempts)})
+    fw = fake_worker(settings)
+    (res,) = wait_burst(r, settings, burst, 15)
+    assert res.error is not None and "dead-lettered" in res.error
+    assert f"max_attempts={settings.max_attempts}" in res.error
+    assert [rid for rid in fw.engine.seen if not rid.startswith("warmup-")] == []
+    assert r.xlen(keys.dead(0)) == 1
