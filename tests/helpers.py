@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import subprocess
 import sys
 import threading
@@ -323,3 +324,16 @@ def fault_worker(
     cmd = [PY, str(TESTS / "fault_worker.py"), mode, *args, *settings_flags(s)]
     with open(log, "wb") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=TESTS.parent)
+
+
+def kill_tree(pid: int) -> int:
+    """SIGKILL a process and all its descendants (the engine core) at once; returns how many."""
+    import psutil
+
+    root = psutil.Process(pid)
+    procs = [root, *root.children(recursive=True)]
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGKILL)
+    psutil.wait_procs(procs, timeout=30)
+    return len(procs)

@@ -9,7 +9,6 @@ saw land and the requests its bursts lost or doubled to the ledger (tests/ledger
 
 from __future__ import annotations
 
-import contextlib
 import secrets
 import signal
 import time
@@ -25,6 +24,7 @@ from conftest import WorkerProc
 from helpers import (
     FakeWorker,
     fault_worker,
+    kill_tree,
     pending_on,
     queue_empty,
     requests,
@@ -83,19 +83,6 @@ def _start_engines_early(request: pytest.FixtureRequest) -> None:
         for item in request.session.items
     ):
         request.getfixturevalue("real_pair")
-
-
-def kill_tree(pid: int) -> int:
-    """SIGKILL a process and all its descendants (the engine core) at once; returns how many."""
-    import psutil
-
-    root = psutil.Process(pid)
-    procs = [root, *root.children(recursive=True)]
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(signal.SIGKILL)
-    psutil.wait_procs(procs, timeout=30)
-    return len(procs)
 
 
 def test_crash_after_results_written_before_ack_records_no_duplicate(

@@ -9,9 +9,7 @@ engine, a real redis-server, workers killed with -9 and started mid-burst.
 
 from __future__ import annotations
 
-import contextlib
 import secrets
-import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +17,7 @@ from typing import Any
 import pytest
 import redis
 
+from helpers import kill_tree
 from prefixq.client import Producer
 from prefixq.core import wire
 from prefixq.core.keys import Keys
@@ -48,17 +47,6 @@ def _burst(docs: int, per_doc: int, max_tokens: int) -> list[dict[str, Any]]:
                 }
             )
     return out
-
-
-def _kill_tree(pid: int) -> None:
-    import psutil
-
-    root = psutil.Process(pid)
-    procs = [root, *root.children(recursive=True)]
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(signal.SIGKILL)
-    psutil.wait_procs(procs, timeout=30)
 
 
 def _results(r: redis.Redis, s: Settings, burst: str) -> dict[int, dict[str, Any]]:
@@ -116,7 +104,7 @@ def test_a_worker_lost_for_good_has_its_queue_moved_and_the_burst_ends_exactly_o
         assert time.monotonic() < deadline, "no 25 results"
         time.sleep(0.2)
     killed_at = time.monotonic()
-    _kill_tree(w1.proc.pid)
+    kill_tree(w1.proc.pid)
     _wait_done(r, s, burst.id, 120, timeout=300)
     took = time.monotonic() - killed_at
     got = _results(r, s, burst.id)

@@ -61,6 +61,19 @@ def _move(s: Settings, source: int, shards: int, why: str = "orphaned") -> MoveR
     return asyncio.run(go())
 
 
+def _delivered(
+    r: redis.Redis, s: Settings, consumer: str, count: int, priority: str = "normal"
+) -> tuple[int, str, list[bytes]]:
+    """(the shard holding the queued entries, its intake of ``priority``, the ids of that intake)
+    after ``count`` of them were delivered to ``consumer``."""
+    shard = next(k for k in range(s.shards) if _entries(r, s, k))
+    stream = Keys(s.namespace).intake(shard, priority)
+    r.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    ids = [eid for eid, _ in r.xrange(stream)]
+    r.xreadgroup(GROUP, consumer, {stream: ">"}, count=count)
+    return shard, stream, ids
+
+
 @pytest.fixture
 def three(make_settings: Any) -> Settings:
     return make_settings(shards=3, placement="hash")
@@ -159,12 +172,7 @@ def test_a_delivered_entry_is_not_taken_and_takes_none_of_its_group(
     r: redis.Redis, three: Settings
 ) -> None:
     Producer(three).submit(_burst(1, 4))
-    keys = Keys(three.namespace)
-    shard = next(k for k in range(3) if _entries(r, three, k))
-    stream = keys.stream(shard)
-    r.xgroup_create(stream, GROUP, id="0", mkstream=True)
-    ids = [eid for eid, _ in r.xrange(stream)]
-    r.xreadgroup(GROUP, "live-worker", {stream: ">"}, count=1)
+    shard, stream, ids = _delivered(r, three, "live-worker", 1)
 
     async def take() -> int:
         client = async_client(three)
@@ -182,12 +190,9 @@ def test_entries_pending_on_a_dead_consumer_move_with_their_deliveries(
 ) -> None:
     Producer(three).submit(_burst(2, 2), priority="high")
     keys = Keys(three.namespace)
-    shard = next(k for k in range(3) if _entries(r, three, k))
+    shard, high, ids = _delivered(r, three, "dead-worker", 100, "high")
     target = (shard + 1) % 3
-    high = keys.intake(shard, "high")
-    r.xgroup_create(high, GROUP, id="0", mkstream=True)
-    got = r.xreadgroup(GROUP, "dead-worker", {high: ">"}, count=100)
-    n = len(got[0][1])
+    n = len(ids)
     assert n > 0
     _mark_live(r, three, target)
     rep = _move(three, shard, 3)
@@ -204,10 +209,7 @@ def test_entries_pending_on_a_consumer_with_a_heartbeat_stay(
 ) -> None:
     Producer(three).submit(_burst(1, 3))
     keys = Keys(three.namespace)
-    shard = next(k for k in range(3) if _entries(r, three, k))
-    stream = keys.stream(shard)
-    r.xgroup_create(stream, GROUP, id="0", mkstream=True)
-    r.xreadgroup(GROUP, "busy-worker", {stream: ">"}, count=100)
+    shard, stream, _ = _delivered(r, three, "busy-worker", 100)
     r.hset(keys.heartbeat(shard, "busy-worker"), "pid", 1)
     _mark_live(r, three, (shard + 1) % 3)
     assert _move(three, shard, 3).requests == 0
