@@ -23,6 +23,7 @@ from prefixq.store.connection import async_client
 from prefixq.store.deployment import ajoin_shard
 from prefixq.store.entry_moves import EntryMoves
 from prefixq.store.liveness import alive_mask
+from prefixq.worker.fleet import FleetWatch
 from prefixq.worker.handover import Handover, MoveReport
 
 
@@ -326,3 +327,32 @@ def test_an_entry_moved_with_its_attempts_used_up_is_dead_lettered_not_run(
     assert f"max_attempts={settings.max_attempts}" in res.error
     assert [rid for rid in fw.engine.seen if not rid.startswith("warmup-")] == []
     assert r.xlen(keys.dead(0)) == 1
+
+
+def test_a_look_of_any_live_worker_finishes_a_plan_left_on_any_shard(
+    r: redis.Redis, three: Settings
+) -> None:
+    """A mover that failed after taking (its plan left in the source's hash) is finished by the
+    next look of any live worker, whichever shard it is: nothing stays taken and unqueued."""
+    Producer(three).submit(_burst(4, 2))
+    keys = Keys(three.namespace)
+    shard = next(k for k in range(3) if _entries(r, three, k))
+    rows = [(key, eid) for key in keys.intakes(shard) for eid, _ in r.xrange(key)]
+    target = (shard + 1) % 3
+
+    async def take_and_look() -> None:
+        client = async_client(three)
+        try:
+            moves = EntryMoves(client, three)
+            for key, eid in rows:
+                assert await moves.take(shard, key, [eid], target) == 1
+            _mark_live(r, three, 0, 1, 2)
+            watch = FleetWatch(client, three, shard=(shard + 2) % 3, name="other")
+            await watch.look()
+        finally:
+            await client.aclose()
+
+    asyncio.run(take_and_look())
+    assert r.hlen(keys.moving(shard)) == 0
+    moved = [f for _, f in _entries(r, three, target) if CARRIED in f]
+    assert len(moved) == len(rows)

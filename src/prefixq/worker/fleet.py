@@ -76,6 +76,7 @@ class FleetWatch:
         if not live.alive(self.shard):  # this worker's own beat is not written yet
             return []
         out: list[MoveReport] = []
+        await self._finish_plans(shards)
         for k in range(shards):
             if k == self.shard or live.alive(k) or self.s.orphan_after_s <= 0:
                 continue
@@ -88,6 +89,16 @@ class FleetWatch:
         if self.s.steal_min_tokens > 0 and self.idle() and time.monotonic() >= self._next_steal:
             await self._steal(live.live_shards(), out)
         return out
+
+    async def _finish_plans(self, shards: int) -> None:
+        """Moves a mover began and did not finish (it died, or failed mid-move), on any shard:
+        finished under that shard's lease (each step is safe to repeat)."""
+        pipe = self.r.pipeline(transaction=False)
+        for k in range(shards):
+            pipe.hlen(self.keys.moving(k))
+        for k, n in enumerate(await pipe.execute()):
+            if n:
+                await self.handover.finish(k)
 
     async def _steal(self, live: list[int], out: list[MoveReport]) -> None:
         raw = await self.r.hgetall(self.keys.load)
@@ -142,5 +153,7 @@ class FleetWatch:
                 await self.look()
             except TRANSIENT as err:
                 log.debug("fleet look skipped: %s", err)
+            except Exception:  # a bug here must not end the watch: the next look tries again
+                log.exception("fleet look failed (looking again in %.1f s)", self.s.heartbeat_s)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=self.s.heartbeat_s)

@@ -96,6 +96,18 @@ class Handover:
     async def _release(self, source: int, token: str) -> None:
         await self._lease(keys=[self.keys.mover(source)], args=[token, "release", 0])
 
+    async def finish(self, source: int) -> bool:
+        """Finish the moves begun on ``source`` (a plan left by a mover that died or failed),
+        under its lease; False if another mover holds it."""
+        token = await self._acquire(source)
+        if token is None:
+            return False
+        try:
+            await self.moves.finish(source)
+        finally:
+            await self._release(source, token)
+        return True
+
     # ---- the moves --------------------------------------------------------------------------
     async def move_shard(self, source: int, shards: int, *, why: str) -> MoveReport:
         """Move shard ``source``'s queued work (never delivered, or pending on dead consumers) to
