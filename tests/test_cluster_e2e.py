@@ -101,6 +101,53 @@ def test_a_burst_over_shards_on_three_masters_comes_back_whole_in_input_order(
         wait_settled(cr, s, k)
 
 
+def test_a_chunk_sent_again_through_a_failover_on_a_cluster_runs_each_request_once(
+    cluster_settings: MakeSettings,
+    cr: redis.Redis,
+    cluster_worker: MakeWorker,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Given a submit over 4 shards on three masters whose third chunk (64 requests) every master
+    processed before the connection dropped (a failover's lost reply), when the producer sends the
+    chunk again (its ride-through), then every request is enqueued once, the engines compute each
+    once, and one INFO line says the 64 were skipped."""
+    import logging
+
+    from redis.asyncio.cluster import ClusterPipeline
+
+    s = cluster_settings(placement="round-robin")
+    workers = [cluster_worker(s, shard=k, name=f"w{k}") for k in range(4)]
+    real = ClusterPipeline.execute
+    chunks = []
+
+    async def failover(self: Any, *a: Any, **kw: Any) -> Any:
+        queue = self._execution_strategy._command_queue  # entries: lua/enqueue.lua (or XADDs)
+        if any(c.args[0] == "XADD" or ":enq:" in str(c.args[3:4]) for c in queue):
+            chunks.append(1)
+            if len(chunks) == 3:
+                await real(self, *a, **kw)
+                raise redis.ConnectionError("Connection closed by server.")
+        return await real(self, *a, **kw)
+
+    monkeypatch.setattr(ClusterPipeline, "execute", failover)
+    with caplog.at_level(logging.INFO, logger="prefixq.client.enqueue"):
+        burst = Producer(s).submit(requests(200))
+    monkeypatch.undo()
+    assert len(chunks) == 5, "chunks of 4, 16, 64 (sent twice) and 116"
+    wait_burst(cr, s, burst, 30)
+    ours = [rid for w in workers for rid in w.engine.seen if rid.startswith(f"{burst}:")]
+    ran = Counter(int(rid.split(":")[1]) for rid in ours)  # burst:index:entry
+    assert sorted(ran) == list(range(200)) and set(ran.values()) == {1}, ran.most_common(3)
+    skipped = [x.getMessage() for x in caplog.records if "enqueued already, skipped" in x.message]
+    assert skipped == [
+        f"burst {burst}: requests 21-84 sent again: 64 of them had been enqueued already, "
+        "skipped (64 in this submit)"
+    ]
+    out = account(cr, s, burst, 200, what="a chunk sent again on a cluster")
+    assert (out.lost, out.duplicated, out.done) == (0, 0, 200)
+
+
 def test_cancel_on_a_cluster_skips_queued_and_keeps_finished(
     cluster_settings: MakeSettings, cr: redis.Redis, cluster_worker: MakeWorker
 ) -> None:

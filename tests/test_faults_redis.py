@@ -9,6 +9,7 @@ fixture); each test adds the faults it saw land and what its bursts lost or doub
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -221,3 +222,52 @@ def test_producer_gives_up_with_redis_unavailable_and_the_cli_exits_1(tmp_path: 
     assert p.returncode == 1, p.stderr
     assert "prefixq: error: cannot reach Redis at" in p.stderr
     assert time.monotonic() - t0 >= 5.0
+
+
+def test_script_cache_flushed_mid_burst_reloads_quietly(
+    make_settings: Callable[..., Settings],
+    r: redis.Redis,
+    fake_worker: MakeWorker,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Given a worker recording results of three bursts at once, when Redis's script cache is
+    emptied over and over mid-burst (SCRIPT FLUSH: what a promoted replica looks like), every
+    script is loaded again quietly (a DEBUG line, no WARNING or ERROR naming NOSCRIPT: nothing for
+    an operator to act on) and every request ends with exactly one result."""
+    caplog.set_level(logging.DEBUG, logger="prefixq")
+    s, total = make_settings(max_inflight=8, write_batch=16), 120
+    stop = threading.Event()
+    flushes: list[float] = []
+
+    def flush() -> None:
+        c = redis.Redis.from_url(s.redis_url)
+        try:
+            while not stop.wait(0.03):
+                c.script_flush()
+                flushes.append(time.time())
+        finally:
+            c.close()
+
+    with fake_worker(s, name="ns"):
+        flusher = threading.Thread(target=flush, daemon=True)
+        bursts = [
+            Producer(s).submit(requests(total, lambda i, b=b: f"sleep:0.01 ns{b} {i}"))
+            for b in range(3)
+        ]
+        flusher.start()
+        try:
+            for burst in bursts:
+                wait_burst(r, s, burst, 60)
+        finally:
+            stop.set()
+            flusher.join()
+        outs = [account(r, s, burst, total) for burst in bursts]
+    reloads = [x for x in caplog.records if "NOSCRIPT" in x.getMessage()]
+    loud = [x.getMessage() for x in reloads if x.levelno >= logging.WARNING]
+    print(f"  {len(flushes)} flushes, {len(reloads)} scripts reloaded after NOSCRIPT")
+    LEDGER.fault(f"SCRIPT FLUSH mid-burst ({len(flushes)} times)")
+    assert reloads, "a flush landed between a script's load and its call"
+    assert not loud, loud[:3]
+    for out in outs:
+        assert (out.lost, out.duplicated, out.done) == (0, 0, total)
+    assert queue_empty(r, s) == (0, 0)

@@ -10,7 +10,11 @@ of test_faults_worker.py). Faults go to the ledger (tests/ledger.py).
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +26,8 @@ import redis
 from conftest import WorkerProc
 from helpers import fault_worker, wait_until
 from ledger import LEDGER
-from prefixq.cli.worker_signals import EXIT_S
+from prefixq.cli.redis_server import free_port
+from prefixq.cli.worker_signals import EXIT_S, start_worker
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 
@@ -56,6 +61,103 @@ def test_a_stop_during_a_start_that_blocks_its_thread_exits_0_at_once(
     assert took < EXIT_S and "Traceback" not in text, text  # the watchdog did not end it
     assert not r.exists(Keys(s.namespace).heartbeat(0, "held"))
     LEDGER.fault(f"{signal.Signals(sig).name} to a worker whose start blocks its thread")
+
+
+#: seconds after the start at which a test stops a worker: while its interpreter starts (~30 ms
+#: idle, several times that on a loaded machine), then through the imports of its command (~0.6 s
+#: before its handlers, once)
+AT_ONCE = (0.0, 0.01, 0.02, 0.03, 0.05, 0.1, 0.15, 0.2)
+THROUGH_IMPORTS = (0.25, 0.3, 0.35, 0.4, 0.45, 0.5)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_at_any_moment_of_the_start_exits_0(sig: int) -> None:
+    """Given ``python -m prefixq worker`` started by `start_worker` (as `prefixq workers` and the
+    demo start theirs: the stop signals blocked until its first handler), when SIGTERM or SIGINT
+    comes at any moment of its start, 0 to 0.5 s, it exits 0; started plainly, it does so once
+    its interpreter runs (a signal before that takes the default action: not tested here, where
+    load may stretch it); never killed by the signal (-15, -2: the handlers came after ~0.6 s
+    of imports) or with a traceback (a KeyboardInterrupt inside an import)."""
+    cmd = [sys.executable, "-m", "prefixq", "worker", "--shard", "0"]
+    cmd += ["--redis-url", f"redis://127.0.0.1:{free_port()}/0"]  # nothing there: it writes none
+
+    def stop_after(delay: float, *, shielded: bool) -> int:
+        start = start_worker if shielded else subprocess.Popen
+        proc = start(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            time.sleep(delay)
+            proc.send_signal(sig)
+            return proc.wait(EXIT_S + 10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    got = {(d, True): stop_after(d, shielded=True) for d in AT_ONCE + THROUGH_IMPORTS}
+    got |= {(d, False): stop_after(d, shielded=False) for d in THROUGH_IMPORTS}
+    print(f"  exit codes after {signal.Signals(sig).name}: {sorted(set(got.values()))}")
+    assert all(rc == 0 for rc in got.values()), {k: rc for k, rc in got.items() if rc != 0}
+    LEDGER.fault(f"{signal.Signals(sig).name} 0-0.5 s after a worker's start", len(got))
+
+
+def _ignores_sigint(pid: int) -> bool:
+    """Whether process ``pid`` ignores SIGINT (its SigIgn mask in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+    raise AssertionError(f"no SigIgn line for {pid}")
+
+
+def test_the_demo_started_with_sigint_ignored_stops_on_sigint_and_so_does_its_worker(
+    tmp_path: Path,
+) -> None:
+    """Given the demo in a background job of a non-interactive shell (``./dev demo &``: SIGINT
+    ignored), its worker (here a stand-in that unblocks the stop signals, as `prefixq worker`
+    does) starts with SIGINT's default action, and SIGINT stops the demo, which stops its
+    worker (it ignored SIGINT, and so did its worker, until SIGKILL)."""
+    demo = tmp_path / "demo.py"
+    demo.write_text(
+        textwrap.dedent(f"""
+        import signal, sys, time
+        from prefixq.cli import demo
+        print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN, flush=True)
+        worker = "import signal, time; signal.pthread_sigmask(signal.SIG_UNBLOCK, {{2, 15}}); " \
+            "time.sleep(120)"
+        with demo._interrupts(), open({str(tmp_path / "worker.log")!r}, "wb") as out:
+            proc = demo._start_worker([sys.executable, "-c", worker], out)
+            try:
+                print(proc.pid, flush=True)
+                time.sleep(120)
+            finally:
+                demo._stop(proc)
+                print("stopped", proc.returncode, flush=True)
+        """)
+    )
+    shell = subprocess.Popen(
+        ["bash", "-c", f"{sys.executable} {demo} & echo $!; wait $!"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert shell.stdout is not None
+    try:
+        parent = int(shell.stdout.readline())
+        assert shell.stdout.readline().strip() == "True", "a background job ignores SIGINT"
+        child = int(shell.stdout.readline())
+        time.sleep(0.3)  # the stand-in's interpreter up
+        ignored = _ignores_sigint(child)
+        os.kill(parent, signal.SIGINT)
+        rest, _ = shell.communicate(timeout=30)
+    finally:
+        for pid in (locals().get("child"), locals().get("parent")):
+            if pid and Path(f"/proc/{pid}").exists():
+                os.kill(pid, signal.SIGKILL)
+        if shell.poll() is None:
+            shell.kill()
+            shell.wait()
+    print(f"  demo's worker ignored SIGINT: {ignored}; after SIGINT: {rest.strip()!r}")
+    assert not ignored, "the demo's worker inherited an ignored SIGINT"
+    assert "stopped -15" in rest, "SIGINT stopped the demo, and the demo stopped its worker"
+    assert shell.returncode != 0  # the demo ended by its KeyboardInterrupt
 
 
 def _title(p: Any) -> str:

@@ -6,6 +6,9 @@ ids were never recorded says so instead (docs/delivery.md, "Cancel and deadlines
 from __future__ import annotations
 
 import json
+import logging
+import signal
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -14,13 +17,14 @@ import pytest
 import redis
 import redis.asyncio as aredis
 
-from helpers import cli
+from helpers import PY, cli, wait_until
 from prefixq.client import Producer, results
 from prefixq.client import producer as producer_module
 from prefixq.core.errors import RedisUnavailable
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from prefixq.store import burst_end
+from prefixq.store.connection import async_client
 
 
 class ProducerDied(BaseException):
@@ -65,8 +69,8 @@ def test_cancel_of_a_burst_whose_producer_died_before_its_head_keeps_the_submitt
 def test_expiry_of_a_burst_whose_producer_died_before_its_head_keeps_the_submitted_ids(
     make_settings: Callable[..., Settings], r: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Given the same half-created burst in the deadline index, when its deadline passes,
-    `expire_due` gives each request one expired result under its submitted id."""
+    """Given the same half-created burst with a deadline (indexed with its record), when its
+    deadline passes, `expire_due` gives each request one expired result under its submitted id."""
     import asyncio
 
     s = make_settings()
@@ -74,12 +78,9 @@ def test_expiry_of_a_burst_whose_producer_died_before_its_head_keeps_the_submitt
     r.hset(keys.config, "shards", 1)
     die_before_the_head(monkeypatch)
     with pytest.raises(ProducerDied):
-        Producer(s).submit(shifted(12), burst_id="late", deadline=time.time() + 3600)
-    r.zadd(keys.deadlines, {"late": time.time() - 1})  # as the head's pipeline would have
+        Producer(s).submit(shifted(12), burst_id="late", deadline=time.time() - 1)
 
     async def expire() -> list[str]:
-        from prefixq.store.connection import async_client
-
         c = async_client(s)
         try:
             return await burst_end.expire_due(c, s)
@@ -90,6 +91,92 @@ def test_expiry_of_a_burst_whose_producer_died_before_its_head_keeps_the_submitt
     got = results.collect("late", s)
     assert [g.id for g in got] == [str(i + 1) for i in range(12)]
     assert {g.error_code for g in got} == {"expired"}
+
+
+#: a producer process that stops right after its burst's record is created (lua/create_burst.lua
+#: answered), says so, and waits there to be killed
+KILLED_AFTER_THE_RECORD = """
+import sys, time
+from prefixq.client import Producer, producer
+from prefixq.core.settings import Settings
+
+create = producer._Submission._create
+
+async def created_then_wait(self, *a):
+    await create(self, *a)
+    print("created", flush=True)
+    time.sleep(600)  # blocks the event loop: nothing more is sent
+
+producer._Submission._create = created_then_wait
+url, ns, deadline = sys.argv[1], sys.argv[2], float(sys.argv[3])
+requests = [{"id": str(i + 1), "prompt": f"hello {i}", "max_tokens": 4} for i in range(12)]
+Producer(Settings(redis_url=url, namespace=ns, shards=1)).submit(
+    requests, burst_id="killed", deadline=deadline
+)
+"""
+
+
+def test_a_burst_whose_producer_was_killed_after_its_record_expires_and_its_keys_go(
+    make_settings: Callable[..., Settings], r: redis.Redis, fake_worker: Callable[..., Any]
+) -> None:
+    """Given a producer process killed (SIGKILL) right after its burst's record was created and
+    before anything else was sent, when the burst's deadline passes, then a worker's expiry loop
+    expires it: each of its requests has one expired result under its submitted id, the deadline
+    index lets it go, and its keys are gone after ``result_ttl_s``."""
+    s = make_settings(result_ttl_s=1)
+    keys = Keys(s.namespace)
+    r.hset(keys.config, "shards", 1)
+    deadline = time.time() + 2
+    argv = [PY, "-c", KILLED_AFTER_THE_RECORD, s.redis_url, s.namespace, repr(deadline)]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) as producer:
+        try:
+            assert producer.stdout is not None
+            assert producer.stdout.readline().strip() == "created", "the record was created"
+        finally:
+            producer.send_signal(signal.SIGKILL)
+        assert producer.wait(10) == -signal.SIGKILL
+    assert r.hget(keys.burst("killed"), "total") == b"12"
+    assert r.xlen(keys.stream(0)) == 0, "no entry went out"
+    fake_worker(s, name="expirer")
+    wait_until(lambda: r.hget(keys.burst("killed"), "status") == b"expired", 15, "the expiry")
+    assert time.time() >= deadline
+    got = results.collect("killed", s)
+    assert [g.id for g in got] == [str(i + 1) for i in range(12)]
+    assert {g.error_code for g in got} == {"expired"}
+    assert r.zscore(keys.deadlines, "killed") is None
+    pattern = f"{s.namespace}:{{bkilled}}*"
+    wait_until(lambda: not list(r.scan_iter(match=pattern)), 10, "the burst's keys to go")
+
+
+def test_a_submit_whose_burst_id_is_taken_cannot_expire_the_other_burst_early(
+    make_settings: Callable[..., Settings], r: redis.Redis
+) -> None:
+    """Given a burst with a deadline an hour away, when a second submit of the same id with a
+    deadline already past is refused (BurstIdTaken, its deadline indexed before its create found
+    the id taken), then `expire_due` does not expire the first burst: the record's deadline is the
+    truth, and the index entry goes back to it."""
+    import asyncio
+
+    from prefixq.core.errors import BurstIdTaken
+
+    s = make_settings()
+    keys = Keys(s.namespace)
+    r.hset(keys.config, "shards", 1)
+    later = time.time() + 3600
+    Producer(s).submit(shifted(3), burst_id="taken", deadline=later)
+    with pytest.raises(BurstIdTaken):
+        Producer(s).submit(shifted(3), burst_id="taken", deadline=time.time() - 1)
+
+    async def expire() -> list[str]:
+        c = async_client(s)
+        try:
+            return await burst_end.expire_due(c, s)
+        finally:
+            await c.aclose()
+
+    assert asyncio.run(expire()) == []
+    assert r.hget(keys.burst("taken"), "status") == b"queued"
+    assert r.zscore(keys.deadlines, "taken") == pytest.approx(later)
 
 
 def test_a_burst_whose_ids_were_only_partly_recorded_says_so_instead_of_making_ids_up(
@@ -137,18 +224,25 @@ def test_a_create_sent_again_by_a_retry_is_the_producers_own_not_a_taken_id(
     ]
 
 
-def lose_the_connection_mid_chunk(monkeypatch: pytest.MonkeyPatch, landed: int) -> None:
-    """The producer's third chunk (after 4 + 16 requests) is half processed by Redis — its first
-    ``landed`` entries are added — before the connection drops, so its reply never comes."""
+def entry_calls(pipe: Any) -> list[int]:
+    """Where a pipeline's lua/enqueue.lua calls are (one per shard of a chunk: its entries)."""
+    stack = pipe.command_stack
+    return [i for i, (a, _) in enumerate(stack) if a[0] == "EVAL" and ":enq:" in str(a[3])]
+
+
+def lose_the_connection_mid_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The producer's third chunk (after 4 + 16 requests; 64 requests, 32 per shard of 2) is half
+    processed by Redis — its first shard's entries are added — before the connection drops, so
+    its reply never comes."""
     real = aredis.client.Pipeline.execute
     chunks = []
 
     async def flaky(self: Any, raise_on_error: bool = True) -> Any:
-        xadds = [i for i, (args, _) in enumerate(self.command_stack) if args[0] == "XADD"]
-        if xadds:
-            chunks.append(len(xadds))
-        if len(chunks) == 3 and xadds:
-            self.command_stack = self.command_stack[: xadds[landed - 1] + 1]
+        calls = entry_calls(self)
+        if calls:
+            chunks.append(len(calls))
+        if len(chunks) == 3 and calls:
+            self.command_stack = self.command_stack[: calls[0] + 1]
             await real(self, raise_on_error)
             raise redis.ConnectionError("Connection closed by server.")
         return await real(self, raise_on_error)
@@ -160,14 +254,15 @@ def test_a_submit_that_fails_mid_chunk_reports_what_is_really_in_the_streams(
     make_settings: Callable[..., Settings], r: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Given a submit whose connection drops while a chunk is half processed (20 requests sent
-    and acknowledged, then 30 of the next chunk's 64 in the stream without a reply), the error
-    says 50 of its 200 requests were enqueued — what Redis holds — and not 20."""
-    s = make_settings()
-    r.hset(Keys(s.namespace).config, "shards", 1)
-    lose_the_connection_mid_chunk(monkeypatch, landed=30)
+    and acknowledged, then the 32 of the next chunk's 64 that go to shard 0 in the streams without
+    a reply), the error says 52 of its 200 requests were enqueued — what Redis holds — and not
+    20."""
+    s = make_settings(shards=2)
+    r.hset(Keys(s.namespace).config, "shards", 2)
+    lose_the_connection_mid_chunk(monkeypatch)
     with pytest.raises(RedisUnavailable, match="cancelled as a whole") as e:
-        Producer(s).submit(shifted(200), burst_id="cut")
-    assert "50 of its 200 requests" in str(e.value), str(e.value)
+        Producer(s).submit(shifted(200), burst_id="cut", placement="round-robin")
+    assert "52 of its 200 requests" in str(e.value), str(e.value)
 
 
 def test_a_submit_that_fails_mid_chunk_with_redis_gone_says_what_it_cannot_know(
@@ -176,9 +271,9 @@ def test_a_submit_that_fails_mid_chunk_with_redis_gone_says_what_it_cannot_know(
     """Given the same half-processed chunk, and Redis gone before the burst could be counted or
     cancelled, the error gives the bounds it knows (at least the 20 acknowledged, at most those
     plus the 64 of the chunk in flight), not 20 as if it were the count."""
-    s = make_settings()
-    r.hset(Keys(s.namespace).config, "shards", 1)
-    lose_the_connection_mid_chunk(monkeypatch, landed=30)
+    s = make_settings(shards=2)
+    r.hset(Keys(s.namespace).config, "shards", 2)
+    lose_the_connection_mid_chunk(monkeypatch)
 
     async def gone(*a: Any, **kw: Any) -> Any:
         raise redis.ConnectionError("Connection refused.")
@@ -186,5 +281,103 @@ def test_a_submit_that_fails_mid_chunk_with_redis_gone_says_what_it_cannot_know(
     monkeypatch.setattr(producer_module, "acancel", gone)
     monkeypatch.setattr(producer_module, "count_enqueued", gone)
     with pytest.raises(RedisUnavailable, match="could not be cancelled") as e:
-        Producer(s).submit(shifted(200), burst_id="cut")
+        Producer(s).submit(shifted(200), burst_id="cut", placement="round-robin")
     assert "at least 20 and at most 84 of its 200 requests" in str(e.value), str(e.value)
+
+
+# ---- a pipeline sent again adds no entry twice (lua/enqueue.lua) --------------------------------
+def carries_entries(pipe: Any) -> bool:
+    """Whether a pipeline adds entries (lua/enqueue.lua; before it, XADDs)."""
+    return bool(entry_calls(pipe)) or any(a[0] == "XADD" for a, _ in pipe.command_stack)
+
+
+def entries_in_redis(r: redis.Redis, s: Settings, burst: str) -> tuple[int, int]:
+    """(entries in the burst's streams on its 2 shards, distinct input indexes among them)."""
+    import asyncio
+
+    from prefixq.store.census import count_enqueued
+
+    keys = Keys(s.namespace)
+    streams = [k for shard in range(2) for k in (keys.stream(shard), keys.lane(shard, burst))]
+    total = sum(r.xlen(k) for k in streams)
+
+    async def distinct() -> int:
+        c = async_client(s)
+        try:
+            return await count_enqueued(c, s, burst, shards=2, priority="normal")
+        finally:
+            await c.aclose()
+
+    return total, asyncio.run(distinct())
+
+
+def test_a_pipeline_sent_again_by_the_client_adds_each_entry_once(
+    make_settings: Callable[..., Settings],
+    r: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Given a client that sends each pipeline of entries twice (redis-py's cluster pipeline
+    sends the whole pipeline again after a failover; here the first reply is dropped), when a
+    burst of 200 requests on 2 shards (heads, lanes and doorbells) is submitted, then each
+    request is in the streams once, the shards' load counters count it once, and an INFO line
+    says how many entries were skipped."""
+    s, clean = make_settings(shards=2), make_settings(shards=2)
+    for x in (s, clean):
+        r.hset(Keys(x.namespace).config, "shards", 2)
+    Producer(clean).submit(shifted(200), burst_id="twice", placement="round-robin")
+    real = aredis.client.Pipeline.execute
+
+    async def twice(self: Any, raise_on_error: bool = True) -> Any:
+        stack = list(self.command_stack)
+        if not carries_entries(self):
+            return await real(self, raise_on_error)
+        await real(self, raise_on_error)
+        self.command_stack = stack  # the pipeline that carries entries goes again, whole
+        return await real(self, raise_on_error)
+
+    monkeypatch.setattr(aredis.client.Pipeline, "execute", twice)
+    with caplog.at_level(logging.INFO, logger="prefixq.client.enqueue"):
+        Producer(s).submit(shifted(200), burst_id="twice", placement="round-robin")
+    monkeypatch.undo()
+    assert entries_in_redis(r, s, "twice") == (200, 200)
+    assert r.hgetall(Keys(s.namespace).load) == r.hgetall(Keys(clean.namespace).load)
+    skipped = [x.getMessage() for x in caplog.records if "enqueued already, skipped" in x.message]
+    assert skipped and skipped[-1].endswith("(200 in this submit)"), skipped
+
+
+def test_a_chunk_sent_again_through_a_failover_adds_each_entry_once(
+    make_settings: Callable[..., Settings],
+    r: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Given a producer on a Redis Cluster (its ride-through) whose third chunk is processed in
+    full before its connection drops (as a master does before it fails over with its replica in
+    sync), when the producer sends the chunk again, then the submit completes with each of its
+    200 requests in the streams once, and one INFO line says the chunk's 64 were skipped."""
+    from prefixq.client import enqueue
+
+    s = make_settings(shards=2)
+    r.hset(Keys(s.namespace).config, "shards", 2)
+    monkeypatch.setattr(enqueue, "is_cluster", lambda _: True)
+    real = aredis.client.Pipeline.execute
+    chunks = []
+
+    async def failover(self: Any, raise_on_error: bool = True) -> Any:
+        if carries_entries(self):
+            chunks.append(1)
+            if len(chunks) == 3:
+                await real(self, raise_on_error)
+                raise redis.ConnectionError("Connection closed by server.")
+        return await real(self, raise_on_error)
+
+    monkeypatch.setattr(aredis.client.Pipeline, "execute", failover)
+    with caplog.at_level(logging.INFO, logger="prefixq.client.enqueue"):
+        Producer(s).submit(shifted(200), burst_id="over", placement="round-robin")
+    monkeypatch.undo()
+    assert len(chunks) == 5, "chunks of 4, 16, 64 (sent twice) and 116"
+    assert entries_in_redis(r, s, "over") == (200, 200)
+    skipped = [x.getMessage() for x in caplog.records if "enqueued already, skipped" in x.message]
+    assert skipped == ["burst over: requests 21-84 sent again: 64 of them had been enqueued "
+                       "already, skipped (64 in this submit)"]  # fmt: skip

@@ -2,7 +2,7 @@
 
 import sys
 
-from prefixq.cli.main import main
+from prefixq.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,5 +1,34 @@
-"""The `prefixq` command (`prefixq.cli:main`, the console script)."""
+"""The `prefixq` command (`prefixq.cli:main`, the console script, and ``python -m prefixq``).
 
-from prefixq.cli.main import main
+`main` installs `prefixq worker`'s first SIGTERM and SIGINT handlers before it imports the
+command (redis-py alone takes ~0.4 s to import, vLLM far longer), and unblocks both signals
+(`prefixq.cli.worker_signals.start_worker` starts a worker with them blocked, so that one sent
+right away waits for this handler): a stop before the worker serves exits 0 at once, from the
+process's first line of prefixq code on. `prefixq.cli.worker_signals` takes over from there.
+This module imports nothing that takes time.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from types import FrameType
 
 __all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``prefixq`` command (``argv``: its arguments; default ``sys.argv[1:]``)."""
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["worker"]:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _exit_during_start)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+    # importing the command's module makes `prefixq.cli.main` name that module from here on
+    from prefixq.cli.main import main as command
+
+    return command(argv)
+
+
+def _exit_during_start(signum: int, frame: FrameType | None) -> None:
+    """A stop while the worker imports its command: it holds nothing yet; exit 0."""
+    raise SystemExit(0)

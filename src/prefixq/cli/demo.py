@@ -22,12 +22,13 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import redis
 from rich.console import Console
 
 from prefixq.cli.redis_server import RedisServer
+from prefixq.cli.worker_signals import start_worker
 from prefixq.client import results
 from prefixq.core.errors import SetupError
 from prefixq.core.keys import Keys
@@ -128,7 +129,7 @@ def run_demo(
         )
         if srv is None:  # registered before the worker starts, so it runs after the worker stopped
             stack.callback(_forget, settings, con)
-        stack.enter_context(_sigterm_interrupts())
+        stack.enter_context(_interrupts())  # before the worker starts: see `_start_worker`
         con.print("[bold]model[/] preparing the embedded SmolLM2-135M-Instruct (once)...")
         path = resolve_model(model, default_cache_dir(settings.cache_dir))
         con.print(f"[bold]model[/] {path}")
@@ -136,9 +137,7 @@ def run_demo(
         log = Path(tempfile.mkdtemp(prefix="prefixq-demo-")) / "worker.log"
         cmd = worker_command(settings, 0, path, engine_args=engine_args or ())
         out = stack.enter_context(open(log, "wb"))
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-        )
+        proc = _start_worker(cmd, out)
         stack.callback(_stop, proc)
         con.print(
             f"[bold]worker[/] pid {proc.pid} starting its vLLM engine (about 1-2 min on "
@@ -195,9 +194,10 @@ def _forget(settings: Settings, con: Console) -> None:
 
 
 @contextlib.contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """While inside, SIGTERM raises KeyboardInterrupt (as Ctrl-C does), so the demo stops its
-    worker and removes its keys (main thread only; elsewhere a no-op)."""
+def _interrupts() -> Iterator[None]:
+    """While inside, SIGTERM and SIGINT raise KeyboardInterrupt (Ctrl-C's), so the demo stops its
+    worker and removes its keys, also when it was started with SIGINT ignored (a background job
+    of a non-interactive shell: ``./dev demo &``). Main thread only; elsewhere a no-op."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -205,11 +205,20 @@ def _sigterm_interrupts() -> Iterator[None]:
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    before = signal.signal(signal.SIGTERM, interrupt)
+    before = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, before)
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _start_worker(cmd: list[str], out: IO[bytes]) -> subprocess.Popen[bytes]:
+    """Start the demo's worker, its output to ``out``. Inside `_interrupts` the demo handles
+    SIGINT itself, so the worker starts with SIGINT's default action (exec resets a handled
+    signal), not an ignored SIGINT inherited from the demo's shell."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return start_worker(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from prefixq.cli.worker_signals import WorkerSignals
+from prefixq.cli.worker_signals import WorkerSignals, start_worker
 from prefixq.core.settings import Settings
 from prefixq.engine.reaper import start_reaper, stop_reaper
 from prefixq.worker.command import worker_command
@@ -131,7 +131,7 @@ def supervise(
             cmd += ["--gpu", str(gpus[i])]
         if metrics_port > 0:
             cmd += ["--metrics-port", str(metrics_port + i)]
-        procs[i] = subprocess.Popen(cmd)
+        procs[i] = start_worker(cmd)  # a stop sent right away waits for its handlers
         log.info("started worker shard=%d gpu=%s pid=%d", i, gpus[i], procs[i].pid)
 
     def on_signal(signum: int, _frame: Any) -> None:

@@ -8,24 +8,46 @@ so the start unwinds; the engine's processes end with it (their exit handlers, a
 prefixq.engine.reaper), and if unwinding hangs, the process exits after `EXIT_S` anyway. Once
 the worker serves, a signal calls `Worker.stop()` on the worker's event loop: it stops reading
 and drains within ``grace_s`` (docs/delivery.md, "SIGTERM and SIGINT").
+
+The first handler comes before this module's (`prefixq.cli`, before any slow import);
+`start_worker` starts a worker with both signals blocked until then, so that not even its
+interpreter's start is a moment a stop kills it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import signal
+import subprocess
 import threading
+from collections.abc import Sequence
 from types import FrameType
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:  # imported at the process's first line (prefixq.cli): nothing slow
+    import asyncio
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EXIT_S", "WorkerSignals"]
+__all__ = ["EXIT_S", "WorkerSignals", "start_worker"]
 
 #: seconds a stop during start-up may take to unwind before the process exits regardless
 EXIT_S = 5.0
+#: the signals that stop a worker
+STOPS = frozenset({signal.SIGTERM, signal.SIGINT})
+
+
+def start_worker(cmd: Sequence[str], **popen: Any) -> subprocess.Popen[bytes]:
+    """Start the ``prefixq worker`` command ``cmd`` (`subprocess.Popen` with ``popen``) with
+    SIGTERM and SIGINT blocked: one sent while its interpreter starts (~30 ms before any prefixq
+    code runs) then waits for its first handlers (prefixq.cli, which unblocks them) instead of
+    killing it (-15). The caller's own signal mask is restored at once."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
+    try:
+        return subprocess.Popen(cmd, **popen)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 class Stoppable(Protocol):
@@ -48,6 +70,7 @@ class WorkerSignals:
     def install(self) -> WorkerSignals:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)  # blocked by `start_worker`
         return self
 
     def serve(self, worker: Stoppable, loop: asyncio.AbstractEventLoop) -> None:

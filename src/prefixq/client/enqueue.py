@@ -1,8 +1,9 @@
-"""A submitted burst's writes to Redis (`BurstWriter`): its record and id list in one round trip
-(`create`: lua/create_burst.lua), each chunk's pipeline of prefixes, entries and load counters
-(`send`, ridden through a Redis Cluster failover by `execute`), and at the end the record's counts
-and the burst index's pruning (`finish`). It counts what Redis acknowledged, so that a submit that
-fails can say what Redis holds (`held`). Where the entries go is layout.py's.
+"""A submitted burst's writes to Redis (`BurstWriter`): its record, id list and deadline in one
+round trip (`create`: lua/create_burst.lua), each chunk's pipeline of prefixes, entries and load
+counters (`send`, ridden through a Redis Cluster failover by `execute`; a pipeline sent again adds
+no entry twice: lua/enqueue.lua), and at the end the record's counts and the burst index's pruning
+(`finish`). It counts what Redis acknowledged, so that a submit that fails can say what Redis
+holds (`held`). Where the entries go is layout.py's.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class BurstWriter:
         #: requests whose pipeline Redis acknowledged; requests of the pipeline awaiting its reply
         self.sent = 0
         self.sending = 0
+        #: entries a pipeline sent again found already added, and skipped
+        self.skipped = 0
         self.created = False
         #: tells this submission's create apart from another producer's of the same burst id
         self.token = secrets.token_hex(8)
@@ -71,7 +74,10 @@ class BurstWriter:
         self, ids: list[str], shards: int, placement: str | Placer, order: str
     ) -> None:
         """The burst record and its id list (``ids``), once, in one round trip (BurstIdTaken, a
-        ValidationError, if the id is taken)."""
+        ValidationError, if the id is taken). A deadline is indexed in the same round trip, just
+        before the record: a producer that dies after the record leaves a burst that expires
+        (lowered only: an entry of another burst of this id is corrected by
+        `burst_end.expire_due` from the record, which is the truth)."""
         meta = {
             "total": self.n,
             "done": 0,
@@ -92,6 +98,8 @@ class BurstWriter:
         for start in range(0, len(ids), _IDS_CHUNK):
             pipe.rpush(staged, *ids[start : start + _IDS_CHUNK])
         pipe.expire(staged, _STAGED_TTL_S)
+        if "deadline" in self.meta:
+            pipe.zadd(keys.deadlines, {self.burst: self.meta["deadline"]}, lt=True)
         keys_args = [keys.burst(self.burst), staged, keys.ids(self.burst)]
         pipe.eval(lua("create_burst"), 3, *keys_args, self.token, self.n, len(meta), *flat)
         *writes, created = await pipe.execute(raise_on_error=False)
@@ -118,11 +126,9 @@ class BurstWriter:
                 pipe.expire(keys.prefix(ref), ttl)
 
         def entries(pipe: Any) -> None:
-            self.layout.add(pipe, encoded.by_shard, first=first)
+            self.layout.add(pipe, encoded.by_shard, first=first, token=self.token)
             if first:
                 pipe.zadd(keys.bursts, {self.burst: self.enc.enqueued})
-                if "deadline" in self.meta:
-                    pipe.zadd(keys.deadlines, {self.burst: self.meta["deadline"]})
 
         def both(pipe: Any) -> None:
             prefixes(pipe)
@@ -139,13 +145,40 @@ class BurstWriter:
         else:
             replies = await self.execute(both, count)
         self.sending = 0  # answered: what was refused is raised below, and was not written
-        for x in replies:  # a lane left behind by an expired burst of the same id keeps its group
-            if isinstance(x, Exception) and "BUSYGROUP" not in str(x):
+        for x in replies:
+            if isinstance(x, Exception):
                 raise x
-        fresh = [bool(x) for x in replies[: 2 * len(encoded.new_prefixes) : 2]]
+        at = 2 * len(encoded.new_prefixes)
+        fresh = [bool(x) for x in replies[:at:2]]
         self.enc.stored(encoded.new_prefixes, fresh)
+        await self._skipped(count, encoded.by_shard, replies[at::2])
         self.per_shard.update(p.shard for p in placed)
         self.sent += count
+
+    async def _skipped(
+        self, count: int, by_shard: dict[int, list[tuple[bytes, int]]], replies: list[Any]
+    ) -> None:
+        """What a pipeline sent again found already added (``replies``: lua/enqueue.lua's, one per
+        shard in shard order): one INFO line, and the load counters it raised again lowered."""
+        skipped = {k: int(x) for k, x in zip(sorted(by_shard), replies, strict=False) if x}
+        if not skipped:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for k, n in skipped.items():  # the first n entries of the shard's part were in already
+            pipe.hincrby(self.keys.load, str(k), -sum(w for _, w in by_shard[k][:n]))
+        await pipe.execute(raise_on_error=False)  # an estimate: a refused update only drifts it
+        n = sum(skipped.values())
+        self.skipped += n
+        first, last = self.sent + 1, self.sent + count
+        log.info(
+            "burst %s: requests %d-%d sent again: %d of them had been enqueued already, skipped "
+            "(%d in this submit)",
+            self.burst,
+            first,
+            last,
+            n,
+            self.skipped,
+        )
 
     def held(self, counted: int) -> str:
         """What a failed submit says Redis holds, from `count_enqueued`'s ``counted``. On a
@@ -164,9 +197,9 @@ class BurstWriter:
         a Redis Cluster an error a failover causes (the master gone, CLUSTERDOWN or TRYAGAIN while
         its replica is promoted, a slot moved) sends the pipeline again, for up to
         `RIDE_THROUGH_S`, with one log line per outage: the submit rides through. What the failed
-        try wrote stays: a request of it may be enqueued twice, and still gets one result
-        (record_result.lua keeps the first; the other is acked unrecorded). On a single Redis an
-        error is raised at once (the producer's `_Submission._abandon`)."""
+        try wrote stays, and the try again adds no entry that is in already (lua/enqueue.lua:
+        `send` logs how many it skipped); prefixes and indexes are written idempotently. On a
+        single Redis an error is raised at once (the producer's `_Submission._abandon`)."""
         backoff = Backoff(0.05, 1.0)
         give_up = time.monotonic() + RIDE_THROUGH_S
         mark = self.layout.mark()

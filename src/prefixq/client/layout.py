@@ -7,8 +7,9 @@ index entry, by the first chunk that needs it), except the chunk's last one, whi
 intake as the lane's doorbell (`LANE`), added after every lane entry it announces. Every entry
 carries its place (`POS`: the lane and intake entries sent to its shard before it), so that a
 worker admits in enqueue order whichever of the two streams it reads first (worker/scheduler.py,
-"gated"). docs/architecture.md, "Sharing a shard" ("Layout", "Costs"), has the design and what it
-costs.
+"gated"). A chunk's entries for a shard go in one call of lua/enqueue.lua, which adds each at most
+once: the pipeline sent again after a failover adds none twice (docs/delivery.md). docs/
+architecture.md, "Sharing a shard" ("Layout", "Costs"), has the design and what it costs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ from typing import Any
 
 from prefixq.core.keys import FIELD, GROUP, LANE, POS, Keys
 from prefixq.core.sharing import LaneInfo
+from prefixq.store.connection import lua
+
+#: seconds a shard's guard of one submission lives after its last chunk (Keys.enqueued): a resend
+#: comes within the producer's ride-through (enqueue.RIDE_THROUGH_S)
+GUARD_TTL_S = 600
 
 
 class Layout:
@@ -25,6 +31,7 @@ class Layout:
     def __init__(self, keys: Keys, burst: str, priority: str, tenant: str) -> None:
         self.keys, self.burst = keys, burst
         self.info = LaneInfo(priority, tenant)
+        self._script = lua("enqueue")
         #: per shard: the entries sent to its lane (only shards where the burst has one) and to
         #: its intake
         self.laned: dict[int, int] = {}
@@ -42,36 +49,41 @@ class Layout:
     def rewind(self, mark: tuple[dict[int, int], dict[int, int]]) -> None:
         self.laned, self.intaken = dict(mark[0]), dict(mark[1])
 
-    def add(self, pipe: Any, by_shard: dict[int, list[tuple[bytes, int]]], *, first: bool) -> None:
+    def add(
+        self, pipe: Any, by_shard: dict[int, list[tuple[bytes, int]]], *, first: bool, token: str
+    ) -> None:
         """The entries of one chunk (shard -> [(entry, estimated work)]) and the shards' load
-        counters; ``first``: the burst's head."""
-        keys, burst = self.keys, self.burst
-        doorbells: list[tuple[str, dict[bytes, bytes]]] = []
+        counters: per shard, in shard order, one lua/enqueue.lua call (its reply: the entries
+        skipped as sent before by submission ``token``) and one HINCRBY; ``first``: the
+        burst's head."""
+        keys, burst, info = self.keys, self.burst, self.info
         for shard, rows in sorted(by_shard.items()):
-            intake = keys.intake(shard, self.info.priority)
             laned, intaken = self.laned.get(shard), self.intaken.get(shard, 0)
+            start, to_lane, make = (laned or 0) + intaken, 0, ""
+            args: list[Any] = []
             if first or len(rows) == 1:
                 for data, _ in rows:
-                    pipe.xadd(intake, {FIELD: data, POS: b"%d:%d" % (laned or 0, intaken)})
+                    args += (data, b"%d:%d" % (laned or 0, intaken))
                     intaken += 1
             else:
-                lane = keys.lane(shard, burst)
                 if laned is None:
-                    laned = 0
-                    pipe.xgroup_create(lane, GROUP, id="0", mkstream=True)
-                    pipe.hset(keys.lanes(shard), burst, self.info.encode())
+                    laned, make = 0, info.encode()
                 for data, _ in rows[:-1]:
-                    pipe.xadd(lane, {FIELD: data, POS: b"%d:%d" % (laned, intaken)})
+                    args += (data, b"%d:%d" % (laned, intaken))
                     laned += 1
-                self.laned[shard] = laned
+                self.laned[shard], to_lane = laned, len(rows) - 1
                 # the chunk's last entry rings; whenever it is read, it is admitted after them
-                bell = {FIELD: rows[-1][0], LANE: b"1", POS: b"%d:%d" % (laned, intaken)}
-                doorbells.append((intake, bell))
+                args += (rows[-1][0], b"%d:%d" % (laned, intaken))
                 intaken += 1
             self.intaken[shard] = intaken
+            call: list[Any] = [
+                keys.enqueued(shard, burst, token),
+                keys.intake(shard, info.priority),
+            ]
+            call += [keys.lane(shard, burst), keys.lanes(shard), GUARD_TTL_S, start, to_lane]
+            call += [make, burst, GROUP, FIELD, POS, LANE]
+            pipe.execute_command("EVAL", self._script, 4, *call, *args)
             pipe.hincrby(keys.load, str(shard), sum(w for _, w in rows))
-        for intake, fields in doorbells:  # after every lane entry they announce
-            pipe.xadd(intake, fields)
 
     def seal(self, pipe: Any) -> None:
         """Mark the burst's lanes sealed: nothing more comes, a worker may close them once empty."""

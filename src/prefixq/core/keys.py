@@ -83,6 +83,11 @@ class Keys:
         (prefixq.core.sharing.LaneInfo)."""
         return f"{self.ns}:{{s{shard}}}:lanes"
 
+    def enqueued(self, shard: int, burst: str, token: str) -> str:
+        """String with TTL: how many entries one submission of ``burst`` (its ``token``) added to
+        this shard's streams, so that a pipeline sent again adds none twice (lua/enqueue.lua)."""
+        return f"{self.ns}:{{s{shard}}}:enq:{burst}:{token}"
+
     def dead(self, shard: int) -> str:
         """Stream of dead letters: the original entry plus reason and delivery count."""
         return f"{self.ns}:{{s{shard}}}:dead"

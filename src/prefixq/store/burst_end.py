@@ -78,6 +78,9 @@ _NOTICES_KEPT = 10_000
 _KEEP: dict[str, Any] = {"maxlen": _NOTICES_KEPT, "approximate": True}
 #: bursts `expire_due` takes per call
 _DUE_PER_CALL = 100
+#: seconds past its deadline a deadline index entry without a record stays: its producer indexes
+#: it just before creating the record, in one round trip (client/enqueue.py)
+_CREATING_S = 60.0
 _STILL_MISSING, _COMPLETED, _WAS_COMPLETE, _NO_RECORD = 1, 2, 3, -2
 #: what the result of a request whose id the burst has no record of adds to its error
 NO_ID = (
@@ -281,21 +284,34 @@ async def expire_due(
     """Expire every burst whose deadline is at or before ``now``: its requests without a result
     get one with ``error_code`` ``expired``, its status becomes ``expired`` (finished results
     stay), and it leaves `Keys.deadlines`. Safe to run from several workers at once (each index
-    is recorded once); returns the bursts this call expired. Bursts that had finished anyway,
-    or whose record is gone or corrupt, and members that are no burst id, only leave the index."""
+    is recorded once); returns the bursts this call expired. The record's deadline is the truth:
+    a producer indexes its deadline before the record and only ever lowers an entry, so a submit
+    whose id was taken may have lowered another burst's; a later deadline on the record moves the
+    entry back to it, a record without one drops it. Bursts that had finished anyway, or whose
+    record is gone (`_CREATING_S` after the deadline: a create may still be on its way) or
+    corrupt, and members that are no burst id, only leave the index."""
     keys = settings.keys
     now = time.time() if now is None else now
-    due = await r.zrangebyscore(keys.deadlines, "-inf", now, start=0, num=_DUE_PER_CALL)
+    due = await r.zrangebyscore(
+        keys.deadlines, "-inf", now, start=0, num=_DUE_PER_CALL, withscores=True
+    )
     expired: list[str] = []
-    for raw in due:
+    for raw, score in due:
         try:  # anything with write access may have written the index: skip what is not a burst
             burst = raw.decode() if isinstance(raw, bytes) else str(raw)
-            before = _counts(await r.hmget(keys.burst(burst), *_COUNTED), burst)
-        except (UnicodeDecodeError, BurstRecordLost) as e:
+            *counted, deadline = await r.hmget(keys.burst(burst), *_COUNTED, "deadline")
+            before = _counts(counted, burst)
+            when = None if before is None or deadline is None else float(deadline)
+        except (UnicodeDecodeError, BurstRecordLost, ValueError) as e:
             log.warning("deadline index entry %r dropped: %s", raw, e)
             await r.zrem(keys.deadlines, raw)
             continue
-        if before is not None and before[1] + before[2] < before[0]:
+        if before is None and score > now - _CREATING_S:
+            continue
+        if when is not None and when > now:  # lowered by a submission whose id was taken
+            await r.zadd(keys.deadlines, {burst: when})
+            continue
+        if before is not None and when is not None and before[1] + before[2] < before[0]:
             f = _Finisher(keys, settings, burst, "expired")
             await _arun(r, _finishing(f, before[0]))
             notice = _notice(burst, await r.hget(keys.burst(burst), "created"), "expired")

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aredis
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from prefixq.core import wire
 from prefixq.core.entries import Entry
@@ -30,6 +30,7 @@ from prefixq.core.keys import GROUP, Keys
 from prefixq.core.settings import Settings
 from prefixq.store.connection import lua
 from prefixq.store.dead_letters import DEAD_MAXLEN, carried, dead_letter_record
+from prefixq.store.pipelined_script import Call, PipelinedScript
 from prefixq.store.retry import retry
 from prefixq.store.scripts import record_call
 from prefixq.worker.deliveries import (
@@ -63,11 +64,9 @@ class ShardStream:
         self.dead = self.keys.dead(shard)
         self.index = self.keys.lanes(shard)
         self.limits = wire.Limits.from_settings(settings)
-        self._record_lua = lua("record_result")
-        self._record_sha = ""
+        self._record = PipelinedScript(r, lua("record_result"), "record_result")
         self._lanes = LaneScripts(r, index=self.index, consumer=consumer)
-        self._ack_lua = lua("ack_entries")
-        self._ack_sha = ""
+        self._ack = PipelinedScript(r, lua("ack_entries"), "ack_entries")
 
     # ---- the group ---------------------------------------------------------------------------
     async def join(self) -> None:
@@ -77,7 +76,7 @@ class ShardStream:
 
         async def join() -> None:
             await self.create_groups(self.intakes, mkstream=True)
-            self._record_sha = await self.r.script_load(self._record_lua)
+            await self._record.load()
 
         await retry(f"joining the consumer group of {self.stream}", join, settings=self.settings)
 
@@ -261,19 +260,14 @@ class ShardStream:
         """Record each result (one pipeline, lua/record_result.lua); per item the script's reply
         or the error that refused it (that item is not recorded; record it again later).
         Connection errors raise."""
-        if not self._record_sha:
-            self._record_sha = await self.r.script_load(self._record_lua)
-        pipe = self.r.pipeline(transaction=False)
         now = repr(time.time())
-        for w in batch:
-            e = w.entry
-            keys, args = record_call(self.keys, e.burst, w.result, self.settings, now, e.enqueued)
-            # EVALSHA by name: redis-py's cluster pipeline refuses its evalsha method, and routes
-            # this by its first key (every key of a call shares one slot)
-            pipe.execute_command("EVALSHA", self._record_sha, len(keys), *keys, *args)
-        replies: list[Any] = await pipe.execute(raise_on_error=False)
-        if any(isinstance(x, NoScriptError) for x in replies):
-            self._record_sha = ""  # Redis restarted without its scripts: load it again next time
+        calls = [
+            record_call(self.keys, w.entry.burst, w.result, self.settings, now, w.entry.enqueued)
+            for w in batch
+        ]
+        # every key of a call shares one slot: on a cluster it is routed by its first; a NOSCRIPT
+        # (Redis restarted, a replica promoted) is sent again once the script is loaded, quietly
+        replies = await self._record.run(calls)
         return [x if isinstance(x, RedisError) else int(x) for x in replies]
 
     async def ack(self, batch: Sequence[Written]) -> None:
@@ -292,13 +286,11 @@ class ShardStream:
                 pipe.xdel(key, *ids)
             acks = 2 * len(groups)
         else:  # many lanes: one script call instead of two commands per lane
-            if not self._ack_sha:
-                self._ack_sha = await self.r.script_load(self._ack_lua)
+            await self._ack.ready()
             counts = [len(ids) for ids in groups.values()]
             ids = [i for group in groups.values() for i in group]
-            pipe.execute_command(
-                "EVALSHA", self._ack_sha, len(groups), *groups, GROUP, *counts, *ids
-            )
+            call: Call = (list(groups), [GROUP, *counts, *ids])
+            self._ack.add(pipe, *call)
             acks = 1
         pipe.hincrby(keys.load, str(k), -sum(w.entry.work for w in batch))
         stats = keys.shard_stats
@@ -306,9 +298,9 @@ class ShardStream:
         pipe.hincrby(stats, f"{k}:cached", sum(w.result.cached_tokens for w in batch))
         pipe.hincrby(stats, f"{k}:predicted", sum(w.result.predicted_cached_tokens for w in batch))
         replies = await pipe.execute(raise_on_error=False)
+        if acks == 1:  # a NOSCRIPT: the script's call is sent again, not the counters
+            replies[:1] = await self._ack.settle([call], replies[:1])
         for reply in replies[:acks]:
-            if isinstance(reply, NoScriptError):
-                self._ack_sha = ""  # Redis restarted without its scripts: loaded on the retry
             if isinstance(reply, Exception):
                 raise reply
         if any(isinstance(x, Exception) for x in replies[acks:]):

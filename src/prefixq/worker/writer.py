@@ -130,7 +130,7 @@ class ResultWriter:
             for w, reply in done:
                 await self._settled(w, reply)
             todo = [w for w, r in zip(todo, replies, strict=True) if not isinstance(r, int)]
-            if errors:  # out of memory, a lost script, a read-only replica, ...
+            if errors:  # out of memory, a read-only replica, ... (a lost script is loaded again)
                 await backoff.wait(f"recording {len(todo)} results", errors[0], logging.ERROR)
             else:
                 backoff.reset()
