@@ -115,7 +115,14 @@ class WorkerProc:
     """A `prefixq worker` process; `wait_up()` blocks until its engine serves."""
 
     def __init__(
-        self, settings: Settings, shard: int, model: str, log: Path, name: str, extra: list[str]
+        self,
+        settings: Settings,
+        shard: int,
+        model: str,
+        log: Path,
+        name: str,
+        extra: list[str],
+        env: dict[str, str] | None = None,
     ) -> None:
         self.settings, self.shard, self.name, self.log = settings, shard, name, log
         fields = (
@@ -128,12 +135,15 @@ class WorkerProc:
             "max_attempts",
         )
         cmd = [*worker_command(settings, shard, model, name=name, fields=fields), *extra]
+        if "--join" in extra:  # the worker picks its shard: no --shard
+            at = cmd.index("--shard")
+            del cmd[at : at + 2]
         self._out = open(log, "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
             cmd,
             stdout=self._out,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
 
     def wait_up(self, timeout: float = ENGINE_START_TIMEOUT) -> WorkerProc:
@@ -184,10 +194,11 @@ def start_worker(
         name: str = "",
         extra: list[str] | None = None,
         model: str = "",
+        env: dict[str, str] | None = None,
     ) -> WorkerProc:
         name = name or f"w{len(procs)}-s{shard}"
         wp = WorkerProc(
-            settings, shard, model or model_path, logs / f"{name}.log", name, extra or []
+            settings, shard, model or model_path, logs / f"{name}.log", name, extra or [], env
         )
         procs.append(wp)
         return wp
