@@ -19,7 +19,7 @@ from redis.exceptions import ResponseError
 from prefixq.core import wire
 from prefixq.core.entries import Entry
 from prefixq.core.errors import PrefixqError
-from prefixq.core.keys import FIELD
+from prefixq.core.keys import CARRIED, FIELD
 from prefixq.core.result_record import ENDED_ERRORS
 from prefixq.store.dead_letters import dead_lettered_result
 from prefixq.store.redis_errors import TRANSIENT
@@ -59,7 +59,7 @@ class Intake:
         limit = self.stream.settings.max_attempts
         for d in deliveries:
             data = d.fields.get(FIELD)
-            if d.deliveries > limit and data is not None:  # moved with deliveries it had used up
+            if d.deliveries > limit and CARRIED in d.fields:  # moved with its attempts used up
                 await self.dead_letter(d, over_limit(d.deliveries - 1, limit))
                 continue
             if data is None:
