@@ -31,6 +31,20 @@ class ProducerDied(BaseException):
     """The producer process ends here (kill -9): nothing after it runs, no clean-up."""
 
 
+def _expire_due(s: Settings) -> list[str]:
+    """One round of the workers' expiry (`burst_end.expire_due`) on its own client."""
+    import asyncio
+
+    async def expire() -> list[str]:
+        c = async_client(s)
+        try:
+            return await burst_end.expire_due(c, s)
+        finally:
+            await c.aclose()
+
+    return asyncio.run(expire())
+
+
 def die_before_the_head(monkeypatch: pytest.MonkeyPatch) -> None:
     """The producer dies after lua/create_burst.lua ran and before its head's pipeline went out."""
 
@@ -71,7 +85,6 @@ def test_expiry_of_a_burst_whose_producer_died_before_its_head_keeps_the_submitt
 ) -> None:
     """Given the same half-created burst with a deadline (indexed with its record), when its
     deadline passes, `expire_due` gives each request one expired result under its submitted id."""
-    import asyncio
 
     s = make_settings()
     keys = Keys(s.namespace)
@@ -80,14 +93,7 @@ def test_expiry_of_a_burst_whose_producer_died_before_its_head_keeps_the_submitt
     with pytest.raises(ProducerDied):
         Producer(s).submit(shifted(12), burst_id="late", deadline=time.time() - 1)
 
-    async def expire() -> list[str]:
-        c = async_client(s)
-        try:
-            return await burst_end.expire_due(c, s)
-        finally:
-            await c.aclose()
-
-    assert asyncio.run(expire()) == ["late"]
+    assert _expire_due(s) == ["late"]
     got = results.collect("late", s)
     assert [g.id for g in got] == [str(i + 1) for i in range(12)]
     assert {g.error_code for g in got} == {"expired"}
@@ -155,7 +161,6 @@ def test_a_submit_whose_burst_id_is_taken_cannot_expire_the_other_burst_early(
     deadline already past is refused (BurstIdTaken, its deadline indexed before its create found
     the id taken), then `expire_due` does not expire the first burst: the record's deadline is the
     truth, and the index entry goes back to it."""
-    import asyncio
 
     from prefixq.core.errors import BurstIdTaken
 
@@ -167,14 +172,7 @@ def test_a_submit_whose_burst_id_is_taken_cannot_expire_the_other_burst_early(
     with pytest.raises(BurstIdTaken):
         Producer(s).submit(shifted(3), burst_id="taken", deadline=time.time() - 1)
 
-    async def expire() -> list[str]:
-        c = async_client(s)
-        try:
-            return await burst_end.expire_due(c, s)
-        finally:
-            await c.aclose()
-
-    assert asyncio.run(expire()) == []
+    assert _expire_due(s) == []
     assert r.hget(keys.burst("taken"), "status") == b"queued"
     assert r.zscore(keys.deadlines, "taken") == pytest.approx(later)
 
