@@ -13,6 +13,7 @@ import redis
 from prefixq.core import wire
 from prefixq.core.errors import PrefixqError
 from prefixq.core.settings import Settings
+from prefixq.store.liveness import Liveness
 
 __all__ = ["fleet", "shares"]
 
@@ -37,17 +38,10 @@ def fleet(r: redis.Redis, settings: Settings, shards: int, now: float) -> dict[s
     pipe.hgetall(keys.orphans)
     pipe.xrevrange(keys.moves, count=_MOVES)
     live_raw, orphans_raw, moves = pipe.execute()
-    live = {int(k): _num(v) for k, v in live_raw.items() if k.isdigit()}
-    seen = {int(k): _num(v) for k, v in orphans_raw.items() if k.isdigit()}
+    state = Liveness.of(live_raw, orphans_raw, settings, shards, now)
     per_shard = []
     for k in range(shards):
-        alive = now - live.get(k, float("-inf")) <= settings.heartbeat_ttl_s
-        if alive:
-            dead_for = 0.0
-        elif k in live:
-            dead_for = now - live[k]
-        else:
-            dead_for = now - seen[k] if k in seen else 0.0
+        alive, dead_for = state.alive(k), state.dead_for(k)
         orphaned = not alive and settings.orphan_after_s > 0 and dead_for >= settings.orphan_after_s
         per_shard.append(
             {"shard": k, "live": alive, "dead_for_s": round(dead_for, 1), "orphaned": orphaned}

@@ -14,6 +14,7 @@ good part of ``heartbeat_ttl_s`` see each other's shards as dead too early or to
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ import redis.asyncio as aredis
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 
-__all__ = ["Liveness", "alive_mask", "beat_commands", "read_liveness"]
+__all__ = ["Liveness", "alive_mask", "beat_commands", "read_liveness", "read_load"]
 
 
 @dataclass(slots=True)
@@ -36,6 +37,21 @@ class Liveness:
     shards: int
     ttl: float
     now: float
+
+    @classmethod
+    def of(
+        cls,
+        live: dict[Any, Any],
+        orphans: dict[Any, Any],
+        settings: Settings,
+        shards: int,
+        now: float,
+    ) -> Liveness:
+        """From a read of the live and orphans hashes (any client: `read_liveness` is the
+        asyncio one's)."""
+        return cls(
+            _floats(live, shards), _floats(orphans, shards), shards, settings.heartbeat_ttl_s, now
+        )
 
     def alive(self, shard: int) -> bool:
         return self.now - self.last.get(shard, float("-inf")) <= self.ttl
@@ -75,13 +91,16 @@ async def read_liveness(r: aredis.Redis, settings: Settings, shards: int) -> Liv
     pipe.hgetall(keys.live)
     pipe.hgetall(keys.orphans)
     live, orphans = await pipe.execute()
-    return Liveness(
-        _floats(live, shards),
-        _floats(orphans, shards),
-        shards,
-        settings.heartbeat_ttl_s,
-        time.time(),
-    )
+    return Liveness.of(live, orphans, settings, shards, time.time())
+
+
+async def read_load(r: aredis.Redis, keys: Keys, shards: Iterable[int]) -> dict[int, float]:
+    """The estimated outstanding prefill tokens of ``shards`` (`Keys.load`; 0 where none)."""
+    load = dict.fromkeys(shards, 0.0)
+    for k, v in (await r.hgetall(keys.load)).items():
+        if int(k) in load:
+            load[int(k)] = max(0.0, float(v))
+    return load
 
 
 def alive_mask(raw: dict[Any, Any], shards: int, ttl: float, now: float) -> list[bool]:

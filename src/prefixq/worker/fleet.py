@@ -29,7 +29,7 @@ import redis.asyncio as aredis
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from prefixq.store.deployment import aresolve_shards
-from prefixq.store.liveness import read_liveness
+from prefixq.store.liveness import read_liveness, read_load
 from prefixq.store.redis_errors import TRANSIENT
 from prefixq.worker.handover import Handover, MoveReport
 
@@ -101,11 +101,7 @@ class FleetWatch:
                 await self.handover.finish(k)
 
     async def _steal(self, live: list[int], out: list[MoveReport]) -> None:
-        raw = await self.r.hgetall(self.keys.load)
-        load = dict.fromkeys(live, 0.0)
-        for k, v in raw.items():
-            if int(k) in load:
-                load[int(k)] = max(0.0, float(v))
+        load = await read_load(self.r, self.keys, live)
         mine = load.get(self.shard, 0.0)
         others = [k for k in live if k != self.shard]
         if not others:

@@ -36,7 +36,7 @@ from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from prefixq.store.connection import lua
 from prefixq.store.entry_moves import EntryMoves
-from prefixq.store.liveness import read_liveness
+from prefixq.store.liveness import read_liveness, read_load
 from prefixq.worker.queued import Group, groups, scan
 
 __all__ = ["Handover", "MoveReport"]
@@ -166,14 +166,6 @@ class Handover:
             )
         return rep
 
-    async def _loads(self, targets: list[int]) -> dict[int, float]:
-        raw = await self.r.hgetall(self.keys.load)
-        load = dict.fromkeys(targets, 0.0)
-        for k, v in raw.items():
-            if int(k) in load:
-                load[int(k)] = max(0.0, float(v))
-        return load
-
     async def _mapped(self, queued: list[Group], targets: list[int]) -> dict[bytes, int]:
         anchors = [g.anchor for g in queued if g.anchor is not None]
         mapped: dict[bytes, int] = {}
@@ -193,7 +185,7 @@ class Handover:
         steal: list[float] | None,
     ) -> None:
         source = rep.source
-        load = await self._loads(targets)
+        load = await read_load(self.r, self.keys, targets)
         mapped = {} if steal is not None else await self._mapped(queued, targets)
         claims: dict[bytes, int] = {}
         shifted: dict[int, int] = defaultdict(int)
