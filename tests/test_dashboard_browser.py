@@ -306,3 +306,36 @@ def test_redis_gone_shows_an_error_over_the_last_figures_not_a_blank_page(
     expect(banner).to_contain_text("The figures below are from")
     expect(t.page.get_by_role("link", name="before-the-fall")).to_be_visible()
     t.shot(tmp_path / "overview-redis-gone.png")
+
+
+def test_an_orphaned_shards_moved_queue_and_each_workers_share_are_shown(
+    make_settings: Callable[..., Settings],
+    fake_worker: Callable[..., FakeWorker],
+    tab: Callable[..., Tab],
+    serve: Any,
+    tmp_path: Path,
+) -> None:
+    """Given 3 shards, a burst queued on all three, and workers on shards 0 and 1 only: shard 2's
+    queue moves once it is orphaned; the overview marks shard 2 and lists the orphaned moves, and
+    the burst's page shows each worker's results, which add up to the burst."""
+    s = make_settings(shards=3, placement="hash", heartbeat_s=0.2, orphan_after_s=1.0)
+    docs = [{**q, "prefix": f"document {i % 9} " * 40} for i, q in enumerate(requests(36))]
+    burst = Producer(s).submit(docs)  # no shard live yet: every shard takes its share
+    fake_worker(s, name="fleet-a", shard=0)
+    fake_worker(s, name="fleet-b", shard=1)
+    assert burst.wait(timeout=60).done == 36
+    srv = serve(s)
+    t = tab(1366)
+    t.page.goto(srv.root)
+    moves = t.page.locator("#shards-body table.moves tbody tr", has_text="orphaned")
+    expect(moves).to_have_count(1, timeout=15_000)
+    shard2 = t.page.locator("#shards-body table").first.locator("tbody tr").nth(2)
+    expect(shard2).to_contain_text("✕ none: queue moving")
+    t.page.goto(f"{srv.root}#/burst/{burst.id}")
+    rows = t.page.locator("table.burst-workers tbody tr")
+    expect(rows).to_have_count(2, timeout=15_000)
+    counts = [int(rows.nth(i).locator("td").nth(1).inner_text()) for i in range(2)]
+    assert sum(counts) == 36 and min(counts) > 0, counts
+    t.shot(tmp_path / "fleet.png")
+    no_overflow(t.page)
+    assert t.errors == []

@@ -19,6 +19,9 @@ from prefixq.core import wire
 from prefixq.core.entries import Entry
 from prefixq.core.keys import CARRIED, FIELD, GROUP, LANE, POS, Keys
 from prefixq.core.settings import Settings
+from prefixq.integrations.metric_series import COUNTERS
+from prefixq.integrations.worker_metrics import WorkerMetrics
+from prefixq.ops.fleet_stats import fleet
 from prefixq.store.connection import async_client
 from prefixq.store.deployment import ajoin_shard
 from prefixq.store.entry_moves import EntryMoves
@@ -356,3 +359,43 @@ def test_a_look_of_any_live_worker_finishes_a_plan_left_on_any_shard(
     assert r.hlen(keys.moving(shard)) == 0
     moved = [f for _, f in _entries(r, three, target) if CARRIED in f]
     assert len(moved) == len(rows)
+
+
+def test_a_looks_moves_are_counted_for_the_metrics_by_why(
+    r: redis.Redis, make_settings: Any
+) -> None:
+    """A live worker's look that moves an orphaned shard's queue counts the move in its fleet
+    totals, which `WorkerMetrics` serves per ``why`` beside the shards it saw live and orphaned."""
+    three = make_settings(shards=3, orphan_after_s=5.0)
+    _mark_live(r, three, 0, 1, 2)
+    Producer(three).submit(_burst(12, 3))
+    queued = len(_entries(r, three, 1))
+    assert queued > 0
+    keys = Keys(three.namespace)
+    r.hdel(keys.live, "1")
+    r.hset(keys.orphans, "1", repr(time.time() - 60))  # without a worker for a minute
+
+    async def look() -> FleetWatch:
+        client = async_client(three)
+        try:
+            watch = FleetWatch(client, three, shard=0, name="w0")
+            await watch.look()
+            return watch
+        finally:
+            await client.aclose()
+
+    watch = asyncio.run(look())
+    assert _entries(r, three, 1) == []
+    counted = ("engine_up", "inflight", "max_inflight", *COUNTERS)
+    m = WorkerMetrics(0, "w0", lambda now: dict.fromkeys(counted, 0), fleet=watch)
+    got = {(s.name, s.labels.get("why", "")): s.value for fam in m.collect() for s in fam.samples}
+    assert got[("prefixq_fleet_shards", "")] == 3
+    assert got[("prefixq_fleet_live_shards", "")] == 2
+    assert got[("prefixq_fleet_orphaned_shards", "")] == 1
+    assert got[("prefixq_moves_total", "orphaned")] == 1
+    assert got[("prefixq_moved_requests_total", "orphaned")] == queued
+    recorded = sum(int(f[b"tokens"]) for _, f in r.xrange(keys.moves))
+    assert got[("prefixq_moved_prompt_tokens_total", "orphaned")] == recorded > 0
+    assert ("prefixq_moves_total", "steal") not in got
+    totals = fleet(r, three, 3, time.time())["moves"]  # inspect's: the totals hash
+    assert totals["orphaned"]["requests"] == queued and totals["orphaned"]["tokens"] == recorded

@@ -212,3 +212,34 @@ def test_a_live_worker_forgets_workers_gone_for_more_than_a_day(
     fake_worker(settings.replace(heartbeat_s=0.1), name="live")
     wait_until(lambda: r.zscore(workers, "old-dead") is None, 10, "the old one dropped")
     assert {m.decode() for m in r.zrange(workers, 0, -1)} == {"live", "recent-dead"}
+
+
+def test_inspect_shows_each_workers_share_of_a_burst_and_the_moves_totals(
+    make_settings: Callable[..., Settings], fake_worker: Callable[..., Any], r: redis.Redis
+) -> None:
+    """Two workers on two shards: the burst's record counts each one's results (the sum is the
+    burst; a redelivered result counts once), and `inspect` prints them; the fleet's move totals
+    come from the totals hash, not the stream."""
+    s = make_settings(shards=2, placement="hash")
+    a, b = fake_worker(s, name="share-a", shard=0), fake_worker(s, name="share-b", shard=1)
+    burst = Producer(s).submit([{"id": f"q{i}", "prompt": f"doc {i % 7} ?"} for i in range(40)])
+    status = burst.wait(timeout=60)
+    assert (status.done, status.failed) == (40, 0)
+    got = stats.burst_stats(r, s, burst.id)["workers"]
+    by_shard = [sum(1 for x in burst.collect() if x.shard == k) for k in (0, 1)]
+    assert got == {n: c for n, c in (("share-a", by_shard[0]), ("share-b", by_shard[1])) if c}
+    assert sum(got.values()) == 40
+    # a result recorded again (a redelivery) is not counted again
+    again = next(iter(burst.collect()))
+    keys, args = record_call(s.keys, burst.id, again, s, repr(time.time()))
+    assert r.register_script(lua("record_result"))(keys=keys, args=args) == 3
+    assert stats.burst_stats(r, s, burst.id)["workers"] == got
+    out = cli(s, "inspect", "--burst", burst.id)
+    assert out.returncode == 0, out.stderr
+    assert "results by worker:" in out.stdout and "share-a" in out.stdout
+    del a, b
+    r.xadd(s.keys.moves, {"why": "steal", "requests": 3, "tokens": 900})  # not in the totals
+    r.hset(s.keys.move_totals, mapping={"steal:groups": 2, "steal:requests": 5, "x": 1})
+    fleet = stats.snapshot(s, client=r)["fleet"]
+    assert fleet["moves"] == {"steal": {"groups": 2, "requests": 5, "tokens": 0}}
+    assert fleet["recent_moves"][0]["why"] == "steal"

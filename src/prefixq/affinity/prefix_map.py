@@ -23,6 +23,7 @@ from prefixq.affinity.placement import Item, Placed
 from prefixq.core.settings import Settings
 from prefixq.store.connection import lua
 from prefixq.store.liveness import alive_mask
+from prefixq.store.move_log import add_moves
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +212,6 @@ class AffinityPlacer:
         if len(self.moves) <= self._recorded:
             return
         pipe = r.pipeline(transaction=False)
-        for m in self.moves[self._recorded :]:
-            pipe.xadd(self.keys.moves, m, maxlen=10_000, approximate=True)
+        add_moves(pipe, self.keys, self.moves[self._recorded :])
         await pipe.execute()
         self._recorded = len(self.moves)

@@ -220,6 +220,12 @@ def snapshot_renderables(snap: dict[str, Any]) -> list[RenderableType]:
             f"{b['predicted_cached_tokens']}); bytes: raw msgpack {b['raw_bytes']} -> "
             f"stored {b['encoded_bytes']} ({b['compression']}x)"
         )
+        by_worker = b.get("workers") or {}
+        if by_worker:
+            out.append(
+                "  results by worker: "
+                + ", ".join(f"{escape(w)} {n}" for w, n in by_worker.items())
+            )
     return out
 
 

@@ -58,6 +58,7 @@ def metrics_exporter(worker: Worker, port: int, *, addr: str = "0.0.0.0") -> Met
         sched=worker.sched,
         gc=worker.gc,
         loop_lag=worker.probes.loop.lag,
+        fleet=worker.fleet,
         addr=addr,
     )
 

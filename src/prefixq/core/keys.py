@@ -39,7 +39,8 @@ class Keys:
     # deployment
     @property
     def config(self) -> str:
-        """Hash: shards and block_size, written by the first worker (or producer given shards)."""
+        """Hash: shards and block_size, written by the first worker (or producer given shards),
+        and the workers' orphan_after_s (the last worker started)."""
         return f"{self.ns}:config"
 
     @property
@@ -142,6 +143,12 @@ class Keys:
         """Stream: one entry per prefix group moved: by the load guard at placement (``why``
         absent), or queued entries moved off a shard (``why``: orphaned, steal, drain, operator)."""
         return f"{self.ns}:moves"
+
+    @property
+    def move_totals(self) -> str:
+        """Hash: the moves stream's totals since the namespace began, ``<why>:groups``,
+        ``<why>:requests``, ``<why>:tokens`` (store/move_log.py), read without the stream."""
+        return f"{self.ns}:moves:totals"
 
     # the fleet: which shards have a live worker (one slot, hash tag {fleet}: store/liveness.py)
     @property

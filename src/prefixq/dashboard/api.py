@@ -31,7 +31,7 @@ from prefixq.dashboard.access import ACTION_HEADER, Access
 from prefixq.dashboard.downloads import result_lines
 from prefixq.openai.apierror import ApiError, bad_request
 from prefixq.openai.app import Served
-from prefixq.ops import burst_list, history, stats
+from prefixq.ops import burst_list, fleet_stats, history, stats
 from prefixq.ops.recovery import Recovery
 from prefixq.store.burst_end import acancel
 from prefixq.store.deployment import resolve_shards
@@ -166,7 +166,7 @@ def mount(app: FastAPI, served: Served) -> None:
 
     @app.get("/api/shards")
     async def shards(request: Request) -> JSONResponse:
-        """``{namespace, at, shards, sharing}``: the objects of ``inspect --json``."""
+        """``{namespace, at, shards, fleet, sharing}``: the objects of ``inspect --json``."""
         s = access.settings_for(request)
 
         def read() -> dict[str, Any]:
@@ -177,6 +177,7 @@ def mount(app: FastAPI, served: Served) -> None:
             return {
                 "namespace": s.namespace,
                 "shards": per_shard,
+                "fleet": fleet_stats.fleet(r, s, n, time.time()),
                 "sharing": stats.sharing(per_shard, lane_bursts),
                 "at": time.time(),
             }

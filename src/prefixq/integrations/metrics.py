@@ -41,6 +41,7 @@ from prefixq.worker.view import WorkerView
 if TYPE_CHECKING:
     import redis.asyncio as aredis
 
+    from prefixq.worker.fleet import FleetWatch
     from prefixq.worker.gcwatch import GcWatch
     from prefixq.worker.scheduler import Scheduler
 
@@ -55,8 +56,9 @@ class MetricsExporter(Middleware):
 
     It is given what it reads, not the worker: the settings, the worker's shard and name, its
     ``health(now)`` (the heartbeat's fields), its scheduler (queued and in-flight per priority
-    and tenant), its GC watch (whose observer it sets while it serves) and its event loop's lag:
-    prefixq.cli.worker_process.metrics_exporter builds one for a worker."""
+    and tenant), its GC watch (whose observer it sets while it serves), its event loop's lag and
+    its fleet watch (the shards it saw live and what it moved): prefixq.cli.worker_process.
+    metrics_exporter builds one for a worker."""
 
     def __init__(
         self,
@@ -69,6 +71,7 @@ class MetricsExporter(Middleware):
         sched: Scheduler | None = None,
         gc: GcWatch | None = None,
         loop_lag: Latency | None = None,
+        fleet: FleetWatch | None = None,
         addr: str = "0.0.0.0",
         refresh_s: float | None = None,
     ) -> None:
@@ -77,7 +80,7 @@ class MetricsExporter(Middleware):
         self.port = port
         self.addr = addr
         self.refresh_s = refresh_s if refresh_s is not None else settings.heartbeat_s
-        self.metrics = WorkerMetrics(shard, name, health, sched, loop_lag)
+        self.metrics = WorkerMetrics(shard, name, health, sched, loop_lag, fleet)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
         self._task: asyncio.Task[None] | None = None

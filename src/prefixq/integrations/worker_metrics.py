@@ -34,6 +34,7 @@ from prefixq.ops.queues import Queue
 from prefixq.worker.loopwatch import Latency
 
 if TYPE_CHECKING:
+    from prefixq.worker.fleet import FleetWatch
     from prefixq.worker.scheduler import Scheduler
 
 _PER_TENANT = " Per priority and tenant, on the worker's shard."
@@ -63,11 +64,13 @@ class WorkerMetrics:
         health: Callable[[float], Mapping[str, Any]],
         sched: Scheduler | None = None,
         loop_lag: Latency | None = None,
+        fleet: FleetWatch | None = None,
     ) -> None:
         self.label_values = [str(shard), worker]
         self._health = health
         self._sched = sched
         self._loop_lag = loop_lag
+        self._fleet = fleet
         self.registry = CollectorRegistry()
         self.queue_wait = FastHistogram(
             "prefixq_queue_wait_seconds",
@@ -191,6 +194,8 @@ class WorkerMetrics:
             yield hist.family(self.label_values)
         if self._loop_lag is not None:
             yield self._lag_family(self._loop_lag)
+        if self._fleet is not None:
+            yield from self._fleet_families(self._fleet)
         sched = self._sched
         if sched is not None:
             rows = sorted(sched.per_tenant().items())
@@ -223,6 +228,35 @@ class WorkerMetrics:
         )
         h.add_metric(self.label_values, buckets, total)
         return h
+
+    def _fleet_families(self, fleet: FleetWatch) -> Iterable[Metric]:
+        """The fleet as this worker saw it at its last look, and what it moved, per ``why``."""
+        for name, doc, value in (
+            ("prefixq_fleet_shards", "Shards of the deployment.", fleet.shards),
+            ("prefixq_fleet_live_shards", "Shards with a live worker.", fleet.live_shards),
+            (
+                "prefixq_fleet_orphaned_shards",
+                "Shards without a live worker for orphan_after_s (their queues move).",
+                fleet.orphaned_shards,
+            ),
+        ):
+            yield self._gauge(name, doc + " As this worker last looked.", value)
+        totals = sorted(dict(fleet.totals).items())
+        for name, doc, attr in (
+            ("prefixq_moves", "Moves of queued work this worker made", "moves"),
+            ("prefixq_moved_requests", "Requests this worker moved between shards", "requests"),
+            (
+                "prefixq_moved_prompt_tokens",
+                "Estimated uncached prompt tokens of the requests this worker moved",
+                "tokens",
+            ),
+        ):
+            fam = CounterMetricFamily(
+                name, doc + ", per why (orphaned, steal, drain).", labels=[*LABELS, "why"]
+            )
+            for why, t in totals:
+                fam.add_metric([*self.label_values, why], float(getattr(t, attr)))
+            yield fam
 
     def _per_tenant(self, queues: tuple[Queue, ...]) -> Iterable[Metric]:
         for name, doc, attr in (

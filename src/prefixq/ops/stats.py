@@ -27,7 +27,7 @@ from prefixq.core.records import Result
 from prefixq.core.settings import Settings
 from prefixq.core.sharing import band
 from prefixq.ops import distributions, queues
-from prefixq.ops.fleet_stats import fleet
+from prefixq.ops.fleet_stats import fleet, shares
 from prefixq.ops.worker_stats import gone_workers, live_workers
 from prefixq.store.deployment import resolve_shards
 
@@ -236,6 +236,8 @@ def burst_stats(r: redis.Redis, settings: Settings, burst: str) -> dict[str, Any
         "priority": m.get("priority", "normal"),
         "tenant": m.get("tenant", "default"),
         "per_shard": [int(x) for x in m.get("per_shard", "").split(",") if x],
+        # results recorded by each worker (its share of the burst), most first
+        "workers": shares(m),
         "raw_bytes": raw,
         "encoded_bytes": enc,
         "compression": round(raw / enc, 2) if enc else 0.0,

@@ -55,5 +55,6 @@ def record_call(
             result.cached_tokens,
             result.predicted_cached_tokens,
             repr(enqueued),
+            result.worker,
         ],
     )

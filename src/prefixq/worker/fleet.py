@@ -23,6 +23,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import redis.asyncio as aredis
 
@@ -33,7 +34,7 @@ from prefixq.store.liveness import read_liveness, read_load
 from prefixq.store.redis_errors import TRANSIENT
 from prefixq.worker.handover import Handover, MoveReport
 
-__all__ = ["HAND_OVER_S", "FleetWatch"]
+__all__ = ["HAND_OVER_S", "FleetWatch", "MoveTotals"]
 
 #: seconds a stopping worker gives its hand-over (what is not moved by then, a live worker moves
 #: once the shard is orphaned: a plan begun is finished first)
@@ -42,6 +43,18 @@ HAND_OVER_S = 30.0
 STEAL_BACKOFF = 5
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class MoveTotals:
+    """What this worker moved for one reason (orphaned, steal, drain) since it started."""
+
+    #: moves that moved at least one request
+    moves: int = 0
+    groups: int = 0
+    requests: int = 0
+    #: estimated uncached prompt tokens
+    tokens: int = 0
 
 
 class FleetWatch:
@@ -65,7 +78,10 @@ class FleetWatch:
         self.handover = Handover(r, settings, name=name)
         self.idle = idle
         self.on_move = on_move
-        self.reports: list[MoveReport] = []
+        #: what this worker moved, by why (read by the metrics exporter at scrape time)
+        self.totals: dict[str, MoveTotals] = {}
+        #: shards of the deployment and how many had a live worker / were orphaned, last look
+        self.shards = self.live_shards = self.orphaned_shards = 0
         self._next_steal = 0.0
 
     async def look(self) -> list[MoveReport]:
@@ -77,6 +93,8 @@ class FleetWatch:
             return []
         out: list[MoveReport] = []
         await self._finish_plans(shards)
+        self.shards, self.live_shards = shards, len(live.live_shards())
+        orphaned = 0
         for k in range(shards):
             if k == self.shard or live.alive(k) or self.s.orphan_after_s <= 0:
                 continue
@@ -85,7 +103,9 @@ class FleetWatch:
                 continue
             if live.dead_for(k) < self.s.orphan_after_s:
                 continue
+            orphaned += 1
             await self._report(await self.handover.move_shard(k, shards, why="orphaned"), out)
+        self.orphaned_shards = orphaned
         if self.s.steal_min_tokens > 0 and self.idle() and time.monotonic() >= self._next_steal:
             await self._steal(live.live_shards(), out)
         return out
@@ -116,11 +136,18 @@ class FleetWatch:
             self._next_steal = time.monotonic() + STEAL_BACKOFF * self.s.heartbeat_s
         await self._report(rep, out)
 
+    def _count(self, rep: MoveReport) -> None:
+        t = self.totals.setdefault(rep.why, MoveTotals())
+        t.moves += 1
+        t.groups += rep.groups
+        t.requests += rep.requests
+        t.tokens += rep.tokens
+
     async def _report(self, rep: MoveReport, out: list[MoveReport]) -> None:
         if not rep.requests:
             return
         out.append(rep)
-        self.reports.append(rep)
+        self._count(rep)
         if self.on_move is not None:
             result = self.on_move(rep)
             if result is not None:
@@ -140,6 +167,8 @@ class FleetWatch:
         rep = await self.handover.move_shard(self.shard, shards, why="drain")
         if rep.skipped:
             log.warning("hand-over of shard %d: %s; its queue waits", self.shard, rep.skipped)
+        elif rep.requests:
+            self._count(rep)
         return rep
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -37,6 +37,7 @@ from prefixq.core.settings import Settings
 from prefixq.store.connection import lua
 from prefixq.store.entry_moves import EntryMoves
 from prefixq.store.liveness import read_liveness, read_load
+from prefixq.store.move_log import add_moves
 from prefixq.worker.queued import Group, groups, scan
 
 __all__ = ["Handover", "MoveReport"]
@@ -266,6 +267,5 @@ class Handover:
         for target, work in shifted.items():
             pipe.hincrby(self.keys.load, str(target), work)
             pipe.hincrby(self.keys.load, str(source), -work)
-        for rec in records:
-            pipe.xadd(self.keys.moves, rec, maxlen=10_000, approximate=True)
+        add_moves(pipe, self.keys, records)
         await pipe.execute()

@@ -42,6 +42,9 @@ async def register(stream: ShardStream, settings: Settings) -> None:
                 "first worker of a deployment with --shards N (or PREFIXQ_SHARDS)"
             )
         count = int(raw)
+        # what the live workers wait before moving a dead shard's queue: `inspect` and the
+        # dashboard call a shard orphaned by it, whatever their own settings say
+        await r.hset(keys.config, "orphan_after_s", repr(settings.orphan_after_s))
 
     await retry("recording the shard count", shards, settings=settings)
     if settings.shards and settings.shards > count:  # below it: a deployment grown by --join

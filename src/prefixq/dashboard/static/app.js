@@ -343,11 +343,14 @@
     if (!snap.shards.length) {
       return el("p", { class: "muted" }, `No shard in namespace ${snap.namespace} yet: no worker has started there.`);
     }
+    const fleet = snap.fleet || { shards: [], moves: {} };
+    const orphaned = new Set(fleet.shards.filter((x) => x.orphaned).map((x) => x.shard));
+    const moves = Object.entries(fleet.moves || {}).map(([why, m]) => row([why, num(fmtInt(m.groups)), num(fmtInt(m.requests)), num(fmtInt(m.tokens))]));
     const shardRows = snap.shards.map((s) => row([
       num(s.shard), num(fmtInt(s.waiting)), num(byPriority(s)), num(fmtInt(s.pending)), num(fmtDur(s.oldest_waiting_s)),
       num(fmtInt(s.outstanding_prefill_tokens)), num(fmtInt(s.lanes)),
       num(s.dead_letters ? el("span", { class: "warn" }, "⚠ " + fmtInt(s.dead_letters)) : "0"),
-      num(s.workers ? fmtInt(s.workers) : el("span", { class: "bad-text" }, "✕ none")),
+      num(s.workers ? fmtInt(s.workers) : el("span", { class: "bad-text" }, orphaned.has(s.shard) ? "✕ none: queue moving" : "✕ none")),
       num(s.prompt_tokens ? `${fmtPct(s.cached_tokens / s.prompt_tokens)} / ${fmtPct(s.predicted_cached_tokens / s.prompt_tokens)}` : "–"),
     ], { class: s.workers ? null : "row-bad" }));
     const workers = [];
@@ -374,6 +377,10 @@
       table(["shard", { label: "queued", num: 1 }, { label: "high / normal / low", num: 1 }, { label: "in flight", num: 1 },
         { label: "oldest wait", num: 1 }, { label: "prefill backlog (tokens)", num: 1 }, { label: "lanes", num: 1 },
         { label: "dead letters", num: 1 }, { label: "workers", num: 1 }, { label: "cached / predicted", num: 1 }], shardRows),
+      el("h3", {}, "Moves between shards"),
+      table(["why", { label: "prefix groups", num: 1 }, { label: "requests", num: 1 }, { label: "prompt tokens", num: 1 }], moves,
+        { cls: "moves", empty: "nothing moved: every queue is served where it was placed" }),
+      el("p", { class: "caption" }, "orphaned: a shard without a live worker had its queue moved; steal: an idle worker took whole prefix groups from a backlogged shard; drain: a stopping worker handed its queue over; guard: placement sent a new group away from an overloaded shard."),
       el("h3", {}, "Workers"),
       table(["worker", "shard", "state", "host", { label: "heartbeat age", num: 1 }, { label: "in engine / max", num: 1 },
         { label: "pending", num: 1 }, { label: "finished / failed", num: 1 }, { label: "loop lag p99 / max", num: 1 },
@@ -509,6 +516,9 @@
     const tl = b.timeline;
     const tlT = tl.ok_per_s.map((_, i) => tl.start + i * tl.step_s);
     const shards = b.per_shard.length ? table(["shard", { label: "requests", num: 1 }], b.per_shard.map((n, k) => row([num(k), num(fmtInt(n))]))) : el("p", { class: "muted" }, "–");
+    const byWorker = Object.entries(b.workers || {});
+    const workers = byWorker.length ? table(["worker", { label: "results", num: 1 }, { label: "share", num: 1 }],
+      byWorker.map(([w, n]) => row([el("td", { class: "mono" }, w), num(fmtInt(n)), num(fmtPct(n / Math.max(1, b.results)))])), { cls: "burst-workers" }) : null;
     return [
       el("div", { class: "grid" },
         section("Latency percentiles", "latency", pct, el("p", { class: "caption" }, sampled + " Successful requests only.")),
@@ -520,7 +530,7 @@
       section("Latency histograms", "histograms", el("div", { class: "grid tight" },
         stages.map(([label, k]) => Charts.bars({ label, labels, counts: b.histograms[k] })))),
       el("div", { class: "grid" },
-        section("Shards", "burst-shards", shards),
+        section("Shards and workers", "burst-shards", el("p", { class: "caption" }, "Requests placed on each shard; results recorded by each worker (a moved or stolen group is served where it went)."), shards, workers),
         section("Tokens and bytes", "tokens", table(["", { label: "", num: 1 }], [
           row(["prompt tokens", num(fmtInt(b.prompt_tokens))]), row(["served from the prefix cache", num(`${fmtInt(b.cached_tokens)} (${fmtPct(b.cached_ratio)})`)]),
           row(["predicted cached", num(fmtInt(b.predicted_cached_tokens))]), row(["output tokens", num(fmtInt(b.output_tokens))]),

@@ -13,6 +13,8 @@
 -- ARGV[9]  the entry's enqueue time, which is its burst record's `created` (absent, "" or "0":
 --          unknown): a record created at another time is another burst of the same id (the id
 --          was submitted again once this entry's burst had expired): -2, nothing written
+-- ARGV[10] the recording worker's name (absent or "": not counted): the record's `w:<name>`
+--          counts each worker's results, its share of the burst
 -- Returns
 --   1  recorded
 --   2  recorded, and it was the burst's last outstanding request (status "finished", or
@@ -50,6 +52,9 @@ end
 redis.call('HINCRBY', KEYS[2], 'prompt_tokens', ARGV[6])
 redis.call('HINCRBY', KEYS[2], 'cached_tokens', ARGV[7])
 redis.call('HINCRBY', KEYS[2], 'predicted_cached_tokens', ARGV[8])
+if ARGV[10] and ARGV[10] ~= '' then
+  redis.call('HINCRBY', KEYS[2], 'w:' .. ARGV[10], 1)
+end
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', 100000, '*', 'i', ARGV[1])
 local other = failed and rec[2] or rec[3]
 if done + tonumber(other or 0) >= total then
