@@ -158,14 +158,16 @@ def test_sigterm_during_burst_exits_0_in_grace_and_nothing_is_lost(
     assert (out.lost, out.duplicated, out.failed) == (0, 0, 0)
 
 
+@pytest.mark.parametrize("hand_over", [False, True], ids=["plain", "hand-over"])
 def test_sigterm_while_redis_is_down_exits_0_within_its_bound_and_nothing_is_lost(
-    tmp_path: Path, fake_worker: MakeWorker
+    tmp_path: Path, fake_worker: MakeWorker, hand_over: bool
 ) -> None:
     """Given a worker process (grace_s=3) with requests in flight, when redis-server is killed
     and the worker gets SIGTERM, it exits 0 within `stop_bound_s` (grace_s + FLUSH_S: it took
     18-51 s, retrying its writes for grace_s + 30 s and then each unregister command), leaving
     what it could not write pending; with Redis back, a worker of the same name serves the rest
-    and every request has one result."""
+    and every request has one result. With ``--hand-over`` the same bound holds: the move is
+    skipped when Redis did not answer (it raised out of the stop: exit 1 after 14-18 s)."""
     with RedisServer(appendonly=True) as srv:
         s = Settings(
             redis_url=srv.url,
@@ -178,7 +180,7 @@ def test_sigterm_while_redis_is_down_exits_0_within_its_bound_and_nothing_is_los
         )
         rr = redis.Redis.from_url(srv.url)
         log = tmp_path / "down.log"
-        proc = fault_worker(s, log, "--name", "dw")
+        proc = fault_worker(s, log, "--name", "dw", *(["--hand-over"] if hand_over else []))
         try:
             burst = Producer(s).submit(requests(40, lambda i: f"sleep:0.5 down {i}"))
             wait_until(lambda: rr.hlen(s.keys.results(burst)) >= 4, 30, "4 results")
@@ -197,6 +199,8 @@ def test_sigterm_while_redis_is_down_exits_0_within_its_bound_and_nothing_is_los
         assert rc == 0, log.read_text()[-3000:]
         assert took <= bound + 1.0, log.read_text()[-3000:]
         assert "Traceback" not in log.read_text()
+        if hand_over:
+            assert "hand-over of shard 0 skipped: Redis did not answer" in log.read_text()
         LEDGER.fault("SIGTERM to a worker with requests in flight while redis-server is down")
         srv.start()
         with fake_worker(s.replace(max_inflight=16), name="dw"):  # same name: replays its own

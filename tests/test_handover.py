@@ -399,3 +399,38 @@ def test_a_looks_moves_are_counted_for_the_metrics_by_why(
     assert ("prefixq_moves_total", "steal") not in got
     totals = fleet(r, three, 3, time.time())["moves"]  # inspect's: the totals hash
     assert totals["orphaned"]["requests"] == queued and totals["orphaned"]["tokens"] == recorded
+
+
+def test_a_fleet_watch_waits_out_a_full_redis_with_one_warning(
+    r: redis.Redis, make_settings: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis refusing writes (maxmemory reached) skips the looks with one warning, not a
+    traceback per heartbeat (it logged one every look: the soak counts those as failures); the
+    look after Redis takes writes again records the shard as usual."""
+    s = make_settings(shards=2, heartbeat_s=0.05, orphan_after_s=5.0)
+    keys = Keys(s.namespace)
+    _mark_live(r, s, 0)  # shard 1 never had a worker: a look records when it was first seen
+
+    async def watch(seconds: float) -> None:
+        client = async_client(s)
+        stop = asyncio.Event()
+        try:
+            task = asyncio.create_task(FleetWatch(client, s, shard=0, name="w0").run(stop))
+            await asyncio.sleep(seconds)
+            stop.set()
+            await task
+        finally:
+            await client.aclose()
+
+    r.config_set("maxmemory", 1)
+    try:
+        with caplog.at_level("WARNING", logger="prefixq.worker.fleet"):
+            asyncio.run(watch(0.5))
+    finally:
+        r.config_set("maxmemory", 0)
+    fleet_logs = [x for x in caplog.records if x.name == "prefixq.worker.fleet"]
+    assert [x.levelname for x in fleet_logs] == ["WARNING"], [x.getMessage() for x in fleet_logs]
+    assert "refuses" in fleet_logs[0].getMessage() and "OOM" in fleet_logs[0].getMessage()
+    assert not r.hexists(keys.orphans, "1")
+    asyncio.run(watch(0.2))
+    assert r.hexists(keys.orphans, "1")

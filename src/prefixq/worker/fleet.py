@@ -26,19 +26,19 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aredis
+from redis.exceptions import RedisError
 
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from prefixq.store.deployment import aresolve_shards
 from prefixq.store.liveness import read_liveness, read_load
-from prefixq.store.redis_errors import TRANSIENT
+from prefixq.store.redis_errors import TRANSIENT, error_text
+from prefixq.worker.aio import within
 from prefixq.worker.handover import Handover, MoveReport
+from prefixq.worker.lifecycle import HAND_OVER_S
 
-__all__ = ["HAND_OVER_S", "FleetWatch", "MoveTotals"]
+__all__ = ["FleetWatch", "MoveTotals"]
 
-#: seconds a stopping worker gives its hand-over (what is not moved by then, a live worker moves
-#: once the shard is orphaned: a plan begun is finished first)
-HAND_OVER_S = 30.0
 #: heartbeats an idle worker waits after a look for work to steal that found none
 STEAL_BACKOFF = 5
 
@@ -171,13 +171,42 @@ class FleetWatch:
             self._count(rep)
         return rep
 
+    async def hand_over_on_stop(self, reached: bool) -> None:
+        """`hand_over` as a stopping worker's last step (``--hand-over``), within `HAND_OVER_S`;
+        never an error of the stop. ``reached``: whether its unregister reached Redis; when it
+        did not (Redis down), or the move fails or runs out of time, what is left waits for a
+        live worker, which moves the shard's queue once it is orphaned (``orphan_after_s``)."""
+        later = "a live worker moves the rest once the shard is orphaned"
+        if not reached:
+            log.warning(
+                "hand-over of shard %d skipped: Redis did not answer; %s", self.shard, later
+            )
+            return
+        try:
+            if not await within(self.hand_over(), HAND_OVER_S):
+                log.warning(
+                    "hand-over of shard %d: not done in %.0f s; %s", self.shard, HAND_OVER_S, later
+                )
+        except (*TRANSIENT, RedisError) as err:
+            log.warning("hand-over of shard %d failed: %s; %s", self.shard, error_text(err), later)
+        except Exception:  # a bug here must not turn a clean stop into a failed one
+            log.exception("hand-over of shard %d failed; %s", self.shard, later)
+
     async def run(self, stop: asyncio.Event) -> None:
-        """Look every ``heartbeat_s`` until ``stop``; a Redis error skips one look."""
+        """Look every ``heartbeat_s`` until ``stop``. A Redis error skips one look: unreachable
+        quietly; a refusal (out of memory, a read-only replica) with one warning until a look
+        succeeds again; anything else (a bug) with its traceback."""
+        refused = False
         while not stop.is_set():
             try:
                 await self.look()
+                refused = False
             except TRANSIENT as err:
                 log.debug("fleet look skipped: %s", err)
+            except RedisError as err:
+                if not refused:
+                    log.warning("fleet looks skipped while Redis refuses: %s", error_text(err))
+                refused = True
             except Exception:  # a bug here must not end the watch: the next look tries again
                 log.exception("fleet look failed (looking again in %.1f s)", self.s.heartbeat_s)
             with contextlib.suppress(TimeoutError):

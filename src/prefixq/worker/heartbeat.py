@@ -117,9 +117,13 @@ class Heartbeat:
         self.gc_policy.idle(self._served_since_collect)
         self._served_since_collect = 0
 
-    async def unregister(self) -> None:
+    async def unregister(self) -> bool:
+        """Tell the last tallies, drop the heartbeat and leave the shard's workers; whether Redis
+        took it all (it is down, or refused: the heartbeat then expires by its TTL)."""
         stream = self.stream
         with contextlib.suppress(*TRANSIENT, ResponseError):
             await stream.tally(self._untold + self.tallies())
             await stream.r.delete(stream.keys.heartbeat(stream.shard, stream.consumer))
             await stream.r.zrem(stream.keys.workers(stream.shard), stream.consumer)
+            return True
+        return False

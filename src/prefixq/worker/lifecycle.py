@@ -20,13 +20,18 @@ READ_STOP_S = 1.0
 FLUSH_S = 5.0
 #: of `FLUSH_S`, what unregistering is sure to get
 _UNREGISTER_S = 0.5
+#: seconds a stopping worker with ``--hand-over`` gives the move of its queue, after it
+#: unregistered (what is not moved by then, a live worker moves once the shard is orphaned: a
+#: plan begun is finished first)
+HAND_OVER_S = 30.0
 
 
-def stop_bound_s(settings: Settings) -> float:
+def stop_bound_s(settings: Settings, *, hand_over: bool = False) -> float:
     """The longest a worker's stop takes from `Worker.stop` (SIGTERM) to its exit, whatever Redis
     does: ``grace_s`` for in-flight requests, then `FLUSH_S` (plus the engine's own shutdown
-    and the process's exit)."""
-    return settings.grace_s + FLUSH_S
+    and the process's exit); with ``--hand-over``, up to `HAND_OVER_S` more to move the rest of
+    its queue (skipped at once when Redis did not answer its unregister)."""
+    return settings.grace_s + FLUSH_S + (HAND_OVER_S if hand_over else 0.0)
 
 
 def default_name(shard: int, gpu: str | None) -> str:

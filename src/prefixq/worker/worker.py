@@ -37,7 +37,7 @@ from prefixq.worker.backlog import replay_backlog
 from prefixq.worker.control import control_loop
 from prefixq.worker.deliveries import Delivery, Ref
 from prefixq.worker.ends import BurstEnds
-from prefixq.worker.fleet import HAND_OVER_S, FleetWatch
+from prefixq.worker.fleet import FleetWatch
 from prefixq.worker.groups import commands as admission_commands
 from prefixq.worker.heartbeat import Heartbeat
 from prefixq.worker.intake import Intake
@@ -260,10 +260,12 @@ class Worker:
             await self.writer.close(final - _UNREGISTER_S - time.monotonic())
             await cancel_all([reading, *tasks])
             left = max(_UNREGISTER_S, final - time.monotonic())
-            if not await within(self.heartbeat.unregister(), left):
+            unregister = asyncio.ensure_future(self.heartbeat.unregister())
+            reached = await within(unregister, left) and unregister.result()
+            if not reached:
                 log.warning("could not unregister: the heartbeat expires by its TTL")
             if self.hand_over and not self._dead:
-                await within(self.fleet.hand_over(), HAND_OVER_S)
+                await self.fleet.hand_over_on_stop(reached)
             self.gc.stop()
             await self.engine.close()
             await self.r.aclose()
