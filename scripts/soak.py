@@ -12,7 +12,9 @@ fake-engine worker processes (tests/fault_worker.py: the real worker loop over
 tests/fake_engine.py), submits ``--requests`` requests in bursts (scripts/soaklib/workload.py:
 API and CLI submits, shared prefixes, chats, token ids, mixed priorities and tenants, deadlines)
 over the first part of ``--duration`` seconds, and meanwhile injects faults drawn from a seeded
-schedule (scripts/soaklib/faults.py says each kind and how it is seen to land) until at least
+schedule (scripts/soaklib/faults.py and, for a worker lost for good, one that joins and one that
+drains and leaves, scripts/soaklib/fleet_faults.py say each kind and how it is seen to land)
+until at least
 ``--faults`` have landed. Then it restores the deployment, waits for every burst to end, and
 reads every result back through the public API (scripts/soaklib/accounting.py): a request with
 no result is lost, one with two is duplicated, a result whose id was not submitted for its index
@@ -56,11 +58,15 @@ from prefixq import Burst
 from prefixq.core.errors import BurstNotFound, PrefixqError
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
+from prefixq.store.deployment import resolve_shards
 from soaklib import accounting, faults
 from soaklib.deployment import ENV, PY, ROOT, ClusterNodes, Redis, SingleNode, Workers, backlog
+from soaklib.fleet_faults import FLEET_FAULTS
 from soaklib.run import Landed
 from soaklib.workload import Plan, Planned
 
+#: every kind of fault the soak knows
+ALL_FAULTS = {**faults.FAULTS, **FLEET_FAULTS}
 #: failed submits of one burst's requests tried again under a new id, at most
 RETRIES = 2
 _REPORTED = re.compile(r"(\d+) of its (\d+) requests")
@@ -83,6 +89,7 @@ class Soak:
             heartbeat_ttl_s=3.0,
             claim_idle_s=3.0,
             grace_s=3.0,
+            orphan_after_s=3.0,  # a lost worker's queue moves within seconds (fleet_faults.py)
             max_attempts=6,
             max_inflight=4,  # with the workload's pace: work in flight most of the time
             tenant_weights="ta=3,tb=1",
@@ -240,7 +247,7 @@ class Soak:
         ``--faults`` have landed, or a kind has not, when the schedule ends, more follow, for at
         most half of it again."""
         a = self.args
-        kinds = {k: f() for k, f in faults.FAULTS.items()}
+        kinds = {k: f() for k, f in ALL_FAULTS.items()}
         kinds = {k: f for k, f in kinds.items() if f.needs <= self.redis.capabilities}
         wanted = [k for k in a.only.split(",") if k] if a.only else []
         if wanted:
@@ -299,7 +306,7 @@ class Soak:
                 self.redis.start()
         if "maxmemory" in caps:
             self.r.config_set("maxmemory", 0)
-        for k in range(self.settings.shards):
+        for k in range(resolve_shards(self.r, self.settings)):  # joins may have grown it
             w = self.workers.primary(k) or self.workers.start(k)
             if not self.workers.wait_serving(w, self.r, 60):
                 self.problem(f"worker {w.name} did not serve after the schedule")
@@ -321,7 +328,8 @@ class Soak:
                 last_reclaim = time.monotonic()
             time.sleep(0.5)
         deadline = time.monotonic() + 30
-        while (left := backlog(self.r, self.keys, range(self.settings.shards))) != (0, 0):
+        shards = range(resolve_shards(self.r, self.settings))
+        while (left := backlog(self.r, self.keys, shards)) != (0, 0):
             if time.monotonic() > deadline:
                 self.note(f"after the bursts ended, (stream entries, pending) = {left}")
                 break
@@ -381,6 +389,12 @@ class Soak:
         ]
         wall = time.monotonic() - self.t0
         d = tally.defects
+        now = resolve_shards(self.r, self.settings)  # joins may have grown the deployment
+        shards = (
+            f"{self.settings.shards}"
+            if now == self.settings.shards
+            else f"{self.settings.shards} -> {now}"
+        )
         ok = (
             tally.clean
             and not d["misreported"]
@@ -390,7 +404,7 @@ class Soak:
         )
         line = (
             f"soak seed={self.args.seed}: {tally.requests} requests in {tally.bursts} bursts over "
-            f"{self.settings.shards} shards; faults landed {len(self.landed)} "
+            f"{shards} shards; faults landed {len(self.landed)} "
             f"({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))}); "
             f"lost {d['lost']}, duplicated {d['duplicated']}, phantom {d['phantom']}, "
             f"misanswered {d['misanswered']}, misreported {d['misreported']}; "
@@ -409,7 +423,7 @@ class Soak:
             "seed": self.args.seed,
             "requests": tally.requests,
             "bursts": tally.bursts,
-            "shards": self.settings.shards,
+            "shards": now,
             "faults": len(self.landed),
             "faults_by_kind": dict(kinds),
             "failovers": kinds.get("master_failover", 0),
@@ -450,9 +464,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.seed is None:
         args.seed = secrets.randbelow(10**6)
-    unknown = set(filter(None, args.only.split(","))) - set(faults.FAULTS)
+    unknown = set(filter(None, args.only.split(","))) - set(ALL_FAULTS)
     if unknown:
-        p.error(f"unknown fault kinds {sorted(unknown)} (known: {', '.join(faults.FAULTS)})")
+        p.error(f"unknown fault kinds {sorted(unknown)} (known: {', '.join(ALL_FAULTS)})")
     return args
 
 

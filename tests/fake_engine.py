@@ -113,18 +113,20 @@ async def serve(
     name: str = "",
     wrap: Callable[[Worker], AbstractAsyncContextManager[Any]] | None = None,
     on_worker: Callable[[Worker, asyncio.AbstractEventLoop], None] | None = None,
+    hand_over: bool = False,
 ) -> int:
     """Run the real `Worker` loop of ``shard`` over ``engine`` (a new FakeEngine by default)
     until it stops; its exit code. ``wrap``: an async context manager around the run (a metrics
     exporter); ``on_worker`` is called with the worker and its loop once built (and wrapped),
     before it runs (tests/fault_worker.py hands it to `WorkerSignals.serve`, as `prefixq worker`
-    does)."""
+    does); ``hand_over``: as ``prefixq worker --hand-over``."""
     w = Worker(
         settings,
         shard,
         engine if engine is not None else FakeEngine(),
         name=name,
         middleware=[RqCompletion(settings)],  # as `prefixq worker` registers it
+        hand_over=hand_over,
     )
     loop = asyncio.get_running_loop()
     if wrap is None:

@@ -9,7 +9,9 @@ an engine death, 2 for a configuration error).
 before the entries are acked: a crash between the two halves of a write. ``--hold-start S``
 blocks the start for S seconds before the worker is built, as vLLM's engine build blocks the
 thread (SIGTERM/SIGINT are handled from the first line, as `prefixq worker` does:
-prefixq.cli.worker_signals).
+prefixq.cli.worker_signals). ``--join`` and ``--hand-over`` are `prefixq worker`'s: the shard a
+joining worker takes (it logs "joins the deployment as shard K"), and its queue handed over as it
+stops.
 
 ``python tests/fault_worker.py workers --cpu N [settings]`` runs the real supervisor
 (`prefixq.cli.worker_process.supervise`, as `prefixq workers` does) over such worker processes.
@@ -27,6 +29,7 @@ import time
 from typing import Any
 
 from fake_engine import serve
+from prefixq.cli.fleet_commands import join_shard
 from prefixq.cli.main import _settings_parser, settings_from
 from prefixq.cli.worker_process import supervise
 from prefixq.cli.worker_signals import WorkerSignals
@@ -55,6 +58,8 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--name", default="")
     p.add_argument("--crash-after-record", action="store_true")
     p.add_argument("--hold-start", type=float, default=0.0, metavar="S")
+    p.add_argument("--join", action="store_true")
+    p.add_argument("--hand-over", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(
         level=args.log_level or "INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -67,7 +72,12 @@ def worker(argv: list[str]) -> int:
         time.sleep(args.hold_start)
     try:
         s = settings_from(args)
-        return asyncio.run(serve(s, args.shard, name=args.name, on_worker=signals.serve))
+        if args.join:
+            args.shard = join_shard(s)
+            log.info("worker joins the deployment as shard %d", args.shard)
+        return asyncio.run(
+            serve(s, args.shard, name=args.name, on_worker=signals.serve, hand_over=args.hand_over)
+        )
     except ConfigError as e:
         print(f"prefixq: error: {e}", file=sys.stderr)
         return 2

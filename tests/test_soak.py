@@ -67,7 +67,8 @@ def test_the_short_soak_loses_duplicates_and_invents_no_result(tmp_path: Path) -
     """Given 3,000 requests in bursts of every kind over 3 shards and at least 20 faults that
     landed (worker kill -9 and SIGTERM, duplicate workers, redis-server kill -9, maxmemory with
     kills inside, reclaim, cancel, garbage and forged entries, killed producers, stops during
-    start-up), every request has exactly one result under its own id, with its own answer."""
+    start-up; a worker lost for good, one that joins, one that drains and leaves), every request
+    has exactly one result under its own id, with its own answer."""
     seed = os.environ.get("PREFIXQ_SOAK_SEED") or str(secrets.randbelow(10**6))
     rc, out, text = soak(tmp_path, "--requests", "3000", "--faults", "20", "--seed", seed)
     record(out, f"soak seed {seed}")
@@ -104,7 +105,8 @@ def test_the_soak_on_a_redis_cluster_rides_through_master_failovers(tmp_path: Pa
     """Given a short soak on a 6-node Redis Cluster (`--cluster`: min_replicas_acked=1 for every
     process), with master failovers among its faults (a shard's master killed -9, its replica
     promoted, the node restarted as a replica), every request has exactly one result under its
-    own id, and the summary line counts the failovers injected."""
+    own id, and the summary line counts the failovers injected. The fleet's faults (a worker lost
+    for good, one that joins, one that drains) are drawn there too: a move crosses slots."""
     seed = os.environ.get("PREFIXQ_SOAK_SEED") or str(secrets.randbelow(10**6))
     rc, out, text = soak(
         tmp_path,

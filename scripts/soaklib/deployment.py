@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -56,6 +57,7 @@ WORKER_FIELDS = (
     "max_inflight",
     "tenant_weights",
     "min_replicas_acked",
+    "orphan_after_s",
 )
 
 
@@ -229,6 +231,10 @@ class Worker:
         return self._warm
 
 
+#: what a joining worker logs once it has its shard (tests/fault_worker.py, `prefixq worker`)
+_JOINED = re.compile(r"joins the deployment as shard (\d+)")
+
+
 class Workers:
     """The worker processes of a run, by shard; every one is stopped by `close`."""
 
@@ -248,10 +254,16 @@ class Workers:
         return out
 
     def start(self, shard: int, name: str = "", *extra: str, role: str = "primary") -> Worker:
+        """A worker of ``shard`` (-1: ``--join`` in ``extra`` picks it; `wait_serving` reads it
+        from the log); a primary hands its queue over when it stops (``--hand-over``)."""
         self._gen += 1
-        name = name or f"s{shard}-w{self._gen}"
+        name = name or (f"s{shard}-w{self._gen}" if shard >= 0 else f"join-w{self._gen}")
         log = self.folder / f"{name}-{self._gen}.log"
-        cmd = [PY, str(ROOT / "tests" / "fault_worker.py"), "worker", "--shard", str(shard)]
+        cmd = [PY, str(ROOT / "tests" / "fault_worker.py"), "worker"]
+        if shard >= 0:
+            cmd += ["--shard", str(shard)]
+        if role == "primary":
+            cmd.append("--hand-over")
         with open(log, "wb") as out:
             proc = subprocess.Popen(
                 [*cmd, "--name", name, *extra, *self.flags()],
@@ -280,7 +292,11 @@ class Workers:
     def wait_serving(self, w: Worker, r: redis.Redis, timeout: float = 30.0) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.serving(w, r):
+            if w.shard < 0:  # a joining worker: its shard once its log names it
+                m = _JOINED.search(w.log.read_text(errors="replace"))
+                if m is not None:
+                    w.shard = int(m.group(1))
+            elif self.serving(w, r):
                 return True
             if not w.alive:
                 return False

@@ -9,8 +9,10 @@ How each kind is observed:
   its exit status says it was killed; it is started again under the same name (it replays its
   own entries) or a new one (its entries are reclaimed after ``claim_idle_s``);
 - ``worker_sigterm``: entries pending on it before the signal; exit 0 within
-  `worker.stop_bound_s` (an exit that is not 0, or late, is a problem of the run);
-- ``sigterm_redis_down``: the same, sent while redis-server is down (the bounded stop);
+  `worker.stop_bound_s` (an exit that is not 0, or late, is a problem of the run; primaries run
+  with ``--hand-over``, whose move of the queue the bound allows for);
+- ``sigterm_redis_down``: the same, sent while redis-server is down (the bounded stop: the
+  hand-over is skipped, so the plain bound holds);
 - ``sigterm_at_start``: a worker whose start is held (``--hold-start``) gets SIGTERM before it
   serves: exit 0 before the start-up watchdog, and its log says it stopped during start-up;
 - ``duplicate_worker``: a second worker of a shard, under the primary's consumer name or another,
@@ -155,9 +157,13 @@ class WorkerSigterm(Fault):
         return [landed] if landed else []
 
 
-def sigterm(soak: SoakRun, w: Worker, n: int, kind: str, where: str) -> Landed | None:
-    """SIGTERM ``w``; a landed fault if it exits 0 within its bound, else a problem."""
-    bound = stop_bound_s(soak.settings)
+def sigterm(
+    soak: SoakRun, w: Worker, n: int, kind: str, where: str, *, redis_down: bool = False
+) -> Landed | None:
+    """SIGTERM ``w``; a landed fault if it exits 0 within its bound, else a problem. A primary
+    hands its queue over (``--hand-over``: up to HAND_OVER_S more), unless Redis is down: then
+    it skips the hand-over and keeps the plain bound."""
+    bound = stop_bound_s(soak.settings, hand_over=w.role == "primary" and not redis_down)
     t0 = time.monotonic()
     w.proc.send_signal(signal.SIGTERM)
     try:
@@ -257,7 +263,9 @@ class RedisKill9(Fault):
         t0 = time.monotonic()
         if got is not None:  # the bounded stop: grace_s + FLUSH_S whatever Redis does
             w, n = got
-            stopped = sigterm(soak, w, n, "sigterm_redis_down", " while Redis is down")
+            stopped = sigterm(
+                soak, w, n, "sigterm_redis_down", " while Redis is down", redis_down=True
+            )
             if stopped:
                 landed.append(stopped)
             restart(soak, w, same_name=True)
