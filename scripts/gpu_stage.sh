@@ -41,8 +41,34 @@ case "$V" in
       setproctitle==1.3.8 sniffio==1.3.1 watchfiles==1.3.0
       redis hiredis rq zstandard ${EXTRA_PINS:-})
     ;;
+  0.33.0)
+    # vllm 0.33.0 pins torch==2.14.0 (triton~=3.8.0, so 3.8.0; torchvision 0.29.0; torchaudio 2.11.0,
+    # the machine's). torch 2.14 pins cuda-toolkit 13.0.3 (cuBLAS 13.1.1.3), cuDNN 9.24.0.43,
+    # cuSPARSELt 0.8.1, NCCL 2.30.7, NVSHMEM 3.4.5. It calls 11 NCCL functions that the machine's
+    # NCCL 2.28.9 lacks (the 8 torch 2.13 needed, plus ncclCommGetUniqueId, ncclCommGrow,
+    # ncclWinGetUserPtr), so its NCCL (2.30.7) goes too; every other CUDA library it links is the
+    # machine's (cuBLAS 13.1.0.3, cuDNN 9.19, cuSPARSELt 0.8.0: every symbol it imports is there,
+    # checked with nm; NVSHMEM and the rest of cuda-toolkit are the versions it pins). The rest: the
+    # 0.28.0 set at versions inside vLLM 0.33.0's requirements (checked against its wheel's
+    # metadata): xgrammar 0.2.8 and flashinfer 0.7.2.post1 (both pinned), oss_harmony 0.0.11 (the
+    # openai_harmony module, renamed; replaces openai_harmony 0.0.8), and orjson, new in its
+    # requirements (only its HTTP server imports it).
+    pins=(vllm==0.33.0 torch==2.14.0 triton==3.8.0 torchvision==0.29.0 nvidia-nccl-cu13==2.30.7
+      flashinfer-python==0.7.2.post1 apache-tvm-ffi==0.1.11 xgrammar==0.2.8 llguidance==1.7.3
+      outlines_core==0.2.14 lark==1.2.2 lm_format_enforcer==0.11.3 compressed_tensors==0.17.0
+      loguru==0.7.3 depyf==0.20.0 nvtx==0.2.15 mistral_common==1.13.1 openai==2.54.0 oss_harmony==0.0.11
+      fastapi==0.136.3 starlette==1.10.0 prometheus_fastapi_instrumentator==8.1.0
+      pydantic==2.14.4 pydantic_core==2.50.5 pydantic_extra_types==2.11.1 typing_inspection==0.4.5
+      annotated_types==0.8.0 pycountry==26.2.16 jsonschema==4.26.0 jsonschema_specifications==2025.9.1
+      referencing==0.37.0 rpds_py==2026.9.1 msgspec==0.22.0 pyzmq==27.3.0 blake3==1.0.11
+      cachetools==8.0.2 cbor2==6.3.0 astor==0.8.1 dill==0.4.1 distro==1.9.0 gguf==0.19.0
+      ijson==3.6.0 interegular==0.3.3 jiter==0.19.0 partial_json_parser==0.2.1.1.post7
+      model_hosting_container_standards==0.1.16 pybase64==1.5.1 python_json_logger==4.2.0
+      setproctitle==1.3.8 sniffio==1.3.1 watchfiles==1.3.0 orjson==3.13.0
+      redis hiredis rq zstandard ${EXTRA_PINS:-})
+    ;;
   *)
-    echo "gpu_stage: no recipe for vLLM $V (0.28.0 has one; 0.26.0: ../shared/gpu/stage.sh)" >&2
+    echo "gpu_stage: no recipe for vLLM $V (0.28.0 and 0.33.0 have one; 0.26.0: ../shared/gpu/stage.sh)" >&2
     exit 2
     ;;
 esac
