@@ -22,6 +22,7 @@ from prefixq.client import Producer
 from prefixq.core import wire
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
+from prefixq.ops import stats
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -144,7 +145,10 @@ def test_a_worker_that_joins_mid_burst_takes_a_share_of_it(
     joiner = start_worker(
         s,
         name="join-b",
-        extra=[*_extra(), "--join"],
+        # a CPU burst is small: steal while a few documents' prefill is left, not 4,096 tokens
+        # (the default, sized for GPUs: on a loaded machine the joiner came up after w0 was
+        # within that of the end, and took nothing)
+        extra=[*_extra(), "--join", "--steal-min-tokens", "512"],
         env={"VLLM_CPU_OMP_THREADS_BIND": "1"},
     )
     _wait_done(r, s, burst.id, 96, timeout=480)
@@ -161,3 +165,7 @@ def test_a_worker_that_joins_mid_burst_takes_a_share_of_it(
     assert by_shard.get(1, 0) >= 8, by_shard
     moves = [f for _, f in r.xrange(Keys(s.namespace).moves) if f.get(b"why") == b"steal"]
     assert moves and {f[b"to"] for f in moves} == {b"1"}
+    # each worker's share, as inspect and the dashboard read it (the burst's record)
+    assert stats.burst_stats(r, s, burst.id)["workers"] == {
+        n: c for n, c in (("join-a", by_shard.get(0, 0)), ("join-b", by_shard[1])) if c
+    }

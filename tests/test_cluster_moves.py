@@ -1,0 +1,130 @@
+"""Moving a shard's queue across hash slots on a real Redis Cluster (tests/redis_cluster.py), with
+the target's master killed -9 mid-move while its replica is behind (docs/delivery.md, "An elastic
+fleet": take, put, done, each atomic in one slot and safe to repeat).
+
+The target's replica is cut off first (SIGSTOP, replication link closed), so the put lands only
+on the master that then dies. With ``min_replicas_acked=1`` the put's fence fails, the plan stays
+in the source's slot, and the move finished after the promotion puts every entry once; with it
+off, the plan is deleted after an unconfirmed put and the test REPORTS what the failover took
+(what docs/delivery.md says each setting guarantees), asserting only that nothing is doubled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+
+from helpers import queued_entries
+from ledger import LEDGER
+from prefixq.client import Producer
+from prefixq.core import wire
+from prefixq.core.entries import Entry
+from prefixq.core.errors import ReplicasBehind
+from prefixq.core.keys import FIELD, Keys
+from prefixq.core.settings import Settings
+from prefixq.store.connection import async_client
+from prefixq.store.entry_moves import EntryMoves
+from prefixq.worker.handover import Handover
+from redis_cluster import OnShard, RedisCluster
+
+pytestmark = pytest.mark.slow
+
+N = 60
+SOURCE, TARGET = 2, 3
+
+
+def _requests() -> list[dict[str, Any]]:
+    return [
+        {"id": f"m{i}", "prefix": f"document {i % 12} " * 30, "prompt": f"q{i}", "max_tokens": 4}
+        for i in range(N)
+    ]
+
+
+def _ids(cr: redis.Redis, s: Settings, shard: int) -> list[str]:
+    return [Entry.from_wire(wire.decode(f[FIELD])).id for _, f in queued_entries(cr, s, shard)]
+
+
+def _move_with_target_master_lost(
+    cluster: RedisCluster, s: Settings, cr: redis.Redis
+) -> tuple[BaseException | None, int]:
+    """Queue N requests on SOURCE, mark TARGET live, cut TARGET's replica off, move SOURCE's
+    queue (the put reaches only TARGET's master), then kill that master, promote its replica and
+    restart the node; finally run the move's `finish` as the next mover would. Returns the
+    move's error (None: it returned) and how many entries the put had written before the kill."""
+    keys = Keys(s.namespace)
+    Producer(s).submit(_requests(), placement=OnShard(SOURCE))
+    assert len(_ids(cr, s, SOURCE)) == N
+    cr.hset(keys.live, str(TARGET), repr(time.time()))
+    master = cluster.master_of(keys.intake(TARGET, "normal"))
+    assert master is not cluster.master_of(keys.intake(SOURCE, "normal"))
+    replica = cluster.replica_of(master)
+    cluster.isolate(replica, master)
+
+    async def move() -> BaseException | None:
+        client = async_client(s)
+        try:
+            await Handover(client, s, name="mover").move_shard(SOURCE, 4, why="operator")
+            return None
+        except ReplicasBehind as e:
+            return e
+        finally:
+            await client.aclose()
+
+    err = asyncio.run(move())
+    written = len(_ids(cr, s, TARGET))
+    cluster.kill(master)
+    cluster.resume(replica)
+    assert cluster.wait_failover(keys.intake(TARGET, "normal"), master) is replica
+    cluster.restart(master)
+    cluster.wait_whole(60)
+
+    async def finish() -> None:
+        client = async_client(s)
+        try:
+            await EntryMoves(client, s).finish(SOURCE)
+        finally:
+            await client.aclose()
+
+    asyncio.run(finish())
+    return err, written
+
+
+def test_a_move_whose_target_master_fails_over_puts_every_entry_once(
+    cluster: RedisCluster, cluster_settings: Callable[..., Settings], cr: redis.Redis
+) -> None:
+    """With min_replicas_acked=1: the put's fence fails (the replica is cut off), so the plan is
+    kept; the target's master dies with the put; after the promotion, finishing the move puts
+    every entry on the target exactly once and leaves no plan."""
+    s = cluster_settings(min_replicas_acked=1, min_replicas_acked_timeout_ms=500)
+    err, written = _move_with_target_master_lost(cluster, s, cr)
+    assert isinstance(err, ReplicasBehind), err
+    assert written > 0, "the put wrote nothing on the master before it died"
+    keys = Keys(s.namespace)
+    assert cr.hlen(keys.moving(SOURCE)) == 0
+    ids = Counter(_ids(cr, s, TARGET)) + Counter(_ids(cr, s, SOURCE))
+    assert ids == Counter(f"m{i}" for i in range(N)), ids
+    assert _ids(cr, s, SOURCE) == []
+    LEDGER.fault(
+        f"kill -9 of the target's master mid-move ({written} entries put on it, its replica "
+        "cut off): every entry once after the promotion"
+    )
+
+
+def test_without_min_replicas_acked_the_same_failover_doubles_nothing_and_says_what_it_lost(
+    cluster: RedisCluster, cluster_settings: Callable[..., Settings], cr: redis.Redis
+) -> None:
+    """With min_replicas_acked=0: the move completes (nothing confirms the put), the failover
+    takes the put with it: the test prints how many entries were lost (shown, not asserted) and
+    asserts that none is doubled."""
+    s = cluster_settings(min_replicas_acked=0)
+    err, written = _move_with_target_master_lost(cluster, s, cr)
+    assert err is None
+    ids = Counter(_ids(cr, s, TARGET)) + Counter(_ids(cr, s, SOURCE))
+    assert max(ids.values(), default=1) == 1, ids
+    print(f"  min_replicas_acked=0: {written} entries put, {N - sum(ids.values())} lost")
