@@ -154,8 +154,11 @@ class WorkerProc:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"worker exited {self.proc.returncode}:\n{self.tail()}")
-                if r.hget(hb, "engine_up") == b"1":
-                    return self
+                try:
+                    if r.hget(hb, "engine_up") == b"1":
+                        return self
+                except (redis.TimeoutError, redis.ConnectionError):
+                    pass  # a machine busy starting engines: ask again until the deadline
                 time.sleep(0.5)
         finally:
             r.close()
@@ -308,12 +311,40 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     _LAST_ENGINES_USER[:] = users[-1:]
     if any(g in (1, 2) for g in group.values()):
         _quiet_resource_tracker()
+    _GROUPS.clear()
+    _GROUPS.update(group)
     if XDIST_WORKER:
-        engine_modules = sorted(m for m, g in group.items() if g in (1, 2))
+        engine_units = {m: _ENGINE_UNITS[g] for m, g in sorted(group.items()) if g in (1, 2)}
         path = _engine_modules_file(os.environ["PYTEST_XDIST_TESTRUNUID"])
         tmp = path.with_name(f"{path.name}.{XDIST_WORKER}")
-        tmp.write_text(json.dumps(engine_modules))
-        tmp.replace(path)  # every worker writes the same list
+        tmp.write_text(json.dumps(engine_units))
+        tmp.replace(path)  # every worker writes the same units
+
+
+#: each module's group (`_group`), once collected
+_GROUPS: dict[str, int] = {}
+#: the two work units of the real-engine modules in a distributed run, and the CPU core each
+#: one's engines are bound to (vLLM's CPU engine binds its threads to core 0 unless told): the
+#: modules on the shared workers (they start once per xdist worker) on one, those that start
+#: engines of their own on the other, side by side
+_ENGINE_UNITS = {1: "engines-shared", 2: "engines-own"}
+_ENGINE_CORES = {1: "0", 2: "1"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """In a distributed run, before a real-engine module's fixtures start any engine: bind the
+    engines this xdist worker starts to its unit's core (`_ENGINE_CORES`), unless the run was
+    given a binding of its own (VLLM_CPU_OMP_THREADS_BIND) or the machine has one core."""
+    g = _GROUPS.get(item.nodeid.split("::")[0])
+    if not XDIST_WORKER or g not in _ENGINE_CORES or (os.cpu_count() or 1) < 2:
+        return
+    if not _BIND_GIVEN:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = _ENGINE_CORES[g]
+
+
+#: whether the run was started with a binding of its own (then it is kept)
+_BIND_GIVEN = "VLLM_CPU_OMP_THREADS_BIND" in os.environ
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -339,31 +370,34 @@ class _Distributed:
         self.ledgers: list[tuple[int, int, int]] = []
 
     def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:
-        """Every module a work unit of its own (module fixtures built once), and all the modules
-        that run a real engine one unit: one worker runs them in the serial run's order, the
-        shared workers' modules first, so no two sets of engines share the 2 cores and the shared
-        workers start once. Units go out in the collection's order (`_XDIST_ORDER`: the engine
-        unit, the longest, first). xdist's own ``loadgroup`` would group by a mark, but 3.8 does it
-        by rewriting ``item._nodeid``, which pytest 9 no longer reads."""
+        """Every module a work unit of its own (module fixtures built once), and the modules
+        that run a real engine in two units (`_ENGINE_UNITS`): those on the shared workers, which
+        then start once, and those that start engines of their own; each unit runs on one xdist
+        worker, in the serial run's order, its engines bound to a core of their own
+        (`pytest_runtest_setup`), so the two sets of engines do not share a core. Units go out in
+        the collection's order (`_XDIST_ORDER`: the engine units, the longest, first: xdist gives
+        each worker one unit to begin with, so they start side by side). xdist's own
+        ``loadgroup`` would group by a mark, but 3.8 does it by rewriting ``item._nodeid``, which
+        pytest 9 no longer reads."""
         if config.getoption("dist") == "each":
             return None
         from xdist.scheduler import LoadScopeScheduling
 
         class EngineUnit(LoadScopeScheduling):  # type: ignore[misc]
-            engine_modules: frozenset[str] = frozenset()
+            engine_units: dict[str, str] = {}
 
             def schedule(self) -> None:
                 if self.collection is None and self.nodes:  # the first call: all collected
                     path = _engine_modules_file(self.nodes[0].workerinput["testrunuid"])
                     if path.is_file():
-                        self.engine_modules = frozenset(json.loads(path.read_text()))
+                        self.engine_units = json.loads(path.read_text())
                         path.unlink()
                     self.config.option.loadscopereorder = False  # the collection's order
                 super().schedule()
 
             def _split_scope(self, nodeid: str) -> str:
                 module = nodeid.split("::")[0]
-                return "engines" if module in self.engine_modules else module
+                return self.engine_units.get(module, module)
 
         return EngineUnit(config, log)
 
