@@ -187,8 +187,10 @@ def start_worker(
     tmp_path_factory: pytest.TempPathFactory, model_path: str
 ) -> Iterator[Callable[..., WorkerProc]]:
     """``start_worker(settings, shard=0, name=..., extra=[...])`` -> a started (not yet up)
-    worker process; every one is stopped at the end of the session."""
-    procs: list[WorkerProc] = []
+    worker process. One started by a test is stopped when the test ends, one started by a
+    module's fixture when the module ends (`_stop_workers`), the shared ones after their last
+    user; any left at the end of the session then."""
+    procs = _WORKERS
     logs = tmp_path_factory.mktemp("workers")
 
     def start(
@@ -208,6 +210,33 @@ def start_worker(
 
     yield start
     stop_all(procs)
+
+
+#: every worker process `start_worker` started in this session
+_WORKERS: list[WorkerProc] = []
+
+
+def _stop_started_since(n: int) -> None:
+    """Stop the workers started since the n-th (not the shared ones: `pytest_runtest_teardown`
+    stops those after their last user)."""
+    stop_all([wp for wp in _WORKERS[n:] if wp not in _SHARED and wp.proc.poll() is None])
+
+
+@pytest.fixture(autouse=True)
+def _stop_test_workers() -> Iterator[None]:
+    """Workers a test started end with it: an idle vLLM CPU engine holds ~3.4 GB, and five of
+    them left running until the session's end filled the machine's memory."""
+    n = len(_WORKERS)
+    yield
+    _stop_started_since(n)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_module_workers() -> Iterator[None]:
+    """Workers a module's fixtures started (tests/test_faults_worker.py's pair) end with it."""
+    n = len(_WORKERS)
+    yield
+    _stop_started_since(n)
 
 
 def stop_all(procs: list[WorkerProc], timeout: float = 60) -> None:
