@@ -340,24 +340,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     _LAST_ENGINES_USER[:] = users[-1:]
     if any(g in (1, 2) for g in group.values()):
         _quiet_resource_tracker()
-    _GROUPS.clear()
-    _GROUPS.update(group)
+    _UNITS.clear()
+    _UNITS.update({m: _unit(m, g) for m, g in sorted(group.items()) if g in (1, 2)})
     if XDIST_WORKER:
-        engine_units = {m: _ENGINE_UNITS[g] for m, g in sorted(group.items()) if g in (1, 2)}
+        engine_units = dict(_UNITS)
         path = _engine_modules_file(os.environ["PYTEST_XDIST_TESTRUNUID"])
         tmp = path.with_name(f"{path.name}.{XDIST_WORKER}")
         tmp.write_text(json.dumps(engine_units))
         tmp.replace(path)  # every worker writes the same units
 
 
-#: each module's group (`_group`), once collected
-_GROUPS: dict[str, int] = {}
+#: the engine unit of each real-engine module (`_unit`), once collected
+_UNITS: dict[str, str] = {}
 #: the two work units of the real-engine modules in a distributed run, and the CPU core each
 #: one's engines are bound to (vLLM's CPU engine binds its threads to core 0 unless told): the
 #: modules on the shared workers (they start once per xdist worker) on one, those that start
 #: engines of their own on the other, side by side
 _ENGINE_UNITS = {1: "engines-shared", 2: "engines-own"}
-_ENGINE_CORES = {1: "0", 2: "1"}
+_ENGINE_CORES = {"engines-shared": "0", "engines-own": "1"}
+#: modules with engines of their own that run at the end of the shared unit (its shared workers
+#: stopped by then), to even the two out: measured on 2 cores, the shared-worker modules took
+#: ~810 s and the others ~980 s, of which test_reaper.py ~165 s
+_AFTER_SHARED = frozenset({"tests/test_reaper.py"})
+
+
+def _unit(module: str, group: int) -> str:
+    return _ENGINE_UNITS[1] if module in _AFTER_SHARED else _ENGINE_UNITS[group]
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -365,11 +373,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     """In a distributed run, before a real-engine module's fixtures start any engine: bind the
     engines this xdist worker starts to its unit's core (`_ENGINE_CORES`), unless the run was
     given a binding of its own (VLLM_CPU_OMP_THREADS_BIND) or the machine has one core."""
-    g = _GROUPS.get(item.nodeid.split("::")[0])
-    if not XDIST_WORKER or g not in _ENGINE_CORES or (os.cpu_count() or 1) < 2:
+    unit = _UNITS.get(item.nodeid.split("::")[0])
+    if not XDIST_WORKER or unit is None or (os.cpu_count() or 1) < 2:
         return
     if not _BIND_GIVEN:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = _ENGINE_CORES[g]
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = _ENGINE_CORES[unit]
 
 
 #: whether the run was started with a binding of its own (then it is kept)

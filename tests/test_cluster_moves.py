@@ -55,7 +55,8 @@ def _move_with_target_master_lost(
 ) -> tuple[BaseException | None, int]:
     """Queue N requests on SOURCE, mark TARGET live, cut TARGET's replica off, move SOURCE's
     queue (the put reaches only TARGET's master), then kill that master, promote its replica and
-    restart the node; finally run the move's `finish` as the next mover would. Returns the
+    restart the node; finally run the move's `finish` as the next mover would (again until its
+    fences confirm). Returns the
     move's error (None: it returned) and how many entries the put had written before the kill."""
     keys = Keys(s.namespace)
     Producer(s).submit(_requests(), placement=OnShard(SOURCE))
@@ -85,9 +86,19 @@ def _move_with_target_master_lost(
     cluster.wait_whole(60)
 
     async def finish() -> None:
+        """As the next live worker's looks do: again until the fences confirm (the restarted
+        node may still be syncing with the new master: ReplicasBehind until it has)."""
         client = async_client(s)
+        deadline = time.monotonic() + 60
         try:
-            await EntryMoves(client, s).finish(SOURCE)
+            while True:
+                try:
+                    await EntryMoves(client, s).finish(SOURCE)
+                    return
+                except ReplicasBehind:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.5)
         finally:
             await client.aclose()
 
