@@ -32,7 +32,19 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--workloads",
         default="no-reuse,reuse",
-        help="comma-separated: no-reuse, reuse, overflow, multi-burst, system-prompt, mixed",
+        help="comma-separated: no-reuse, reuse, overflow, multi-burst, system-prompt, mixed, "
+        "zipf (none: only the --fleet cases)",
+    )
+    b.add_argument(
+        "--fleet",
+        default="",
+        help="the elastic fleet's cases, pipeline only, on the zipf workload after the "
+        "workloads: steal (tail stealing off vs on, --pairs pairs), lose (a worker killed -9 at "
+        "a quarter of the burst); needs two shards or more",
+    )
+    b.add_argument("--zipf-requests", type=int, default=1536, help="zipf: requests in all")
+    b.add_argument(
+        "--zipf-exponent", type=float, default=1.0, help="zipf: group size ~ 1/rank^exponent"
     )
     b.add_argument(
         "--setups",
@@ -138,7 +150,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         token_ids=token_ids,
         vocab=vocab,
     )
-    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip() not in ("", "none")]
     bad = [w for w in workloads if w not in WORKLOADS]
     if bad:
         raise ConfigError(f"--workloads: unknown {', '.join(bad)} (known: {', '.join(WORKLOADS)})")
@@ -155,6 +167,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         decode_prompt_tokens=args.decode_prompt_tokens,
         long_output=args.long_output,
         short_output=args.short_output,
+        zipf_requests=args.zipf_requests,
+        zipf_exponent=args.zipf_exponent,
     )
     cfg = BenchConfig(
         model=model,
@@ -173,6 +187,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         standalone=args.standalone,
         setups=parse_setups(args.setups),
         offload_gib=args.offload_gib,
+        fleet=_fleet(args.fleet, len(gpus)),
     )
     if args.quick:
         cfg.random_pairs = cfg.pairs = 1
@@ -186,6 +201,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             decode_requests=2,
             long_output=16,
             short_output=4,
+            zipf_requests=min(args.zipf_requests, 24),
         )
         cfg.shape = Shape(
             doc_tokens=300, question_tokens=16, output_tokens=8, token_ids=token_ids, vocab=vocab
@@ -216,6 +232,18 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     if not args.json_out:
         print(json.dumps(report, indent=1))
     return 0
+
+
+def _fleet(raw: str, shards: int) -> list[str]:
+    from prefixq.bench.fleet_cases import FLEET_CASES
+
+    cases = [c.strip() for c in raw.split(",") if c.strip()]
+    bad = [c for c in cases if c not in FLEET_CASES]
+    if bad:
+        raise ConfigError(f"--fleet: unknown {', '.join(bad)} (known: {', '.join(FLEET_CASES)})")
+    if cases and shards < 2:
+        raise ConfigError("--fleet needs two shards or more (--gpus 0,0, or --cpu 2)")
+    return [c for c in FLEET_CASES if c in cases]  # lose last: it kills a worker
 
 
 def _orders(raw: str) -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -82,6 +83,18 @@ class Standalone(Engines):
             await e.close()
 
 
+#: the settings every benchmark worker gets from the benchmark's own (the rest: the environment)
+FLEET_FIELDS = (
+    "redis_url",
+    "namespace",
+    "shards",
+    "heartbeat_s",
+    "heartbeat_ttl_s",
+    "orphan_after_s",
+    "steal_min_tokens",
+)
+
+
 class Workers:
     """N `prefixq worker` processes, one per shard."""
 
@@ -113,6 +126,7 @@ class Workers:
             name=self.names[k],
             gpu=self.gpus[k],
             engine_args=self.engine_args,
+            fields=FLEET_FIELDS,
         )
         with open(self.logs[k], "wb") as out:
             return subprocess.Popen(
@@ -134,6 +148,17 @@ class Workers:
             if time.monotonic() > deadline:
                 raise SetupError(f"worker {k} not up after {limit_s:.0f}s; see {self.logs[k]}")
             await asyncio.sleep(0.5)
+
+    def kill(self, k: int) -> None:
+        """SIGKILL worker ``k`` and every process under it (its engine) at once: a GPU host
+        gone, nothing exits cleanly."""
+        from prefixq.engine.reaper import descendants
+
+        pid = self.procs[k].pid
+        for p in [pid, *descendants(pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        self.procs[k].wait()
 
     def stop(self) -> None:
         for p in self.procs:

@@ -48,9 +48,12 @@ def table(report: dict[str, Any], console: Console | None = None) -> None:
                 f"{p['raw_bytes']} -> {p['stored_bytes']} ({ratio:.1f}x)",
                 ", ".join(f"{x:.2f}" for x in p["gc_max_pause_ms_frozen"]),
             )
-    c.print(t)
-    c.print(_setups(report))
-    c.print(_timelines(report))
+    if report["workloads"]:
+        c.print(t)
+        c.print(_setups(report))
+        c.print(_timelines(report))
+    if "fleet" in report:
+        c.print(_fleet(report["fleet"]))
     for wl, w in report["workloads"].items():
         views = [(f"order {k}", v) for k, v in w.get("orders", {}).items()]
         views += [(f"admission {k}", v) for k, v in w.get("admissions", {}).items()]
@@ -79,6 +82,36 @@ def table(report: dict[str, Any], console: Console | None = None) -> None:
                 f"{wl}: without gc.freeze: max GC pause ms {u['gc_max_pause_ms']} "
                 f"({u['gc_pauses']} collections)"
             )
+
+
+def _fleet(f: dict[str, Any]) -> Table:
+    """The fleet's cases, a row a run (bench/fleet_cases.py)."""
+    t = _columns(
+        f"fleet: {f['workload']}, {f['requests']} requests over {f['documents']} documents "
+        f"(largest groups {f['group_sizes'][:5]})",
+        ("case", "run", "end s", "ideal s", "end / ideal", "engine-busy s", "requests by worker",
+         "moved"),
+    )  # fmt: skip
+    rows = [
+        (f"steal {x['mode']}", f"pair {x['pair'] + 1}", x)
+        for x in f.get("steal", {}).get("runs", [])
+    ]
+    if "lose" in f:
+        x = f["lose"]
+        note = f"{x['killed']} killed at {x['kill_at_s']:.1f} s; exactly once: {x['exactly_once']}"
+        rows.append(("lose", note, x))
+    for case, run, x in rows:
+        t.add_row(
+            case,
+            run,
+            f"{x['seconds']:.1f}",
+            f"{x['ideal_s']:.1f}",
+            _s(x["end_over_ideal"], 3),
+            " ".join(f"{v:.1f}" for v in x["busy_s"].values()),
+            " ".join(str(v) for v in x["share"].values()),
+            " ".join(f"{k} {v}" for k, v in x["steals"].items()) or "-",
+        )
+    return t
 
 
 def _columns(title: str | None, names: Iterable[str]) -> Table:
@@ -170,6 +203,9 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
     cases = [
         (wl, pl, p) for wl, w in report["workloads"].items() for pl, p in w["placements"].items()
     ]
+    if not cases:
+        _plot_fleet(report, path)
+        return
     fig, axes = plt.subplots(2, len(cases), figsize=(4.2 * len(cases), 6.5), squeeze=False)
     for col, (wl, pl, p) in enumerate(cases):
         ax = axes[0][col]
@@ -200,6 +236,29 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
         ax2.set_ylabel("pipeline / standalone set-up")
         ax2.legend(fontsize="small")
     fig.suptitle(f"prefixq bench: {report['environment'].get('layout')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_fleet(report: dict[str, Any], path: str | Path) -> None:
+    """The fleet's runs: each run's end against its ideal (bench/fleet_cases.py)."""
+    import matplotlib.pyplot as plt
+
+    f = report.get("fleet", {})
+    runs = [
+        (f"steal {x['mode']}\npair {x['pair'] + 1}", x) for x in f.get("steal", {}).get("runs", [])
+    ]
+    if "lose" in f:
+        runs.append(("lose", f["lose"]))
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.3 * len(runs)), 4.5))
+    xs = range(len(runs))
+    ax.bar([x - 0.2 for x in xs], [r["seconds"] for _, r in runs], width=0.4, label="end")
+    ax.bar([x + 0.2 for x in xs], [r["ideal_s"] for _, r in runs], width=0.4, label="ideal")
+    ax.set_xticks(list(xs), [label for label, _ in runs], fontsize="small")
+    ax.set_ylabel("seconds")
+    ax.legend()
+    fig.suptitle(f"prefixq bench --fleet: {report['environment'].get('layout')}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -29,6 +29,7 @@ from typing import Any
 from prefixq.bench.cases import Bursts, Env, by_gen, pipeline, reset, run_case
 from prefixq.bench.engine_set import Engines
 from prefixq.bench.engines import Standalone, Workers
+from prefixq.bench.fleet_cases import run_fleet
 from prefixq.bench.setups import (
     GIVEN,
     OFFLOAD,
@@ -85,6 +86,9 @@ class BenchConfig:
     setups: list[str] = field(default_factory=lambda: [GIVEN])
     #: GiB of host memory per offloading engine; 0 = what the host can give (host_offload_gib)
     offload_gib: float = 0.0
+    #: the elastic fleet's cases (bench/fleet_cases.py: steal, lose), on the zipf workload, after
+    #: the workloads; pipeline only
+    fleet: list[str] = field(default_factory=list)
 
 
 Step = Callable[[str], None]
@@ -116,8 +120,13 @@ async def run_bench(
     env_ = report["environment"]
     try:
         t0 = time.monotonic()
-        await engines[GIVEN].start()
-        env_["kv_tokens"] = {"standalone": engines[GIVEN].kv_tokens}
+        capacity = 0
+        if cfg.workloads:  # the fleet's cases alone need no standalone engine
+            await engines[GIVEN].start()
+            env_["kv_tokens"] = {"standalone": engines[GIVEN].kv_tokens}
+            capacity = sum(engines[GIVEN].kv_tokens)
+        else:
+            engines.clear()
         wanted = {x for wl in cfg.workloads for x in setups_for(cfg.setups, wl)}
         if SORTED in wanted:
             engines[SORTED] = engines[GIVEN]
@@ -127,12 +136,14 @@ async def run_bench(
         await workers.start(r, cfg.start_timeout)
         env_["engine_start_s"] = round(time.monotonic() - t0, 1)
         block = int(await r.hget(s.keys.config, "block_size") or 16)
-        capacity = sum(engines[GIVEN].kv_tokens)
         counter = None if cfg.shape.token_ids else _counter(cfg.model)
         async with Producer(s) as producer:
             env = Env(s, r, engines, workers, producer, say, block)
             for wl in cfg.workloads:
                 report["workloads"][wl] = await _workload(cfg, env, wl, capacity, counter)
+            if cfg.fleet:
+                zipf = build("zipf", cfg.shape, cfg.sizes, count=counter)
+                report["fleet"] = await run_fleet(env, zipf, cfg.fleet, cfg.pairs)
     finally:
         workers.stop()
         for e in {id(e): e for e in engines.values()}.values():

@@ -24,7 +24,7 @@ QUESTIONS = (
     "What would a beginner find hardest in the document above?",
     "List the keywords the document above mentions.",
 )
-WORKLOADS = ("no-reuse", "reuse", "overflow", "multi-burst", "system-prompt", "mixed")
+WORKLOADS = ("no-reuse", "reuse", "overflow", "multi-burst", "system-prompt", "mixed", "zipf")
 #: workloads whose requests share prefixes (enqueue orders and the sorted set-up matter)
 SHARING = frozenset(WORKLOADS) - {"no-reuse"}
 TENANTS = ("tenant-a", "tenant-b", "tenant-c")
@@ -60,6 +60,9 @@ class Sizes:
     decode_prompt_tokens: int = 64
     long_output: int = 512
     short_output: int = 16
+    #: zipf: requests in all, over the documents with Zipf-distributed group sizes
+    zipf_requests: int = 1536
+    zipf_exponent: float = 1.0
 
 
 @dataclass
@@ -120,6 +123,8 @@ def build(
         wl = make.multi_burst(docs, sizes)
     elif name == "system-prompt":
         wl = make.system_prompt(docs, sizes)
+    elif name == "zipf":
+        wl = make.zipf(docs, sizes)
     else:
         wl = make.mixed(docs, sizes)
     wl.documents = docs
@@ -197,6 +202,23 @@ class _Maker:
             reqs, paths = _shuffled(self.rng, reqs, paths)
         return Workload(name, [Burst(reqs)], paths, depth, self.exact)
 
+    def zipf(self, docs: int, sizes: Sizes) -> Workload:
+        """Documents whose groups differ widely in size: document ``d`` (0-based) gets a share
+        of ``sizes.zipf_requests`` proportional to ``1 / (d + 1) ** zipf_exponent`` (at least one
+        question each), the requests shuffled."""
+        counts = zipf_counts(docs, sizes.zipf_requests, sizes.zipf_exponent)
+        reqs: list[dict[str, Any]] = []
+        paths: list[tuple[str, ...]] = []
+        depth: dict[str, int] = {}
+        for d, n in enumerate(counts):
+            doc = self.doc(d)
+            depth[f"d{d}"] = self.tokens(doc)
+            for q in range(n):
+                reqs.append(self.request(f"zipf-d{d}-q{q}", doc, self.question(q)))
+                paths.append((f"d{d}",))
+        reqs, paths = _shuffled(self.rng, reqs, paths)
+        return Workload("zipf", [Burst(reqs)], paths, depth, self.exact)
+
     def multi_burst(self, docs: int, sizes: Sizes) -> Workload:
         texts = [self.doc(d) for d in range(docs)]
         depth = {f"d{d}": self.tokens(t) for d, t in enumerate(texts)}
@@ -256,6 +278,19 @@ class _Maker:
             paths.append(())
         reqs, paths = _shuffled(self.rng, reqs, paths)
         return Workload("mixed", [Burst(reqs)], paths, wl.depth, self.exact)
+
+
+def zipf_counts(docs: int, total: int, exponent: float) -> list[int]:
+    """Requests per document: ``total`` split in proportion to ``1 / (d + 1) ** exponent``,
+    largest remainders first, every document at least one (so ``max(total, docs)`` in all)."""
+    weights = [1.0 / (d + 1) ** exponent for d in range(docs)]
+    spare = max(0, total - docs)
+    raw = [spare * w / sum(weights) for w in weights]
+    counts = [1 + int(x) for x in raw]
+    by_rest = sorted(range(docs), key=lambda d: int(raw[d]) - raw[d])
+    for d in by_rest[: max(total, docs) - sum(counts)]:
+        counts[d] += 1
+    return counts
 
 
 def _shuffled(

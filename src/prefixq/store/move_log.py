@@ -16,7 +16,7 @@ import redis
 
 from prefixq.core.keys import Keys
 
-__all__ = ["GUARD", "MOVES_KEPT", "add_moves", "read_moves"]
+__all__ = ["GUARD", "MOVES_KEPT", "add_moves", "parse_totals", "read_moves"]
 
 #: entries the moves stream keeps (approximately: MAXLEN ~)
 MOVES_KEPT = 10_000
@@ -46,6 +46,16 @@ def _int(v: bytes | None) -> int:
         return 0
 
 
+def parse_totals(raw: Mapping[bytes, bytes]) -> dict[str, dict[str, int]]:
+    """``{why: {groups, requests, tokens}}`` from the `Keys.move_totals` hash."""
+    totals: dict[str, dict[str, int]] = {}
+    for field, v in raw.items():
+        why, _, name = field.decode(errors="replace").rpartition(":")
+        if why and name in _COUNTS:
+            totals.setdefault(why, dict.fromkeys(_COUNTS, 0))[name] = _int(v)
+    return totals
+
+
 def read_moves(
     r: redis.Redis, keys: Keys, recent: int
 ) -> tuple[dict[str, dict[str, int]], list[dict[str, str]]]:
@@ -54,12 +64,7 @@ def read_moves(
     pipe.hgetall(keys.move_totals)
     pipe.xrevrange(keys.moves, count=recent)
     raw, newest = pipe.execute()
-    totals: dict[str, dict[str, int]] = {}
-    for field, v in raw.items():
-        why, _, name = field.decode(errors="replace").rpartition(":")
-        if why and name in _COUNTS:
-            totals.setdefault(why, dict.fromkeys(_COUNTS, 0))[name] = _int(v)
-    return totals, [
+    return parse_totals(raw), [
         {k.decode(errors="replace"): v.decode(errors="replace") for k, v in f.items()}
         for _, f in newest
     ]

@@ -5,7 +5,8 @@ moment it starts (XREAD BLOCK, no consumer group: each worker sees every command
 command, and writes its answer under ``<id>:<worker>`` in `Keys.control_acks`. The worker passes
 its handlers in (`Handlers`); the commands are ``reset_prefix_cache`` (between benchmark runs),
 ``gc_freeze`` / ``gc_unfreeze`` (to measure GC pauses with and without a frozen heap),
-``reset_stats`` and ``stats`` (GC pauses, event-loop lag, admission timings).
+``reset_stats`` and ``stats`` (GC pauses, event-loop lag, admission timings), ``admission:NAME``
+(worker/groups.py) and ``steal:on`` / ``steal:off`` (worker/fleet.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ COMMANDS = (
     "admission:fair",
     "admission:whole-groups",
     "admission:resident-first",
+    # worker/fleet.py's tail stealing, for `prefixq bench --fleet`
+    "steal:off",
+    "steal:on",
 )
 #: command -> coroutine that runs it; every answer also carries the worker's stats
 Handlers = Mapping[str, Callable[[], Awaitable[None]]]

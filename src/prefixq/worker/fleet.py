@@ -23,7 +23,8 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import cast
 
 import redis.asyncio as aredis
 from redis.exceptions import RedisError
@@ -83,6 +84,8 @@ class FleetWatch:
         #: shards of the deployment and how many had a live worker / were orphaned, last look
         self.shards = self.live_shards = self.orphaned_shards = 0
         self._next_steal = 0.0
+        #: the steal threshold in force (0: no steals); `commands` switches it for `prefixq bench`
+        self.steal_min_tokens = settings.steal_min_tokens
 
     async def look(self) -> list[MoveReport]:
         """One look: record shards first seen without a live worker, move the queues of those
@@ -106,7 +109,7 @@ class FleetWatch:
             orphaned += 1
             await self._report(await self.handover.move_shard(k, shards, why="orphaned"), out)
         self.orphaned_shards = orphaned
-        if self.s.steal_min_tokens > 0 and self.idle() and time.monotonic() >= self._next_steal:
+        if self.steal_min_tokens > 0 and self.idle() and time.monotonic() >= self._next_steal:
             await self._steal(live.live_shards(), out)
         return out
 
@@ -127,7 +130,7 @@ class FleetWatch:
         if not others:
             return
         victim = max(others, key=lambda k: (load[k], -k))
-        if load[victim] - mine <= self.s.steal_min_tokens:
+        if load[victim] - mine <= self.steal_min_tokens:
             return
         rep = await self.handover.steal(
             victim, self.shard, victim_load=load[victim], thief_load=mine, why="steal"
@@ -135,6 +138,21 @@ class FleetWatch:
         if not rep.requests:  # nothing worth taking: look again a while later, not every beat
             self._next_steal = time.monotonic() + STEAL_BACKOFF * self.s.heartbeat_s
         await self._report(rep, out)
+
+    def commands(self) -> dict[str, Callable[[], Awaitable[None]]]:
+        """Control commands (worker/control.py) switching steals off and back on: on restores
+        the ``steal_min_tokens`` setting, or its default where the setting is 0."""
+        default = next(f.default for f in fields(Settings) if f.name == "steal_min_tokens")
+        on = self.s.steal_min_tokens or int(cast(int, default))
+
+        def switch(tokens: int) -> Callable[[], Awaitable[None]]:
+            async def run() -> None:
+                self.steal_min_tokens = tokens
+                self._next_steal = 0.0
+
+            return run
+
+        return {"steal:off": switch(0), "steal:on": switch(on)}
 
     def _count(self, rep: MoveReport) -> None:
         t = self.totals.setdefault(rep.why, MoveTotals())

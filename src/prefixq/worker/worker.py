@@ -226,6 +226,7 @@ class Worker:
             "reset_prefix_cache": self.engine.reset_prefix_cache,
             **probes.commands(),
             **admission_commands(self.sched),
+            **self.fleet.commands(),
         }
         tasks = [
             asyncio.create_task(c, name=n)
