@@ -61,8 +61,9 @@ case "$1" in
     while [ $# -gt 0 ]; do
       name=bench; [ $k -gt 1 ] && name=bench-$k
       echo "prefixq bench $(args "$1" "${2:-}")" >> $B/gpu.txt
-      printf 'python3 -m prefixq bench %s --redis-url redis://127.0.0.1:6390/%d --json %s/%s.json --plot %s/%s.png\n' \
-        "$(args "$1" "${2:-}")" "$k" "$B" "$name" "$B" "$name" >> $B/run.sh
+      # each run within BENCH_LIMIT_S (default 25 min), so that one that hangs leaves the next its time
+      printf 'timeout -k 30 %d python3 -m prefixq bench %s --redis-url redis://127.0.0.1:6390/%d --json %s/%s.json --plot %s/%s.png\n' \
+        "${BENCH_LIMIT_S:-1500}" "$(args "$1" "${2:-}")" "$k" "$B" "$name" "$B" "$name" >> $B/run.sh
       printf 'mkdir -p %s/logs-%d && cp /tmp/prefixq-bench-*/worker-*.log %s/logs-%d/ 2>/dev/null; rm -rf /tmp/prefixq-bench-*\n' \
         "$B" "$k" "$B" "$k" >> $B/run.sh
       k=$((k + 1)); shift; [ $# -gt 0 ] && shift
@@ -86,7 +87,7 @@ case "$1" in
     for f in $B/logs-*/worker-*.log /tmp/prefixq-bench-*/worker-*.log; do
       [ -e "$f" ] && tail -c 100000 "$f" > "$OUT/$(basename "$(dirname "$f")")-$(basename "$f")"
     done
-    runs=$(grep -c '^python3' $B/run.sh)
+    runs=$(grep -c 'python3 -m prefixq' $B/run.sh)
     if [ "$(ls $B/bench*.json 2>/dev/null | wc -l)" -ge "$runs" ]; then echo "DONE"
     elif running; then echo "RUNNING ($(ls $B/bench*.json 2>/dev/null | wc -l) of $runs done)"
     else echo "EXITED"; fi
