@@ -137,7 +137,9 @@ def test_a_worker_that_joins_mid_burst_takes_a_share_of_it(
     slow = [*_extra(), "--max-inflight", "2"]
     w0 = start_worker(s, shard=0, name="join-a", extra=slow, env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
     w0.wait_up()
-    burst = Producer(s).submit(_burst(24, 4, 8))
+    # answers long enough that the one worker is still busy when the joiner's engine is up (~30 s
+    # on this machine): with 8-token answers it finished the burst first, and nothing was left
+    burst = Producer(s).submit(_burst(24, 4, 32))
     deadline = time.monotonic() + 300
     while len(_results(r, s, burst.id)) < 10:
         assert time.monotonic() < deadline, "no 10 results"

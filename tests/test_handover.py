@@ -5,6 +5,7 @@ exactly once, retried moves adding nothing, deliveries carried, priorities kept.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections import Counter
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from helpers import cli, queued_entries, wait_burst
+from helpers import cli, queue_keys, queued_entries, wait_burst
 from prefixq.client import Producer
 from prefixq.core import wire
 from prefixq.core.entries import Entry
@@ -187,6 +188,41 @@ def test_a_delivered_entry_is_not_taken_and_takes_none_of_its_group(
 
     assert asyncio.run(take()) == 0
     assert [eid for eid, _ in r.xrange(stream)] == ids
+
+
+def test_a_steal_leaves_a_group_the_victim_has_started_and_takes_whole_untouched_ones(
+    r: redis.Redis, make_settings: Any
+) -> None:
+    """Given shard 0's queue of 3 documents x 4 questions, of which the victim read the first two
+    entries, when an idle thief steals from it, then the started document's other questions stay
+    on shard 0 (its prefix is cached there) and only untouched documents move, whole."""
+    s = make_settings(shards=2, placement="affinity")
+    _mark_live(r, s, 0)  # placement puts every new document on the one live shard
+    Producer(s).submit(_burst(3, 4))
+    streams = queue_keys(r, s, 0)
+    stream = max(streams, key=lambda k: r.xlen(k) if r.exists(k) else 0)
+    with contextlib.suppress(redis.ResponseError):  # BUSYGROUP: the producer made it
+        r.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    ((_, read),) = r.xreadgroup(GROUP, "victim", {stream: ">"}, count=2)
+    started = {_decoded(f).id.split("q")[0] for _, f in read}
+    assert len(started) == 1
+    _mark_live(r, s, 1)
+
+    async def steal() -> MoveReport:
+        client = async_client(s)
+        try:
+            h = Handover(client, s, name="thief")
+            return await h.steal(0, 1, victim_load=1e9, thief_load=0.0, why="steal")
+        finally:
+            await client.aclose()
+
+    rep = asyncio.run(steal())
+    moved = {_decoded(f).id for _, f in _entries(r, s, 1)}
+    docs = {m.split("q")[0] for m in moved}
+    assert rep.requests == len(moved) > 0 and not docs & started
+    assert all(f"{d}q{q}" in moved for d in docs for q in range(4))  # whole documents
+    left = {_decoded(f).id for _, f in _entries(r, s, 0)}
+    assert {f"{d}q{q}" for d in started for q in range(4)} <= left  # read or not, all stay
 
 
 def test_entries_pending_on_a_dead_consumer_move_with_their_deliveries(

@@ -5,16 +5,26 @@ command (redis-py alone takes ~0.4 s to import, vLLM far longer), and unblocks b
 (`prefixq.cli.worker_signals.start_worker` starts a worker with them blocked, so that one sent
 right away waits for this handler): a stop before the worker serves exits 0 at once, from the
 process's first line of prefixq code on. `prefixq.cli.worker_signals` takes over from there.
-This module imports nothing that takes time.
+Such a stop unwinds the start by raising ``SystemExit(0)`` where the main thread is, except
+inside an import: raised there, in a C extension's initialisation (numpy's, torch's, under
+vLLM's), it can abort the process (pybind11 terminates on it) or leave the module half-built, to
+fail again as the start unwinds ("CPU dispatcher tracer already initialized"); a worker that is
+still importing holds nothing, so it leaves at once (`leave_now`: logs flushed, exit 0). Whatever
+else the unwinding raises, a worker stopped during its start exits 0 (`STOPPING`). This module
+imports nothing that takes time.
 """
 
 from __future__ import annotations
 
 import signal
 import sys
+import threading
 from types import FrameType
 
-__all__ = ["main"]
+__all__ = ["STOPPING", "inside_import", "leave_now", "main"]
+
+#: set by a stop signal that came while a worker started (here, or prefixq.cli.worker_signals)
+STOPPING = threading.Event()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,12 +33,46 @@ def main(argv: list[str] | None = None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _exit_during_start)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
-    # importing the command's module makes `prefixq.cli.main` name that module from here on
-    from prefixq.cli.main import main as command
+    try:
+        # importing the command's module makes `prefixq.cli.main` name that module from here on
+        from prefixq.cli.main import main as command
 
-    return command(argv)
+        return command(argv)
+    except BaseException as e:
+        if not STOPPING.is_set() or (isinstance(e, SystemExit) and e.code in (0, None)):
+            raise
+        print(f"prefixq: stopped during start-up ({type(e).__name__} while unwinding: {e})",
+              file=sys.stderr)  # fmt: skip
+        return 0
 
 
 def _exit_during_start(signum: int, frame: FrameType | None) -> None:
     """A stop while the worker imports its command: it holds nothing yet; exit 0."""
+    STOPPING.set()
+    if inside_import(frame):
+        leave_now()
     raise SystemExit(0)
+
+
+def inside_import(frame: FrameType | None) -> bool:
+    """Whether ``frame`` (a signal handler's) runs inside an import."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def leave_now() -> None:
+    """Exit 0 at once, the log flushed: for a stop that cannot unwind safely (inside an import),
+    at a moment the process holds nothing; an engine it started dies with it (the reaper)."""
+    import logging
+    import os
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            continue
+    os._exit(0)

@@ -4,8 +4,10 @@ Until the worker serves (its engine up and warm: `Worker.engine_up`) it holds no
 is read, no heartbeat written. A stop then ends the process at once with exit code 0: the
 signal raises ``SystemExit(0)`` wherever the main thread is — preparing the model, importing
 vLLM, building the engine (which blocks the event loop for a minute or more), waiting for Redis —
-so the start unwinds; the engine's processes end with it (their exit handlers, and the reaper:
-prefixq.engine.reaper), and if unwinding hangs, the process exits after `EXIT_S` anyway. Once
+so the start unwinds (inside an import it exits at once instead: `prefixq.cli.leave_now`, as
+raising there can abort the process); the engine's processes end with it (their exit handlers,
+and the reaper: prefixq.engine.reaper), and if unwinding hangs, the process exits after `EXIT_S`
+anyway. Once
 the worker serves, a signal calls `Worker.stop()` on the worker's event loop: it stops reading
 and drains within ``grace_s`` (docs/delivery.md, "SIGTERM and SIGINT").
 
@@ -24,6 +26,8 @@ import threading
 from collections.abc import Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
+
+from prefixq.cli import STOPPING, inside_import, leave_now
 
 if TYPE_CHECKING:  # imported at the process's first line (prefixq.cli): nothing slow
     import asyncio
@@ -86,7 +90,10 @@ class WorkerSignals:
         if self._leaving:  # a second signal while the start unwinds
             return
         self._leaving = True
+        STOPPING.set()  # whatever the unwinding raises, the process exits 0 (prefixq.cli.main)
         log.info("%s during start-up: exiting (nothing is held yet)", signal.Signals(signum).name)
+        if inside_import(frame):  # raising there can abort the process (prefixq.cli)
+            leave_now()
         watchdog = threading.Timer(EXIT_S, os._exit, (0,))
         watchdog.daemon = True
         watchdog.start()

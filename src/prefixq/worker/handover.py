@@ -145,7 +145,14 @@ class Handover:
             return rep
         try:
             await self.moves.finish(source)
-            found = await scan(self.r, self.keys, self.limits, source, dead_pending=dead_pending)
+            found = await scan(
+                self.r,
+                self.keys,
+                self.limits,
+                source,
+                dead_pending=dead_pending,
+                skip_started=steal is not None,  # a steal leaves started groups on the victim
+            )
             queued = groups(found)
             if steal is not None:
                 queued.reverse()  # the tail first

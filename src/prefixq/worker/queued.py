@@ -7,7 +7,10 @@ in flight on a dead worker). `groups` gathers them into prefix groups: the entri
 prefix ends at the same checkpoint (``a`` in the entry, core/entries.py), else with the same
 stored prefix; a request without a shared prefix is a group of its own. The producer enqueues a
 group's requests together, so a group's entries are next to each other in a stream, and its
-first entry in queue order tells whether the group has started.
+first entry in queue order tells whether the group has started. A steal leaves started groups
+where they are (``skip_started``): the groups of the entries a stream delivered last (those still
+pending and `RECENT` before them) are left out, so a group whose first requests the victim read
+keeps the rest there, where its prefix is cached.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from prefixq.core.entries import Entry
 from prefixq.core.keys import FIELD, GROUP, Keys
 from prefixq.store.dead_letters import identify
 
-__all__ = ["Found", "Group", "groups", "scan"]
+__all__ = ["RECENT", "Found", "Group", "group_key", "groups", "scan"]
 
 _PAGE = 1000
+#: delivered entries, beyond those still pending, whose groups count as started (`scan`)
+RECENT = 64
 
 
 @dataclass(slots=True)
@@ -53,14 +58,22 @@ class Group:
 
 
 async def scan(
-    r: aredis.Redis, keys: Keys, limits: wire.Limits, shard: int, *, dead_pending: bool
+    r: aredis.Redis,
+    keys: Keys,
+    limits: wire.Limits,
+    shard: int,
+    *,
+    dead_pending: bool,
+    skip_started: bool = False,
 ) -> list[Found]:
     """Every entry of ``shard``'s streams still to serve and free to move: never delivered, and
     with ``dead_pending`` also those pending on consumers without a heartbeat (first in each
-    stream: they were read before the rest)."""
+    stream: they were read before the rest); with ``skip_started``, none of a group that has
+    started (the module's docstring)."""
     lanes = [b.decode(errors="replace") for b in await r.hkeys(keys.lanes(shard))]
     out: list[Found] = []
     alive: dict[bytes, bool] = {}
+    started: set[tuple[Any, ...]] = set()
     for key in keys.streams(shard, lanes):
         try:
             info = await r.xinfo_groups(key)
@@ -70,6 +83,10 @@ async def scan(
         last = ours[0]["last-delivered-id"] if ours else b"0-0"
         if ours and dead_pending:  # no group: no worker ever read it, nothing is pending
             out += await _dead_pending(r, keys, limits, shard, key, alive)
+        if ours and skip_started and last not in (b"0-0", "0-0"):
+            recent = int(ours[0].get("pending") or 0) + RECENT
+            rows = await r.xrevrange(key, max=last, min="-", count=recent)
+            started |= {group_key(Found(key, eid, _entry(f, limits))) for eid, f in rows}
         start = b"(" + (last if isinstance(last, bytes) else str(last).encode())
         while True:
             rows = await r.xrange(key, min=start, max="+", count=_PAGE)
@@ -77,7 +94,7 @@ async def scan(
             if len(rows) < _PAGE:
                 break
             start = b"(" + rows[-1][0]
-    return out
+    return [f for f in out if group_key(f) not in started] if started else out
 
 
 async def _dead_pending(
@@ -111,17 +128,22 @@ def _entry(fields: dict[bytes, bytes], limits: wire.Limits) -> Entry | None:
     return identify(fields.get(FIELD), limits)
 
 
+def group_key(f: Found) -> tuple[Any, ...]:
+    """The prefix group of ``f``: its checkpoint, else its stored prefix, else itself."""
+    e = f.entry
+    if e is not None and e.anchor is not None:
+        return ("a", e.anchor)
+    if e is not None and e.prefix_ref is not None:
+        return ("r", e.prefix_ref)
+    return ("e", f.stream, f.id)
+
+
 def groups(found: list[Found]) -> list[Group]:
     """``found`` in prefix groups, each in queue order, the groups in the order they start."""
     out: dict[tuple[Any, ...], Group] = {}
     for f in found:
         e = f.entry
-        if e is not None and e.anchor is not None:
-            gk: tuple[Any, ...] = ("a", e.anchor)
-        elif e is not None and e.prefix_ref is not None:
-            gk = ("r", e.prefix_ref)
-        else:
-            gk = ("e", f.stream, f.id)
+        gk = group_key(f)
         g = out.setdefault(gk, Group(gk, anchor=e.anchor if e else None))
         g.items.append(f)
         if e is not None:
