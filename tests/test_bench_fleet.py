@@ -117,3 +117,16 @@ def test_the_fleet_cases_run_on_two_cpu_workers_and_the_lost_worker_loses_nothin
     assert lose["kill_to_last_s"] > 0 and lose["ideal_with_detection_s"] == pytest.approx(
         lose["ideal_s"] + 4
     )
+
+
+def test_the_plan_counts_the_fleet_runs_and_only_the_workers_engines() -> None:
+    """--plan with --workloads none --fleet steal,lose: 2 runs a pair for steal, one for lose
+    (with the wait before its move), and no standalone engine to start."""
+    from prefixq.bench.plan import estimate
+    from prefixq.bench.runner import BenchConfig
+
+    cfg = BenchConfig(model="m", gpus=["0", "0"], workloads=[], fleet=["steal", "lose"], pairs=2)
+    plan = estimate(cfg, 131072, orphan_after_s=15.0)
+    steal, lose = plan["cases"]
+    assert (steal["workload"], steal["pairs"], lose["workload"]) == ("fleet/steal", 4, "fleet/lose")
+    assert plan["engines"] == 2 and lose["seconds"] > lose["run_s"]["pipeline"] + 15.0

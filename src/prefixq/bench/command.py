@@ -210,7 +210,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         from prefixq.bench.plan import estimate
         from prefixq.bench.plan import table as plan_table
 
-        planned = estimate(cfg, args.plan)
+        planned = estimate(cfg, args.plan, orphan_after_s=settings.orphan_after_s)
         print(plan_table(planned))
         if args.json_out:
             with open(args.json_out, "w") as f:

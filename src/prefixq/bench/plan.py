@@ -67,8 +67,11 @@ def lru_cached(
     return total
 
 
-def estimate(cfg: Any, kv_tokens: int, *, block: int = 16) -> dict[str, Any]:
-    """The cases of ``cfg`` (a `BenchConfig`) on engines of ``kv_tokens`` each, with seconds."""
+def estimate(
+    cfg: Any, kv_tokens: int, *, block: int = 16, orphan_after_s: float = 45.0
+) -> dict[str, Any]:
+    """The cases of ``cfg`` (a `BenchConfig`) on engines of ``kv_tokens`` each, with seconds
+    (``orphan_after_s``: the wait of the fleet's lose case before the move)."""
     shards = len(cfg.gpus)
     capacity = kv_tokens * shards
     gib = cfg.offload_gib or HOST_GIB
@@ -104,8 +107,30 @@ def estimate(cfg: Any, kv_tokens: int, *, block: int = 16) -> dict[str, Any]:
             )
         if name in ("no-reuse", "reuse"):  # the run without gc.freeze
             cases[-1]["seconds"] += round(_seconds(wl, "pipeline", capacity, 0, block), 1)
+    fleet = getattr(cfg, "fleet", [])
+    if fleet:  # bench/fleet_cases.py: the pipeline alone, 2 runs a pair, then one lose run
+        wl = build("zipf", cfg.shape, cfg.sizes)
+        # the engines side by side, those sharing a GPU sharing its time (calibrated: one per GPU)
+        per_run = _seconds(wl, "pipeline", capacity, 0, block) / len(set(cfg.gpus))
+        for case in fleet:
+            runs = 2 * cfg.pairs if case == "steal" else 1
+            extra = 0.0
+            if case == "lose":  # a quarter on all shards, the rest on one fewer, and the wait
+                extra = per_run * 0.75 * (shards / max(1, shards - 1) - 1) + orphan_after_s
+            cases.append(
+                {
+                    "workload": f"fleet/{case}",
+                    "placement": "affinity",
+                    "order": cfg.order,
+                    "requests": len(wl.paths),
+                    "documents": wl.documents,
+                    "pairs": runs,
+                    "run_s": {"pipeline": round(per_run, 1)},
+                    "seconds": round(runs * (per_run + RUN_OVERHEAD_S) + extra, 1),
+                }
+            )
     offloads = any(OFFLOAD in setups_for(cfg.setups, w) for w in cfg.workloads)
-    engines = 2 + (1 if offloads else 0)
+    engines = (2 if cfg.workloads else 1) + (1 if offloads else 0)
     start = FIRST_START_S + (engines * shards - 1) * NEXT_START_S
     runs_s = sum(c["seconds"] for c in cases)
     return {
