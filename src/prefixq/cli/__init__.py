@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import signal
 import sys
-import threading
 from types import FrameType
 
-__all__ = ["STOPPING", "inside_import", "leave_now", "main"]
+from prefixq.cli.start_stop import STOPPING, inside_import, leave_now
 
-#: set by a stop signal that came while a worker started (here, or prefixq.cli.worker_signals)
-STOPPING = threading.Event()
+__all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,27 +50,3 @@ def _exit_during_start(signum: int, frame: FrameType | None) -> None:
     if inside_import(frame):
         leave_now()
     raise SystemExit(0)
-
-
-def inside_import(frame: FrameType | None) -> bool:
-    """Whether ``frame`` (a signal handler's) runs inside an import."""
-    while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
-            return True
-        frame = frame.f_back
-    return False
-
-
-def leave_now() -> None:
-    """Exit 0 at once, the log flushed: for a stop that cannot unwind safely (inside an import),
-    at a moment the process holds nothing; an engine it started dies with it (the reaper)."""
-    import logging
-    import os
-
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            continue
-    os._exit(0)

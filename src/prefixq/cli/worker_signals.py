@@ -4,7 +4,7 @@ Until the worker serves (its engine up and warm: `Worker.engine_up`) it holds no
 is read, no heartbeat written. A stop then ends the process at once with exit code 0: the
 signal raises ``SystemExit(0)`` wherever the main thread is — preparing the model, importing
 vLLM, building the engine (which blocks the event loop for a minute or more), waiting for Redis —
-so the start unwinds (inside an import it exits at once instead: `prefixq.cli.leave_now`, as
+so the start unwinds (inside an import it exits at once instead: `start_stop.leave_now`, as
 raising there can abort the process); the engine's processes end with it (their exit handlers,
 and the reaper: prefixq.engine.reaper), and if unwinding hangs, the process exits after `EXIT_S`
 anyway. Once
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
-from prefixq.cli import STOPPING, inside_import, leave_now
+from prefixq.cli.start_stop import STOPPING, inside_import, leave_now
 
 if TYPE_CHECKING:  # imported at the process's first line (prefixq.cli): nothing slow
     import asyncio
@@ -90,7 +90,7 @@ class WorkerSignals:
         if self._leaving:  # a second signal while the start unwinds
             return
         self._leaving = True
-        STOPPING.set()  # whatever the unwinding raises, the process exits 0 (prefixq.cli.main)
+        STOPPING.set()  # whatever the unwinding raises, the process exits 0 (prefixq.cli)
         log.info("%s during start-up: exiting (nothing is held yet)", signal.Signals(signum).name)
         if inside_import(frame):  # raising there can abort the process (prefixq.cli)
             leave_now()
