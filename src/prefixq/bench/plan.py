@@ -107,12 +107,11 @@ def estimate(
             )
         if name in ("no-reuse", "reuse"):  # the run without gc.freeze
             cases[-1]["seconds"] += round(_seconds(wl, "pipeline", capacity, 0, block), 1)
-    fleet = getattr(cfg, "fleet", [])
-    if fleet:  # bench/fleet_cases.py: the pipeline alone, 2 runs a pair, then one lose run
+    if cfg.fleet:  # bench/fleet_cases.py: the pipeline alone, 2 runs a pair, then one lose run
         wl = build("zipf", cfg.shape, cfg.sizes)
         # the engines side by side, those sharing a GPU sharing its time (calibrated: one per GPU)
         per_run = _seconds(wl, "pipeline", capacity, 0, block) / len(set(cfg.gpus))
-        for case in fleet:
+        for case in cfg.fleet:
             runs = 2 * cfg.pairs if case == "steal" else 1
             extra = 0.0
             if case == "lose":  # a quarter on all shards, the rest on one fewer, and the wait

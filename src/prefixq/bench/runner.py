@@ -111,7 +111,8 @@ async def run_bench(
     logdir = Path(tempfile.mkdtemp(prefix="prefixq-bench-"))
     say(f"starting {shards} workers and the standalone engines (logs in {logdir})")
     workers = Workers(s, cfg.model, worker_args, cfg.gpus, logdir)
-    engines: dict[str, Engines] = {GIVEN: _engines(cfg, args)}
+    # the fleet's cases alone (no workload) need no standalone engine
+    engines: dict[str, Engines] = {GIVEN: _engines(cfg, args)} if cfg.workloads else {}
     report: dict[str, Any] = {
         "config": _config(cfg, args),
         "environment": _environment(cfg),
@@ -121,12 +122,10 @@ async def run_bench(
     try:
         t0 = time.monotonic()
         capacity = 0
-        if cfg.workloads:  # the fleet's cases alone need no standalone engine
+        if GIVEN in engines:
             await engines[GIVEN].start()
             env_["kv_tokens"] = {"standalone": engines[GIVEN].kv_tokens}
             capacity = sum(engines[GIVEN].kv_tokens)
-        else:
-            engines.clear()
         wanted = {x for wl in cfg.workloads for x in setups_for(cfg.setups, wl)}
         if SORTED in wanted:
             engines[SORTED] = engines[GIVEN]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,15 +116,16 @@ def build(
         sized = name in ("overflow", "multi-burst") and capacity_tokens > 0
         docs = overflow_documents(capacity_tokens, shape, sizes) if sized else 64
     if name == "no-reuse":
-        wl = make.documents("no-reuse", sizes.requests, 1, shuffle=False)
+        wl = make.documents("no-reuse", [1] * sizes.requests, shuffle=False)
     elif name in ("reuse", "overflow"):
-        wl = make.documents(name, docs, sizes.questions, shuffle=True)
+        wl = make.documents(name, [sizes.questions] * docs, shuffle=True)
     elif name == "multi-burst":
         wl = make.multi_burst(docs, sizes)
     elif name == "system-prompt":
         wl = make.system_prompt(docs, sizes)
     elif name == "zipf":
-        wl = make.zipf(docs, sizes)
+        counts = zipf_counts(docs, sizes.zipf_requests, sizes.zipf_exponent)
+        wl = make.documents("zipf", counts, shuffle=True)
     else:
         wl = make.mixed(docs, sizes)
     wl.documents = docs
@@ -188,11 +189,12 @@ class _Maker:
         return self.shape.token_ids or self.count is not None
 
     # ---- workloads ---------------------------------------------------------------------------
-    def documents(self, name: str, docs: int, per_doc: int, *, shuffle: bool) -> Workload:
+    def documents(self, name: str, counts: Sequence[int], *, shuffle: bool) -> Workload:
+        """Document ``d`` asked ``counts[d]`` questions."""
         reqs: list[dict[str, Any]] = []
         paths: list[tuple[str, ...]] = []
         depth: dict[str, int] = {}
-        for d in range(docs):
+        for d, per_doc in enumerate(counts):
             doc = self.doc(d)
             depth[f"d{d}"] = self.tokens(doc)
             for q in range(per_doc):
@@ -201,23 +203,6 @@ class _Maker:
         if shuffle:
             reqs, paths = _shuffled(self.rng, reqs, paths)
         return Workload(name, [Burst(reqs)], paths, depth, self.exact)
-
-    def zipf(self, docs: int, sizes: Sizes) -> Workload:
-        """Documents whose groups differ widely in size: document ``d`` (0-based) gets a share
-        of ``sizes.zipf_requests`` proportional to ``1 / (d + 1) ** zipf_exponent`` (at least one
-        question each), the requests shuffled."""
-        counts = zipf_counts(docs, sizes.zipf_requests, sizes.zipf_exponent)
-        reqs: list[dict[str, Any]] = []
-        paths: list[tuple[str, ...]] = []
-        depth: dict[str, int] = {}
-        for d, n in enumerate(counts):
-            doc = self.doc(d)
-            depth[f"d{d}"] = self.tokens(doc)
-            for q in range(n):
-                reqs.append(self.request(f"zipf-d{d}-q{q}", doc, self.question(q)))
-                paths.append((f"d{d}",))
-        reqs, paths = _shuffled(self.rng, reqs, paths)
-        return Workload("zipf", [Burst(reqs)], paths, depth, self.exact)
 
     def multi_burst(self, docs: int, sizes: Sizes) -> Workload:
         texts = [self.doc(d) for d in range(docs)]
@@ -266,7 +251,7 @@ class _Maker:
         return Workload("system-prompt", [Burst(reqs)], paths, depth, self.exact)
 
     def mixed(self, docs: int, sizes: Sizes) -> Workload:
-        wl = self.documents("mixed", docs, sizes.questions, shuffle=False)
+        wl = self.documents("mixed", [sizes.questions] * docs, shuffle=False)
         reqs, paths = wl.bursts[0].requests, wl.paths
         for q in reqs:
             q["max_tokens"] = sizes.short_output
@@ -281,7 +266,8 @@ class _Maker:
 
 
 def zipf_counts(docs: int, total: int, exponent: float) -> list[int]:
-    """Requests per document: ``total`` split in proportion to ``1 / (d + 1) ** exponent``,
+    """Requests per document of the ``zipf`` workload (groups that differ widely in size, the
+    requests shuffled): ``total`` split in proportion to ``1 / (d + 1) ** exponent``,
     largest remainders first, every document at least one (so ``max(total, docs)`` in all)."""
     weights = [1.0 / (d + 1) ** exponent for d in range(docs)]
     spare = max(0, total - docs)

@@ -7,9 +7,8 @@ vLLM, building the engine (which blocks the event loop for a minute or more), wa
 so the start unwinds (inside an import it exits at once instead: `start_stop.leave_now`, as
 raising there can abort the process); the engine's processes end with it (their exit handlers,
 and the reaper: prefixq.engine.reaper), and if unwinding hangs, the process exits after `EXIT_S`
-anyway. Once
-the worker serves, a signal calls `Worker.stop()` on the worker's event loop: it stops reading
-and drains within ``grace_s`` (docs/delivery.md, "SIGTERM and SIGINT").
+anyway. Once the worker serves, a signal calls `Worker.stop()` on the worker's event loop: it
+stops reading and drains within ``grace_s`` (docs/delivery.md, "SIGTERM and SIGINT").
 
 The first handler comes before this module's (`prefixq.cli`, before any slow import);
 `start_worker` starts a worker with both signals blocked until then, so that not even its

@@ -23,8 +23,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, fields
-from typing import cast
+from dataclasses import dataclass
 
 import redis.asyncio as aredis
 from redis.exceptions import RedisError
@@ -142,8 +141,7 @@ class FleetWatch:
     def commands(self) -> dict[str, Callable[[], Awaitable[None]]]:
         """Control commands (worker/control.py) switching steals off and back on: on restores
         the ``steal_min_tokens`` setting, or its default where the setting is 0."""
-        default = next(f.default for f in fields(Settings) if f.name == "steal_min_tokens")
-        on = self.s.steal_min_tokens or int(cast(int, default))
+        on = self.s.steal_min_tokens or Settings().steal_min_tokens
 
         def switch(tokens: int) -> Callable[[], Awaitable[None]]:
             async def run() -> None:
