@@ -249,7 +249,8 @@ async def reset(env: Env) -> None:
         await eng.reset_prefix_cache()
     await control.send(env.r, keys, "reset_prefix_cache", env.workers.names)
     stale = [k async for k in env.r.scan_iter(match=keys.prefix("*"), count=1000)]
-    await env.r.delete(keys.prefix_map, keys.prefix_lru, keys.load, *stale)
+    stale += [keys.pass_marks(k) for k in range(env.s.shards)]
+    await env.r.delete(keys.prefix_map, keys.prefix_lru, keys.load, keys.pass_order, *stale)
 
 
 async def assignment(

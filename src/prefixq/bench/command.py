@@ -98,6 +98,19 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     b.add_argument("--burst-questions", type=int, default=2, help="multi-burst: per burst")
     b.add_argument("--burst-gap", type=float, default=3.0, help="multi-burst: s between bursts")
+    b.add_argument("--bursts", type=int, default=3, help="multi-burst: bursts (one tenant each)")
+    b.add_argument(
+        "--burst-share",
+        type=float,
+        default=1.0,
+        help="multi-burst: the share of the documents each burst after the first asks about",
+    )
+    b.add_argument(
+        "--pass-off",
+        default="",
+        help="workloads to measure with the shared pass off too (the producer's shared_pass "
+        "setting), beside the default: e.g. multi-burst",
+    )
     b.add_argument("--system-prompts", type=int, default=4, help="system-prompt workload")
     b.add_argument("--system-tokens", type=int, default=2000, help="system-prompt workload")
     b.add_argument("--decode-requests", type=int, default=64, help="mixed: decode-heavy ones")
@@ -161,6 +174,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         overflow=args.overflow,
         burst_questions=args.burst_questions,
         burst_gap=args.burst_gap,
+        bursts=args.bursts,
+        burst_share=args.burst_share,
         system_prompts=args.system_prompts,
         system_tokens=args.system_tokens,
         decode_requests=args.decode_requests,
@@ -184,6 +199,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         order=settings.enqueue_order,
         orders=_orders(args.orders),
         admissions=_admissions(args.admissions),
+        pass_off=[w for w in args.pass_off.split(",") if w],
         standalone=args.standalone,
         setups=parse_setups(args.setups),
         offload_gib=args.offload_gib,

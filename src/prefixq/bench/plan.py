@@ -88,6 +88,8 @@ def estimate(
             orders += [("affinity", o, one) for o in others]
             adms = [a for a in scoped(cfg.admissions, name) if a != "fair"]
             orders += [("affinity", f"{cfg.order}+{a}", one) for a in adms]
+            if name in cfg.pass_off:
+                orders.append(("affinity", f"{cfg.order}, pass off", one))
         for placement, order, ups in orders:
             pairs = cfg.random_pairs if placement == "random" else cfg.pairs
             secs = {m: _seconds(wl, m, capacity, offload_tokens, block) for m in _modes(ups)}

@@ -82,6 +82,8 @@ class BenchConfig:
     #: the workers' admission orders measured beside the default (worker/groups.py: whole-groups,
     #: resident-first; NAME or WORKLOAD:NAME), each switched on for its case by control command
     admissions: list[str] = field(default_factory=list)
+    #: workloads measured with the producers' shared pass off too (client/shared_pass.py)
+    pass_off: list[str] = field(default_factory=list)
     #: the standalone set-ups (bench/setups.py; NAME or WORKLOAD:NAME); "given" always
     setups: list[str] = field(default_factory=lambda: [GIVEN])
     #: GiB of host memory per offloading engine; 0 = what the host can give (host_offload_gib)
@@ -246,6 +248,16 @@ async def _workload(
             finally:
                 await control.send(env.r, env.keys, "admission:fair", env.workers.names)
             out["admissions"][adm] = _order_view(case)
+    if name in SHARING and name in cfg.pass_off:
+        one = [SORTED] if SORTED in setups_for(cfg.setups, name) else [GIVEN]
+        producer = env.producer
+        async with Producer(env.s.replace(shared_pass=False)) as env.producer:
+            try:
+                case = await run_case(env, b, "affinity", cfg.order, cfg.pairs, one)
+            finally:
+                env.producer = producer
+        out["pass_off"] = {"on": _order_view(out["placements"]["affinity"])}
+        out["pass_off"]["off"] = _order_view(case)
     if "affinity" in out["placements"] and "random" in out["placements"]:
         p = out["placements"]
         out["affinity_gain"] = {

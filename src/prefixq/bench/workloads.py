@@ -54,6 +54,10 @@ class Sizes:
     overflow: float = 3.0
     burst_questions: int = 2
     burst_gap: float = 3.0
+    #: multi-burst: bursts (tenant-a, tenant-b, ...), and the share of the documents each burst
+    #: after the first asks about (a random subset; 1: all)
+    bursts: int = 3
+    burst_share: float = 1.0
     system_prompts: int = 4
     system_tokens: int = 2000
     decode_requests: int = 64
@@ -209,10 +213,16 @@ class _Maker:
         depth = {f"d{d}": self.tokens(t) for d, t in enumerate(texts)}
         bursts: list[Burst] = []
         paths: list[tuple[str, ...]] = []
-        for b, tenant in enumerate(TENANTS):
+        for b in range(sizes.bursts):
+            tenant = TENANTS[b] if b < len(TENANTS) else f"tenant-{b}"
             reqs: list[dict[str, Any]] = []
             ps: list[tuple[str, ...]] = []
-            for d, doc in enumerate(texts):
+            asked: Sequence[int] = range(docs)
+            if b and sizes.burst_share < 1:
+                k = max(1, round(docs * sizes.burst_share))
+                asked = range(docs) if k >= docs else sorted(self.rng.sample(range(docs), k))
+            for d in asked:
+                doc = texts[d]
                 for q in range(sizes.burst_questions):
                     qn = b * sizes.burst_questions + q  # each burst asks its own questions
                     reqs.append(self.request(f"mb{b}-d{d}-q{q}", doc, self.question(qn)))

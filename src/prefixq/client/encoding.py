@@ -59,13 +59,21 @@ class Encoded:
 
 def _fingerprint(value: Any) -> tuple[Any, ...]:
     """A cheap content key of a prefix's value (text, token ids or messages): equal values get
-    equal keys; a collision only makes a single-use prefix travel by reference."""
+    equal keys, in every process (its last item is the group's pass key: client/shared_pass.py);
+    a collision only makes a single-use prefix travel by reference."""
     if isinstance(value, str):
-        return ("x", len(value), hash(value))
+        return ("x", len(value), xxhash.xxh3_64_intdigest(value.encode("utf-8", "surrogatepass")))
     try:
         return ("t", len(value), xxhash.xxh3_64_intdigest(array("q", value).tobytes()))
     except (TypeError, OverflowError, ValueError):  # messages, or not token ids at all
         return ("m", xxhash.xxh3_64_intdigest(wire.pack(value)))
+
+
+def pass_key(fingerprint: Hashable) -> int | None:
+    """A prefix group's key in the shared pass (client/shared_pass.py): the 64-bit content hash
+    that ends its `_fingerprint`, the same in every process."""
+    last = fingerprint[-1] if isinstance(fingerprint, tuple) and fingerprint else None
+    return last if isinstance(last, int) else None
 
 
 class EntryEncoder:
@@ -152,6 +160,7 @@ class EntryEncoder:
                 work=pl.work,
                 predicted_cached=pl.predicted_cached,
                 anchor=pl.anchor,
+                group=pass_key(key) if key is not None and (inline or ref) else None,
                 own=own,
                 deadline=self.deadline,
                 priority=self.priority,

@@ -39,7 +39,7 @@ back in input order whatever the order.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,8 +82,14 @@ class Peek:
     size: int = 0
 
 
-def enqueue_order(order: str, items: Sequence[Peek]) -> list[int]:
-    """A permutation of ``range(len(items))`` for ``order`` (`peeks` makes ``items``)."""
+def enqueue_order(
+    order: str,
+    items: Sequence[Peek],
+    arrange: Callable[[list[list[int]]], list[list[int]]] | None = None,
+) -> list[int]:
+    """A permutation of ``range(len(items))`` for ``order`` (`peeks` makes ``items``);
+    ``arrange`` reorders the groups of ``grouped`` and ``decode-first`` (those after the long
+    answers) for the shared pass (client/shared_pass.py)."""
     n = len(items)
     if order == "input":
         return list(range(n))
@@ -99,22 +105,43 @@ def enqueue_order(order: str, items: Sequence[Peek]) -> list[int]:
         members.sort(key=lambda g: items[g[0]].path)  # stable: equal paths keep first appearance
     elif order == "decode-first":
         members = _long_answers_first(items, members)
+    if arrange is not None and order in ("grouped", "decode-first"):
+        n = _long_count(items, members) if order == "decode-first" else 0
+        members = members[:n] + arrange(members[n:])
     return [i for g in members for i in g]
 
 
 def _long_answers_first(items: Sequence[Peek], members: list[list[int]]) -> list[list[int]]:
     """The groups asking for a long answer (`LONG_OUTPUT`), longest first, then the rest as they
     are; ties and the rest keep their order (sorting is stable)."""
-    budgets = sorted(p.output for p in items if p.output > 0)
-    if not budgets:
+    long = _long(items)
+    if long is None:
         return members
-    long = LONG_OUTPUT * budgets[(len(budgets) - 1) // 10]  # the 10th percentile (lower)
 
     def key(group: list[int]) -> int:
         longest = max(items[i].output for i in group)
         return -longest if longest >= long else 0
 
     return sorted(members, key=key)
+
+
+def _long(items: Sequence[Peek]) -> int | None:
+    """The output budget from which a request asks for a long answer (None: none asks)."""
+    budgets = sorted(p.output for p in items if p.output > 0)
+    if not budgets:
+        return None
+    return LONG_OUTPUT * budgets[(len(budgets) - 1) // 10]  # the 10th percentile (lower)
+
+
+def _long_count(items: Sequence[Peek], members: list[list[int]]) -> int:
+    """How many of ``members`` (in the decode-first order) ask for a long answer."""
+    long = _long(items)
+    if long is None:
+        return 0
+    n = 0
+    while n < len(members) and max(items[i].output for i in members[n]) >= long:
+        n += 1
+    return n
 
 
 #: a prefix value and what was computed of it: group, path, size

@@ -34,6 +34,7 @@ from prefixq.client.enqueue import BurstWriter
 from prefixq.client.items import ItemBuilder
 from prefixq.client.layout import Layout
 from prefixq.client.order import enqueue_order, peeks
+from prefixq.client.shared_pass import PASS_ORDERS, arrangement
 from prefixq.client.submit_args import (
     Progress,
     check_burst_id,
@@ -229,7 +230,10 @@ class _Submission:
         placer = await self.p.placer(self.r, placement, seed)
         reqs = self.requests
         looks = reqs.file.peeks(order) if reqs.file is not None else peeks(reqs.raw, order)
-        perm = enqueue_order(order, looks)
+        arrange = None
+        if order in PASS_ORDERS:  # several bursts over one corpus walk it together
+            arrange = await arrangement(self.r, self.s, self.keys, looks, shards)
+        perm = enqueue_order(order, looks, arrange)
         long_enough = self.enc.long_enough
         reqs.prefix_keys = [p.group if long_enough(p.size) else None for p in looks]
         del looks

@@ -83,6 +83,8 @@ class Entry:
     tenant: str = DEFAULT_TENANT
     #: the checkpoint hash that ends the shared prefix (its prefix group), if it has one
     anchor: bytes | None = None
+    #: the shared prefix's pass key, the same in every burst (client/shared_pass.py)
+    group: int | None = None
 
     @classmethod
     def from_wire(cls, d: Any) -> Entry:
@@ -113,6 +115,10 @@ class Entry:
         anchor = d.get("a")
         if anchor is not None:  # only a hint for moves: one that is not 8 bytes is no group
             e.anchor = anchor if isinstance(anchor, bytes) and len(anchor) == 8 else None
+        group = d.get("g")
+        if group is not None:  # a hint too: one that is no 64-bit key is left out
+            ok = isinstance(group, int) and not isinstance(group, bool) and 0 <= group < 1 << 64
+            e.group = group if ok else None
         pr, tn = d.get("pr"), d.get("tn")  # absent on the default path: nothing to check
         if pr is not None:
             if not isinstance(pr, str) or pr not in PRIORITIES:
@@ -196,6 +202,7 @@ def to_wire(
     priority: str = DEFAULT_PRIORITY,
     tenant: str = DEFAULT_TENANT,
     anchor: bytes | None = None,
+    group: int | None = None,
 ) -> dict[str, Any]:
     """The entry map for one request (prefix inline or by reference, never both)."""
     d: dict[str, Any] = {
@@ -223,6 +230,8 @@ def to_wire(
         d["tn"] = tenant
     if anchor is not None:
         d["a"] = anchor
+    if group is not None:
+        d["g"] = group
     if prefix_ref is not None:
         d["xr"] = prefix_ref
     elif prefix is not None:

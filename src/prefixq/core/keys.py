@@ -101,6 +101,11 @@ class Keys:
         """Hash with TTL: one live worker's state (pid, host, in flight, counters)."""
         return f"{self.ns}:{{s{shard}}}:hb:{worker}"
 
+    def pass_marks(self, shard: int) -> str:
+        """String: the pass keys of the prefix groups the shard's engine holds, newest last
+        (msgpack array, a TTL; worker/shared_pass.py): where a joining burst starts."""
+        return f"{self.ns}:{{s{shard}}}:pass"
+
     def moving(self, shard: int) -> str:
         """Hash: entries taken off this shard and not yet put on their new shard (``<stream>\n<id>``
         -> msgpack [target shard, fields]); a mover that dies leaves its plan here for the next
@@ -137,6 +142,12 @@ class Keys:
     def prefix_lru(self) -> str:
         """Sorted set: prefix checkpoint hash -> last use, to bound `prefix_map` (same slot)."""
         return f"{self.ns}:{{pmap}}:lru"
+
+    @property
+    def pass_order(self) -> str:
+        """Hash: a prefix group's pass key -> its place in the corpus order (first submitted
+        first; field ``n``: the next place), with a TTL (client/shared_pass.py)."""
+        return f"{self.ns}:pass-order"
 
     @property
     def moves(self) -> str:

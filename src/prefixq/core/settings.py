@@ -105,6 +105,11 @@ class Settings:
     #: burst's 10th-percentile answer first), grouped (each shared prefix's requests together),
     #: input, leaders-first, depth-first (prefix tree walked depth first): client/order.py
     enqueue_order: str = DEFAULT_ORDER
+    #: a burst over documents another burst's pass holds joins that pass where it is and wraps
+    #: around (grouped and decode-first orders; client/shared_pass.py)
+    shared_pass: bool = True
+    #: workers: the share of the engine's KV cache whose newest prefixes a joining burst starts at
+    pass_window: float = 0.5
     #: producer-side tokenizer (HF folder) for token block hashes; empty = character blocks
     tokenizer: str = ""
 
@@ -263,6 +268,8 @@ class Settings:
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ConfigError(f"{name} must be a number >= 0, not {v}")
+        if not 0 < self.pass_window <= 1:
+            raise ConfigError(f"pass_window must be a share in (0, 1], not {self.pass_window}")
         if not 0 <= self.affinity_min_match <= 1:
             raise ConfigError(
                 f"affinity_min_match must be a share in [0, 1], not {self.affinity_min_match}"

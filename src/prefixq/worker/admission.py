@@ -36,6 +36,7 @@ from prefixq.worker.middleware import Middleware
 from prefixq.worker.prefixes import PrefixCache
 from prefixq.worker.probes import Probes
 from prefixq.worker.scheduler import Scheduler
+from prefixq.worker.shared_pass import PassMarks
 from prefixq.worker.solo import SoloGate
 from prefixq.worker.writer import ResultWriter
 
@@ -81,6 +82,8 @@ class Admission:
         self._room, self._request_done, self._engine_died = room, request_done, on_engine_dead
         #: engine priorities by fair share (worker/engine_order.py), or by priority alone
         self.order = EngineOrder() if settings.engine_fair_order else None
+        #: where the pass is (worker/shared_pass.py; the heartbeat's, which publishes it)
+        self.marks: PassMarks | None = None
 
     async def admit(self, deliveries: list[Delivery]) -> None:
         """Take the entries in (worker/intake.py) and hand each request to the engine at
@@ -123,8 +126,11 @@ class Admission:
         # request; no collection runs meanwhile, and what they all hold is frozen after it
         # (worker/gc_policy.py)
         with self.probes.gc_policy.admitting(len(ready)):
+            marks = self.marks
             for d, e, t in ready:
                 self.counts["admitted"] += 1
+                if marks is not None:
+                    marks.note(e)
                 solo = last_allowed(d.deliveries, max_attempts)
                 ref = d.ref
                 prio = ENGINE_PRIORITY[e.priority]

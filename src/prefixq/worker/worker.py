@@ -58,6 +58,7 @@ from prefixq.worker.reader import Reader
 from prefixq.worker.reclaim import Reclaimer
 from prefixq.worker.scheduler import Scheduler
 from prefixq.worker.shard import ShardStream
+from prefixq.worker.shared_pass import resetting
 from prefixq.worker.solo import SoloGate
 from prefixq.worker.startup import record_engine, register, warm_up
 from prefixq.worker.writer import ResultWriter
@@ -164,6 +165,7 @@ class Worker:
             request_done=self.heartbeat.request_done,
             on_engine_dead=self._engine_died,
         )
+        self.admission.marks = self.heartbeat.marks
 
     # ---- lifecycle -------------------------------------------------------------------------
     @property
@@ -222,8 +224,9 @@ class Worker:
         await self._warm_up()
         self.engine_up = True
         probes = self.probes
+        self.heartbeat.marks.size(getattr(self.engine, "kv_tokens", 0))
         commands = {
-            "reset_prefix_cache": self.engine.reset_prefix_cache,
+            "reset_prefix_cache": resetting(self.engine.reset_prefix_cache, self.heartbeat.marks),
             **probes.commands(),
             **admission_commands(self.sched),
             **self.fleet.commands(),

@@ -1,0 +1,95 @@
+"""Where this worker's pass is: the prefix groups its engine most likely holds, for producers.
+
+`PassMarks` follows the requests the worker admits, as the engine's prefix cache does: a least
+recently used list of their groups' pass keys (`prefixq.core.entries.Entry.group`), each with the
+tokens its requests' prompts take, cut to ``pass_window`` of the engine's KV cache (the newest
+groups only: what a burst that starts among them finds still there once it gets to them). The
+heartbeat publishes it when it changed (a msgpack array, oldest first, with a TTL; Keys.pass_marks),
+and a producer starts a burst over the same documents there (client/shared_pass.py). An engine
+that says nothing of its KV cache (a test engine) counts `COUNT_WINDOW` groups instead. A reset of
+the engine's prefix cache empties it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from prefixq.core import wire
+from prefixq.core.entries import Entry
+
+__all__ = ["COUNT_WINDOW", "PassMarks", "resetting"]
+
+#: groups in the window of an engine of unknown KV capacity
+COUNT_WINDOW = 64
+#: seconds the published window outlives the worker's last beat
+TTL_S = 3600
+
+
+class PassMarks:
+    """The newest prefix groups admitted, within ``window`` (a share) of ``kv_tokens``."""
+
+    def __init__(self, key: str, window: float, kv_tokens: int = 0) -> None:
+        self.key = key
+        self.window = window
+        self.capacity = 0
+        self.size(kv_tokens)
+        self._lru: OrderedDict[int, int] = OrderedDict()
+        self._tokens = 0
+        self._dirty = False
+
+    def size(self, kv_tokens: int) -> None:
+        """The engine's KV cache, in tokens (0: unknown)."""
+        self.capacity = int(kv_tokens * self.window) if kv_tokens > 0 else 0
+
+    def note(self, e: Entry) -> None:
+        """``e`` was admitted: its group is the newest."""
+        g = e.group
+        if g is None:
+            return
+        lru = self._lru
+        tokens = e.work + e.predicted_cached
+        old = lru.pop(g, None)
+        if old is not None:
+            self._tokens -= old
+            tokens = max(tokens, old)
+        lru[g] = tokens
+        self._tokens += tokens
+        cap = self.capacity
+        while len(lru) > 1 and (self._tokens > cap if cap else len(lru) > COUNT_WINDOW):
+            _, gone = lru.popitem(last=False)
+            self._tokens -= gone
+        self._dirty = True
+
+    def clear(self) -> None:
+        """The engine's prefix cache was reset: it holds nothing."""
+        self._lru.clear()
+        self._tokens = 0
+        self._dirty = True
+
+    def keys(self) -> list[int]:
+        """The window's pass keys, oldest first."""
+        return list(self._lru)
+
+    def publish(self, pipe: Any) -> None:
+        """Add the window's write to ``pipe`` (a Redis pipeline) if it changed since the last."""
+        if not self._dirty:
+            return
+        self._dirty = False
+        if self._lru:
+            pipe.set(self.key, wire.pack(list(self._lru)), ex=TTL_S)
+        else:
+            pipe.delete(self.key)
+
+
+def resetting(
+    reset: Callable[[], Awaitable[object]], marks: PassMarks
+) -> Callable[[], Awaitable[None]]:
+    """The control command ``reset_prefix_cache``: ``reset`` (the engine's), then `clear`."""
+
+    async def run() -> None:
+        await reset()
+        marks.clear()
+
+    return run

@@ -1,0 +1,213 @@
+"""The shared pass (client/shared_pass.py, worker/shared_pass.py): bursts over one corpus follow
+the first burst's order and start where the shards' passes are, against a real redis-server, a
+fake-engine worker and the session's real vLLM CPU workers."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from fake_engine import FakeEngine
+from helpers import queued_entries, wait_until
+from prefixq.client import Producer, results
+from prefixq.client.encoding import _fingerprint, pass_key
+from prefixq.client.shared_pass import join_point, rotate
+from prefixq.core import wire
+from prefixq.core.entries import Entry
+from prefixq.core.keys import POS, Keys
+from prefixq.core.settings import Settings
+from prefixq.store.connection import async_client
+from prefixq.worker import control
+
+DOCS = [f"document {d}: " + f"the {d}th text of the corpus " * 20 for d in range(12)]
+
+
+def _burst(name: str, docs: list[int], questions: int = 2, seed: int = 0) -> list[dict[str, Any]]:
+    """``questions`` per document of ``docs``, shuffled (as a user's burst comes)."""
+    reqs = [
+        {"id": f"{name}-d{d}-q{q}", "prefix": DOCS[d], "prompt": f" {name} question {q}?"}
+        for d in docs
+        for q in range(questions)
+    ]
+    random.Random(seed).shuffle(reqs)
+    return reqs
+
+
+def _doc_order(r: redis.Redis, s: Settings, burst: str, shards: int = 1) -> list[list[int]]:
+    """Per shard, the documents of ``burst`` in its enqueue order there (each once, as first
+    reached)."""
+    out: list[list[int]] = []
+    for k in range(shards):
+        placed = []
+        for _, f in queued_entries(r, s, k):
+            e = Entry.from_wire(wire.decode(f[b"d"]))
+            if e.burst == burst:
+                lanes, intakes = (int(x) for x in f[POS].split(b":"))
+                placed.append((lanes + intakes, _doc_of(e.id)))
+        out.append(list(dict.fromkeys(d for _, d in sorted(placed))))
+    return out
+
+
+def _doc_of(request_id: str) -> int:
+    return int(request_id.split("-d")[1].split("-")[0])
+
+
+def _first_seen(reqs: list[dict[str, Any]]) -> list[int]:
+    return list(dict.fromkeys(_doc_of(x["id"]) for x in reqs))
+
+
+def _on_shards(order: list[int], per_shard: list[list[int]]) -> list[list[int]]:
+    """``order`` as each shard of ``per_shard`` holds it."""
+    return [[d for d in order if d in set(held)] for held in per_shard]
+
+
+def _key(d: int) -> int:
+    k = pass_key(_fingerprint(DOCS[d]))
+    assert k is not None
+    return k
+
+
+def test_the_join_point_is_after_the_largest_gap_read_circularly() -> None:
+    assert join_point([], 10) is None
+    assert join_point([4], 10) == 4
+    assert join_point([3, 4, 5, 6], 10) == 3
+    assert join_point([8, 9, 0, 1], 10) == 8  # a window across the order's end: one run
+    assert join_point([1, 2, 6, 7, 8], 10) == 6  # the gap 2 -> 6 (4) beats 8 -> 1 (3)
+    assert join_point([1, 2, 3, 7], 10) == 7  # 3 -> 7 and 7 -> 1 are 4: the first largest
+
+
+def test_rotate_moves_only_placed_groups_and_keeps_the_others_in_their_slots() -> None:
+    members = [[0], [1], [2], [3], [4]]
+    got = rotate(members, [2, None, 0, 1, None], 1, 3)
+    assert got == [[3], [1], [0], [2], [4]]  # places 1, 2, then 0 (wrapped)
+    assert rotate(members, [None] * 5, None, 0) == members
+
+
+def test_a_later_burst_walks_the_documents_in_the_first_bursts_order(
+    make_settings: Callable[..., Settings], r: redis.Redis
+) -> None:
+    """No pass published: a burst over documents an earlier burst submitted walks them in the
+    order that burst did, whatever its own order; a burst alone keeps its own; off, each its own."""
+    s = make_settings(prefix_store_min_chars=16)
+    a = _burst("a", list(range(8)), seed=1)
+    first = asyncio.run(Producer(s).asubmit(a, order="grouped"))
+    (a_order,) = _doc_order(r, s, first)
+    assert a_order == _first_seen(a) != list(range(8))  # its own first appearances
+    b = _burst("b", list(range(8)), seed=2)
+    assert _first_seen(b) != a_order
+    later = asyncio.run(Producer(s).asubmit(b, order="grouped"))
+    assert _doc_order(r, s, later) == [a_order]
+    # documents it adds come after the known ones, in its own order
+    mixed = asyncio.run(Producer(s).asubmit(_burst("c", [10, 3, 11, 5], seed=3), order="grouped"))
+    known = [d for d in a_order if d in (3, 5)]
+    assert _doc_order(r, s, mixed)[0][:2] == known
+    off = make_settings(prefix_store_min_chars=16, shared_pass=False, namespace=s.namespace)
+    d = _burst("d", list(range(8)), seed=4)
+    own = asyncio.run(Producer(off).asubmit(d, order="grouped"))
+    assert _doc_order(r, s, own) == [_first_seen(d)] != [a_order]
+
+
+def test_a_burst_starts_where_a_shards_pass_is_and_wraps_around(
+    make_settings: Callable[..., Settings], r: redis.Redis
+) -> None:
+    """A shard's published window (documents 5, 6, 7 of the first burst's order, as a worker
+    publishes it) makes a later burst start at the first of them and wrap around; across two
+    shards the windows are read together; a value that is not a window is no pass."""
+    s = make_settings(prefix_store_min_chars=16, shards=2)
+    keys = Keys(s.namespace)
+    first_reqs = _burst("a", list(range(8)), seed=1)
+    first = asyncio.run(Producer(s).asubmit(first_reqs, order="grouped"))
+    a = _first_seen(first_reqs)
+    held = _doc_order(r, s, first, shards=2)
+    assert all(held) and held == _on_shards(a, held)
+    r.set(keys.pass_marks(0), wire.pack([_key(a[6]), _key(a[5])]))
+    r.set(keys.pass_marks(1), wire.pack([_key(a[7])]))
+    b = asyncio.run(Producer(s).asubmit(_burst("b", list(range(8)), seed=2)))  # decode-first
+    got = _doc_order(r, s, b, shards=2)
+    assert got == _on_shards(a[5:] + a[:5], got)
+    r.set(keys.pass_marks(0), b"\xc1garbage")
+    r.set(keys.pass_marks(1), wire.pack({"not": "a list"}))
+    c = asyncio.run(Producer(s).asubmit(_burst("c", list(range(8)), seed=3), order="grouped"))
+    got = _doc_order(r, s, c, shards=2)
+    assert got == _on_shards(a, got)
+
+
+def test_a_worker_publishes_the_newest_groups_within_its_window_and_a_reset_empties_it(
+    make_settings: Callable[..., Settings], r: redis.Redis, fake_worker: Callable[..., Any]
+) -> None:
+    """A real worker loop (fake engine of a stated KV cache) publishes the pass keys of the
+    groups it admitted last, oldest first, as many as half its cache holds; a burst submitted
+    then starts at the oldest of them; ``reset_prefix_cache`` empties the window."""
+    s = make_settings(prefix_store_min_chars=16, heartbeat_s=0.2)
+    keys = Keys(s.namespace)
+    first_reqs = _burst("a", list(range(12)), seed=1)
+    first = asyncio.run(Producer(s).asubmit(first_reqs, order="grouped"))
+    a = _first_seen(first_reqs)
+    tokens = max(
+        e.work + e.predicted_cached
+        for e in (Entry.from_wire(wire.decode(f[b"d"])) for _, f in queued_entries(r, s))
+    )
+    engine = FakeEngine()
+    engine.kv_tokens = 2 * 4 * tokens  # type: ignore[attr-defined]  # window: 4 documents
+    with fake_worker(s, engine=engine):
+        results.wait(first, s, timeout=60)
+        raw = wait_until(lambda: r.get(keys.pass_marks(0)), 10, "the published window")
+        window = wire.unpack(raw)
+        assert window == [_key(d) for d in a[-len(window) :]]
+        assert 2 <= len(window) <= 4
+        b_reqs = _burst("b", list(range(12)), seed=2)
+        b = asyncio.run(Producer(s).asubmit(b_reqs))
+        results.wait(b, s, timeout=60)
+        start = a.index(next(d for d in a if _key(d) == window[0]))
+        # the worker admits one burst in its enqueue order: the engine saw it so
+        seen = [b_reqs[int(x.split(":")[1])]["id"] for x in engine.seen if x.startswith(b + ":")]
+        served = list(dict.fromkeys(map(_doc_of, seen)))
+        assert served == a[start:] + a[:start]
+
+        async def reset() -> None:
+            ar = async_client(s)
+            try:
+                await control.send(ar, keys, "reset_prefix_cache", ["fw"])
+            finally:
+                await ar.aclose()
+
+        asyncio.run(reset())
+        wait_until(lambda: not r.exists(keys.pass_marks(0)), 10, "the window emptied")
+
+
+def test_the_session_workers_publish_their_pass_and_a_second_burst_follows_the_first(
+    engines: Any, r: redis.Redis
+) -> None:
+    """On the real vLLM CPU workers (two shards): after a burst, each shard that served it
+    publishes the pass keys of what it served (its KV cache holds them all), and a second burst
+    over the same documents, shuffled otherwise, walks them in the first one's order."""
+    s = engines.settings.replace(prefix_store_min_chars=16)
+    keys = Keys(s.namespace)
+    docs = list(range(6))
+    a = [{**x, "max_tokens": 2} for x in _burst("pa", docs, seed=5)]
+    first = asyncio.run(Producer(s).asubmit(a, order="grouped"))
+    a_order = _first_seen(a)
+    assert results.wait(first, s, timeout=300).failed == 0
+    published: set[int] = set()
+
+    def seen() -> bool:
+        for k in range(2):
+            raw = r.get(keys.pass_marks(k))
+            if raw:
+                published.update(wire.unpack(raw))
+        return {_key(d) for d in docs} <= published
+
+    wait_until(seen, 15, "both shards' windows holding the first burst's documents")
+    b = [{**x, "max_tokens": 2} for x in _burst("pb", docs, seed=6)]
+    later = asyncio.run(Producer(s).asubmit(b, order="grouped"))
+    got = _doc_order(r, s, later, shards=2)
+    assert sum(map(len, got)) == len(docs)
+    # each shard's part of the first order, from some point around (the window's start)
+    for part in _on_shards(a_order, got):
+        assert any(part[i:] + part[:i] in got for i in range(len(part)))
+    st = results.wait(later, s, timeout=300)
+    assert st.failed == 0
