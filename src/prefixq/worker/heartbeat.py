@@ -74,7 +74,7 @@ class Heartbeat:
         self._served_since_collect = 0
         self._last_done = 0.0
         self.history = History(stream, every_s=stream.settings.history_every_s, now=time.time())
-        #: where the worker's pass is, published with each beat (worker/shared_pass.py)
+        #: where the worker's pass is (worker/shared_pass.py; the worker runs its publishing)
         self.marks = PassMarks(stream.keys.pass_marks(stream.shard), stream.settings.pass_window)
 
     def request_done(self) -> None:
@@ -104,7 +104,6 @@ class Heartbeat:
         pipe.zremrangebyscore(workers, "-inf", now - GONE_KEPT_S)
         if self.serving():
             beat_commands(pipe, self.stream.keys, self.stream.shard, now)
-        self.marks.publish(pipe)
         await pipe.execute()
         await self.stream.renew(self.holding())
         self._untold += self.tallies()

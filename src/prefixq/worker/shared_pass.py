@@ -4,27 +4,36 @@
 recently used list of their groups' pass keys (`prefixq.core.entries.Entry.group`), each with the
 tokens its requests' prompts take, cut to ``pass_window`` of the engine's KV cache (the newest
 groups only: what a burst that starts among them finds still there once it gets to them). The
-heartbeat publishes it when it changed (a msgpack array, oldest first, with a TTL; Keys.pass_marks),
-and a producer starts a burst over the same documents there (client/shared_pass.py). An engine
+worker publishes it every `PUBLISH_S` when it changed (a msgpack array, oldest first, with a TTL;
+Keys.pass_marks), and a producer starts a burst over the same documents there
+(client/shared_pass.py): a pass moves tens of documents a second on a GPU, so not only with the
+heartbeat. An engine
 that says nothing of its KV cache (a test engine) counts `COUNT_WINDOW` groups instead. A reset of
 the engine's prefix cache empties it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from prefixq.core import wire
 from prefixq.core.entries import Entry
+from prefixq.store.redis_errors import TRANSIENT
 
 __all__ = ["COUNT_WINDOW", "PassMarks", "resetting"]
 
+log = logging.getLogger(__name__)
+
 #: groups in the window of an engine of unknown KV capacity
 COUNT_WINDOW = 64
-#: seconds the published window outlives the worker's last beat
+#: seconds the published window outlives its last change
 TTL_S = 3600
+#: seconds between two publications of a changed window
+PUBLISH_S = 0.2
 
 
 class PassMarks:
@@ -72,15 +81,21 @@ class PassMarks:
         """The window's pass keys, oldest first."""
         return list(self._lru)
 
-    def publish(self, pipe: Any) -> None:
-        """Add the window's write to ``pipe`` (a Redis pipeline) if it changed since the last."""
-        if not self._dirty:
-            return
-        self._dirty = False
-        if self._lru:
-            pipe.set(self.key, wire.pack(list(self._lru)), ex=TTL_S)
-        else:
-            pipe.delete(self.key)
+    async def run(self, r: Any) -> None:
+        """Publish the window every `PUBLISH_S` while it changes (a task of the worker's)."""
+        while True:
+            await asyncio.sleep(PUBLISH_S)
+            if not self._dirty:
+                continue
+            self._dirty = False
+            try:
+                if self._lru:
+                    await r.set(self.key, wire.pack(list(self._lru)), ex=TTL_S)
+                else:
+                    await r.delete(self.key)
+            except TRANSIENT as e:  # a hint: the next change publishes it again
+                self._dirty = True
+                log.debug("shared pass: window not published: %s", e)
 
 
 def resetting(

@@ -243,6 +243,7 @@ class Worker:
                 ("control", control_loop(self.r, self.keys, self.name, commands, probes.stats)),
                 ("lanes", self.reader.refresh_loop()),
                 ("fleet", self.fleet.run(self._stopping)),
+                ("shared-pass", self.heartbeat.marks.run(self.r)),
             )
         ]
         final = time.monotonic() + stop_bound_s(self.settings)  # when the stop must be over
