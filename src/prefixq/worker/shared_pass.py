@@ -7,9 +7,8 @@ groups only: what a burst that starts among them finds still there once it gets 
 worker publishes it every `PUBLISH_S` when it changed (a msgpack array, oldest first, with a TTL;
 Keys.pass_marks), and a producer starts a burst over the same documents there
 (client/shared_pass.py): a pass moves tens of documents a second on a GPU, so not only with the
-heartbeat. An engine
-that says nothing of its KV cache (a test engine) counts `COUNT_WINDOW` groups instead. A reset of
-the engine's prefix cache empties it.
+heartbeat. An engine that says nothing of its KV cache (a test engine) counts `COUNT_WINDOW`
+groups instead. A reset of the engine's prefix cache empties it.
 """
 
 from __future__ import annotations
