@@ -22,6 +22,7 @@ from prefixq.core.errors import EngineAborted, EngineDead, EngineError
 from prefixq.core.settings import Settings
 from prefixq.engine.protocol import EngineOutput, EngineRequest, EngineSizes
 from prefixq.integrations.rq_callbacks import RqCompletion
+from prefixq.integrations.webhooks import WebhookSender, configured
 from prefixq.worker.worker import Worker
 
 
@@ -120,12 +121,14 @@ async def serve(
     exporter); ``on_worker`` is called with the worker and its loop once built (and wrapped),
     before it runs (tests/fault_worker.py hands it to `WorkerSignals.serve`, as `prefixq worker`
     does); ``hand_over``: as ``prefixq worker --hand-over``."""
+    hooks = [WebhookSender(settings)] if configured(settings) else []
     w = Worker(
         settings,
         shard,
         engine if engine is not None else FakeEngine(),
         name=name,
-        middleware=[RqCompletion(settings)],  # as `prefixq worker` registers it
+        # as `prefixq worker` registers them
+        middleware=[RqCompletion(settings), *hooks],
         hand_over=hand_over,
     )
     loop = asyncio.get_running_loop()

@@ -88,6 +88,7 @@ def run_worker(
 
     async def main() -> int:
         from prefixq.integrations.rq_callbacks import RqCompletion
+        from prefixq.integrations.webhooks import WebhookSender, configured
 
         worker = Worker(
             settings,
@@ -100,6 +101,8 @@ def run_worker(
         )
         if settings.metrics_port > 0:
             worker.add_middleware(metrics_exporter(worker, settings.metrics_port))
+        if configured(settings):  # the on_complete_url of bursts, with no server running
+            worker.add_middleware(WebhookSender(settings))
         signals.serve(worker, asyncio.get_running_loop())
         return await worker.run()
 

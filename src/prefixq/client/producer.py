@@ -52,6 +52,7 @@ from prefixq.store.connection import async_client
 from prefixq.store.deployment import aresolve_shards
 from prefixq.store.fence import afence
 from prefixq.store.redis_errors import TRANSIENT, adescribe
+from prefixq.store.webhook_outbox import watch_burst
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,7 @@ class Producer:
         placement: str | Placer | None = None,
         on_complete: str | None = None,
         rq_queue: str | None = None,
+        on_complete_url: str | None = None,
         progress: Progress | None = None,
         seed: int | None = None,
         deadline: float | None = None,
@@ -123,12 +125,14 @@ class Producer:
 
         ``placement`` overrides the setting (a name, or a `Placer` of your own);
         ``on_complete`` ("pkg.module:func") is enqueued as an RQ job on ``rq_queue`` with the
-        burst id once the burst's last request is recorded. ``deadline`` (epoch seconds): requests
-        not admitted by then get an expired result. ``metadata``: string pairs kept on the burst
-        record (field ``metadata``, JSON). ``order``: the enqueue order (`ORDERS`; default the
-        ``enqueue_order`` setting). ``priority`` (high, normal, low) and ``tenant``: how the burst
-        shares the workers with others (default: the settings' ``priority`` and ``tenant``;
-        prefixq.core.sharing).
+        burst id once the burst's last request is recorded; ``on_complete_url`` (http(s)) is sent
+        a signed ``batch.completed``, ``batch.cancelled`` or ``batch.expired`` webhook once the
+        burst ends (docs/operations.md, "Receiving webhooks"). ``deadline`` (epoch seconds):
+        requests not admitted by then get an expired result. ``metadata``: string pairs kept on
+        the burst record (field ``metadata``, JSON). ``order``: the enqueue order (`ORDERS`;
+        default the ``enqueue_order`` setting). ``priority`` (high, normal, low) and ``tenant``:
+        how the burst shares the workers with others (default: the settings' ``priority`` and
+        ``tenant``; prefixq.core.sharing).
         """
         s = self.settings
         order = order or s.enqueue_order
@@ -139,6 +143,7 @@ class Producer:
             placement=placement,
             on_complete=on_complete,
             rq_queue=rq_queue,
+            on_complete_url=on_complete_url,
             progress=progress,
             deadline=deadline,
             metadata=metadata,
@@ -150,6 +155,8 @@ class Producer:
         try:
             for attempt in range(_NEW_ID_ATTEMPTS):
                 burst = new_burst_id() if burst_id is None else check_burst_id(burst_id)
+                if on_complete_url:  # a deliverer sends its webhook whoever ends it
+                    await watch_burst(r, s, burst)
                 sub = _Submission(self, r, raw, burst, meta, progress)
                 try:
                     burst = await sub.run(placement or s.placement, seed, order)

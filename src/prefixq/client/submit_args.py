@@ -22,6 +22,7 @@ from prefixq.core.errors import ValidationError
 from prefixq.core.records import Request
 from prefixq.core.settings import Settings
 from prefixq.core.sharing import check_priority, check_tenant
+from prefixq.core.webhooks import check_url
 
 _BURST_ID = re.compile(r"[A-Za-z0-9_.:@+-]{1,200}")
 #: called with (requests enqueued so far, total)
@@ -80,6 +81,7 @@ def check_options(
     placement: str | Placer | None,
     on_complete: str | None,
     rq_queue: str | None,
+    on_complete_url: str | None,
     progress: Progress | None,
     deadline: float | None,
     metadata: Mapping[str, str] | None,
@@ -96,6 +98,8 @@ def check_options(
                 f"on_complete must look like 'package.module:function', not {on_complete!r}"
             )
         callback_path(on_complete)  # ValidationError unless dotted names around one colon
+    if on_complete_url is not None:
+        check_url(on_complete_url, "on_complete_url")
     if rq_queue is not None and (not isinstance(rq_queue, str) or not rq_queue.strip()):
         raise ValidationError(f"rq_queue must be an RQ queue name, not {rq_queue!r}")
     meta: dict[str, Any] = {
@@ -125,4 +129,6 @@ def check_options(
     if on_complete:
         meta["on_complete"] = on_complete
         meta["rq_queue"] = rq_queue or "default"
+    if on_complete_url:
+        meta["on_complete_url"] = on_complete_url
     return meta

@@ -263,3 +263,33 @@ class Keys:
     def oai_lease(self, batch_id: str) -> str:
         """String with TTL: the token of the server validating or finalizing the batch."""
         return f"{self.ns}:{{oai}}:lease:{batch_id}"
+
+    # webhook outbox (store/webhook_outbox.py): the same {oai} slot, so that a batch's final status
+    # and its deliveries are written by one script
+    @property
+    def hooks(self) -> str:
+        """Hash: delivery id (``webhook-id``) -> JSON (url, body, first, attempts, last error)."""
+        return f"{self.ns}:{{oai}}:hooks"
+
+    @property
+    def hooks_due(self) -> str:
+        """Sorted set: delivery id -> when its next attempt is due (epoch ms); a claimed delivery
+        is pushed past its attempt, so another deliverer takes it only if this one died."""
+        return f"{self.ns}:{{oai}}:hooks:due"
+
+    def hook_seen(self, delivery_id: str) -> str:
+        """String with TTL: a burst's delivery was queued once (its id is derived from the burst,
+        so every process that sees the burst end may try)."""
+        return f"{self.ns}:{{oai}}:hooks:seen:{delivery_id}"
+
+    @property
+    def hook_bursts(self) -> str:
+        """Sorted set: burst with an ``on_complete_url`` -> when submitted (epoch s): written by
+        the producer before the burst, so a deliverer queues its event when it ends even if the
+        process that ended it died first; removed once queued."""
+        return f"{self.ns}:{{oai}}:hooks:bursts"
+
+    @property
+    def hooks_stats(self) -> str:
+        """Hash: ``delivered``, ``retried``, ``gave_up``: counters since the namespace began."""
+        return f"{self.ns}:{{oai}}:hooks:stats"

@@ -19,6 +19,7 @@ from typing import Any, get_type_hints
 from prefixq.core.errors import ConfigError, ValidationError
 from prefixq.core.keys import Keys
 from prefixq.core.sharing import check_priority, check_tenant, parse_caps, parse_weights
+from prefixq.core.webhooks import WebhookConfig
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +179,21 @@ class Settings:
     #: on the page and refused by its /api/ (docs/dashboard.md)
     dashboard_read_only: bool = False
 
+    # webhooks (prefixq serve and workers; docs/operations.md, "Receiving webhooks")
+    #: endpoints per namespace: JSON, or @PATH of a JSON file (format in docs/operations.md);
+    #: empty = no batch webhooks (bursts' on_complete_url deliveries wait for a secret)
+    webhooks: str = field(default="", repr=False)  # holds signing secrets
+    #: seconds before the first retry of a failed delivery; doubles each attempt (with jitter)
+    webhook_retry_base_s: float = 5.0
+    #: longest wait between two attempts, seconds
+    webhook_retry_max_s: float = 3600.0
+    #: a delivery is retried until this long after its event, seconds (72 h, as OpenAI)
+    webhook_retry_window_s: float = 259_200.0
+    #: seconds one attempt may take (connect, send, answer)
+    webhook_timeout_s: float = 10.0
+    #: attempts in flight at once, per serving process
+    webhook_concurrency: int = 8
+
     def __post_init__(self) -> None:
         self._check_types()
         if self.codec not in CODECS:
@@ -219,6 +235,7 @@ class Settings:
             "max_prompt_chars",
             "max_file_bytes",
             "max_file_lines",
+            "webhook_concurrency",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, not {getattr(self, name)}")
@@ -234,7 +251,7 @@ class Settings:
                 object.__setattr__(self, f.name, float(value))
                 continue
             if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-                shown = "***" if f.name == "api_keys" else repr(value)
+                shown = "***" if f.name in ("api_keys", "webhooks") else repr(value)
                 article = "an" if kind is int else "a"
                 raise ConfigError(f"{f.name} must be {article} {kind.__name__}, not {shown}")
 
@@ -260,7 +277,16 @@ class Settings:
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, not {getattr(self, name)}")
-        for name in ("claim_idle_s", "heartbeat_s", "heartbeat_ttl_s", "guard_factor"):
+        for name in (
+            "claim_idle_s",
+            "heartbeat_s",
+            "heartbeat_ttl_s",
+            "guard_factor",
+            "webhook_retry_base_s",
+            "webhook_retry_max_s",
+            "webhook_retry_window_s",
+            "webhook_timeout_s",
+        ):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ConfigError(f"{name} must be a positive number, not {v}")
@@ -274,6 +300,8 @@ class Settings:
             raise ConfigError(
                 f"affinity_min_match must be a share in [0, 1], not {self.affinity_min_match}"
             )
+        if not self.webhooks.lstrip().startswith("@"):  # a file is read where it is used
+            WebhookConfig.parse(self.webhooks)  # ConfigError saying what is wrong
         levels = _CODEC_LEVELS.get(self.codec)  # codec none has no level
         if levels and self.codec_level != -1 and not levels[0] <= self.codec_level <= levels[1]:
             raise ConfigError(

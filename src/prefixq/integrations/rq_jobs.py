@@ -63,6 +63,7 @@ def run_burst(
     out: str | None = None,
     burst_id: str | None = None,
     token_ids: bool = False,
+    on_complete_url: str | None = None,
     **overrides: Any,
 ) -> dict[str, Any]:
     """Submit a burst, wait for every result, return its summary: an ordinary RQ job function.
@@ -73,9 +74,11 @@ def run_burst(
     fails with `BurstTimeout` and the burst keeps running. ``max_failed``: an ``int`` is the
     number of failed requests allowed, a ``float`` in [0, 1] the allowed share of the burst;
     more fails the job with `BurstFailed` (None: no limit). ``out``: also write the results as
-    JSON lines there (input order; ``token_ids`` adds output token ids). Every other keyword is a
-    `Settings` field (``redis_url``, ``namespace``, ``placement``, ``shards``, ``codec``, ...)
-    that overrides the environment (``REDIS_URL``, ``PREFIXQ_*``) of the RQ worker.
+    JSON lines there (input order; ``token_ids`` adds output token ids). ``on_complete_url``: the
+    burst's webhook (`Producer.submit`; docs/operations.md, "Receiving webhooks"). Every other
+    keyword is a `Settings` field (``redis_url``, ``namespace``, ``placement``, ``shards``,
+    ``codec``, ...) that overrides the environment (``REDIS_URL``, ``PREFIXQ_*``) of the RQ
+    worker.
 
     Returns a JSON-serialisable dict; docs/rq.md lists its fields.
     """
@@ -90,7 +93,7 @@ def run_burst(
     try:
         burst = _earlier_attempt(get_current_job(), settings, client, burst_id)
         if burst is None:
-            burst = _submit(settings, reqs, burst_id)
+            burst = _submit(settings, reqs, burst_id, on_complete_url)
         submit_s = time.monotonic() - started
         try:
             st = results.wait(burst, settings, timeout=max(budget - submit_s, 0.001), client=client)
@@ -176,7 +179,9 @@ def _rq_job_of(metadata: bytes | None) -> str | None:
     return got if isinstance(got, str) else None
 
 
-def _submit(settings: Settings, reqs: list[Any], burst_id: str | None) -> str:
+def _submit(
+    settings: Settings, reqs: list[Any], burst_id: str | None, on_complete_url: str | None = None
+) -> str:
     """Submit the burst, its id noted in the running RQ job's meta first (`_earlier_attempt`)."""
     job = get_current_job()
     metadata = {META_RQ_JOB: job.id} if job is not None else None
@@ -187,7 +192,7 @@ def _submit(settings: Settings, reqs: list[Any], burst_id: str | None) -> str:
             job.save_meta()  # type: ignore[no-untyped-call]
         try:
             Producer(settings, on_burst_done=RQ_ON_COMPLETE).submit(
-                reqs, burst_id=burst, metadata=metadata
+                reqs, burst_id=burst, metadata=metadata, on_complete_url=on_complete_url
             )
         except BurstIdTaken:  # another producer drew the same new id: draw again
             if burst_id is not None or attempt + 1 == _NEW_ID_ATTEMPTS:

@@ -33,6 +33,7 @@ from prefixq.openai.auth import KeyRing
 from prefixq.openai.batches import BatchStore
 from prefixq.openai.pages import parse_limit
 from prefixq.openai.runner import Sweeper
+from prefixq.ops.webhook_delivery import delivering
 from prefixq.store.burst_end import AsyncBurstDone
 from prefixq.store.connection import async_client, sync_client
 from prefixq.store.redis_errors import describe
@@ -91,7 +92,8 @@ def create_app(
     batch_api: bool = True,
     extensions: Sequence[Extension] = (),
 ) -> FastAPI:
-    """The app; its lifespan opens the Redis clients and runs the batch sweeper (runner.py).
+    """The app; its lifespan opens the Redis clients and runs the batch sweeper (runner.py) and
+    the webhook deliverer (prefixq.ops.webhook_delivery).
     ``on_burst_done`` runs for a burst that a cancel or an expiry here ends (its ``on_complete``:
     `prefixq serve` passes RQ's); ``batch_api=False``: no ``/v1`` and no sweeper (``prefixq
     dashboard``); ``extensions`` add their routes (the CLI passes the dashboard's)."""
@@ -104,13 +106,17 @@ def create_app(
         holder["r"] = r
         holder["sync"] = sync_client(settings)  # for extensions (prefixq.ops is blocking)
         task = None
+        hooks = contextlib.AsyncExitStack()
         if batch_api:
             sweeper = Sweeper(r, settings, keyring.namespaces, on_burst_done)
             holder["sweeper"] = sweeper
             task = asyncio.create_task(sweeper.run(sweep_interval))
+            # webhooks: a task of its own, so no delivery ever holds the sweeper up
+            await hooks.enter_async_context(delivering(r, settings, keyring.namespaces))
         try:
             yield
         finally:
+            await hooks.aclose()
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

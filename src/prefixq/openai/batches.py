@@ -24,6 +24,7 @@ from prefixq.core.errors import BurstNotFound, ValidationError
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from prefixq.core.sharing import DEFAULT_PRIORITY, check_priority, check_tenant
+from prefixq.core.webhooks import WebhookConfig
 from prefixq.openai.apierror import ApiError, bad_request, not_found
 from prefixq.openai.files import FileStore
 from prefixq.openai.formats import ENDPOINTS
@@ -31,6 +32,7 @@ from prefixq.openai.lease import TTL_MS
 from prefixq.openai.pages import Page, page
 from prefixq.store import burst_end
 from prefixq.store.connection import lua
+from prefixq.store.webhook_outbox import transition_args
 
 __all__ = ["FINAL", "BatchStore", "batch_object", "cancel_burst", "window_seconds"]
 
@@ -176,6 +178,8 @@ class BatchStore:
         self.settings = settings.replace(namespace=namespace)
         self.files = FileStore(r, settings, namespace)
         self._move = r.register_script(lua("batch_transition"))
+        #: the endpoints a final status is announced to (queued by the move itself)
+        self.hooks = WebhookConfig.parse(settings.webhooks).of(namespace)
 
     async def record(self, batch_id: str) -> dict[str, str]:
         """The batch's record; 404 when there is none in this namespace."""
@@ -282,11 +286,22 @@ class BatchStore:
         token: str = "",
     ) -> int:
         """Status change by lua/batch_transition.lua: 1 moved, 0 in another status, -1 no record,
-        -2 the lease ``token`` is not held any more."""
+        -2 the lease ``token`` is not held any more. A move to a final status queues the batch's
+        webhook deliveries in the same script (prefixq.store.webhook_outbox)."""
         args: list[Any] = [batch_id, token, ",".join(frm), to, "1" if to in FINAL else "0"]
+        if to in FINAL:
+            args += transition_args(self.hooks, batch_id, to, time.time())
+        else:
+            args += [0, 0]
         for k, v in (fields or {}).items():
             args += [k, v]
-        keys = [self.keys.oai_batch(batch_id), self.keys.oai_open, self.keys.oai_lease(batch_id)]
+        keys = [
+            self.keys.oai_batch(batch_id),
+            self.keys.oai_open,
+            self.keys.oai_lease(batch_id),
+            self.keys.hooks,
+            self.keys.hooks_due,
+        ]
         return int(await self._move(keys=keys, args=args))
 
     async def cancel(self, batch_id: str) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from prefixq.store.dead_letters import (
 )
 from prefixq.store.deployment import resolve_shards
 from prefixq.store.scripts import BURST_DONE, FINISHED_DUPLICATE, record_call
+from prefixq.store.webhook_outbox import add_burst_event
 from prefixq.worker.deliveries import group_lost
 from prefixq.worker.reclaim import over_limit
 
@@ -219,6 +220,8 @@ class Recovery:
         """Record a failed result exactly once (the writer's script and arguments)."""
         keys, args = record_call(self.keys, e.burst, res, self.s, repr(time.time()), e.enqueued)
         reply = self._record(keys=keys, args=args)
+        if reply in (BURST_DONE, FINISHED_DUPLICATE):
+            add_burst_event(self.r, self.s, e.burst)  # its on_complete_url, if any
         if reply in (BURST_DONE, FINISHED_DUPLICATE) and self.on_burst_done is not None:
             self.on_burst_done(self.r, self.s, e.burst)  # the last outstanding request
 

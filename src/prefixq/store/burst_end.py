@@ -6,8 +6,9 @@ Both fail every request of the burst that has no result yet (``error_code`` ``ca
 call: each request keeps exactly one result, and a result recorded before stays. Only once nothing
 is missing is the notice posted to `Keys.cancels` (workers then abort the burst's requests and
 skip its entries), so the counters and the final status are this module's. The call that
-completes the burst runs the ``on_burst_done`` hook its caller passes (RQ's enqueue, from
-prefixq.integrations.rq_callbacks): this module imports no integration. docs/delivery.md,
+completes the burst queues its ``on_complete_url`` webhook (prefixq.store.webhook_outbox) and runs
+the ``on_burst_done`` hook its caller passes (RQ's enqueue, from prefixq.integrations.rq_callbacks):
+this module imports no integration. docs/delivery.md,
 "Cancel and deadlines", has the steps, the statuses and the exactly-once argument. Each result
 carries the id submitted for its index (the producer writes the id list with the record); an
 index past the end of a list an older producer left short gets no id (`NO_ID`), never one made up
@@ -32,6 +33,7 @@ from prefixq.core.result_record import ENDED_ERRORS, Result
 from prefixq.core.settings import Settings
 from prefixq.store.connection import lua, sync_client
 from prefixq.store.redis_errors import TRANSIENT, describe
+from prefixq.store.webhook_outbox import aadd_burst_event, queue_burst_event
 
 __all__ = [
     "CHUNK",
@@ -207,6 +209,8 @@ def _cancelling(
     notice = _notice(burst, (yield lambda r: r.hget(keys.burst(burst), "created")))
     yield lambda r: r.xadd(keys.cancels, notice, **_KEEP)
     yield lambda r: r.zrem(keys.deadlines, burst)
+    if f.completed:
+        yield lambda r: queue_burst_event(r, settings, burst)  # its on_complete_url, if any
     if f.completed and on_burst_done is not None:
         yield lambda r: on_burst_done(r, settings, burst)
     after = _counts((yield lambda r: r.hmget(keys.burst(burst), *_COUNTED)), burst)
@@ -316,6 +320,8 @@ async def expire_due(
             await _arun(r, _finishing(f, before[0]))
             notice = _notice(burst, await r.hget(keys.burst(burst), "created"), "expired")
             await r.xadd(keys.cancels, notice, **_KEEP)
+            if f.completed:
+                await aadd_burst_event(r, settings, burst)  # its on_complete_url, if any
             if f.completed and on_burst_done is not None:
                 await on_burst_done(r, settings, burst)
             if f.recorded:

@@ -31,6 +31,7 @@ from prefixq.core.settings import Settings
 from prefixq.engine.protocol import Engine
 from prefixq.store.connection import async_client
 from prefixq.store.retry import retry
+from prefixq.store.webhook_outbox import aadd_burst_event
 from prefixq.worker.admission import Admission
 from prefixq.worker.aio import cancel_all, drain, first_of, unless_stopped, within
 from prefixq.worker.backlog import replay_backlog
@@ -370,6 +371,7 @@ class Worker:
         self.stop()
 
     async def _burst_done(self, burst: str) -> None:
+        await aadd_burst_event(self.r, self.settings, burst)  # its on_complete_url, if any
         for m in self.middleware:
             await m.after_burst_done(burst)
 
