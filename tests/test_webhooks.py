@@ -21,7 +21,7 @@ import pytest
 import redis
 from openai import OpenAI
 
-from helpers import requests, wait_until
+from helpers import cli, requests, wait_until
 from openai_server import Server, chat_line, completion_line, jsonl, wait_batch
 from prefixq.client import Producer
 from prefixq.core.errors import ConfigError, ValidationError
@@ -304,3 +304,44 @@ def test_a_burst_whose_ender_died_before_queueing_its_event_is_sent_by_serve(
     (ev,) = [_unwrap(g, secret) for g in rx.got]
     assert (ev.type, ev.data.id) == ("batch.completed", burst.id)
     assert ev.id == "evt_" + delivery[3:]  # the id every process derives for this burst's event
+
+
+def test_a_corrupt_outbox_record_is_dropped_and_the_rest_is_sent(
+    settings: Settings, tmp_path: Path, r: redis.Redis
+) -> None:
+    """Given an outbox entry that is no delivery record (written by something else) beside a
+    cancelled burst's event, ``serve`` drops the bad one (logged, counted as given up) and sends
+    the good one."""
+    secret = _secret()
+    keys = Keys(settings.namespace)
+    s = settings.replace(webhooks=_config(settings.namespace, secret))
+    with Receiver() as rx:
+        r.hset(keys.hooks, "wh_bad", "not json")
+        r.zadd(keys.hooks_due, {"wh_bad": 0})
+        burst = Producer(s).submit(requests(1), on_complete_url=rx.url)
+        burst.cancel()
+        with Server(settings, tmp_path / "files", extra=_flags(s.webhooks)) as srv:
+            wait_until(lambda: rx.ok(), 20, "the good event")
+            wait_until(lambda: r.hlen(keys.hooks) == 0, 20, "an empty outbox")
+            assert "wh_bad: its outbox record is not one" in srv.tail(20_000)
+    assert [_unwrap(g, secret).data.id for g in rx.got] == [burst.id]
+    assert r.hget(keys.hooks_stats, "gave_up") == b"1"
+
+
+def test_prefixq_submit_takes_on_complete_url_and_a_worker_sends_it(
+    settings: Settings, tmp_path: Path, fake_worker: Callable[..., Any]
+) -> None:
+    """Given ``prefixq submit --on-complete-url``, the burst's end reaches the receiver; a URL
+    that is not http(s) is a usage error before anything is queued."""
+    secret = _secret()
+    s = settings.replace(webhooks=_config(settings.namespace, secret), webhook_timeout_s=1.0)
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in requests(2)))
+    bad = cli(settings, "submit", str(path), "--on-complete-url", "mailto:x@example.com")
+    assert bad.returncode != 0 and "on_complete_url" in bad.stderr
+    with Receiver() as rx, fake_worker(s):
+        done = cli(settings, "submit", str(path), "--wait", "--on-complete-url", rx.url)
+        assert done.returncode == 0, done.stderr
+        wait_until(lambda: rx.ok(), 20, "the burst's event")
+    (ev,) = [_unwrap(g, secret) for g in rx.ok()]
+    assert (ev.type, ev.data.id) == ("batch.completed", done.stdout.split()[-1])

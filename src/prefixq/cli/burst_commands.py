@@ -34,7 +34,11 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
         raise ConfigError("--token-ids goes with the prefixq format, not openai")
     with EnqueueProgress(len(reqs)) as bar:
         burst = Producer(settings, on_burst_done=RQ_ON_COMPLETE).submit(
-            reqs, burst_id=args.burst_id, progress=bar.update, metadata=meta
+            reqs,
+            burst_id=args.burst_id,
+            progress=bar.update,
+            metadata=meta,
+            on_complete_url=args.on_complete_url,
         )
     print(f"submitted {len(reqs)} requests as burst {burst}", file=sys.stderr)
     try:

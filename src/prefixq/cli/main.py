@@ -124,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", help="with --wait: write results here (JSONL, input order)")
     s.add_argument("--timeout", type=float, default=None, help="with --wait: give up after S s")
     s.add_argument("--burst-id", default=None)
+    s.add_argument(
+        "--on-complete-url",
+        default=None,
+        help="POST a signed batch.completed/cancelled/expired webhook here when the burst ends "
+        "(docs/operations.md, 'Receiving webhooks')",
+    )
     s.add_argument("--token-ids", action="store_true", help="include output token ids")
     s.add_argument(
         "--format",

@@ -64,10 +64,13 @@ class Deliverer:
         self.hold_s = 2 * settings.webhook_timeout_s + 5.0
         self.tasks: set[asyncio.Task[None]] = set()
         self._watch_due = 0.0
+        #: set when an attempt ends: look again at once (a backlog drains at full concurrency)
+        self._freed = asyncio.Event()
 
     async def run(self, every: float = LOOK_EVERY_S) -> None:
-        """Claim and send for ever, riding out Redis outages; cancel to stop (attempts in
-        flight are cancelled too: their claims run out and another deliverer retries them)."""
+        """Claim and send for ever, riding out Redis outages: a look every ``every`` seconds, and
+        one as soon as an attempt ends; cancel to stop (attempts in flight are cancelled too:
+        their claims run out and another deliverer retries them)."""
         timeout = httpx.Timeout(self.settings.webhook_timeout_s)
         async with httpx.AsyncClient(timeout=timeout, follow_redirects=False) as http:
             try:
@@ -76,12 +79,20 @@ class Deliverer:
                         await self.look(http)
                     except (*TRANSIENT, PrefixqError) as e:
                         log.warning("looking for due webhooks failed: %s", e)
+                    except Exception:  # never lose the deliverer: it is what retries
+                        log.exception("looking for due webhooks failed")
                     raise_if_cancelled()
-                    await asyncio.sleep(every)
+                    with contextlib.suppress(TimeoutError):  # or as soon as a slot is free
+                        await asyncio.wait_for(self._freed.wait(), every)
+                    self._freed.clear()
             finally:
                 for t in list(self.tasks):
                     t.cancel()
                 await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        self._freed.set()
 
     async def look(self, http: httpx.AsyncClient) -> int:
         """One look at every outbox: queue the events of watched bursts that ended (every
@@ -100,7 +111,7 @@ class Deliverer:
             for d in await claim(self.r, keys, free, self.hold_s):
                 task = asyncio.create_task(self._attempt(http, keys, hooks, d))
                 self.tasks.add(task)
-                task.add_done_callback(self.tasks.discard)
+                task.add_done_callback(self._done)
                 started += 1
         return started
 

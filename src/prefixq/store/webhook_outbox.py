@@ -22,6 +22,7 @@ design.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,8 @@ __all__ = [
     "transition_args",
     "watch_burst",
 ]
+
+log = logging.getLogger(__name__)
 
 #: a burst's end status -> the event its ``on_complete_url`` is sent
 BURST_EVENTS = {
@@ -158,10 +161,13 @@ async def sweep_bursts(r: aredis.Redis, settings: Settings) -> int:
     ends a burst queues its event at once; this catches a process that died before it did."""
     k, now = settings.keys, time.time()
     watched = await r.zrange(k.hook_bursts, 0, _WATCHED_PER_CALL - 1, withscores=True)
+    pipe = r.pipeline(transaction=False)
+    for raw, _ in watched:
+        pipe.hmget(k.burst(raw.decode() if isinstance(raw, bytes) else str(raw)), _FIELDS)
+    records = await pipe.execute() if watched else []
     queued = 0
-    for raw, since in watched:
+    for (raw, since), (url, status, created) in zip(watched, records, strict=True):
         burst = raw.decode() if isinstance(raw, bytes) else str(raw)
-        url, status, created = await r.hmget(k.burst(burst), _FIELDS)
         if created is None and now - since < _CREATING_S:
             continue  # being created, or gone (dropped after _CREATING_S)
         if created is not None and url is not None and status not in BURST_EVENTS:
@@ -181,7 +187,11 @@ async def claim(r: aredis.Redis, keys: Keys, most: int, hold_s: float) -> list[D
     out = []
     for i in range(0, len(reply), 2):
         did = reply[i].decode() if isinstance(reply[i], bytes) else str(reply[i])
-        out.append(Delivery.load(did, reply[i + 1]))
+        try:
+            out.append(Delivery.load(did, reply[i + 1]))
+        except (ValueError, KeyError, TypeError) as e:  # written by something else: never sent
+            log.error("webhook %s: its outbox record is not one (%s): dropped", did, e)
+            await settle(r, keys, Delivery(did, "", "", 0.0), "gave_up")
     return out
 
 
