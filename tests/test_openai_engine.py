@@ -266,3 +266,28 @@ def test_cancel_mid_way_gives_partial_output_and_cancelled_lines(client: OpenAI)
     assert err_ids == [i for i in order if i in err_ids]
     assert b.request_counts is not None
     assert (b.request_counts.completed, b.request_counts.failed) == (len(out), len(err))
+
+
+def test_a_batch_on_the_real_engine_sends_its_signed_webhook(engines: Any, tmp_path: Path) -> None:
+    """Given a server with a webhook endpoint and the real CPU workers, a chat batch that completes
+    sends one ``batch.completed`` that the official client's ``webhooks.unwrap`` accepts, naming
+    the batch, whose output file is there by then."""
+    import base64
+    import os
+
+    from helpers import wait_until
+    from webhook_receiver import Receiver
+
+    secret = "whsec_" + base64.b64encode(os.urandom(32)).decode()
+    s = engines.settings
+    with Receiver() as rx:
+        hooks = json.dumps({s.namespace: {"secret": secret, "endpoints": [{"url": rx.url}]}})
+        with Server(s, tmp_path / "files", extra=["--webhooks", hooks]) as srv:
+            c = OpenAI(base_url=srv.url, api_key="local", max_retries=0)
+            lines = [chat_line(f"w{i}", "Say hi.", max_tokens=4) for i in range(2)]
+            b = wait(c, run_batch(c, lines, "/v1/chat/completions").id)
+            assert b.status == "completed", srv.tail()
+            (got,) = wait_until(lambda: rx.ok(), 60, "the batch's webhook")
+            ev = OpenAI(api_key="unused").webhooks.unwrap(got.body, got.headers, secret=secret)
+            assert (ev.type, ev.data.id) == ("batch.completed", b.id)
+            assert len(lines_of(c, c.batches.retrieve(ev.data.id).output_file_id)) == len(lines)

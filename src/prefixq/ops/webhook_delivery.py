@@ -177,8 +177,12 @@ class Deliverer:
 async def delivering(
     r: aredis.Redis, settings: Settings, namespaces: list[str]
 ) -> AsyncIterator[Deliverer]:
-    """A `Deliverer` running as a task while the block runs (cancelled at its end)."""
+    """A `Deliverer` running as a task while the block runs (cancelled at its end); none runs
+    when the settings configure none of ``namespaces``."""
     d = Deliverer(r, settings, namespaces)
+    if not d.hooks:
+        yield d
+        return
     task = asyncio.create_task(d.run())
     try:
         yield d
