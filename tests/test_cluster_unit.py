@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +29,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from prefixq.cli.redis_server import RedisServer, free_port
 from prefixq.core import wire
-from prefixq.core.errors import ConfigError, ReplicasBehind
+from prefixq.core.errors import ConfigError, ReplicasBehind, WritesLost
 from prefixq.core.keys import GROUP
 from prefixq.core.settings import Settings
 from prefixq.core.sharing import LaneInfo
@@ -191,6 +192,31 @@ def test_a_fence_on_a_single_redis_without_replicas_is_replicas_behind(
         assert fence(r, s.replace(min_replicas_acked=0)) == 0  # off: nothing sent
     finally:
         r.close()
+
+
+def test_a_fence_reads_back_what_it_confirms_on_the_master_serving_it_now(
+    cluster: RedisCluster, cluster_settings: Callable[..., Settings], cr: Any
+) -> None:
+    """A fence given fields to find confirms when the master serving them holds them all, and is
+    WritesLost, naming what is missing, when one is not there (a failover between the write and
+    the fence lost it): it never confirms a write that is gone."""
+    s = cluster_settings(min_replicas_acked=1)
+    keys = s.keys
+    cr.hset(keys.results("b1"), mapping={"0": "x", "1": "y"})
+    cr.hset(keys.results("b2"), "0", "z")
+
+    async def go(present: dict[str, list[int]]) -> int:
+        r = async_client(s)
+        try:
+            return await afence(r, s, [keys.stream(1)], present=present)
+        finally:
+            await r.aclose()
+
+    held = {keys.results("b1"): [0, 1], keys.results("b2"): [0]}
+    masters = {cluster.master_of(k).addr for k in [keys.stream(1), *held]}
+    assert asyncio.run(go(held)) == len(masters)
+    with pytest.raises(WritesLost, match=rf"1 writes .* {re.escape(keys.results('b1'))} 2\b"):
+        asyncio.run(go({keys.results("b1"): [0, 2], keys.results("b2"): [0]}))
 
 
 # ---- per-slot reads, scripts in cluster pipelines, the layout report --------------------------

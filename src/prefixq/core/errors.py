@@ -10,7 +10,8 @@
     │   └── LimitExceeded      a size or depth limit was hit while decoding
     ├── RedisUnavailable       Redis did not answer within the retry budget (or erred)
     │   ├── RedisOutOfMemory   Redis refused a write: used memory is at maxmemory
-    │   └── ReplicasBehind     fewer replicas than min_replicas_acked confirmed writes (WAIT)
+    │   ├── ReplicasBehind     fewer replicas than min_replicas_acked confirmed writes (WAIT)
+    │   └── WritesLost         a fence found the writes it guards gone (a failover came between)
     ├── BurstNotFound          no burst with that id
     │   └── BurstRecordLost    the burst's record is incomplete (expired or evicted)
     ├── BurstTimeout           waiting for a burst ran past its timeout
@@ -60,6 +61,11 @@ class RedisOutOfMemory(RedisUnavailable):
 class ReplicasBehind(RedisUnavailable):
     """Raised when fewer replicas than ``min_replicas_acked`` confirmed writes within
     ``min_replicas_acked_timeout_ms`` (WAIT): a failover now could lose them."""
+
+
+class WritesLost(RedisUnavailable):
+    """Raised when a fence finds writes it was to confirm missing on the master that serves their
+    slot now (a failover between the write and the fence lost them): write them again."""
 
 
 class BurstNotFound(PrefixqError):

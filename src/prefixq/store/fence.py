@@ -14,19 +14,31 @@ already recorded, count once). A single Redis with replicas works the same way (
 
 A fence's key carries a hash tag ``{f<i>}`` whose slot that master serves, found once per master
 by trying i = 0, 1, ... (a few tries: 3 masters split the 16384 slots).
+
+**A fence proves the writes it guards** (``present``: hash fields that must exist). WAIT confirms
+what the master it runs on holds, not what an earlier command wrote: if the slot map changes
+between the write and the fence (the master dies, its replica, which never got the write, is
+promoted, and the client's map follows), a bare fence runs on the new master, its replicas confirm
+it, and the caller acks writes that are gone. So the fence's pipeline first reads the fields back
+(``HMGET``) on the same connection, then ``SET`` + ``WAIT``: fields all there and n replicas
+confirming means the replicas hold them (the SET comes after the read on that master's one
+replication stream, so WAIT covers what the read saw), whichever node wrote them; a field missing
+is `WritesLost` and the caller writes again; a node that no longer serves the slot answers MOVED
+(transient: the caller retries). It costs no round trip more: the read rides in the fence's
+pipeline. docs/delivery.md, "Redis Cluster and failover".
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import redis
 import redis.asyncio as aredis
 from redis.asyncio.cluster import PipelineCommand
 
-from prefixq.core.errors import ReplicasBehind
+from prefixq.core.errors import ReplicasBehind, WritesLost
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from prefixq.store.connection import is_cluster
@@ -49,10 +61,34 @@ def fence_key(r: Any, keys: Keys, node: Any) -> str:
     raise ReplicasBehind(f"no fence key found on master {node.name}")  # pragma: no cover
 
 
-def _check(got: Any, where: str, settings: Settings) -> None:
+#: hash fields a fence must find before it confirms: {hash key: fields}
+Present = Mapping[str, Collection[int | str]]
+
+
+def _check(
+    replies: list[Any],
+    proofs: Sequence[tuple[str, Collection[int | str]]],
+    where: str,
+    settings: Settings,
+) -> None:
+    """Raise what ``replies`` (one per HMGET of ``proofs``, then SET's and WAIT's) say went wrong:
+    an error reply, a field missing (`WritesLost`), fewer replicas than asked (`ReplicasBehind`)."""
+    for got in replies:
+        if isinstance(got, Exception):
+            raise got
+    missing = [
+        f"{key} {field}"
+        for (key, fields), got in zip(proofs, replies, strict=False)
+        for field, value in zip(fields, got, strict=True)
+        if value is None
+    ]
+    if missing:
+        raise WritesLost(
+            f"{len(missing)} writes to confirm are missing on {where} (a failover between the "
+            f"write and its fence lost them): {', '.join(missing[:5])}"
+        )
     n = settings.min_replicas_acked
-    if isinstance(got, Exception):
-        raise got
+    got = replies[-1]
     if int(got) < n:
         raise ReplicasBehind(
             f"only {int(got)} of the {n} replicas min_replicas_acked asks for confirmed the "
@@ -61,49 +97,68 @@ def _check(got: Any, where: str, settings: Settings) -> None:
         )
 
 
-def _commands(key: str, settings: Settings) -> list[tuple[Any, ...]]:
+def _commands(
+    key: str, settings: Settings, proofs: Sequence[tuple[str, Collection[int | str]]] = ()
+) -> list[tuple[Any, ...]]:
+    """The fence's pipeline: the proofs' HMGETs, then SET and WAIT (one connection)."""
     n = settings.min_replicas_acked
-    return [("SET", key, n, "PX", _TTL_MS), ("WAIT", n, settings.min_replicas_acked_timeout_ms)]
+    return [
+        *(("HMGET", k, *fields) for k, fields in proofs),
+        ("SET", key, n, "PX", _TTL_MS),
+        ("WAIT", n, settings.min_replicas_acked_timeout_ms),
+    ]
 
 
-def _targets(r: Any, written: Iterable[str] | None) -> list[Any]:
-    """The masters to fence: those serving ``written`` (None: every master)."""
+def _targets(
+    r: Any, written: Iterable[str] | None, present: Present
+) -> list[tuple[Any, list[tuple[str, Collection[int | str]]]]]:
+    """The masters to fence, each with the proofs its pipeline reads: those serving ``written``
+    and ``present``'s keys (``written`` None: every master)."""
+    nodes: dict[str, tuple[Any, list[tuple[str, Collection[int | str]]]]] = {}
     if written is None:
-        return list(r.get_primaries())
-    nodes: dict[str, Any] = {}
-    for key in written:
+        nodes = {n.name: (n, []) for n in r.get_primaries()}
+    for key in [*(written or ()), *present]:
         node = r.get_node_from_key(key)
-        nodes.setdefault(node.name, node)
+        nodes.setdefault(node.name, (node, []))
+    for key, fields in present.items():
+        if fields:
+            nodes[r.get_node_from_key(key).name][1].append((key, list(fields)))
     return list(nodes.values())
 
 
-async def afence(r: aredis.Redis, settings: Settings, written: Iterable[str] | None = None) -> int:
-    """Fence (asyncio client) the masters of the keys ``written`` (None: every master); nothing
+async def afence(
+    r: aredis.Redis,
+    settings: Settings,
+    written: Iterable[str] | None = None,
+    *,
+    present: Present | None = None,
+) -> int:
+    """Fence (asyncio client) the masters of the keys ``written`` (None: every master), after
+    reading ``present``'s hash fields back on each (`WritesLost` when one is missing); nothing
     when ``min_replicas_acked`` is 0. Returns the number of masters fenced."""
     if settings.min_replicas_acked <= 0:
         return 0
+    present = present or {}
     if not is_cluster(r):
+        proofs = [(k, list(f)) for k, f in present.items() if f]
         pipe = r.pipeline(transaction=False)  # one connection: WAIT follows its SET
-        for cmd in _commands(settings.keys.fence(0), settings):
+        for cmd in _commands(settings.keys.fence(0), settings, proofs):
             pipe.execute_command(*cmd)
-        _check((await pipe.execute(raise_on_error=False))[-1], redact(settings.redis_url), settings)
+        replies = await pipe.execute(raise_on_error=False)
+        _check(replies, proofs, redact(settings.redis_url), settings)
         return 1
     await r.initialize()  # the slot map (a no-op once the client has one)
-    nodes = _targets(r, written)
+    nodes = _targets(r, written, present)
 
-    async def one(node: Any) -> None:
+    async def one(node: Any, proofs: list[tuple[str, Collection[int | str]]]) -> None:
         cmds = [
             PipelineCommand(i, *c)
-            for i, c in enumerate(_commands(fence_key(r, settings.keys, node), settings))
+            for i, c in enumerate(_commands(fence_key(r, settings.keys, node), settings, proofs))
         ]
         await node.execute_pipeline(cmds)  # one connection of that node
-        _check(
-            cmds[0].result if isinstance(cmds[0].result, Exception) else cmds[1].result,
-            f"master {node.name}",
-            settings,
-        )
+        _check([c.result for c in cmds], proofs, f"master {node.name}", settings)
 
-    await asyncio.gather(*(one(n) for n in nodes))
+    await asyncio.gather(*(one(n, p) for n, p in nodes))
     return len(nodes)
 
 
@@ -115,17 +170,12 @@ def fence(r: redis.Redis, settings: Settings, written: Iterable[str] | None = No
         pipe = r.pipeline(transaction=False)
         for cmd in _commands(settings.keys.fence(0), settings):
             pipe.execute_command(*cmd)
-        _check(pipe.execute(raise_on_error=False)[-1], redact(settings.redis_url), settings)
+        _check(pipe.execute(raise_on_error=False), [], redact(settings.redis_url), settings)
         return 1
-    nodes = _targets(r, written)
-    for node in nodes:
+    nodes = _targets(r, written, {})
+    for node, _ in nodes:
         pipe = r.get_redis_connection(node).pipeline(transaction=False)
         for cmd in _commands(fence_key(r, settings.keys, node), settings):
             pipe.execute_command(*cmd)
-        replies = pipe.execute(raise_on_error=False)
-        _check(
-            replies[0] if isinstance(replies[0], Exception) else replies[1],
-            f"master {node.name}",
-            settings,
-        )
+        _check(pipe.execute(raise_on_error=False), [], f"master {node.name}", settings)
     return len(nodes)

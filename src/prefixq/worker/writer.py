@@ -6,6 +6,10 @@ Each group goes through `ShardStream.record` (exactly once per request, Lua) and
 `ShardStream.ack` for the results that were recorded; a result Redis refused (out of memory, a
 lost script) stays queued and its entry pending, and the group is tried again with backoff.
 
+With ``min_replicas_acked`` a group is acked only once its fence (store/fence.py) found every
+result on the master serving it now and that master's replicas confirmed it; a result a failover
+lost between the record and the fence is recorded again.
+
 Back-pressure: results not yet written count against the worker's in-flight window (`backlog`),
 so while Redis refuses writes the reader stops reading instead of piling up finished work; and
 the entries of unwritten results stay leased to this worker (`holding`), so no other worker
@@ -19,7 +23,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from prefixq.core.entries import Entry
-from prefixq.core.errors import ReplicasBehind
+from prefixq.core.errors import ReplicasBehind, WritesLost
 from prefixq.core.records import Result
 from prefixq.store.fence import afence
 from prefixq.store.redis_errors import TRANSIENT
@@ -121,7 +125,7 @@ class ResultWriter:
                 continue
             done = [(w, r) for w, r in zip(todo, replies, strict=True) if isinstance(r, int)]
             errors = [r for r in replies if not isinstance(r, int)]
-            if done and not await self._fenced([w for w, _ in done], backoff):
+            if done and not await self._fenced(done, backoff):
                 # not acked: recorded again (a duplicate, or afresh if a failover lost it), with
                 # the results finished meanwhile
                 todo = self._fill(todo)
@@ -150,14 +154,29 @@ class ResultWriter:
             out.append(nxt)
         return out
 
-    async def _fenced(self, done: list[Written], backoff: Backoff) -> bool:
-        """With ``min_replicas_acked``: whether the replicas of the masters holding these
-        results confirmed them (store/fence.py); False after a backoff when they did not."""
+    async def _fenced(self, done: list[tuple[Written, int]], backoff: Backoff) -> bool:
+        """With ``min_replicas_acked``: whether the masters now serving these results still hold
+        them and their replicas confirmed them (store/fence.py: the fence reads back each result
+        the script recorded or found, so a failover between the record and the fence cannot
+        confirm a result the old master took with it); False after a backoff when they did not
+        (the caller records them again)."""
         s = self.stream.settings
         if s.min_replicas_acked <= 0:
             return True
+        present: dict[str, list[int]] = {}
+        for w, reply in done:
+            if reply >= 0:  # recorded, or there already (a negative reply wrote nothing)
+                present.setdefault(s.keys.results(w.entry.burst), []).append(w.result.index)
         try:
-            await afence(self.stream.r, s, {s.keys.results(w.entry.burst) for w in done})
+            await afence(
+                self.stream.r,
+                s,
+                {s.keys.results(w.entry.burst) for w, _ in done},
+                present=present,
+            )
+        except WritesLost as e:
+            await backoff.wait(f"confirming {len(done)} results: recording them again", e)
+            return False
         except (*TRANSIENT, ReplicasBehind) as e:
             await backoff.wait(f"confirming {len(done)} results on the replicas", e)
             return False
