@@ -70,6 +70,8 @@ def test_quick_bench_writes_a_complete_report_and_plot(
             (by_gen,) = pl["gc_frozen_by_gen"]
             assert len(by_gen["max_pause_ms"]) == len(by_gen["collections"]) == 3
             assert by_gen["idle_collections"] >= 0 and by_gen["idle_max_ms"] >= 0
+            assert 0 <= by_gen["idle_max_step_ms"] <= by_gen["idle_max_ms"]
+            assert by_gen["idle_postponed"] >= 0
         (unfrozen,) = w["gc_unfrozen"]["gc_by_gen"]
         assert sum(unfrozen["collections"]) == w["gc_unfrozen"]["gc_pauses"][0]
     print(

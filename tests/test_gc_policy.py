@@ -4,9 +4,10 @@ are not counted as pauses, and freezing stops at the budget."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -36,6 +37,11 @@ def policy() -> Iterator[tuple[GcPolicy, GcWatch]]:
         gc.unfreeze()
 
 
+def idle(h: GcPolicy, served: int, quiet: Callable[[], bool] = lambda: True) -> bool:
+    """One idle moment, long enough for the whole heap."""
+    return asyncio.run(h.idle(served, quiet, idle_s=heap_mod.WHOLE_HEAP_IDLE_S))
+
+
 def young(obj: object) -> bool:
     return any(o is obj for g in range(3) for o in gc.get_objects(generation=g))
 
@@ -54,10 +60,10 @@ def test_admitted_objects_are_frozen_and_their_cycles_wait_for_idle(
     gc.collect()
     assert gone() is not None  # garbage, but frozen: it waits
     watch.reset()
-    h.idle(served=1)
+    idle(h, 1)
     assert gone() is not None  # one frozen request: an idle moment collects only the young
     h.admitted(1)
-    h.idle(served=1)
+    idle(h, 1)
     assert gone() is None  # two: the whole heap, in idle time
     assert h.stats()["gc_idle_collections"] == 2
     assert int(h.stats()["gc_idle_collected"]) >= 1
@@ -76,7 +82,7 @@ def test_freezing_stops_at_the_budget_until_idle(
     late = Node()
     h.admitted(1)
     assert young(late)  # over the budget: ordinary collection takes it
-    h.idle(served=4)
+    idle(h, 4)
     early = Node()
     h.admitted(1)
     assert not young(early)  # the budget starts again after an idle collection
@@ -91,7 +97,7 @@ def test_turned_off_nothing_is_frozen_or_collected_in_idle(
     node = Node()
     h.admitted(1)
     assert young(node)
-    h.idle(served=1)
+    idle(h, 1)
     assert h.stats()["gc_idle_collections"] == 0
 
 

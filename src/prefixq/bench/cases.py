@@ -297,6 +297,11 @@ def by_gen(stats: dict[str, dict[str, Any]], names: list[str]) -> list[dict[str,
             # collections in idle time (worker/gc_policy.py): no request waits on them
             "idle_collections": stats[n]["gc_idle_collections"],
             "idle_max_ms": stats[n]["gc_idle_max_ms"],
+            # its longest single step, which the event loop waits for: what a burst arriving
+            # meanwhile waits at most (the whole heap is one step); and the idle collections
+            # stopped between steps because work arrived
+            "idle_max_step_ms": stats[n].get("gc_idle_max_step_ms"),
+            "idle_postponed": stats[n].get("gc_idle_postponed"),
         }
         for n in names
     ]

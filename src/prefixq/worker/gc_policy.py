@@ -12,17 +12,27 @@ older generations, whose next collection traverses it again (a single generation
 Cycles among frozen objects wait for an idle moment (`GcPolicy.idle`), which collects the whole
 heap once `WHOLE_HEAP_AFTER` requests were frozen; a worker never idle stops freezing after
 `FREEZE_BUDGET`, so what can wait stays bounded. `admitted` runs at every admission and must stay
-O(1); `idle` runs only when nothing is in flight. docs/engine.md, "Garbage collection in the
-worker", has the design and the measured pauses.
+O(1); `idle` runs only when nothing is in flight.
+
+An idle collection must not hold up a burst that arrives meanwhile, so it runs in steps with the
+event loop running between them (`STEP_GAP_S`): generation 0, generation 1, what is not frozen
+(generation 2 without unfreezing), and, when due, the whole heap. Before each step it asks
+``quiet`` (nothing in flight, nothing read since it began) and, if work arrived, stops there and
+tries again at the next idle moment (``postponed``). The whole heap is one call CPython cannot
+interrupt (hundreds of ms on a GPU worker), so it also waits until the worker has been idle for
+`WHOLE_HEAP_IDLE_S`: a burst that reaches Redis during that one call still waits for it, and its
+length is reported (``gc_idle_max_step_ms``, the longest step that held the loop).
+docs/engine.md, "Garbage collection in the worker", has the design and the measured pauses.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prefixq.worker.gcwatch import GcWatch
 
@@ -32,6 +42,10 @@ log = logging.getLogger(__name__)
 WHOLE_HEAP_AFTER = 1_000
 #: requests admitted (and frozen) between whole-heap collections, at most
 FREEZE_BUDGET = 20_000
+#: seconds the event loop runs between two steps of an idle collection (it reads what arrived)
+STEP_GAP_S = 0.002
+#: seconds with nothing in flight before the whole heap is collected (one uninterruptible call)
+WHOLE_HEAP_IDLE_S = 3.0
 
 
 class GcPolicy:
@@ -45,6 +59,12 @@ class GcPolicy:
         self.idle_collections = 0
         self.idle_collected = 0
         self.idle_max_ms = 0.0
+        #: the longest single step of an idle collection: what a burst arriving in it waits
+        self.idle_max_step_ms = 0.0
+        #: idle collections stopped between steps because work arrived
+        self.idle_postponed = 0
+        #: the young steps ran since the last admission (only the whole heap may be left)
+        self._young_done = False
 
     def freeze(self) -> None:
         """Collect, then freeze everything (after warm-up, or when turned on)."""
@@ -61,6 +81,7 @@ class GcPolicy:
 
     def admitted(self, n: int) -> None:
         """``n`` requests were just handed to the engine: freeze what they hold (O(1))."""
+        self._young_done = False
         if self.enabled and n and self.frozen_requests < FREEZE_BUDGET:
             gc.freeze()
             self.frozen_requests += n
@@ -69,6 +90,7 @@ class GcPolicy:
     def admitting(self, n: int) -> Iterator[None]:
         """Around handing ``n`` requests to the engine (one step of the event loop): no automatic
         collection inside, and what they hold frozen at the end (`admitted`, O(1))."""
+        self._young_done = False
         if not (self.enabled and n and self.frozen_requests < FREEZE_BUDGET):
             yield
             return
@@ -81,36 +103,67 @@ class GcPolicy:
             if was:
                 gc.enable()
 
-    def idle(self, served: int) -> None:
-        """Nothing is in flight and ``served`` requests finished since the last call: collect
-        what they left, the whole heap once `WHOLE_HEAP_AFTER` requests were frozen."""
+    async def idle(self, served: int, quiet: Callable[[], bool], idle_s: float) -> bool:
+        """Nothing has been in flight for ``idle_s`` seconds and ``served`` requests finished
+        since the last complete call: collect what they left, step by step while ``quiet()``
+        holds, and the whole heap once `WHOLE_HEAP_AFTER` requests were frozen and the worker
+        has been idle for `WHOLE_HEAP_IDLE_S`. Whether nothing is left for a later idle moment
+        (False: work arrived between two steps, or the whole heap waits for a longer idle)."""
         if not self.enabled or not served:
-            return
-        whole = self.frozen_requests >= WHOLE_HEAP_AFTER
-        t0 = time.perf_counter()
-        with self.watch.apart():
-            if whole:
-                gc.unfreeze()
-            collected = gc.collect()
-            gc.freeze()
-        ms = (time.perf_counter() - t0) * 1e3
-        self.idle_collections += 1
-        self.idle_collected += collected
-        self.idle_max_ms = max(self.idle_max_ms, ms)
-        log.debug(
-            "idle: %s collection freed %d objects after %d requests (%d frozen) in %.1f ms",
-            "whole-heap" if whole else "young",
-            collected,
-            served,
-            self.frozen_requests,
-            ms,
-        )
+            return True
+        due = self.frozen_requests >= WHOLE_HEAP_AFTER
+        whole = due and idle_s >= WHOLE_HEAP_IDLE_S
+        steps: list[Callable[[], int]] = []
+        if not self._young_done:
+            steps += [
+                lambda: gc.collect(0),
+                lambda: gc.collect(1),
+                lambda: gc.collect(2),  # what is not frozen: no more than the young steps
+            ]
+        if whole:
+            steps.append(self._whole)
+        collected, spent = 0, 0.0
+        for step in steps:
+            await asyncio.sleep(STEP_GAP_S)  # the loop runs: a burst that arrived is read
+            if not quiet():
+                self.idle_postponed += 1
+                log.debug("idle collection stopped: work arrived (%.1f ms spent)", spent)
+                return False
+            t0 = time.perf_counter()
+            with self.watch.apart():
+                collected += step()
+                gc.freeze()
+            ms = (time.perf_counter() - t0) * 1e3
+            spent += ms
+            self.idle_max_step_ms = max(self.idle_max_step_ms, ms)
+        self._young_done = True
+        if steps:
+            self.idle_collections += 1
+            self.idle_collected += collected
+            self.idle_max_ms = max(self.idle_max_ms, spent)
+            log.debug(
+                "idle: %s collection freed %d objects after %d requests (%d frozen) in %.1f ms",
+                "whole-heap" if whole else "young",
+                collected,
+                served,
+                self.frozen_requests,
+                spent,
+            )
         if whole:
             self.frozen_requests = 0
+        return whole or not due
+
+    @staticmethod
+    def _whole() -> int:
+        """The whole heap, frozen part included: one call CPython cannot interrupt."""
+        gc.unfreeze()
+        return gc.collect()
 
     def stats(self) -> dict[str, float | int]:
         return {
             "gc_idle_collections": self.idle_collections,
             "gc_idle_collected": self.idle_collected,
             "gc_idle_max_ms": round(self.idle_max_ms, 3),
+            "gc_idle_max_step_ms": round(self.idle_max_step_ms, 3),
+            "gc_idle_postponed": self.idle_postponed,
         }

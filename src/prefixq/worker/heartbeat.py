@@ -10,7 +10,7 @@ counters (`prefixq inspect`: off the requests' path), and every ``history_every_
 goes to the shard's rolling history (worker/history.py). After a burst, once
 nothing has been in flight for a second, the heap is collected and frozen again
 (worker/gc_policy.py), so objects that survived the burst leave the generations the next burst
-collects.
+collects; in steps, between which the reader runs, and no further once something was read.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ class Heartbeat:
         tallies: Callable[[], list[tuple[str, str, int, float]]] = list,
         busy: Callable[[], bool],
         gc_policy: GcPolicy,
+        reads: Callable[[], int] = lambda: 0,
         serving: Callable[[], bool] = lambda: True,
     ) -> None:
         self.stream = stream
@@ -71,6 +72,8 @@ class Heartbeat:
         #: whether the shard counts as live (store/liveness.py): not while the worker stops
         self.serving = serving
         self.gc_policy = gc_policy
+        #: deliveries read so far (an idle collection stops once it moves: work arrived)
+        self.reads = reads
         self._served_since_collect = 0
         self._last_done = 0.0
         self.history = History(stream, every_s=stream.settings.history_every_s, now=time.time())
@@ -89,7 +92,7 @@ class Heartbeat:
                 await self.beat(hb)
             except (*TRANSIENT, ResponseError) as e:  # never let the heartbeat task die
                 log.warning("heartbeat failed: %s", e)
-            self.collect_when_idle()
+            await self.collect_when_idle()
             await asyncio.sleep(self.every_s)
 
     async def beat(self, hb: str) -> None:
@@ -111,14 +114,21 @@ class Heartbeat:
         self._untold = []
         await self.history.beat(now, health)
 
-    def collect_when_idle(self) -> None:
-        """Collect (worker/gc_policy.py) after a burst, in idle time only: no request waits."""
+    async def collect_when_idle(self) -> None:
+        """Collect (worker/gc_policy.py) after a burst, in idle time only, in steps that stop
+        when work arrives: no request waits on more than one step."""
         if self.busy() or not self._served_since_collect:
             return
-        if time.monotonic() - self._last_done < IDLE_FREEZE_S:
+        idle_s = time.monotonic() - self._last_done
+        if idle_s < IDLE_FREEZE_S:
             return
-        self.gc_policy.idle(self._served_since_collect)
-        self._served_since_collect = 0
+        seen = self.reads()
+
+        def quiet() -> bool:
+            return not self.busy() and self.reads() == seen
+
+        if await self.gc_policy.idle(self._served_since_collect, quiet, idle_s):
+            self._served_since_collect = 0
 
     async def unregister(self) -> bool:
         """Tell the last tallies, drop the heartbeat and leave the shard's workers; whether Redis

@@ -56,6 +56,8 @@ class Reader:
         self.ended = ended
         #: lanes this worker closed
         self.closed = 0
+        #: deliveries read so far (the idle collection stops when it moves: worker/gc_policy.py)
+        self.delivered = 0
 
     def keys(self) -> list[str]:
         """Every stream of the shard this worker knows: intakes, then lanes."""
@@ -85,6 +87,7 @@ class Reader:
                 await self.rejoin(e)
         # read-to-engine starts when the read returns, not before a blocked read's idle wait
         t_read = time.perf_counter()
+        self.delivered += sum(len(ds) for ds in got.values())
         await self.absorb(plan, got)
         picks = self.sched.pick(room, time.time())
         if picks:

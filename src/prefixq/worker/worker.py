@@ -143,6 +143,7 @@ class Worker:
             tallies=self.sched.tallies,
             busy=self.busy,
             gc_policy=self.gc_policy,
+            reads=lambda: self.reader.delivered,
             serving=lambda: self.serving and not self.stopping,
         )
         self.hand_over = hand_over

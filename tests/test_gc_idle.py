@@ -1,0 +1,164 @@
+"""Idle-time collection does not hold up a burst (worker/gc_policy.py, `GcPolicy.idle`).
+
+The whole-heap collection after a burst is one call CPython cannot interrupt (441 ms on a GPU
+worker). The worker collects in steps, with its event loop running between them, and stops once
+something was read: a burst that arrives when the idle collection starts is admitted without
+waiting for the whole heap. The policy's steps on the real collector, and the real `Worker` loop
+over tests/fake_engine.py with a heap big enough that a whole collection takes > 50 ms; delays
+are from the end of a burst's submit to the worker's own ``admitted`` timestamps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from helpers import FakeWorker, requests, wait_burst, wait_until
+from prefixq.client import Producer
+from prefixq.core.settings import Settings
+from prefixq.worker import gc_policy as heap_mod
+from prefixq.worker import heartbeat as heartbeat_mod
+from prefixq.worker.gc_policy import GcPolicy
+from prefixq.worker.gcwatch import GcWatch
+
+
+class Node:
+    """A request-like object in a reference cycle (freed only by the cyclic collector)."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+@pytest.fixture
+def policy() -> Iterator[GcPolicy]:
+    h = GcPolicy(GcWatch(), enabled=True)
+    h.freeze()
+    try:
+        yield h
+    finally:
+        gc.unfreeze()
+
+
+def test_an_idle_collection_stops_between_steps_once_work_arrives(
+    policy: GcPolicy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given a whole-heap collection due, when work is read after the first step, then no
+    further step runs (the frozen cycle is still there) and it counts as postponed; the next idle
+    moment finishes it."""
+    monkeypatch.setattr(heap_mod, "WHOLE_HEAP_AFTER", 1)
+    node = Node()
+    gone = weakref.ref(node)
+    policy.admitted(1)
+    del node
+    checks: list[int] = []
+
+    def quiet() -> bool:
+        checks.append(1)
+        return len(checks) < 2  # work arrives during the first step
+
+    assert not asyncio.run(policy.idle(1, quiet, idle_s=heap_mod.WHOLE_HEAP_IDLE_S))
+    assert len(checks) == 2 and gone() is not None
+    assert policy.stats()["gc_idle_postponed"] == 1
+    assert asyncio.run(policy.idle(1, lambda: True, idle_s=heap_mod.WHOLE_HEAP_IDLE_S))
+    assert gone() is None
+    assert policy.stats()["gc_idle_collections"] == 1
+
+
+def test_the_whole_heap_waits_for_a_longer_idle_moment(
+    policy: GcPolicy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker idle for less than WHOLE_HEAP_IDLE_S collects only what is not frozen, and says
+    the whole heap is still owed; idle long enough, it collects the whole heap."""
+    monkeypatch.setattr(heap_mod, "WHOLE_HEAP_AFTER", 1)
+    node = Node()
+    gone = weakref.ref(node)
+    policy.admitted(1)
+    del node
+    short = heap_mod.WHOLE_HEAP_IDLE_S / 2
+    assert not asyncio.run(policy.idle(1, lambda: True, idle_s=short))
+    assert gone() is not None
+    assert asyncio.run(policy.idle(1, lambda: True, idle_s=heap_mod.WHOLE_HEAP_IDLE_S))
+    assert gone() is None
+    st = policy.stats()
+    assert 0 < float(st["gc_idle_max_step_ms"]) <= float(st["gc_idle_max_ms"])
+
+
+def big_heap(at_least_s: float) -> tuple[list[Any], float]:
+    """Container objects enough that one whole collection takes ``at_least_s``; with its time."""
+    heap: list[Any] = []
+    took = 0.0
+    for _ in range(6):
+        heap.extend([i] for i in range(max(500_000, len(heap))))
+        t0 = time.perf_counter()
+        gc.collect()
+        took = time.perf_counter() - t0
+        if took >= at_least_s:
+            return heap, took
+    pytest.skip(f"a whole collection of {len(heap)} objects took only {took * 1e3:.0f} ms")
+
+
+def submit(s: Settings, n: int) -> tuple[str, float]:
+    """A burst of ``n`` requests; its id and when its submit returned (all of it in Redis)."""
+    burst = Producer(s).submit(requests(n)).id
+    return burst, time.time()
+
+
+def admission_delay(r: redis.Redis, s: Settings, sent: tuple[str, float], n: int) -> float:
+    """From the end of the burst's submit to its last request's admission (the worker's own
+    ``admitted`` timestamp)."""
+    burst, arrived = sent
+    return max(x.timings.admitted for x in wait_burst(r, s, burst, 60, n=n)) - arrived
+
+
+def test_a_burst_arriving_as_the_idle_collection_starts_is_not_held_by_the_whole_heap(
+    make_settings: Callable[..., Settings],
+    fake_worker: Callable[..., FakeWorker],
+    r: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Given a worker whose heap takes > 50 ms to collect whole and a whole-heap collection due
+    after its first burst, when a second burst reaches Redis just as the idle collection starts,
+    then that burst is admitted about as fast as the first (into an idle worker) and much faster
+    than a whole collection; the collection is postponed and runs once the worker is idle again
+    (before: it ran first, and the burst waited for all of it)."""
+    monkeypatch.setattr(heap_mod, "WHOLE_HEAP_AFTER", 1)
+    monkeypatch.setattr(heap_mod, "WHOLE_HEAP_IDLE_S", 0.0, raising=False)
+    monkeypatch.setattr(heartbeat_mod, "IDLE_FREEZE_S", 0.2)
+    heap, whole_s = big_heap(0.15)
+    s = make_settings(gc_freeze=True, heartbeat_s=0.1)
+    second: list[tuple[str, float]] = []
+    real = GcPolicy.idle
+
+    def idle(self: GcPolicy, *a: Any, **kw: Any) -> Any:
+        if not second:  # the burst reaches Redis as the idle collection starts
+            second.append(submit(s, 4))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(GcPolicy, "idle", idle)
+    try:
+        fw = fake_worker(s)
+        baseline = admission_delay(r, s, submit(s, 4), 4)
+        assert fw.worker is not None
+        gc_policy = fw.worker.gc_policy
+        wait_until(lambda: second, 30, "an idle collection after the first burst")
+        delay = admission_delay(r, s, second[0], 4)
+        print(
+            f"  whole collection {whole_s * 1e3:.0f} ms; admission delay: first burst "
+            f"{baseline * 1e3:.1f} ms, burst arriving at the idle collection {delay * 1e3:.1f} ms"
+        )
+        assert delay - baseline < whole_s / 2, (delay, baseline, whole_s)
+        wait_until(lambda: gc_policy.idle_postponed >= 1, 10, "the idle collection postponed")
+        # idle again: the whole heap is collected after all
+        wait_until(lambda: gc_policy.frozen_requests == 0, 30, "the whole-heap collection")
+        assert gc_policy.idle_collections >= 1
+        print(f"  idle collections afterwards: {gc_policy.stats()}")
+    finally:
+        gc.unfreeze()
+        del heap
