@@ -92,6 +92,7 @@ FLEET_FIELDS = (
     "heartbeat_ttl_s",
     "orphan_after_s",
     "steal_min_tokens",
+    "pass_window",
 )
 
 
