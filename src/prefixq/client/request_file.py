@@ -46,6 +46,9 @@ class RequestFile(Sequence[Request]):
         #: request ids in file order
         self.ids: list[str] = []
         self._peeks: list[Peek] = []
+        #: requests refused per line (`Request.refused`, from the OpenAI server's check), by
+        #: index: their line cannot be read again into them, and they are small
+        self._refused: dict[int, Request] = {}
 
     # ---- building ----------------------------------------------------------------------------
     def add(self, offset: int, length: int, line: int, req: Request) -> None:
@@ -53,6 +56,8 @@ class RequestFile(Sequence[Request]):
         self._offsets.append(offset)
         self._lengths.append(length)
         self._lines.append(line)
+        if req.refusal is not None:
+            self._refused[len(self.ids)] = req
         self.ids.append(req.id)
         self._peeks.append(peek(req, "decode-first"))  # group and counts; no path
 
@@ -62,6 +67,7 @@ class RequestFile(Sequence[Request]):
             del a[:]
         self.ids.clear()
         self._peeks.clear()
+        self._refused.clear()
 
     # ---- reading -----------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -78,6 +84,8 @@ class RequestFile(Sequence[Request]):
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError(i)
+        if i in self._refused:
+            return self._refused[i]
         raw = os.pread(self.open(), self._lengths[i], self._offsets[i])
         n = self._lines[i]
         obj = read_json_line(raw, n, self.name)

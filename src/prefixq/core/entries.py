@@ -7,7 +7,9 @@ prefix stored once, content-addressed, under `Keys.prefix`). A prefix object is 
 ``i`` input index, ``id`` request id, ``s`` sampling, ``e`` enqueued (epoch s), ``k`` shard,
 ``w`` estimated uncached prompt tokens (the placement's load unit), ``pc`` predicted cached tokens,
 ``dl`` the burst's deadline (epoch s; absent = none), ``u`` the OpenAI url of the line (absent for
-a plain line) and ``md`` its body's model (absent when none): both only for the output objects;
+a plain line) and ``md`` its body's model (absent when none): both only for the output objects,
+as ``eo`` is (what a /v1/responses object echoes of its body); ``rf`` a per-line refusal (the
+request runs nothing: its result is that message);
 ``pr`` the burst's priority and ``tn`` its tenant (absent: ``normal`` and ``default``, so that the
 default path's entries carry no extra byte; prefixq.core.sharing); ``a`` the checkpoint hash
 that ends the request's shared prefix (8 bytes; absent without one): its prefix group, which moves
@@ -78,6 +80,10 @@ class Entry:
     endpoint: str | None = None
     #: the body's ``model`` of an OpenAI line (None if it named none)
     model: str | None = None
+    #: what the output object echoes of the body (`Request.echo`)
+    echo: dict[str, Any] | None = None
+    #: the line's refusal (`Request.refusal`): its result, without running anything
+    refusal: str | None = None
     #: the burst's priority (prefixq.core.sharing.PRIORITIES) and tenant
     priority: str = DEFAULT_PRIORITY
     tenant: str = DEFAULT_TENANT
@@ -109,6 +115,7 @@ class Entry:
                 deadline=None if d.get("dl") is None else float(d["dl"]),
                 endpoint=_optional_str(d, "u"),
                 model=_optional_str(d, "md"),
+                refusal=_optional_str(d, "rf"),
             )
         except (TypeError, ValueError, OverflowError) as err:
             raise WireError(f"malformed entry: {err}") from None
@@ -138,6 +145,10 @@ class Entry:
             raise WireError("entry prefix is malformed")
         if e.prefix_ref is not None and not isinstance(e.prefix_ref, str):
             raise WireError("entry prefix reference is not a string")
+        echo = d.get("eo")
+        if echo is not None and not isinstance(echo, dict):
+            raise WireError("entry echo is not a map")
+        e.echo = echo
         return e
 
     def result(self, shard: int, worker: str) -> Result:
@@ -150,6 +161,7 @@ class Entry:
             predicted_cached_tokens=self.predicted_cached,
             endpoint=self.endpoint,
             model=self.model,
+            echo=self.echo,
         )
         res.timings.enqueued = self.enqueued
         return res
@@ -160,7 +172,7 @@ class Entry:
         res = Result.failed(self.id, self.index, code, error, worker=worker, now=now)
         res.shard, res.timings.enqueued = shard, self.enqueued
         res.predicted_cached_tokens = self.predicted_cached
-        res.endpoint, res.model = self.endpoint, self.model
+        res.endpoint, res.model, res.echo = self.endpoint, self.model, self.echo
         return res
 
     def to_request(self, prefix: dict[str, Any] | None) -> Request:
@@ -169,7 +181,12 @@ class Entry:
         if prefix is not None and not _is_prefix(prefix):
             raise WireError("stored prefix is malformed")
         req = Request(
-            id=self.id, sampling=dict(self.sampling), endpoint=self.endpoint, model=self.model
+            id=self.id,
+            sampling=dict(self.sampling),
+            endpoint=self.endpoint,
+            model=self.model,
+            echo=self.echo,
+            refusal=self.refusal,
         )
         ((key, value),) = self.own.items()
         if not isinstance(value, str if key == "p" else list):
@@ -224,6 +241,10 @@ def to_wire(
         d["u"] = req.endpoint
     if req.model is not None:
         d["md"] = req.model
+    if req.echo:
+        d["eo"] = req.echo
+    if req.refusal is not None:
+        d["rf"] = req.refusal
     if priority != DEFAULT_PRIORITY:
         d["pr"] = priority
     if tenant != DEFAULT_TENANT:

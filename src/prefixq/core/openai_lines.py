@@ -15,11 +15,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from prefixq.core.errors import ValidationError
+from prefixq.core.responses_lines import responses_body
 from prefixq.core.sampling import MAX_LOGPROBS, SAMPLING_FIELDS
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-ENDPOINTS = (CHAT, COMPLETIONS)
+#: a body of instructions and input messages, answered with a Response object
+#: (core/responses_lines.py)
+RESPONSES = "/v1/responses"
+ENDPOINTS = (CHAT, COMPLETIONS, RESPONSES)
+#: endpoints whose requests are chats (messages)
+MESSAGE_ENDPOINTS = (CHAT, RESPONSES)
 #: accepted and ignored (they cannot change the answer here)
 IGNORED = frozenset(
     {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
@@ -84,13 +90,15 @@ def split_openai_line(
         raise ValidationError(w + f"method must be POST, not {obj['method']!r}")
     url = obj["url"]
     if url not in ENDPOINTS:
-        raise ValidationError(w + f"unsupported url {url!r} ({CHAT} or {COMPLETIONS})")
+        raise ValidationError(w + f"unsupported url {url!r} ({', '.join(ENDPOINTS)})")
     if not isinstance(obj["body"], Mapping):
         raise ValidationError(w + "OpenAI batch line needs an object 'body'")
     body = {k: v for k, v in obj["body"].items() if v is not None or k in ("messages", "prompt")}
     model = body.pop("model", None)
     if model is not None and not isinstance(model, str):
         raise ValidationError(w + "body.model must be a string")
+    if url == RESPONSES:  # fields of its own, and what its Response object echoes
+        return obj["custom_id"], responses_body(body, w), url, model
     for key in IGNORED & body.keys():
         del body[key]
     _refuse_no_ops(body, w)

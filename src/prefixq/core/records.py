@@ -49,7 +49,11 @@ class Request:
     ``prefix`` is shared leading text (a document) placed before ``prompt``; for chats the shared
     leading messages play that role (everything but the last message). ``endpoint`` is the url
     of the OpenAI batch line it came from (`body.ENDPOINTS`; None for a plain line) and ``model``
-    that line's ``body.model``: the output objects need them, the answer does not.
+    that line's ``body.model``: the output objects need them, the answer does not; ``echo`` is
+    what a /v1/responses line's Response object repeats of its body (core/responses_lines.py).
+    ``refusal`` marks a request refused per line (the server's /v1/responses validation): it
+    carries only its id and this message, runs nothing, and its result is that refusal
+    (``invalid_request``), recorded as every other result is.
     """
 
     id: str
@@ -60,6 +64,15 @@ class Request:
     sampling: dict[str, Any] = field(default_factory=dict)
     endpoint: str | None = None
     model: str | None = None
+    echo: dict[str, Any] | None = None
+    refusal: str | None = None
+
+    @classmethod
+    def refused(
+        cls, rid: str, message: str, *, endpoint: str | None = None, model: str | None = None
+    ) -> Request:
+        """A request refused per line: its result will be ``message`` (``invalid_request``)."""
+        return cls(id=rid, prompt="", endpoint=endpoint, model=model, refusal=message)
 
     @classmethod
     def from_json(
@@ -97,6 +110,7 @@ class Request:
             messages=body.pop("messages", None),
             prompt_token_ids=body.pop("prompt_token_ids", None),
             prefix=body.pop("prefix", None),
+            echo=body.pop("echo", None),
         )
         sampling = body.pop("sampling", None) or {}
         if not isinstance(sampling, dict):
@@ -123,6 +137,9 @@ class Request:
     ) -> None:
         """Check shape, sizes and sampling values; raise ValidationError saying what is wrong."""
         w = f"{where or 'request ' + repr(self.id)}: "
+        if self.refusal is not None:
+            self._check_refused(w)
+            return
         given = [
             n for n in ("prompt", "messages", "prompt_token_ids") if getattr(self, n) is not None
         ]
@@ -137,7 +154,8 @@ class Request:
                 raise ValidationError(w + f"{name} must be a string")
         if self.endpoint is not None and self.endpoint not in openai_lines.ENDPOINTS:
             raise ValidationError(w + f"unsupported endpoint {self.endpoint!r}")
-        if (self.endpoint == openai_lines.CHAT) != (self.messages is not None) and self.endpoint:
+        chat = self.endpoint in openai_lines.MESSAGE_ENDPOINTS
+        if chat != (self.messages is not None) and self.endpoint:
             raise ValidationError(w + f"{self.endpoint} does not go with this kind of prompt")
         if self.prompt is not None and not isinstance(self.prompt, str):
             raise ValidationError(w + "prompt must be a string")
@@ -176,6 +194,19 @@ class Request:
             check_nested(m, f"message {i}", w)
         for key, value in self.sampling.items():
             check_nested(value, key, w)
+        if self.echo is not None:
+            if not isinstance(self.echo, dict):
+                raise ValidationError(w + "echo must be a dict")
+            check_nested(self.echo, "echo", w)
+
+    def _check_refused(self, w: str) -> None:
+        """A refused request holds its id, endpoint, model and message, and nothing to run."""
+        if not isinstance(self.refusal, str) or not isinstance(self.id, str) or not self.id:
+            raise ValidationError(w + "a refused request needs an id and a message")
+        if self.prompt != "" or self.messages or self.prompt_token_ids or self.prefix:
+            raise ValidationError(w + "a refused request carries no prompt")
+        check_text(self.id, "id", w)
+        check_text(self.refusal, "refusal", w)
 
     def chars(self) -> int:
         """Characters of text in the request (prefix, prompt and message contents)."""

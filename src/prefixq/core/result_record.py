@@ -92,6 +92,8 @@ class Result:
     choices: list[Choice] = field(default_factory=list)
     endpoint: str | None = None
     model: str | None = None
+    #: what the output object repeats of the request's body (`Request.echo`)
+    echo: dict[str, Any] | None = None
 
     @classmethod
     def failed(
@@ -130,6 +132,8 @@ class Result:
             d["u"] = self.endpoint
         if self.model is not None:
             d["md"] = self.model
+        if self.echo:
+            d["eo"] = self.echo
         return d
 
     def _choice_wire(self, c: Choice) -> list[Any]:
@@ -166,6 +170,7 @@ class Result:
             error_code=d.get("ec"),
             endpoint=d.get("u"),
             model=d.get("md"),
+            echo=d.get("eo") if isinstance(d.get("eo"), dict) else None,
         )
         for c in d.get("ch") or ():
             res.choices.append(

@@ -1,7 +1,8 @@
 """prefixq results as OpenAI Batch output lines (`format_result`): the server's output and error
 files, and ``prefixq results --format openai``.
 
-One line per request, in input order: a ``chat.completion`` or ``text_completion`` body with
+One line per request, in input order: a ``chat.completion``, ``text_completion`` or ``response``
+(openai/responses.py) body with
 status 200, an HTTP-style error response (400 or 500) for a request that failed inside the engine
 or was refused, and ``response: null`` with ``batch_expired`` or ``batch_cancelled`` for one that
 never ran. Ids are derived from the burst id and the input index, so writing a burst's lines
@@ -13,16 +14,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
-from prefixq.core.openai_lines import CHAT, COMPLETIONS, ENDPOINTS
+from prefixq.core.openai_lines import CHAT, COMPLETIONS, ENDPOINTS, RESPONSES
 from prefixq.core.records import Choice, Result, TokenLogprob
+from prefixq.openai.responses import response_body
 
 __all__ = [
     "CHAT",
     "COMPLETIONS",
     "ENDPOINTS",
+    "RESPONSES",
     "Line",
     "Usage",
     "error_code",
@@ -35,6 +39,8 @@ EXPIRED_MESSAGE = "This request could not be executed before the completion wind
 CANCELLED_MESSAGE = "This request was not executed because the batch was cancelled."
 #: finish reasons an OpenAI choice may carry; anything else from the engine is reported as "stop"
 _FINISH = frozenset({"stop", "length", "tool_calls", "content_filter", "function_call"})
+#: the body field a refusal names ("body.tools=... is refused"), for the error's ``param``
+_FIELD = re.compile(r"\bbody\.([a-z_]+)")
 #: prefixq error code -> (HTTP status, OpenAI error type, OpenAI error code)
 _HTTP_ERRORS: dict[str, tuple[int, str, str | None]] = {
     "invalid_request": (400, "invalid_request_error", None),
@@ -120,7 +126,9 @@ def format_result(res: Result, *, burst: str, endpoint: str = CHAT, model: str =
     request_id = _uid("req_", burst, res.index)
     if code is not None:
         status, kind, oai_code = _HTTP_ERRORS.get(code, _HTTP_ERRORS["internal_error"])
-        error = {"message": res.error, "type": kind, "param": None, "code": oai_code}
+        field = _FIELD.search(res.error or "") if code == "invalid_request" else None
+        param = field.group(1) if field else None
+        error = {"message": res.error, "type": kind, "param": param, "code": oai_code}
         line["response"] = {
             "status_code": status,
             "request_id": request_id,
@@ -136,7 +144,10 @@ def format_result(res: Result, *, burst: str, endpoint: str = CHAT, model: str =
 
 
 def _body(res: Result, *, burst: str, endpoint: str, model: str) -> dict[str, Any]:
-    """A ``chat.completion`` or ``text_completion`` object, as OpenAI's endpoint returns it."""
+    """A ``chat.completion``, ``text_completion`` or ``response`` object, as OpenAI's endpoint
+    returns it."""
+    if endpoint == RESPONSES:
+        return response_body(res, burst=burst, model=model)
     chat = endpoint == CHAT
     choices = [_choice(c, chat) for c in _choices(res)]
     usage = {

@@ -3,12 +3,13 @@
 Each problem is a batch error ``{"code", "message", "param", "line"}`` (1-based line numbers):
 ``invalid_json_line``, ``missing_required_parameter``, ``invalid_request`` (wrong types, a method
 other than POST, a body prefixq refuses: the message says why, ``param`` names the body field when
-the refusal does), ``url_mismatch`` (the line's url
-is not the batch's endpoint), ``model_mismatch`` (one batch, one model), ``duplicate_custom_id``,
-``empty_file``. Any error fails the whole batch; at most `MAX_ERRORS` are listed. The file is read
-line by line, never whole; blank lines are skipped. The valid requests are not kept: a
-`prefixq.client.request_file.RequestFile` keeps where each line is (and its id and prefix
-fingerprint), and the producer reads each again when it enqueues it.
+the refusal does), ``url_mismatch`` (the line's url is not the batch's endpoint),
+``model_mismatch`` (one batch, one model), ``duplicate_custom_id``, ``empty_file``. Any error
+fails the whole batch; at most `MAX_ERRORS` are listed. On ``/v1/responses`` a body prefixq
+refuses is the line's own 400 result instead, as OpenAI answers such a line: a `Request.refused`
+that runs nothing. The file is read line by line, never whole; blank lines are skipped. The valid
+requests are not kept: a `prefixq.client.request_file.RequestFile` keeps where each line is (and
+its id and prefix fingerprint), and the producer reads each again when it enqueues it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from prefixq.client.request_file import RequestFile
 from prefixq.core.entries import check_size
 from prefixq.core.errors import ValidationError
 from prefixq.core.inputs import read_json_line
+from prefixq.core.openai_lines import RESPONSES
 from prefixq.core.records import Request
 from prefixq.core.settings import Settings
 
@@ -122,6 +124,8 @@ def _check_line(
         return req
     except ValidationError as e:
         message = _WHERE.sub("", str(e))
+        if endpoint == RESPONSES:  # the line's own refusal, never the batch's failure
+            return Request.refused(cid, message, endpoint=endpoint, model=model)
         field = _FIELD.search(message)
         param = f"body.{field.group(1) or field.group(2)}" if field else "body"
         out.add(n, "invalid_request", message, param)

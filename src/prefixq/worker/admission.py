@@ -21,7 +21,13 @@ from collections.abc import Callable
 from typing import Any
 
 from prefixq.core.entries import Entry
-from prefixq.core.errors import EngineAborted, EngineDead, EngineError, PrefixqError
+from prefixq.core.errors import (
+    EngineAborted,
+    EngineDead,
+    EngineError,
+    PrefixqError,
+    ValidationError,
+)
 from prefixq.core.result_record import ENDED_ERRORS, error_code_of
 from prefixq.core.settings import Settings
 from prefixq.core.sharing import PRIORITIES
@@ -159,6 +165,8 @@ class Admission:
             req.validate(
                 max_chars=self.settings.max_prompt_chars, max_messages=self.settings.max_messages
             )
+            if req.refusal is not None:  # refused per line at submit: its result is the refusal
+                raise ValidationError(req.refusal)
             prompt = self.engine.render_chat(req.messages) if req.messages else req.prompt
             async with self.gate.call(solo):
                 why = self.ends.ended_reason(e)
