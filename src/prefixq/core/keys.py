@@ -243,8 +243,14 @@ class Keys:
         return f"{self.ns}:{{oai}}:files"
 
     def oai_file(self, file_id: str) -> str:
-        """Hash: one file's object (id, bytes, lines, created_at, filename, purpose)."""
+        """Hash: one file's object (id, bytes, lines, created_at, filename, purpose, and
+        expires_at when it has one)."""
         return f"{self.ns}:{{oai}}:file:{file_id}"
+
+    @property
+    def oai_expiring(self) -> str:
+        """Sorted set: file id -> expires_at (epoch s), for files that expire (openai/expiry.py)."""
+        return f"{self.ns}:{{oai}}:expiring"
 
     @property
     def oai_batches(self) -> str:

@@ -178,6 +178,9 @@ class Settings:
     #: the dashboard (prefixq serve, prefixq dashboard) only shows: cancel and requeue are hidden
     #: on the page and refused by its /api/ (docs/dashboard.md)
     dashboard_read_only: bool = False
+    #: tests only: a file holding seconds that prefixq serve adds to its clock when it decides
+    #: whether a file has expired (read at each decision); empty = the real clock
+    clock_shift_file: str = ""
 
     # webhooks (prefixq serve and workers; docs/operations.md, "Receiving webhooks")
     #: endpoints per namespace: JSON, or @PATH of a JSON file (format in docs/operations.md);

@@ -5,7 +5,8 @@ A batch record is a Redis hash (core/keys.py ``oai_batch``) written when the bat
 moved from status to status only by lua/batch_transition.lua, which checks the caller's lease
 (if it holds one) in the same script; its burst (``burst``: the batch id, unless a recovery had
 to resubmit) carries the requests and results. While a batch runs, ``request_counts`` are read
-live from its burst's counters; the final ones are written with the final status.
+live from its burst's counters; the final ones are written with the final status. Its
+``output_expires_after`` is kept as ``output_expires_s``, for its output and error files.
 docs/openai.md, "Batches", has the statuses and their transitions.
 """
 
@@ -26,6 +27,7 @@ from prefixq.core.settings import Settings
 from prefixq.core.sharing import DEFAULT_PRIORITY, check_priority, check_tenant
 from prefixq.core.webhooks import WebhookConfig
 from prefixq.openai.apierror import ApiError, bad_request, not_found
+from prefixq.openai.expiry import expires_after
 from prefixq.openai.files import FileStore
 from prefixq.openai.formats import ENDPOINTS
 from prefixq.openai.lease import TTL_MS
@@ -206,6 +208,7 @@ class BatchStore:
             )
         window_s = window_seconds(body["completion_window"])
         metadata = _check_metadata(body.get("metadata"))
+        output_expires_s = expires_after(body.get("output_expires_after"), "output_expires_after")
         extra = set(body) - {
             "input_file_id",
             "endpoint",
@@ -243,6 +246,7 @@ class BatchStore:
             "status": "validating",
             "burst": batch_id,
             "metadata": "" if metadata is None else json.dumps(metadata, ensure_ascii=False),
+            "output_expires_s": output_expires_s or "",
         }
         token = secrets.token_hex(8)
         pipe = self.r.pipeline(transaction=True)

@@ -2,9 +2,10 @@
 
 A file lives at ``<files_dir>/<namespace>/<file id>`` (``files_dir`` defaults to
 ``<cache_dir>/files``); its object (id, bytes, lines, created_at, filename, purpose) is a Redis hash
-listed in a sorted set by creation time. Contents are written under a temporary name and renamed
-into place before the object is recorded, so a listed file is always complete. Several servers
-sharing a Redis must share ``files_dir`` too (one volume).
+listed in a sorted set by creation time. A file may expire (``expires_at``; expiry.py): once that
+time has come it is gone, answering 404 from the first access or sweep after it. Contents are
+written under a temporary name and renamed into place before the object is recorded, so a listed
+file is always complete. Several servers sharing a Redis must share ``files_dir`` too (one volume).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from prefixq.engine.embedded_model import default_cache_dir
 from prefixq.openai.apierror import bad_request, not_found
+from prefixq.openai.expiry import PER_SWEEP, Clock, form_expires_after
 from prefixq.openai.pages import Page, page
 from prefixq.openai.uploads import receive
 
@@ -62,7 +64,7 @@ def file_object(h: dict[bytes, bytes]) -> dict[str, Any]:
         "purpose": m["purpose"],
         "status": "processed",
         "status_details": None,
-        "expires_at": None,
+        "expires_at": int(float(m["expires_at"])) if m.get("expires_at") else None,
     }
 
 
@@ -72,6 +74,7 @@ class FileStore:
     def __init__(self, r: aredis.Redis, settings: Settings, namespace: str) -> None:
         self.r, self.settings, self.keys = r, settings, Keys(namespace)
         self.dir = files_root(settings) / namespace
+        self.clock = Clock(settings)
 
     def path(self, file_id: str) -> Path:
         """Where a file's content lives; ids are the server's own (``file-`` + hex), and anything
@@ -96,6 +99,18 @@ class FileStore:
             log.info("removed %d partial upload(s) left by a stopped server in %s", n, self.dir)
         return n
 
+    async def sweep_expired(self) -> int:
+        """Remove the files whose ``expires_at`` has come (object, listing and bytes), at most
+        `PER_SWEEP` a call; returns how many."""
+        due = await self.r.zrangebyscore(
+            self.keys.oai_expiring, "-inf", self.clock.now(), start=0, num=PER_SWEEP
+        )
+        for raw in due:
+            await self.remove(raw.decode())
+        if due:
+            log.info("%d expired file(s) removed from %s", len(due), self.dir)
+        return len(due)
+
     async def upload(
         self, chunks: AsyncIterator[bytes], content_type: str | None
     ) -> dict[str, Any]:
@@ -119,24 +134,32 @@ class FileStore:
                     param="purpose",
                     code="invalid_value",
                 )
+            expires_s = form_expires_after(up.fields)
             tmp.rename(self.path(file_id))
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
         try:
             return await self.record(
-                file_id, up.filename or "upload.jsonl", "batch", up.bytes, up.lines
+                file_id, up.filename or "upload.jsonl", "batch", up.bytes, up.lines, expires_s
             )
         except BaseException:  # Redis unreachable: no object, so no content either
             self.path(file_id).unlink(missing_ok=True)
             raise
 
     async def record(
-        self, file_id: str, filename: str, purpose: str, size: int, lines: int
+        self,
+        file_id: str,
+        filename: str,
+        purpose: str,
+        size: int,
+        lines: int,
+        expires_s: int | None = None,
     ) -> dict[str, Any]:
-        """Record the object of a file already in place; returns it."""
+        """Record the object of a file already in place, expiring ``expires_s`` after its
+        creation when given; returns it."""
         now = time.time()
-        h = {
+        h: dict[str, Any] = {
             "id": file_id,
             "bytes": size,
             "lines": lines,
@@ -145,6 +168,9 @@ class FileStore:
             "purpose": purpose,
         }
         pipe = self.r.pipeline(transaction=True)
+        if expires_s is not None:
+            h["expires_at"] = int(now) + expires_s
+            pipe.zadd(self.keys.oai_expiring, {file_id: h["expires_at"]})
         pipe.hset(self.keys.oai_file(file_id), mapping=h)
         pipe.zadd(self.keys.oai_files, {file_id: int(now * 1000)})
         await pipe.execute()
@@ -152,11 +178,16 @@ class FileStore:
         return file_object({k.encode(): str(v).encode() for k, v in h.items()})
 
     async def get(self, file_id: str) -> dict[str, Any]:
+        """The File object; 404 if unknown, and for an expired file, which is removed here."""
         self.path(file_id)  # 404 for what cannot be an id
         h = await self.r.hgetall(self.keys.oai_file(file_id))
         if not h:
             raise not_found("File", file_id)
-        return file_object(h)
+        obj = file_object(h)
+        if obj["expires_at"] is not None and self.clock.now() >= obj["expires_at"]:
+            await self.remove(file_id)
+            raise not_found("File", file_id)
+        return obj
 
     async def content(self, file_id: str) -> Path:
         """The path of an existing file's content (404 if unknown or gone from disk)."""
@@ -168,6 +199,7 @@ class FileStore:
         return path
 
     async def delete(self, file_id: str) -> dict[str, Any]:
+        await self.get(file_id)  # 404 for an expired file too (removed there)
         if not await self.remove(file_id):
             raise not_found("File", file_id)
         return {"id": file_id, "object": "file", "deleted": True}
@@ -178,7 +210,8 @@ class FileStore:
         pipe = self.r.pipeline(transaction=True)
         pipe.delete(self.keys.oai_file(file_id))
         pipe.zrem(self.keys.oai_files, file_id)
-        deleted, _ = await pipe.execute()
+        pipe.zrem(self.keys.oai_expiring, file_id)
+        deleted, _, _ = await pipe.execute()
         path.unlink(missing_ok=True)
         return bool(deleted)
 
@@ -191,7 +224,12 @@ class FileStore:
                 pipe.hgetall(self.keys.oai_file(i))
             return [file_object(h) for h in await pipe.execute() if h]
 
-        keep = None if purpose is None else (lambda o: o["purpose"] == purpose)
+        now = self.clock.now()
+
+        def keep(o: dict[str, Any]) -> bool:  # expired files are gone, whether swept yet or not
+            live = o["expires_at"] is None or now < o["expires_at"]
+            return live and (purpose is None or o["purpose"] == purpose)
+
         return await page(
             self.r, self.keys.oai_files, fetch, after=after, limit=limit, order=order, keep=keep
         )

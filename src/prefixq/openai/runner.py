@@ -19,7 +19,6 @@ import json
 import logging
 import time
 from collections.abc import Coroutine
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -33,8 +32,8 @@ from prefixq.core.records import Result
 from prefixq.core.settings import Settings
 from prefixq.openai import lease
 from prefixq.openai.batches import FINAL, BatchStore, cancel_burst, sharing
-from prefixq.openai.files import new_file_id
-from prefixq.openai.formats import Line, Usage, format_result
+from prefixq.openai.formats import format_result
+from prefixq.openai.output_files import OutputFiles
 from prefixq.openai.validate import check_input
 from prefixq.store import burst_end
 from prefixq.store.connection import raise_if_cancelled
@@ -57,63 +56,6 @@ def _decode(h: dict[bytes, bytes]) -> dict[str, str]:
 
 def _failed(errors: list[dict[str, Any]]) -> dict[str, Any]:
     return {"failed_at": time.time(), "errors": json.dumps(errors, ensure_ascii=False)}
-
-
-class _Files:
-    """The output and error files of one finalization, written under temporary names."""
-
-    def __init__(self, store: BatchStore, batch_id: str) -> None:
-        self.store, self.batch_id = store, batch_id
-        self.ids = {"output": new_file_id(), "error": new_file_id()}
-        self.lines = {"output": 0, "error": 0}
-        self.bytes = {"output": 0, "error": 0}
-        self.kinds: dict[str, int] = {}
-        self.usage = Usage()
-
-    def tmp(self, which: str) -> Path:
-        return self.store.files.dir / f".final-{self.batch_id}-{self.ids[which]}"
-
-    def sweep_stale(self) -> None:
-        """Remove what an earlier attempt at this batch left half written (a server killed while
-        it finalized): under the lease no other attempt is writing."""
-        for old in self.store.files.dir.glob(f".final-{self.batch_id}-*"):
-            old.unlink(missing_ok=True)
-
-    async def write(self, lines: list[Line]) -> None:
-        out: dict[str, list[str]] = {"output": [], "error": []}
-        for ln in lines:
-            out["output" if ln.ok else "error"].append(ln.dumps())
-            self.kinds[ln.kind] = self.kinds.get(ln.kind, 0) + 1
-        for which, texts in out.items():
-            if texts:
-                data = "".join(texts).encode()
-                async with await anyio.open_file(self.tmp(which), "ab") as f:
-                    await f.write(data)
-                self.lines[which] += len(texts)
-                self.bytes[which] += len(data)
-
-    def pending(self) -> str:
-        """The ids `publish` is about to create, comma-separated."""
-        return ",".join(self.ids[w] for w in ("output", "error") if self.lines[w])
-
-    async def publish(self) -> dict[str, str]:
-        """Rename the non-empty files into place and record them; returns the file id fields."""
-        out = {"output_file_id": "", "error_file_id": ""}
-        for which in ("output", "error"):
-            if not self.lines[which]:
-                continue
-            fid = self.ids[which]
-            self.tmp(which).rename(self.store.files.path(fid))
-            name = f"{self.batch_id}_{which}.jsonl"
-            await self.store.files.record(
-                fid, name, "batch_output", self.bytes[which], self.lines[which]
-            )
-            out[f"{which}_file_id"] = fid
-        return out
-
-    def discard(self) -> None:
-        for which in ("output", "error"):
-            self.tmp(which).unlink(missing_ok=True)
 
 
 class Sweeper:
@@ -258,7 +200,8 @@ class Sweeper:
                 m = await store.record(batch_id)
             if m["status"] not in ("finalizing", "cancelling"):
                 return
-            files = _Files(store, batch_id)
+            out_s = int(m["output_expires_s"]) if m.get("output_expires_s") else None
+            files = OutputFiles(store, batch_id, expires_s=out_s)
             files.sweep_stale()
             for fid in filter(None, m.get("publishing", "").split(",")):
                 await store.files.remove(fid)  # published by an attempt that died before the end
@@ -292,7 +235,7 @@ class Sweeper:
                 return
             log.info("batch %s: %s (%s)", batch_id, final, files.kinds)
 
-    async def _write(self, store: BatchStore, m: dict[str, str], files: _Files) -> None:
+    async def _write(self, store: BatchStore, m: dict[str, str], files: OutputFiles) -> None:
         burst = m["burst"]
         limits = wire.Limits.from_settings(store.settings)
         total = int(await self.r.hget(store.keys.burst(burst), "total") or 0)
@@ -327,6 +270,7 @@ class Sweeper:
             await burst_end.expire_due(  # batches past their window
                 self.r, store.settings, on_burst_done=self.on_burst_done
             )
+            await store.files.sweep_expired()  # files past their expires_at (expiry.py)
             open_ids = {x.decode() for x in await self.r.smembers(store.keys.oai_open)}
             for key in [k for k in self.retry if k[0] == ns and k[1] not in open_ids]:
                 del self.retry[key]  # finished elsewhere meanwhile
