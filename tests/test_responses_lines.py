@@ -198,3 +198,17 @@ def test_a_response_line_validates_as_the_clients_response() -> None:
     cut = Response.model_validate(format_result(res, burst="batch_x").obj["response"]["body"])
     assert cut.status == "incomplete" and cut.incomplete_details is not None
     assert cut.incomplete_details.reason == "max_output_tokens"
+
+
+def test_only_a_responses_body_carries_an_echo() -> None:
+    """An ``echo`` field in a plain line or a chat body is refused, not carried."""
+    plain = {"id": "a", "prompt": "x", "echo": {"instructions": "y"}}
+    chat = {
+        "custom_id": "a",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"messages": [{"role": "user", "content": "x"}], "echo": {"a": 1}},
+    }
+    for obj in (plain, chat):
+        with pytest.raises(ValidationError, match="echo"):
+            Request.from_json(obj)

@@ -91,8 +91,9 @@ class Request:
             raise ValidationError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         if openai_lines.is_openai_line(obj):
             rid, body, url, model = openai_lines.split_openai_line(obj, where)
+            echo = body.pop("echo", None)  # only a /v1/responses body has one
             req = cls._from_body(rid, body, where)
-            req.endpoint, req.model = url, model
+            req.endpoint, req.model, req.echo = url, model, echo
         else:
             body = dict(obj)
             rid = body.pop("id", None)
@@ -110,7 +111,6 @@ class Request:
             messages=body.pop("messages", None),
             prompt_token_ids=body.pop("prompt_token_ids", None),
             prefix=body.pop("prefix", None),
-            echo=body.pop("echo", None),
         )
         sampling = body.pop("sampling", None) or {}
         if not isinstance(sampling, dict):
