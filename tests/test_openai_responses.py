@@ -227,3 +227,36 @@ def test_a_batchs_output_files_expire_as_its_output_expires_after_says(
         assert client.files.retrieve(f.id).id == f.id
     finally:
         clock.write_text("0")
+
+
+def test_cancelling_a_responses_batch_keeps_what_finished(client: OpenAI) -> None:
+    """A responses batch cancelled while it runs ends `cancelled`: every request is in exactly
+    one file, finished ones as Response objects, the others as batch_cancelled lines, and the
+    refused line as its 400 line."""
+    long = [
+        responses_line(
+            f"long-{i}",
+            input=f"Write a very long story about dragon {i}.",
+            max_output_tokens=256,
+            temperature=1.0,
+        )
+        for i in range(12)
+    ]
+    lines = [responses_line("refused", input="x", background=True), *long]
+    b = run_batch(client, lines, "/v1/responses")
+    wait(client, b.id, {"in_progress", "completed"})
+    c = client.batches.cancel(b.id)
+    assert c.status in ("cancelling", "cancelled")
+    b = wait(client, b.id)
+    assert b.status == "cancelled", b
+    out, err = lines_of(client, b.output_file_id), lines_of(client, b.error_file_id)
+    ids = [x["custom_id"] for x in out + err]
+    assert sorted(ids) == sorted(x["custom_id"] for x in lines)
+    for x in out:
+        assert Response.model_validate(x["response"]["body"]).output_text
+    by_id = {x["custom_id"]: x for x in err}
+    assert by_id["refused"]["response"]["status_code"] == 400
+    cancelled = [x for x in err if x["error"] and x["error"]["code"] == "batch_cancelled"]
+    assert cancelled and all(x["response"] is None for x in cancelled)
+    assert b.request_counts is not None
+    assert (b.request_counts.completed, b.request_counts.failed) == (len(out), len(err))

@@ -2,12 +2,12 @@
 files, and ``prefixq results --format openai``.
 
 One line per request, in input order: a ``chat.completion``, ``text_completion`` or ``response``
-(openai/responses.py) body with
-status 200, an HTTP-style error response (400 or 500) for a request that failed inside the engine
-or was refused, and ``response: null`` with ``batch_expired`` or ``batch_cancelled`` for one that
-never ran. Ids are derived from the burst id and the input index, so writing a burst's lines
-twice gives the same bytes. This module imports no web framework: the CLI uses it without the
-``serve`` extra. docs/openai.md, "Output and error files", has the shapes and the error table.
+(openai/responses.py) body with status 200, an HTTP-style error response (400 or 500) for a
+request that failed inside the engine or was refused, and ``response: null`` with
+``batch_expired`` or ``batch_cancelled`` for one that never ran. Ids are derived from the burst id
+and the input index, so writing a burst's lines twice gives the same bytes. This module imports no
+web framework: the CLI uses it without the ``serve`` extra. docs/openai.md, "Output and error
+files", has the shapes and the error table.
 """
 
 from __future__ import annotations
