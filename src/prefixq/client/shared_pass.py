@@ -15,10 +15,10 @@ pass is and wraps around:
   most recently, as many as fill `pass_window` of its KV cache (worker/shared_pass.py). A burst
   starts at the first of these in the corpus order, read circularly (after the largest gap
   between them, so that a pass that wrapped around is read as one run), and wraps around to the
-  groups before it. Starting half a cache behind the newest group, not at it, leaves its room
-  between the bursts: the one ahead loads, the ones behind find what it loaded, and a burst that
-  joins costs the groups before its start once more at its end instead of the ones behind the
-  pass's head.
+  groups before it: next to the newest groups, it shares the documents the engine runs now, and
+  costs the groups before its start once more at its end (a start further behind, in the hope
+  that the bursts behind find what the one ahead loaded, lost: the requests in flight hold most
+  of the cache; docs/BENCHMARKS.md, 2026-12-04).
 
 Only the groups' order changes (each group's requests stay together, in the order `ORDERS` gives
 them); requests without a shared prefix, and the long answers ``decode-first`` puts first, keep

@@ -110,7 +110,7 @@ class Settings:
     #: around (grouped and decode-first orders; client/shared_pass.py)
     shared_pass: bool = True
     #: workers: the share of the engine's KV cache whose newest prefixes a joining burst starts at
-    pass_window: float = 0.5
+    pass_window: float = 0.1
     #: producer-side tokenizer (HF folder) for token block hashes; empty = character blocks
     tokenizer: str = ""
 
