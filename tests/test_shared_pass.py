@@ -142,7 +142,7 @@ def test_a_worker_publishes_the_newest_groups_within_its_window_and_a_reset_empt
     """A real worker loop (fake engine of a stated KV cache) publishes the pass keys of the
     groups it admitted last, oldest first, as many as half its cache holds; a burst submitted
     then starts at the oldest of them; ``reset_prefix_cache`` empties the window."""
-    s = make_settings(prefix_store_min_chars=16, heartbeat_s=0.2)
+    s = make_settings(prefix_store_min_chars=16, heartbeat_s=0.2, pass_window=0.5)
     keys = Keys(s.namespace)
     first_reqs = _burst("a", list(range(12)), seed=1)
     first = asyncio.run(Producer(s).asubmit(first_reqs, order="grouped"))
