@@ -8,13 +8,14 @@ done), Redis's (INFO cpu deltas) and the drain rate (requests / seconds from the
 to the burst's end), and each worker's GC pauses over the burst (the control stream's stats);
 the median of the repeats is printed. CPU time, not wall time: the machine may be shared.
 
-    python scripts/dataplane.py [--shards 1,3] [--workloads short,16kb,reuse64,reuse160]
+    python scripts/dataplane.py [--shards 1,3] [--workloads short,16kb,docs16kb,reuse64,reuse160]
         [--requests 20000] [--long-requests 5000] [--repeats 3] [--hold-ms 0] [--json FILE]
 
 Workloads: ``short`` (``--requests`` prompts of ~40 characters), ``16kb`` (``--long-requests``
-distinct 16 KB prompts), ``reuseD`` (the benchmark's reuse burst: D documents of 4,000 tokens
-x 4 questions). ``--hold-ms`` keeps each request inside the engine that long (a real engine
-holds requests in flight; the GC figures depend on it).
+distinct 16 KB prompts), ``docs16kb`` (``--long-requests`` / 4 distinct 16 KB documents, each the
+shared ``prefix`` of 4 short questions, stored once), ``reuseD`` (the benchmark's reuse burst: D
+documents of 4,000 tokens x 4 questions). ``--hold-ms`` keeps each request inside the engine
+that long (a real engine holds requests in flight; the GC figures depend on it).
 ``python scripts/dataplane.py worker --shard K [--hold-ms H] [settings flags]`` is one worker.
 """
 
@@ -133,6 +134,17 @@ def requests_of(workload: str, args: argparse.Namespace, rep: int) -> list[dict[
         for i in range(args.long_requests):
             words = [f"{rep}-{i}", *rng.choices(WORDS, k=3300)]
             out.append({"id": f"r{i}", "prompt": " ".join(words)[:16384], "max_tokens": 1})
+        return out
+    if workload == "docs16kb":  # 16 KB documents (the shared prefix), 4 questions about each
+        out = []
+        for d in range(args.long_requests // 4):
+            words = [f"{rep}-{d}", *rng.choices(WORDS, k=3300)]
+            doc = " ".join(words)[:16384]
+            out += [
+                {"id": f"r{d}-{q}", "prefix": doc, "max_tokens": 1,
+                 "prompt": f"\n\nQuestion {q}: what is {rng.randrange(10**6)}?\nAnswer:"}
+                for q in range(4)
+            ]  # fmt: skip
         return out
     if workload.startswith("reuse"):
         docs = int(workload[5:])
