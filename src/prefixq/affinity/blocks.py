@@ -32,15 +32,20 @@ def char_blocks(text: str, block_chars: int, seed: int) -> list[int]:
     return chain(buf, block_chars * 4, len(text) // block_chars, seed)
 
 
-def chain(buf: bytes | memoryview, step: int, n: int, seed: int) -> list[int]:
-    """Chained hashes of the first ``n`` blocks of ``step`` bytes of ``buf``, from ``seed``."""
-    out = []
-    h = seed
+def chain(buf: bytes | memoryview, step: int, n: int, seed: int, start: int = 0) -> list[int]:
+    """Chained hashes of ``n`` blocks of ``step`` bytes of ``buf`` from offset ``start``, from
+    ``seed``. The loop is the cost of a long prompt's placement (one call per block, ~190 for a
+    16 KB prompt): bytes are sliced (a copy of a few hundred bytes is cheaper than a memoryview
+    object) and the seed passed by position (no keyword parsing)."""
+    if isinstance(buf, memoryview):
+        buf = buf.tobytes()
     digest = xxhash.xxh3_64_intdigest
-    mv = memoryview(buf)
-    for i in range(n):
-        h = digest(mv[i * step : (i + 1) * step], seed=h)
-        out.append(h)
+    out: list[int] = []
+    append = out.append
+    h = seed
+    for i in range(start, start + n * step, step):
+        h = digest(buf[i : i + step], h)
+        append(h)
     return out
 
 

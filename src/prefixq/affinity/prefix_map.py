@@ -13,6 +13,7 @@ the load guard, moves) and its measured costs.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from dataclasses import dataclass, field
@@ -56,14 +57,19 @@ class AffinityPlacer:
         self._recorded = 0
 
     def checkpoints(self, item: Item) -> list[tuple[int, bytes]]:
-        n = len(item.blocks)
+        """(block index, checkpoint) of every ``checkpoint_every``-th block, the prefix's last
+        and the last, in order."""
+        blocks = item.blocks
+        n = len(blocks)
         every = self.s.checkpoint_every
-        idx = set(range(every - 1, n, every))
-        if item.prefix_blocks:
-            idx.add(min(item.prefix_blocks, n) - 1)
-        if n:
-            idx.add(n - 1)
-        return [(i, _cp(item.blocks[i])) for i in sorted(idx)]
+        idx = list(range(every - 1, n, every))
+        # at most two more, each not a multiple of `every` already in the list: insert in order
+        for extra in (min(item.prefix_blocks, n) - 1 if item.prefix_blocks else -1, n - 1):
+            if extra >= 0 and (extra + 1) % every:
+                bisect.insort(idx, extra)
+        if len(idx) > 1 and idx[-1] == idx[-2]:  # the prefix's last block is the last one
+            del idx[-1]
+        return [(i, blocks[i].to_bytes(8, "little")) for i in idx]
 
     async def place(self, r: aredis.Redis, items: list[Item], shards: int) -> list[Placed]:
         plans = [_Plan(self.checkpoints(it)) for it in items]

@@ -90,15 +90,15 @@ class ItemBuilder:
         whole blocks) come from a memo, so the questions of a document hash only their own part."""
         if n_head <= 0 or n_head > n:
             return chain(buf, step, n, self.seed)
-        view = memoryview(buf)[: n_head * step]
-        key = xxhash.xxh3_128_intdigest(view)  # the memo keeps a digest, not the prefix
+        # the memo keeps a digest, not the prefix
+        key = xxhash.xxh3_128_intdigest(memoryview(buf)[: n_head * step])
         head = self._memo.get(key)
         if head is None:
-            head = chain(view, step, n_head, self.seed)
+            head = chain(buf, step, n_head, self.seed)
             if len(self._memo) >= _MEMO_ENTRIES:
                 self._memo.clear()
             self._memo[key] = head
-        return head + chain(memoryview(buf)[n_head * step :], step, n - n_head, head[-1])
+        return head + chain(buf, step, n - n_head, head[-1], n_head * step)
 
     def _tokens(self, tokens: list[int], prefix_tokens: int, memo: bool = False) -> Item:
         bs = self.s.block_size
