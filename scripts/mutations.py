@@ -158,8 +158,8 @@ MUTATIONS = (
         "claim-last-writer-wins",
         "atomic prefix claims (Lua HSETNX)",
         "store/lua/claim_prefixes.lua",
-        "  if mode == 'm' or redis.call('HSETNX', KEYS[1], cp, shard) == 1 then",
-        "  if true then redis.call('HSET', KEYS[1], cp, shard)",
+        "    if mode == 'm' or not had then",
+        "    if true then",
         (FAST_TESTS[3],),
     ),
     Mutation(
