@@ -32,7 +32,7 @@ from prefixq.store.connection import lua
 from prefixq.store.dead_letters import DEAD_MAXLEN, carried, dead_letter_record
 from prefixq.store.pipelined_script import Call, PipelinedScript
 from prefixq.store.retry import retry
-from prefixq.store.scripts import record_call
+from prefixq.store.scripts import group_tallies, record_call, tally_corrections
 from prefixq.worker.deliveries import (
     Delivery,
     GroupLost,
@@ -67,6 +67,7 @@ class ShardStream:
         self._record = PipelinedScript(r, lua("record_result"), "record_result")
         self._lanes = LaneScripts(r, index=self.index, consumer=consumer)
         self._ack = PipelinedScript(r, lua("ack_entries"), "ack_entries")
+        self._count = PipelinedScript(r, lua("count_results"), "count_results")
 
     # ---- the group ---------------------------------------------------------------------------
     async def join(self) -> None:
@@ -261,14 +262,40 @@ class ShardStream:
         or the error that refused it (that item is not recorded; record it again later).
         Connection errors raise."""
         now = repr(time.time())
+        bursts = [w.entry.burst for w in batch]
+        tallies = group_tallies(bursts)  # each worker's share, counted once per burst and group
         calls = [
-            record_call(self.keys, w.entry.burst, w.result, self.settings, now, w.entry.enqueued)
-            for w in batch
+            record_call(
+                self.keys, w.entry.burst, w.result, self.settings, now, w.entry.enqueued, others=t
+            )
+            for w, t in zip(batch, tallies, strict=True)
         ]
         # every key of a call shares one slot: on a cluster it is routed by its first; a NOSCRIPT
         # (Redis restarted, a replica promoted) is sent again once the script is loaded, quietly
-        replies = await self._record.run(calls)
-        return [x if isinstance(x, RedisError) else int(x) for x in replies]
+        raw = await self._record.run(calls)
+        replies = [x if isinstance(x, RedisError) else int(x) for x in raw]
+        fixes = tally_corrections(bursts, tallies, replies)
+        if fixes:
+            await self._correct_tallies(batch, fixes)
+        return replies
+
+    async def _correct_tallies(self, batch: Sequence[Written], fixes: dict[int, int]) -> None:
+        """Correct the shares a group counted for results that were not recorded after all (a
+        redelivery's duplicates, a refused call; lua/count_results.lua). The shares are figures
+        to read, not a ledger: a correction Redis refuses is only logged."""
+        calls: list[Call] = [
+            ([self.keys.burst(w.entry.burst)], [w.result.worker, n, repr(w.entry.enqueued)])
+            for w, n in ((batch[i], n) for i, n in fixes.items())
+            if w.result.worker
+        ]
+        if not calls:
+            return
+        try:
+            out = await self._count.run(calls)
+        except (RedisError, OSError) as e:  # the group's results are recorded: go on to the ack
+            out = [e]
+        if any(isinstance(x, Exception) for x in out):
+            log.debug("worker shares not corrected: %s", out)
 
     async def ack(self, batch: Sequence[Written]) -> None:
         """Acknowledge and delete the entries of recorded results, and move the shard's counters

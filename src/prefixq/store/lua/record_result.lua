@@ -15,6 +15,10 @@
 --          was submitted again once this entry's burst had expired): -2, nothing written
 -- ARGV[10] the recording worker's name (absent or "": not counted): the record's `w:<name>`
 --          counts each worker's results, its share of the burst
+-- ARGV[11] (absent: 0) results of the same burst recorded by the calls before this one in the
+--          same pipeline, counted here for them (one HINCRBY per burst and written group, not
+--          one per result: prefixq.store.scripts.record_calls; a call whose reply is not -2 has
+--          counted them, whatever its own result became)
 -- Returns
 --   1  recorded
 --   2  recorded, and it was the burst's last outstanding request (status "finished", or
@@ -35,10 +39,18 @@ local enqueued, created = tonumber(ARGV[9] or ''), tonumber(rec[4] or '')
 if enqueued and enqueued ~= 0 and created and math.abs(created - enqueued) > 0.001 then
   return -2
 end
+local worker, others = ARGV[10] or '', tonumber(ARGV[11] or '0') or 0
+local function count(n)
+  if worker ~= '' and n ~= 0 then
+    redis.call('HINCRBY', KEYS[2], 'w:' .. worker, n)
+  end
+end
 if tonumber(ARGV[1]) >= total then
+  count(others)
   return -1
 end
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then
+  count(others)
   if tonumber(rec[2] or 0) + tonumber(rec[3] or 0) >= total then
     return 3
   end
@@ -52,9 +64,7 @@ end
 redis.call('HINCRBY', KEYS[2], 'prompt_tokens', ARGV[6])
 redis.call('HINCRBY', KEYS[2], 'cached_tokens', ARGV[7])
 redis.call('HINCRBY', KEYS[2], 'predicted_cached_tokens', ARGV[8])
-if ARGV[10] and ARGV[10] ~= '' then
-  redis.call('HINCRBY', KEYS[2], 'w:' .. ARGV[10], 1)
-end
+count(others + 1)
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', 100000, '*', 'i', ARGV[1])
 local other = failed and rec[2] or rec[3]
 if done + tonumber(other or 0) >= total then
