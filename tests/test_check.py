@@ -10,6 +10,7 @@ import os
 import pty
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -102,6 +103,62 @@ def test_a_worker_whose_engine_is_not_up_or_whose_heartbeat_expired_is_not_healt
     h = check(s, client=r)
     assert not h.ok
     assert h.reason == "shard 0: no healthy worker (loading engine not up; 1 heartbeat(s) expired)"
+
+
+def _beat(r: redis.Redis, s: Settings, shard: int, name: str, **fields: object) -> None:
+    """A worker's heartbeat hash as `Heartbeat.beat` writes it, with ``fields`` changed."""
+    keys = Keys(s.namespace)
+
+    async def write() -> None:
+        w = Worker(s, shard, FakeEngine(), name=name)
+        health = {**w.heartbeat.health(time.time()), **fields}
+        r.hset(keys.heartbeat(shard, name), mapping=health)  # type: ignore[arg-type]
+        r.expire(keys.heartbeat(shard, name), 15)
+        r.zadd(keys.workers(shard), {name: time.time()})
+        await w.r.aclose()
+
+    asyncio.run(write())
+
+
+def test_local_check_passes_on_this_hosts_worker_whatever_its_shard(
+    make_settings: Callable[..., Settings], fake_worker: MakeWorker, r: redis.Redis
+) -> None:
+    """`check --local` (a pod's probe under `worker --join`, whose shard is not known in advance):
+    this host's worker serving shard 1 of 2 passes, though shard 0 has no healthy worker; a
+    healthy worker of another host counts for nothing."""
+    s = make_settings(shards=2)
+    r.hset(Keys(s.namespace).config, "shards", 2)  # as the deployment's first worker records it
+    _beat(r, s, 0, "elsewhere-s0", host="other-host", engine_up=1)
+    assert check(s, shard=0).ok  # healthy, but not on this host
+    p = cli(s, "check", "--local")
+    assert p.returncode == 1
+    assert p.stderr.strip() == f"no healthy worker on host {socket.gethostname()!r}"
+    fake_worker(s, shard=1, name="mine-s1")
+    p = cli(s, "check", "--local")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "ok: shard 1: mine-s1"
+    assert not check(s, local=True, host="third-host").ok
+
+
+def test_alive_check_counts_a_loading_or_stopping_worker_but_not_an_expired_one(
+    make_settings: Callable[..., Settings], r: redis.Redis
+) -> None:
+    """`check --local --alive` (liveness): a heartbeat saying engine not up, or stopping, is a
+    live process (restarting it helps nothing), so it passes where `--local` fails; without any
+    heartbeat of this host it fails too."""
+    s = make_settings(shards=1)
+    r.hset(Keys(s.namespace).config, "shards", 1)
+    assert not check(s, local=True, alive=True).ok
+    _beat(r, s, 0, "loading", engine_up=0)
+    assert not check(s, local=True).ok
+    assert check(s, local=True, alive=True).ok
+    r.delete(Keys(s.namespace).heartbeat(0, "loading"))
+    _beat(r, s, 0, "stopping", engine_up=1, stopping=1)
+    p = cli(s, "check", "--local")
+    assert p.returncode == 1 and "no healthy worker on host" in p.stderr
+    p = cli(s, "check", "--local", "--alive")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "ok: shard 0: stopping"
 
 
 def test_check_without_a_deployment_or_redis_fails_and_says_why(

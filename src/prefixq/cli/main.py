@@ -189,6 +189,17 @@ def build_parser() -> argparse.ArgumentParser:
         "check", parents=[common], help="exit 0 if a live worker serves each shard (healthcheck)"
     )
     c.add_argument("--shard", type=int, default=None, help="check this shard only")
+    c.add_argument(
+        "--local",
+        action="store_true",
+        help="only this host's workers, on any shard: one healthy is enough (the probe of a pod "
+        "running `worker --join`)",
+    )
+    c.add_argument(
+        "--alive",
+        action="store_true",
+        help="a fresh heartbeat is enough, engine loading or stopping included (liveness)",
+    )
 
     rc = sub.add_parser(
         "reclaim",

@@ -54,7 +54,7 @@ def cmd_check(args: argparse.Namespace, settings: Settings) -> int:
     """Exit 0 if a live worker with its engine up serves each shard checked, else 1; one line."""
     from prefixq.ops.health import check
 
-    health = check(settings, shard=args.shard)
+    health = check(settings, shard=args.shard, local=args.local, alive=args.alive)
     for line in health.layout:  # a Redis Cluster: its nodes and each shard's master
         print(line)
     print(health.reason, file=sys.stdout if health.ok else sys.stderr)

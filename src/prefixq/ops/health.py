@@ -6,11 +6,17 @@ while its heartbeat exists (so it beat within the TTL), says ``engine_up`` 1 and
 The check first reads Redis's eviction policy (store/policy.py; every master of a cluster): an
 evicting Redis is a configuration error. On a Redis Cluster the verdict comes with the cluster's
 layout (store/topology.py). Read-only: the check never writes to Redis.
+
+Probes of a pod or container whose shard is not fixed (``prefixq worker --join``) check this
+machine's workers only (``local``: the heartbeat's ``host`` is this host name, a pod's name), on
+whichever shard they serve; ``alive`` counts a worker whose heartbeat is fresh even while its
+engine loads or it stops (a liveness probe: restarting it would not help).
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 from dataclasses import dataclass, field
 
 import redis
@@ -39,17 +45,27 @@ class Health:
 
 
 def check(
-    settings: Settings, *, shard: int | None = None, client: redis.Redis | None = None
+    settings: Settings,
+    *,
+    shard: int | None = None,
+    client: redis.Redis | None = None,
+    local: bool = False,
+    alive: bool = False,
+    host: str | None = None,
 ) -> Health:
     """Healthy if every shard checked (``shard``, else all of the deployment's) has at least one
-    healthy worker. Redis errors make it unhealthy; ConfigError (exit 2) when Redis refuses the
-    credentials or a command, or its maxmemory-policy evicts keys (unless allowed)."""
+    healthy worker; with ``local``, if at least one worker of this host (``host``, default
+    this machine's name) is healthy on any shard checked; with ``alive``, a fresh heartbeat is
+    enough (engine loading or stopping). Redis errors make it unhealthy; ConfigError (exit 2)
+    when Redis refuses the credentials or a command, or its maxmemory-policy evicts keys (unless
+    allowed)."""
     if shard is not None and shard < 0:
         raise ConfigError(f"--shard must be >= 0, not {shard}")
     r = client or sync_client(settings)
     try:
         check_policy(r, settings)
-        health = _check(r, settings, shard)
+        mine = (host or socket.gethostname()) if local else None
+        health = _check(r, settings, shard, mine, alive)
         if is_cluster(r):
             stored = r.hget(settings.keys.config, "shards")
             n = int(stored) if stored is not None else settings.shards
@@ -65,7 +81,9 @@ def check(
             r.close()
 
 
-def _check(r: redis.Redis, settings: Settings, shard: int | None) -> Health:
+def _check(
+    r: redis.Redis, settings: Settings, shard: int | None, host: str | None, alive: bool
+) -> Health:
     keys = settings.keys
     if shard is None:
         stored = r.hget(keys.config, "shards")
@@ -91,14 +109,18 @@ def _check(r: redis.Redis, settings: Settings, shard: int | None) -> Health:
         names = [x.decode() for x in r.zrange(keys.workers(k), 0, -1)]
         pipe = r.pipeline(transaction=False)
         for name in names:
-            pipe.hmget(keys.heartbeat(k, name), ["engine_up", "stopping"])
+            pipe.hmget(keys.heartbeat(k, name), ["engine_up", "stopping", "host"])
         beats = pipe.execute() if names else []
         healthy[k] = []
         down: list[str] = []
         expired = 0
-        for name, (engine_up, stopping) in zip(names, beats, strict=True):
+        for name, (engine_up, stopping, on) in zip(names, beats, strict=True):
+            if host is not None and (on is None or on.decode() != host):
+                continue  # another machine's worker, or expired (its host unknown)
             if engine_up is None:
                 expired += 1
+            elif alive:
+                healthy[k].append(name)
             elif stopping == b"1":
                 down.append(f"{name} stopping")
             elif engine_up != b"1":
@@ -111,7 +133,18 @@ def _check(r: redis.Redis, settings: Settings, shard: int | None) -> Health:
             if expired:
                 why = (f"{why}; " if down else "") + f"{expired} heartbeat(s) expired"
             problems.append(f"shard {k}: no healthy worker ({why})")
+    if host is not None:
+        return _local(host, healthy)
     if problems:
         return Health(False, "; ".join(problems), healthy)
     listing = "; ".join(f"shard {k}: {', '.join(v)}" for k, v in healthy.items())
+    return Health(True, f"ok: {listing}", healthy)
+
+
+def _local(host: str, healthy: dict[int, list[str]]) -> Health:
+    """The verdict over this host's workers: one healthy on any shard is enough."""
+    found = {k: v for k, v in healthy.items() if v}
+    if not found:
+        return Health(False, f"no healthy worker on host {host!r}", healthy)
+    listing = "; ".join(f"shard {k}: {', '.join(v)}" for k, v in found.items())
     return Health(True, f"ok: {listing}", healthy)
