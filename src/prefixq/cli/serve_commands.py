@@ -1,5 +1,6 @@
 """``prefixq serve`` and ``prefixq dashboard``: the HTTP servers, until SIGINT or SIGTERM; both
-with RQ's completion hook and the dashboard, ``serve`` with the OpenAI Batch API too.
+with RQ's completion hook, the dashboard and ``/metrics`` (the namespaces' outstanding work, for
+autoscalers), ``serve`` with the OpenAI Batch API too.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def cmd_dashboard(args: argparse.Namespace, settings: Settings) -> int:
 def _serve(args: argparse.Namespace, settings: Settings, *, batch_api: bool) -> int:
     from prefixq.dashboard.api import mount
     from prefixq.integrations.rq_callbacks import aenqueue_on_complete
+    from prefixq.integrations.serve_metrics import mount_metrics
     from prefixq.openai.serve import serve
 
     return serve(
@@ -31,5 +33,5 @@ def _serve(args: argparse.Namespace, settings: Settings, *, batch_api: bool) -> 
         port=args.port,
         on_burst_done=aenqueue_on_complete,
         batch_api=batch_api,
-        extensions=[mount],
+        extensions=[mount, mount_metrics],
     )
