@@ -27,7 +27,7 @@ def scrape(srv: Server) -> Figures:
         assert resp.headers["Content-Type"].startswith("text/plain")
         text = resp.read().decode()
     return {
-        (s.name, s.labels["namespace"]): s.value
+        (s.name, s.labels["prefixq_namespace"]): s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }

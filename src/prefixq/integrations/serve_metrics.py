@@ -26,9 +26,24 @@ from prefixq.core.keys import Keys
 from prefixq.openai.app import Served
 from prefixq.ops.queues import read
 
-__all__ = ["mount_metrics", "outstanding"]
+__all__ = ["LABEL", "SERIES", "mount_metrics", "outstanding"]
 
-_LABELS = ["namespace"]
+#: the one label of every series: not ``namespace``, which Kubernetes scrape configurations give
+#: every target (its Kubernetes namespace), renaming ours to ``exported_namespace``
+LABEL = "prefixq_namespace"
+#: the series, in the order of `outstanding`'s figures
+SERIES = (
+    ("prefixq_shards", "Shards of the namespace (the count recorded in Redis)."),
+    (
+        "prefixq_outstanding_requests",
+        "Requests queued or in a worker (delivered, not yet acked), all shards.",
+    ),
+    ("prefixq_queued_requests", "Requests not yet delivered to any worker, all shards."),
+    (
+        "prefixq_oldest_queued_age_seconds",
+        "Age of the oldest request not yet delivered, all shards (0 when none waits).",
+    ),
+)
 
 
 class _Figures:
@@ -38,25 +53,8 @@ class _Figures:
         self.rows = rows
 
     def collect(self) -> Iterable[Metric]:
-        for i, (name, doc) in enumerate(
-            (
-                ("prefixq_shards", "Shards of the namespace (the count recorded in Redis)."),
-                (
-                    "prefixq_outstanding_requests",
-                    "Requests queued or in a worker (delivered, not yet acked), all shards.",
-                ),
-                (
-                    "prefixq_queued_requests",
-                    "Requests not yet delivered to any worker, all shards.",
-                ),
-                (
-                    "prefixq_oldest_queued_age_seconds",
-                    "Age of the oldest request not yet delivered, all shards (0 when none waits).",
-                ),
-            ),
-            start=1,
-        ):
-            g = GaugeMetricFamily(name, doc, labels=_LABELS)
+        for i, (name, doc) in enumerate(SERIES, start=1):
+            g = GaugeMetricFamily(name, doc, labels=[LABEL])
             for row in self.rows:
                 g.add_metric([row[0]], float(row[i]))
             yield g
