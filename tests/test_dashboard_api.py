@@ -35,7 +35,7 @@ def serve(tmp_path: Path) -> Iterator[Callable[..., Server]]:
     started: list[Server] = []
 
     def make(settings: Settings, **kw: Any) -> Server:
-        srv = Server(settings, tmp_path / f"files{len(started)}", **kw)
+        srv = Server(settings, tmp_path / "files", **kw)  # replicas share one files directory
         started.append(srv)
         return srv.start()
 

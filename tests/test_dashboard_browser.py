@@ -101,7 +101,7 @@ def serve(tmp_path: Path) -> Iterator[Callable[..., Server]]:
     started: list[Server] = []
 
     def make(settings: Settings, **kw: Any) -> Server:
-        started.append(Server(settings, tmp_path / f"files{len(started)}", **kw))
+        started.append(Server(settings, tmp_path / "files", **kw))  # one shared files directory
         return started[-1].start()
 
     yield make

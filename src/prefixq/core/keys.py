@@ -242,6 +242,12 @@ class Keys:
         """Sorted set: file id -> created (epoch ms), for listing files."""
         return f"{self.ns}:{{oai}}:files"
 
+    @property
+    def oai_files_volume(self) -> str:
+        """String: the token of the files directory the namespace's servers share (its
+        ``.volume-<namespace>`` file holds the same: openai/files_volume.py)."""
+        return f"{self.ns}:{{oai}}:files-volume"
+
     def oai_file(self, file_id: str) -> str:
         """Hash: one file's object (id, bytes, lines, created_at, filename, purpose, and
         expires_at when it has one)."""

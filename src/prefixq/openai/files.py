@@ -5,7 +5,8 @@ A file lives at ``<files_dir>/<namespace>/<file id>`` (``files_dir`` defaults to
 listed in a sorted set by creation time. A file may expire (``expires_at``; expiry.py): once that
 time has come it is gone, answering 404 from the first access or sweep after it. Contents are
 written under a temporary name and renamed into place before the object is recorded, so a listed
-file is always complete. Several servers sharing a Redis must share ``files_dir`` too (one volume).
+file is always complete. Several servers sharing a Redis must share ``files_dir`` too (one volume;
+openai/files_volume.py refuses a server whose directory is another).
 """
 
 from __future__ import annotations

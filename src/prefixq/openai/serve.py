@@ -2,7 +2,8 @@
 CLI adds the dashboard); ``prefixq dashboard`` is the dashboard alone (``batch_api=False``).
 
 Without API keys the server refuses any address but a loopback one: anyone who can reach it could
-run batches on the GPUs and read every file.
+run batches on the GPUs and read every file. A files directory that is not the one the namespace's
+other servers share is refused too (openai/files_volume.py).
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from prefixq.core.errors import ConfigError
+from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from prefixq.openai.auth import KeyRing, is_loopback
 from prefixq.openai.files import files_root
+from prefixq.openai.files_volume import claim_volume
 from prefixq.store.burst_end import AsyncBurstDone
 from prefixq.store.connection import sync_client
 
@@ -56,6 +59,9 @@ def serve(
     r = sync_client(settings)
     try:
         r.ping()
+        if batch_api:  # replicas must share the files directory: refuse one that does not
+            for ns in keyring.namespaces:
+                claim_volume(r, Keys(ns), root)
     finally:
         r.close()
     if keyring.open:
