@@ -21,6 +21,7 @@ from openai.types.chat import ChatCompletion
 from openai.types.completion import Completion
 
 from openai_server import Server, chat_line, completion_line
+from prefixq.core.keys import Keys
 from prefixq.worker import control
 
 pytestmark = pytest.mark.engine
@@ -268,7 +269,7 @@ def test_cancel_mid_way_gives_partial_output_and_cancelled_lines(client: OpenAI)
     assert (b.request_counts.completed, b.request_counts.failed) == (len(out), len(err))
 
 
-def test_a_batch_on_the_real_engine_sends_its_signed_webhook(engines: Any, tmp_path: Path) -> None:
+def test_a_batch_on_the_real_engine_sends_its_signed_webhook(engines: Any, server: Server) -> None:
     """Given a server with a webhook endpoint and the real CPU workers, a chat batch that completes
     sends one ``batch.completed`` that the official client's ``webhooks.unwrap`` accepts, naming
     the batch, whose output file is there by then."""
@@ -282,7 +283,8 @@ def test_a_batch_on_the_real_engine_sends_its_signed_webhook(engines: Any, tmp_p
     s = engines.settings
     with Receiver() as rx:
         hooks = json.dumps({s.namespace: {"secret": secret, "endpoints": [{"url": rx.url}]}})
-        with Server(s, tmp_path / "files", extra=["--webhooks", hooks]) as srv:
+        # the module's files directory: the namespace's servers share one (files_volume.py)
+        with Server(s, server.files_dir, extra=["--webhooks", hooks]) as srv:
             c = OpenAI(base_url=srv.url, api_key="local", max_retries=0)
             lines = [chat_line(f"w{i}", "Say hi.", max_tokens=4) for i in range(2)]
             b = wait(c, run_batch(c, lines, "/v1/chat/completions").id)
@@ -291,3 +293,50 @@ def test_a_batch_on_the_real_engine_sends_its_signed_webhook(engines: Any, tmp_p
             ev = OpenAI(api_key="unused").webhooks.unwrap(got.body, got.headers, secret=secret)
             assert (ev.type, ev.data.id) == ("batch.completed", b.id)
             assert len(lines_of(c, c.batches.retrieve(ev.data.id).output_file_id)) == len(lines)
+
+
+def _admitted(r: Any, keys: Keys, shards: int) -> int:
+    """Requests the deployment's live workers handed to their engines, as their heartbeats say."""
+    total = 0
+    for k in range(shards):
+        for name in r.zrange(keys.workers(k), 0, -1):
+            total += int(r.hget(keys.heartbeat(k, name.decode()), "admitted") or 0)
+    return total
+
+
+def test_two_servers_run_a_batch_uploaded_through_one_and_created_through_the_other_once(
+    engines: Any, server: Server, client: OpenAI
+) -> None:
+    """Given a second server on the same Redis and files directory: a file uploaded through it
+    and a batch created through the first from that file complete once on the real workers (one
+    burst, and the engines admitted each request once, by their heartbeats' counters); the output
+    reads the same through both servers and both list the same files."""
+    import redis as blocking
+
+    s = engines.settings
+    keys = Keys(s.namespace)
+    r = blocking.Redis.from_url(s.redis_url)
+    lines = [completion_line(f"two-{i}", f"Count to {i}:", max_tokens=4) for i in range(4)]
+    with Server(s, server.files_dir) as other:
+        c2 = OpenAI(base_url=other.url, api_key="local", max_retries=0)
+        bursts, admitted = r.zcard(keys.bursts), _admitted(r, keys, 2)
+        f = c2.files.create(file=("two.jsonl", jsonl(lines)), purpose="batch")
+        assert client.files.retrieve(f.id) == f
+        b = client.batches.create(
+            input_file_id=f.id, endpoint="/v1/completions", completion_window="24h"
+        )
+        b = wait(c2, b.id)
+        assert b.status == "completed", server.tail() + other.tail()
+        assert r.zcard(keys.bursts) == bursts + 1
+        deadline = time.monotonic() + 30  # the counters reach Redis with the next heartbeat
+        while _admitted(r, keys, 2) < admitted + 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(2 * s.heartbeat_s)  # one more beat: nothing admitted twice
+        assert _admitted(r, keys, 2) == admitted + 4
+        out = client.files.content(b.output_file_id or "").content
+        assert c2.files.content(b.output_file_id or "").content == out
+        assert [json.loads(x)["custom_id"] for x in out.splitlines()] == [
+            f"two-{i}" for i in range(4)
+        ]
+        assert [x.id for x in client.files.list()] == [x.id for x in c2.files.list()]
+    r.close()
