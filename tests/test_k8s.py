@@ -218,7 +218,8 @@ def test_redis_url_reaches_the_redis_service_and_a_secret_may_override_it(
 ) -> None:
     """REDIS_URL names the Redis Service and its port; the Redis is AOF everysec, noeviction;
     every prefixq container reads an optional prefixq-redis Secret after the ConfigMap, so that
-    Secret's REDIS_URL wins (an external Redis)."""
+    Secret's REDIS_URL wins (an external Redis), and the same optional webhooks Secret (every
+    process that delivers webhooks needs the same setting)."""
     url = urlsplit(objects[("ConfigMap", "prefixq-config")]["data"]["REDIS_URL"])
     svc = objects[("Service", url.hostname or "")]
     assert [p["port"] for p in svc["spec"]["ports"]] == [url.port]
@@ -231,7 +232,10 @@ def test_redis_url_reaches_the_redis_service_and_a_secret_may_override_it(
         == objects[("StatefulSet", "redis")]["spec"]["selector"]["matchLabels"]
     )
     for name in ("prefixq-worker", "prefixq-serve"):
-        sources = container(objects, "Deployment", name)["envFrom"]
+        c = container(objects, "Deployment", name)
+        hooks = {e["name"]: e for e in c["env"]}["PREFIXQ_WEBHOOKS"]["valueFrom"]["secretKeyRef"]
+        assert hooks == {"name": "prefixq-webhooks", "key": "webhooks", "optional": True}
+        sources = c["envFrom"]
         assert sources == [
             {"configMapRef": {"name": "prefixq-config"}},
             {"secretRef": {"name": "prefixq-redis", "optional": True}},
