@@ -281,18 +281,25 @@ def test_a_batch_on_the_real_engine_sends_its_signed_webhook(engines: Any, serve
 
     secret = "whsec_" + base64.b64encode(os.urandom(32)).decode()
     s = engines.settings
-    with Receiver() as rx:
-        hooks = json.dumps({s.namespace: {"secret": secret, "endpoints": [{"url": rx.url}]}})
-        # the module's files directory: the namespace's servers share one (files_volume.py)
-        with Server(s, server.files_dir, extra=["--webhooks", hooks]) as srv:
-            c = OpenAI(base_url=srv.url, api_key="local", max_retries=0)
-            lines = [chat_line(f"w{i}", "Say hi.", max_tokens=4) for i in range(2)]
-            b = wait(c, run_batch(c, lines, "/v1/chat/completions").id)
-            assert b.status == "completed", srv.tail()
-            (got,) = wait_until(lambda: rx.ok(), 60, "the batch's webhook")
-            ev = OpenAI(api_key="unused").webhooks.unwrap(got.body, got.headers, secret=secret)
-            assert (ev.type, ev.data.id) == ("batch.completed", b.id)
-            assert len(lines_of(c, c.batches.retrieve(ev.data.id).output_file_id)) == len(lines)
+    # the module's server, without the webhooks setting, would race this one to finalize the
+    # batch (and write no event): every server of a namespace needs the same setting, so it
+    # stops meanwhile; this one takes its files directory (the namespace's: files_volume.py)
+    server.stop()
+    try:
+        with Receiver() as rx:
+            hooks = json.dumps({s.namespace: {"secret": secret, "endpoints": [{"url": rx.url}]}})
+            with Server(s, server.files_dir, extra=["--webhooks", hooks]) as srv:
+                c = OpenAI(base_url=srv.url, api_key="local", max_retries=0)
+                lines = [chat_line(f"w{i}", "Say hi.", max_tokens=4) for i in range(2)]
+                b = wait(c, run_batch(c, lines, "/v1/chat/completions").id)
+                assert b.status == "completed", srv.tail()
+                (got,) = wait_until(lambda: rx.ok(), 60, "the batch's webhook")
+                ev = OpenAI(api_key="unused").webhooks.unwrap(got.body, got.headers, secret=secret)
+                assert (ev.type, ev.data.id) == ("batch.completed", b.id)
+                out = c.batches.retrieve(ev.data.id).output_file_id
+                assert len(lines_of(c, out)) == len(lines)
+    finally:
+        server.start()
 
 
 def _admitted(r: Any, keys: Keys, shards: int) -> int:
