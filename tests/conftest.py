@@ -302,6 +302,14 @@ def engines(_engines_started: Any) -> Any:
     return _engines_started
 
 
+@pytest.fixture(scope="session")
+def engines_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The files directory of every `prefixq serve` a module starts on the shared engine
+    deployment's namespace: the servers of a namespace share one (a server given another refuses
+    to start: prefixq/openai/files_volume.py)."""
+    return tmp_path_factory.mktemp("engines-files") / "files"
+
+
 def _group(items: list[pytest.Item]) -> int:
     """A module's place in the run: 0 fast; 1 uses the shared workers; 2 other real engines;
     3 slow only (fake engines, no vLLM: they run once every engine is stopped)."""

@@ -39,9 +39,8 @@ def jsonl(lines: list[dict[str, Any]]) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def server(engines: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    files = tmp_path_factory.mktemp("openai") / "files"
-    with Server(engines.settings, files) as srv:
+def server(engines: Any, engines_files: Path) -> Iterator[Server]:
+    with Server(engines.settings, engines_files) as srv:
         yield srv
 
 

@@ -48,9 +48,8 @@ def clock(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(engines: Any, tmp_path_factory: pytest.TempPathFactory, clock: Path) -> Iterator[Server]:
-    files = tmp_path_factory.mktemp("responses") / "files"
-    with Server(engines.settings, files, extra=["--clock-shift-file", str(clock)]) as srv:
+def server(engines: Any, engines_files: Path, clock: Path) -> Iterator[Server]:
+    with Server(engines.settings, engines_files, extra=["--clock-shift-file", str(clock)]) as srv:
         yield srv
 
 
