@@ -94,8 +94,8 @@ MUTATIONS = (
         "zlib-inflate-whole",
         "decode bounds (zlib)",
         "core/wire.py",
-        "    out = d.decompress(payload, cap + 1)\n",
-        "    out = d.decompress(payload)\n",
+        "    out: bytes = d.decompress(payload, cap + 1)\n",
+        "    out: bytes = d.decompress(payload)\n",
         ("tests/test_wire.py",),
     ),
     Mutation(

@@ -97,11 +97,18 @@ def tab(browser: Browser) -> Iterator[Callable[..., Tab]]:
 
 
 @pytest.fixture
-def serve(tmp_path: Path) -> Iterator[Callable[..., Server]]:
+def serve(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., Server]]:
     started: list[Server] = []
 
     def make(settings: Settings, **kw: Any) -> Server:
-        started.append(Server(settings, tmp_path / "files", **kw))  # one shared files directory
+        # one files directory per namespace: the shared engine deployment's namespace has the
+        # session's (its servers refuse another: prefixq/openai/files_volume.py)
+        files = tmp_path / "files"
+        if "engines" in request.fixturenames:
+            engines = request.getfixturevalue("engines")
+            if settings.namespace == engines.settings.namespace:
+                files = request.getfixturevalue("engines_files")
+        started.append(Server(settings, files, **kw))
         return started[-1].start()
 
     yield make
