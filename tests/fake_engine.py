@@ -18,9 +18,16 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-from prefixq.core.errors import EngineAborted, EngineDead, EngineError
+from prefixq.core.embeddings import pack_vector
+from prefixq.core.errors import EngineAborted, EngineDead, EngineError, EngineRefused
 from prefixq.core.settings import Settings
-from prefixq.engine.protocol import EngineOutput, EngineRequest, EngineSizes
+from prefixq.engine.protocol import (
+    EmbedOutput,
+    EmbedRequest,
+    EngineOutput,
+    EngineRequest,
+    EngineSizes,
+)
 from prefixq.integrations.rq_callbacks import RqCompletion
 from prefixq.integrations.webhooks import WebhookSender, configured
 from prefixq.worker.worker import Worker
@@ -89,6 +96,21 @@ class FakeEngine(EngineSizes):
         finally:
             self.active -= 1
             self._abort_events.pop(request.request_id, None)
+
+    async def embed(self, request: EmbedRequest) -> EmbedOutput:
+        """One 4-dimensional vector per input: (characters or ids, first code, 1, the input's
+        place); an input starting "fail:" refuses the request."""
+        if self.dead.is_set():
+            raise EngineDead("fake engine is dead")
+        self.seen.append(request.request_id)
+        vectors, tokens = [], 0
+        for i, x in enumerate(request.inputs):
+            if isinstance(x, str) and x.startswith("fail:"):
+                raise EngineRefused("fake engine refused: " + x[5:])
+            first = ord(x[0]) if isinstance(x, str) else x[0]
+            vectors.append(pack_vector([float(len(x)), float(first), 1.0, float(i)]))
+            tokens += len(x.split()) if isinstance(x, str) else len(x)
+        return EmbedOutput(vectors=vectors, prompt_tokens=tokens)
 
     async def abort(self, request_id: str) -> None:
         self.aborted.add(request_id)

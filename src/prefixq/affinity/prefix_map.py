@@ -54,6 +54,9 @@ class AffinityPlacer:
         #: the engine's KV block in tokens: predicted hits are rounded down to it
         self.engine_block = engine_block or settings.block_size
         self.moves: list[dict[str, float | int | str]] = []
+        #: the shards it may place on (those that serve the burst's task: affinity/serving.py);
+        #: None = every shard
+        self.among: list[int] | None = None
         self._recorded = 0
 
     def checkpoints(self, item: Item) -> list[tuple[int, bytes]]:
@@ -75,7 +78,7 @@ class AffinityPlacer:
         plans = [_Plan(self.checkpoints(it)) for it in items]
         unique = list({cp for p in plans for _, cp in p.cps})
         raw_live = await r.hgetall(self.keys.live)
-        alive = alive_mask(raw_live, shards, self.s.heartbeat_ttl_s, time.time())
+        alive = alive_mask(raw_live, shards, self.s.heartbeat_ttl_s, time.time(), self.among)
         live = [k for k in range(shards) if alive[k]]
         known: dict[bytes, int] = {}
         modes: dict[bytes, str] = {}

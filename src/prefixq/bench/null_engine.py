@@ -12,7 +12,13 @@ import time
 from typing import Any
 
 from prefixq.core.errors import EngineAborted
-from prefixq.engine.protocol import EngineOutput, EngineRequest, EngineSizes
+from prefixq.engine.protocol import (
+    EmbedOutput,
+    EmbedRequest,
+    EngineOutput,
+    EngineRequest,
+    EngineSizes,
+)
 
 
 class NullEngine(EngineSizes):
@@ -43,6 +49,11 @@ class NullEngine(EngineSizes):
             cached_tokens=0,
             first_token=time.time(),
         )
+
+    async def embed(self, request: EmbedRequest) -> EmbedOutput:
+        """One zero vector of 8 dimensions per input."""
+        vectors = [bytes(32) for _ in request.inputs]
+        return EmbedOutput(vectors=vectors, prompt_tokens=len(request.inputs))
 
     async def abort(self, request_id: str) -> None:
         if self.hold_s:

@@ -80,10 +80,12 @@ def run_worker(
     signals = signals or WorkerSignals().install()
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu  # before vLLM/torch see any device
+    from prefixq.engine.pooling import engine_args_for
     from prefixq.engine.vllm_engine import VllmEngine, cpu_defaults
     from prefixq.worker.worker import Worker
 
-    args = WORKER_ENGINE_ARGS | ({} if gpu is not None else cpu_defaults()) | (engine_args or {})
+    args = WORKER_ENGINE_ARGS | ({} if gpu is not None else cpu_defaults())
+    args |= engine_args_for(settings.task) | (engine_args or {})  # an embed worker pools
     engine = VllmEngine(model, args)
 
     async def main() -> int:

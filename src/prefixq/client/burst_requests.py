@@ -17,6 +17,7 @@ from prefixq.client.encoding import Encoded, EntryEncoder, Parts
 from prefixq.client.items import ItemBuilder
 from prefixq.client.request_file import RequestFile
 from prefixq.core.entries import split_prefix
+from prefixq.core.errors import ValidationError
 from prefixq.core.inputs import IdCheck, normalize_one
 from prefixq.core.openai_lines import is_openai_line
 from prefixq.core.records import Request
@@ -55,6 +56,9 @@ class BurstRequests:
         self.reqs: list[Request | None] = [None] * self.n
         self.parts: list[Parts | None] = [None] * self.n
         self.ids = IdCheck()
+        #: the burst's kind of work (`Request.task`), set by its first request validated: a
+        #: burst holds one kind, placed on the shards that serve it (affinity/serving.py)
+        self.task: str | None = None
 
     def validate(self, idx: Sequence[int]) -> None:
         """Validate (and parse) requests ``idx`` not validated yet: each on its own (its entry's
@@ -68,6 +72,13 @@ class BurstRequests:
             else:
                 q = normalize_one(self.raw[i], i, self.s)  # its entry's size too
                 self.ids.add(i, [q.id])
+            if self.task is None:
+                self.task = q.task
+            elif q.task != self.task:
+                raise ValidationError(
+                    f"request {i + 1}: a burst holds one kind of work ({self.task} before it, "
+                    f"{q.task} here): submit embeddings and generation requests apart"
+                )
             self.reqs[i], self.parts[i] = q, split_prefix(q)
 
     async def encode(

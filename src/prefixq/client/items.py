@@ -49,6 +49,16 @@ class ItemBuilder:
     def build(self, req: Request, prefix: dict[str, Any] | None) -> Item:
         """The item for ``req``; ``prefix`` is its shared part (from `entries.split_prefix`)."""
         s = self.s
+        if req.inputs is not None:  # embeddings: no prefix to follow (affinity/serving.py)
+            chars = sum(len(x) for x in req.inputs if isinstance(x, str))
+            ids = sum(len(x) for x in req.inputs if isinstance(x, list))
+            return Item(
+                blocks=[],
+                tokens=max(1, ids + round(chars / CHARS_PER_TOKEN)),
+                block_tokens=float(s.block_size),
+                prefix_blocks=0,
+                key=xxhash.xxh3_64_intdigest(repr(req.inputs[:1]).encode(), seed=self.seed),
+            )
         if req.prompt_token_ids is not None:
             pre = len(req.prefix) if isinstance(req.prefix, list) else 0
             tokens = (req.prefix if isinstance(req.prefix, list) else []) + req.prompt_token_ids

@@ -27,6 +27,7 @@ from redis.exceptions import RedisError
 
 from prefixq.affinity.placement import HashPlacer, Placed, Placer, RandomPlacer, RoundRobinPlacer
 from prefixq.affinity.prefix_map import AffinityPlacer
+from prefixq.affinity.serving import for_task
 from prefixq.client.burst import Burst
 from prefixq.client.burst_requests import BurstRequests
 from prefixq.client.encoding import Encoded, EntryEncoder
@@ -51,6 +52,7 @@ from prefixq.store.census import count_enqueued
 from prefixq.store.connection import async_client
 from prefixq.store.deployment import aresolve_shards
 from prefixq.store.fence import afence
+from prefixq.store.liveness import read_tasks
 from prefixq.store.redis_errors import TRANSIENT, adescribe
 from prefixq.store.webhook_outbox import watch_burst
 
@@ -246,6 +248,9 @@ class _Submission:
         del looks
         head, rest = perm[:HEAD], perm[HEAD:]
         reqs.validate(head)
+        # only the shards that serve the burst's kind of work (refused here when none does)
+        tasks = await read_tasks(self.r, self.keys, shards)
+        placer = for_task(placer, reqs.task or "generate", tasks, self.s)
         head_chunk = await reqs.encode(head, placer, shards, inline=True)
         await self._create(shards, placement, order)
         try:

@@ -1,8 +1,9 @@
 """Stream entries: a `Request` as the short-keyed map one shard's stream carries, and back.
 
-An entry holds the request's own part (``p`` prompt text, ``m`` trailing chat messages or ``t``
-token ids) and its shared prefix either inline (``x``) or by reference (``xr``: the digest of a
-prefix stored once, content-addressed, under `Keys.prefix`). A prefix object is ``{"x": text}``,
+An entry holds the request's own part (``p`` prompt text, ``m`` trailing chat messages, ``t``
+token ids, or ``n`` the inputs of an embeddings request, whose options are ``po``) and its shared
+prefix either inline (``x``) or by reference (``xr``: the digest of a prefix stored once,
+content-addressed, under `Keys.prefix`). A prefix object is ``{"x": text}``,
 ``{"m": leading messages}`` or ``{"t": token ids}``. Other keys: ``v`` version, ``b`` burst,
 ``i`` input index, ``id`` request id, ``s`` sampling, ``e`` enqueued (epoch s), ``k`` shard,
 ``w`` estimated uncached prompt tokens (the placement's load unit), ``pc`` predicted cached tokens,
@@ -34,6 +35,8 @@ VERSION = 1
 
 def split_prefix(req: Request) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """(prefix object or None, the request's own part) for one request."""
+    if req.inputs is not None:
+        return None, {"n": req.inputs}
     if req.prompt_token_ids is not None:
         own: dict[str, Any] = {"t": req.prompt_token_ids}
         return ({"t": req.prefix} if isinstance(req.prefix, list) else None), own
@@ -91,6 +94,8 @@ class Entry:
     anchor: bytes | None = None
     #: the shared prefix's pass key, the same in every burst (client/shared_pass.py)
     group: int | None = None
+    #: an embeddings request's options (`Request.pooling`)
+    pooling: dict[str, Any] | None = None
 
     @classmethod
     def from_wire(cls, d: Any) -> Entry:
@@ -104,7 +109,7 @@ class Entry:
                 burst=_typed(d, "b", str),
                 index=_typed(d, "i", int),
                 id=_typed(d, "id", str),
-                own={k: d[k] for k in ("p", "m", "t") if k in d},
+                own={k: d[k] for k in ("p", "m", "t", "n") if k in d},
                 prefix=d.get("x"),
                 prefix_ref=d.get("xr"),
                 sampling=d.get("s") or {},
@@ -116,6 +121,7 @@ class Entry:
                 endpoint=_optional_str(d, "u"),
                 model=_optional_str(d, "md"),
                 refusal=_optional_str(d, "rf"),
+                pooling=d.get("po"),
             )
         except (TypeError, ValueError, OverflowError) as err:
             raise WireError(f"malformed entry: {err}") from None
@@ -138,7 +144,9 @@ class Entry:
         if not 0 <= e.index < _MAX_COUNT:
             raise WireError(f"entry index {e.index} out of range")
         if len(e.own) != 1:
-            raise WireError("entry needs exactly one of p, m, t")
+            raise WireError("entry needs exactly one of p, m, t, n")
+        if e.pooling is not None and not isinstance(e.pooling, dict):
+            raise WireError("entry pooling options are not a map")
         if not isinstance(e.sampling, dict):
             raise WireError("entry sampling is not a map")
         if e.prefix is not None and not _is_prefix(e.prefix):
@@ -164,6 +172,8 @@ class Entry:
             echo=self.echo,
         )
         res.timings.enqueued = self.enqueued
+        if "n" in self.own:
+            res.encoding_format = (self.pooling or {}).get("encoding_format") or "float"
         return res
 
     def failed(self, shard: int, worker: str, code: str, error: str, now: float) -> Result:
@@ -194,7 +204,9 @@ class Entry:
                 f"entry field {key!r} must be {'a string' if key == 'p' else 'a list'}, "
                 f"not {type(value).__name__}"
             )
-        if "t" in self.own:
+        if "n" in self.own:
+            req.inputs, req.pooling = list(self.own["n"]), dict(self.pooling or {})
+        elif "t" in self.own:
             req.prompt_token_ids = list((prefix or {}).get("t", ())) + list(self.own["t"])
         elif "m" in self.own:
             req.messages = list((prefix or {}).get("m", ())) + list(self.own["m"])
@@ -245,6 +257,8 @@ def to_wire(
         d["eo"] = req.echo
     if req.refusal is not None:
         d["rf"] = req.refusal
+    if req.pooling:
+        d["po"] = req.pooling
     if priority != DEFAULT_PRIORITY:
         d["pr"] = priority
     if tenant != DEFAULT_TENANT:
@@ -302,7 +316,10 @@ def size_bound(req: Request) -> int:
     text = len(req.prompt or "") + (len(req.prefix) if isinstance(req.prefix, str) else 0)
     ids = len(req.prompt_token_ids or ()) + (len(req.prefix) if isinstance(req.prefix, list) else 0)
     chat = sum(4 * len(str(m.get("content") or "")) + 64 for m in req.messages or ())
-    raw = 4 * text + 9 * ids + chat + 4 * len(req.id) + 16 * len(req.sampling) + 1024
+    for x in req.inputs or ():
+        text, ids = (text + len(x), ids) if isinstance(x, str) else (text, ids + len(x))
+    raw = 4 * text + 9 * ids + chat + 8 * len(req.inputs or ()) + 4 * len(req.id)
+    raw += 16 * len(req.sampling) + 16 * len(req.pooling) + 1024
     return raw + raw // 1000 + 64
 
 

@@ -169,6 +169,13 @@ class Keys:
         return f"{self.ns}:{{fleet}}:live"
 
     @property
+    def tasks(self) -> str:
+        """Hash: shard -> what its workers serve (``generate``, ``embed``: `Settings.task`),
+        written by each worker as it starts and beats; a shard without a field serves generate.
+        Placement puts a burst only on shards that serve its task."""
+        return f"{self.ns}:{{fleet}}:tasks"
+
+    @property
     def orphans(self) -> str:
         """Hash: shard -> when a live worker first saw it without one (epoch s); cleared by the
         shard's next heartbeat."""

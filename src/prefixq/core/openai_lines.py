@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from prefixq.core.embeddings import EMBEDDINGS, embeddings_body
 from prefixq.core.errors import ValidationError
 from prefixq.core.responses_lines import responses_body
 from prefixq.core.sampling import MAX_LOGPROBS, SAMPLING_FIELDS
@@ -23,7 +24,7 @@ COMPLETIONS = "/v1/completions"
 #: a body of instructions and input messages, answered with a Response object
 #: (core/responses_lines.py)
 RESPONSES = "/v1/responses"
-ENDPOINTS = (CHAT, COMPLETIONS, RESPONSES)
+ENDPOINTS = (CHAT, COMPLETIONS, RESPONSES, EMBEDDINGS)
 #: endpoints whose requests are chats (messages)
 MESSAGE_ENDPOINTS = (CHAT, RESPONSES)
 #: accepted and ignored (they cannot change the answer here)
@@ -99,6 +100,8 @@ def split_openai_line(
         raise ValidationError(w + "body.model must be a string")
     if url == RESPONSES:  # fields of its own, and what its Response object echoes
         return obj["custom_id"], responses_body(body, w), url, model
+    if url == EMBEDDINGS:  # its own fields (prefixq.core.embeddings)
+        return obj["custom_id"], embeddings_body(body, w), url, model
     for key in IGNORED & body.keys():
         del body[key]
     _refuse_no_ops(body, w)

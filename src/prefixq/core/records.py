@@ -3,8 +3,10 @@
 both, and the parts of a result (`Choice`, `TokenLogprob`), are imported from here.
 
 A request line is either plain (``{"id", "prompt" | "messages" | "prompt_token_ids", "prefix"?,
-sampling fields...}``) or an OpenAI batch-file line (``{"custom_id", "method", "url", "body"}``),
-whose ``custom_id`` becomes the id and whose ``body`` holds the prompt or messages and sampling.
+sampling fields...}``, or ``{"id", "input", "dimensions"?, "encoding_format"?}`` to embed:
+`prefixq.core.embeddings`) or an OpenAI batch-file line (``{"custom_id", "method", "url",
+"body"}``), whose ``custom_id`` becomes the id and whose ``body`` holds the prompt or messages
+and sampling.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from prefixq.core import openai_lines
 from prefixq.core.checks import check_nested, check_text
 from prefixq.core.choices import MIN_LOGPROB, Choice, TokenLogprob
+from prefixq.core.embeddings import EMBEDDINGS, check_inputs, check_pooling, normalize_input
 from prefixq.core.errors import ValidationError
 from prefixq.core.result_record import Result, Timings
 from prefixq.core.sampling import (
@@ -44,7 +47,9 @@ _ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 @dataclass(slots=True)
 class Request:
-    """One prompt to run. Exactly one of ``prompt``, ``messages``, ``prompt_token_ids`` is set.
+    """One prompt to run. Exactly one of ``prompt``, ``messages``, ``prompt_token_ids``,
+    ``inputs`` is set; ``inputs`` makes it an embeddings request (one vector per input, options
+    in ``pooling``: `prefixq.core.embeddings`), which takes no prefix and no sampling.
 
     ``prefix`` is shared leading text (a document) placed before ``prompt``; for chats the shared
     leading messages play that role (everything but the last message). ``endpoint`` is the url
@@ -66,6 +71,8 @@ class Request:
     model: str | None = None
     echo: dict[str, Any] | None = None
     refusal: str | None = None
+    inputs: list[str] | list[list[int]] | None = None
+    pooling: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def refused(
@@ -73,6 +80,11 @@ class Request:
     ) -> Request:
         """A request refused per line: its result will be ``message`` (``invalid_request``)."""
         return cls(id=rid, prompt="", endpoint=endpoint, model=model, refusal=message)
+
+    @property
+    def task(self) -> str:
+        """What a worker must serve to run it (`prefixq.core.embeddings.TASKS`)."""
+        return "generate" if self.inputs is None else "embed"
 
     @classmethod
     def from_json(
@@ -112,6 +124,10 @@ class Request:
             prompt_token_ids=body.pop("prompt_token_ids", None),
             prefix=body.pop("prefix", None),
         )
+        if "input" in body:
+            req.inputs = normalize_input(body.pop("input"), where + ": ")
+            options = {k: body.pop(k) for k in ("dimensions", "encoding_format") if k in body}
+            req.pooling = {k: v for k, v in options.items() if v is not None}
         sampling = body.pop("sampling", None) or {}
         if not isinstance(sampling, dict):
             raise ValidationError(f"{where}: 'sampling' must be an object")
@@ -140,11 +156,12 @@ class Request:
         if self.refusal is not None:
             self._check_refused(w)
             return
-        given = [
-            n for n in ("prompt", "messages", "prompt_token_ids") if getattr(self, n) is not None
-        ]
+        kinds = ("prompt", "messages", "prompt_token_ids", "inputs")
+        given = [n for n in kinds if getattr(self, n) is not None]
         if len(given) != 1:
-            raise ValidationError(w + "needs exactly one of prompt, messages, prompt_token_ids")
+            raise ValidationError(
+                w + "needs exactly one of prompt, messages, prompt_token_ids, input"
+            )
         if not isinstance(self.id, str):
             raise ValidationError(w + "id must be a string")
         if len(self.id) > 512:
@@ -157,6 +174,12 @@ class Request:
         chat = self.endpoint in openai_lines.MESSAGE_ENDPOINTS
         if chat != (self.messages is not None) and self.endpoint:
             raise ValidationError(w + f"{self.endpoint} does not go with this kind of prompt")
+        if (self.endpoint == EMBEDDINGS) != (self.inputs is not None) and self.endpoint:
+            raise ValidationError(w + f"{self.endpoint} does not go with this kind of input")
+        if self.inputs is not None:
+            self._check_embed(w)
+        elif self.pooling:
+            raise ValidationError(w + "dimensions and encoding_format go with input (embeddings)")
         if self.prompt is not None and not isinstance(self.prompt, str):
             raise ValidationError(w + "prompt must be a string")
         if self.prefix is not None:
@@ -183,6 +206,17 @@ class Request:
         check_sampling(self.sampling, w)
         self._check_texts(w)
 
+    def _check_embed(self, w: str) -> None:
+        """An embeddings request: its inputs and options, and nothing of a generation's."""
+        check_inputs(self.inputs, w)
+        check_pooling(self.pooling, w)
+        if self.prefix is not None:
+            raise ValidationError(w + "an embeddings request takes no prefix")
+        if self.sampling:
+            raise ValidationError(
+                w + f"an embeddings request takes no sampling fields: {', '.join(self.sampling)}"
+            )
+
     def _check_texts(self, w: str) -> None:
         """Every string is valid Unicode (core/checks.py); messages nest boundedly."""
         check_text(self.id, "id", w)
@@ -192,6 +226,9 @@ class Request:
             check_text(self.prefix, "prefix", w)
         for i, m in enumerate(self.messages or ()):
             check_nested(m, f"message {i}", w)
+        for i, x in enumerate(self.inputs or ()):
+            if isinstance(x, str):
+                check_text(x, f"input[{i}]", w)
         for key, value in self.sampling.items():
             check_nested(value, key, w)
         if self.echo is not None:
@@ -211,6 +248,7 @@ class Request:
     def chars(self) -> int:
         """Characters of text in the request (prefix, prompt and message contents)."""
         n = len(self.prefix or ()) + len(self.prompt or "")
+        n += sum(len(x) for x in self.inputs or ())
         if self.messages:
             n += sum(len(m.get("content") or "") for m in self.messages)
         return n + len(self.prompt_token_ids or ())

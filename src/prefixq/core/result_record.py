@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixq.core.choices import Choice, TokenLogprob
+from prefixq.core.embeddings import unpack_vector
 from prefixq.core.errors import (
     EngineAborted,
     EngineError,
@@ -72,7 +73,9 @@ class Result:
     all ``n`` choices in order, and choice 0 is also in ``text``, ``token_ids`` and
     ``finish_reason``. ``output_tokens`` counts the tokens of every choice. ``endpoint`` (the
     OpenAI url the line named, None for a plain line) and ``model`` (its body's ``model``) are
-    what an OpenAI output object needs.
+    what an OpenAI output object needs. An embeddings request's result holds one vector per input
+    in ``embeddings`` (little-endian float32 bytes: `prefixq.core.embeddings.pack_vector`) and
+    the request's ``encoding_format`` for its output line; ``prompt_tokens`` sums its inputs'.
     """
 
     id: str
@@ -94,6 +97,8 @@ class Result:
     model: str | None = None
     #: what the output object repeats of the request's body (`Request.echo`)
     echo: dict[str, Any] | None = None
+    embeddings: list[bytes] | None = None
+    encoding_format: str | None = None
 
     @classmethod
     def failed(
@@ -134,6 +139,10 @@ class Result:
             d["md"] = self.model
         if self.echo:
             d["eo"] = self.echo
+        if self.embeddings is not None:
+            d["em"] = self.embeddings
+        if self.encoding_format is not None:
+            d["ef"] = self.encoding_format
         return d
 
     def _choice_wire(self, c: Choice) -> list[Any]:
@@ -171,7 +180,10 @@ class Result:
             endpoint=d.get("u"),
             model=d.get("md"),
             echo=d.get("eo") if isinstance(d.get("eo"), dict) else None,
+            encoding_format=d.get("ef"),
         )
+        if d.get("em") is not None:
+            res.embeddings = [bytes(v) for v in d["em"]]
         for c in d.get("ch") or ():
             res.choices.append(
                 Choice(
@@ -207,6 +219,8 @@ class Result:
         }
         if self.choices:
             out["choices"] = [c.to_json(token_ids=token_ids) for c in self.choices]
+        if self.embeddings is not None:
+            out["embeddings"] = [unpack_vector(v) for v in self.embeddings]
         if token_ids:
             out["token_ids"] = self.token_ids
         return out

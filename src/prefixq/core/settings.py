@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
 
+from prefixq.core.embeddings import TASKS
 from prefixq.core.errors import ConfigError, ValidationError
 from prefixq.core.keys import Keys
 from prefixq.core.sharing import check_priority, check_tenant, parse_caps, parse_weights
@@ -125,6 +126,9 @@ class Settings:
     tenant_caps: str = ""
 
     # consumer (docs/architecture.md, decisions 5 and 6)
+    #: workers: what the engine serves: generate (text) or embed (vLLM's pooling runner; the
+    #: shard takes only embeddings bursts, and only it does: docs/openai.md, "/v1/embeddings")
+    task: str = "generate"
     #: requests kept inside the engine; 0 = twice the engine's max_num_seqs
     max_inflight: int = 0
     #: entries read per XREADGROUP
@@ -209,6 +213,8 @@ class Settings:
             raise ConfigError(
                 f"enqueue_order must be one of {', '.join(ORDERS)}, not {self.enqueue_order!r}"
             )
+        if self.task not in TASKS:
+            raise ConfigError(f"task must be one of {', '.join(TASKS)}, not {self.task!r}")
         if self.shards < 0:
             raise ConfigError(f"shards must be >= 0, not {self.shards}")
         try:  # the same checks producers and workers make (prefixq.core.sharing)

@@ -55,6 +55,33 @@ class EngineOutput:
         res.timings.first_token = self.first_token
 
 
+@dataclass(slots=True)
+class EmbedRequest:
+    """One embeddings request as the engine sees it: its inputs (strings or token-id lists), each
+    embedded on its own, and ``dimensions`` (None: the model's own)."""
+
+    request_id: str
+    inputs: list[str] | list[list[int]]
+    dimensions: int | None = None
+    priority: int = 0
+
+
+@dataclass(slots=True)
+class EmbedOutput:
+    """The vectors of one embeddings request, one per input in order (little-endian float32
+    bytes: `prefixq.core.embeddings.pack_vector`), and its inputs' tokens summed."""
+
+    vectors: list[bytes]
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+    def apply(self, res: Result) -> None:
+        """Copy this output into the request's result record."""
+        res.embeddings = self.vectors
+        res.prompt_tokens, res.cached_tokens = self.prompt_tokens, self.cached_tokens
+        res.output_tokens = 0
+
+
 class EngineSizes:
     """`Engine.max_num_seqs` and `Engine.block_size`, read-only, for an implementation to inherit:
     it sets ``_max_num_seqs`` and ``_block_size`` (when built, or once its engine has started)."""
@@ -92,6 +119,12 @@ class Engine(Protocol):
 
     async def generate(self, request: EngineRequest) -> EngineOutput:
         """Run one request to completion; raises `EngineAborted` if `abort` stopped it."""
+        ...
+
+    async def embed(self, request: EmbedRequest) -> EmbedOutput:
+        """Embed each input of one request (an engine started to embed: ``Settings.task``);
+        raises `EngineRefused` where the engine cannot (a generating engine, ``dimensions`` the
+        model does not allow) and `EngineAborted` if `abort` stopped it."""
         ...
 
     async def abort(self, request_id: str) -> None:

@@ -11,10 +11,10 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
-from prefixq.core.choices import MIN_LOGPROB, Choice, TokenLogprob
+from prefixq.core.choices import Choice
 from prefixq.core.errors import (
     ConfigError,
     EngineAborted,
@@ -24,7 +24,15 @@ from prefixq.core.errors import (
     SetupError,
 )
 from prefixq.core.sampling import DEFAULT_MAX_TOKENS
-from prefixq.engine.protocol import EngineOutput, EngineRequest, EngineSizes
+from prefixq.engine.logprobs import logprobs_of
+from prefixq.engine.pooling import pooling_params, vector_bytes
+from prefixq.engine.protocol import (
+    EmbedOutput,
+    EmbedRequest,
+    EngineOutput,
+    EngineRequest,
+    EngineSizes,
+)
 from prefixq.engine.vllm_compat import cpu_block_size, is_retryable
 
 log = logging.getLogger(__name__)
@@ -87,38 +95,6 @@ def _refusal(err: BaseException) -> bool:
     return isinstance(err, ValueError | TypeError) or "VLLMClientError" in names
 
 
-def _logprobs(comp: Any, k: int) -> list[TokenLogprob]:
-    """vLLM's per-position logprobs (a list of ``{token id: Logprob}``, or FlatLogprobs, which
-    index the same way) -> one `TokenLogprob` per output token, with the ``k`` most likely
-    alternatives (vLLM's dict holds the sampled token, whatever its rank, plus ranks 1..k)."""
-    out: list[TokenLogprob] = []
-    lps = comp.logprobs
-    if lps is None:
-        return out
-    for pos, tid in enumerate(comp.token_ids):
-        if pos >= len(lps):
-            break
-        at = lps[pos] or {}
-        chosen = at.get(tid)
-        top = sorted(
-            (v.rank, t, v) for t, v in at.items() if v.rank is not None and 1 <= v.rank <= k
-        )
-        out.append(
-            TokenLogprob(
-                token_id=int(tid),
-                token=None if chosen is None else chosen.decoded_token,
-                logprob=_clamp(chosen.logprob) if chosen is not None else MIN_LOGPROB,
-                top=[(int(t), v.decoded_token, _clamp(v.logprob)) for _, t, v in top[:k]],
-            )
-        )
-    return out
-
-
-def _clamp(lp: float) -> float:
-    """-inf (and NaN) -> `MIN_LOGPROB`: JSON has neither."""
-    return float(lp) if lp > MIN_LOGPROB else MIN_LOGPROB
-
-
 class VllmEngine(EngineSizes):
     """`Engine` over `vllm.v1.engine.async_llm.AsyncLLM`."""
 
@@ -137,6 +113,8 @@ class VllmEngine(EngineSizes):
         #: request ids aborted before or while they ran (bounded; see `abort`)
         self._aborted: OrderedDict[str, None] = OrderedDict()
         self._running: set[str] = set()
+        #: the vLLM request ids of each embeddings request in flight (one per input)
+        self._parts: dict[str, list[str]] = {}
 
     async def start(self) -> None:
         try:
@@ -214,8 +192,6 @@ class VllmEngine(EngineSizes):
             raise EngineRefused(f"invalid sampling parameters: {e}") from None
 
     async def generate(self, request: EngineRequest) -> EngineOutput:
-        from vllm.v1.engine.exceptions import EngineDeadError
-
         if self._llm is None:
             raise EngineDead("engine not started")
         rid = request.request_id
@@ -229,39 +205,15 @@ class VllmEngine(EngineSizes):
             prompt = {"prompt_token_ids": request.prompt_token_ids}
         else:
             prompt = request.prompt
-        final = None
         kwargs: dict[str, Any] = {}
         if request.chat:
             kwargs["tokenization_kwargs"] = {"add_special_tokens": False}
         if request.priority:
             kwargs["priority"] = request.priority
-        self._running.add(rid)
-        deadline, delay = time.monotonic() + RETRY_FOR_S, 0.05
+        llm = self._llm
         try:
-            while True:
-                try:
-                    async for out in self._llm.generate(prompt, params, rid, **kwargs):
-                        final = out
-                    break
-                except EngineDeadError as e:
-                    raise EngineDead(f"vLLM engine died: {e}") from e
-                except Exception as e:  # vLLM raises several types for one bad request
-                    if self._llm.errored:
-                        raise EngineDead(f"vLLM engine died: {e}") from e
-                    cause = e
-                    if type(e).__name__ == "EngineGenerateError" and e.__cause__:
-                        cause = e.__cause__  # type: ignore[assignment]
-                    if is_retryable(cause) and time.monotonic() < deadline:
-                        if rid in self._aborted:
-                            break  # aborted while it waited: ends as aborted below
-                        log.debug("request %s not taken for now (%s); again", rid, cause)
-                        await asyncio.sleep(delay)
-                        delay = min(delay * 2, 1.0)
-                        continue
-                    kind = EngineRefused if _refusal(cause) else EngineError
-                    raise kind(f"{type(cause).__name__}: {cause}") from e
+            final = await self._final(rid, rid, lambda: llm.generate(prompt, params, rid, **kwargs))
         finally:
-            self._running.discard(rid)
             aborted = self._aborted.pop(rid, False) is None
         # vLLM ends an aborted request with finish_reason "abort"; one that finished before
         # the abort reached it keeps its answer
@@ -274,6 +226,87 @@ class VllmEngine(EngineSizes):
         if final is None or not final.outputs:
             raise EngineError("engine returned no output")
         return self._output(final, request.sampling)
+
+    async def _final(self, rid: str, parent: str, run: Callable[[], AsyncIterator[Any]]) -> Any:
+        """The last output of vLLM request ``rid`` (``run()`` starts it; None when it was aborted
+        before any came): one a full queue refuses for now is offered again (`is_retryable`)
+        until `RETRY_FOR_S`, unless ``parent`` (the prefixq request it belongs to) is aborted
+        meanwhile; EngineDead, EngineRefused or EngineError for the rest."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        final = None
+        self._running.add(rid)
+        deadline, delay = time.monotonic() + RETRY_FOR_S, 0.05
+        try:
+            while True:
+                try:
+                    async for out in run():
+                        final = out
+                    return final
+                except EngineDeadError as e:
+                    raise EngineDead(f"vLLM engine died: {e}") from e
+                except Exception as e:  # vLLM raises several types for one bad request
+                    if self._llm.errored:
+                        raise EngineDead(f"vLLM engine died: {e}") from e
+                    cause = e
+                    if type(e).__name__ == "EngineGenerateError" and e.__cause__:
+                        cause = e.__cause__  # type: ignore[assignment]
+                    if is_retryable(cause) and time.monotonic() < deadline:
+                        if parent in self._aborted:
+                            return final  # aborted while it waited: ends as aborted
+                        log.debug("request %s not taken for now (%s); again", rid, cause)
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, 1.0)
+                        continue
+                    kind = EngineRefused if _refusal(cause) else EngineError
+                    raise kind(f"{type(cause).__name__}: {cause}") from e
+        finally:
+            self._running.discard(rid)
+
+    async def embed(self, request: EmbedRequest) -> EmbedOutput:
+        """Each input as one vLLM pooling request (engine/pooling.py), side by side; the first
+        failure fails the request (and aborts the others)."""
+        if self._llm is None:
+            raise EngineDead("engine not started")
+        rid = request.request_id
+        if self._aborted.pop(rid, False) is None:
+            raise EngineAborted(f"request {rid} was aborted before it started")
+        params = pooling_params(request.dimensions)
+        kwargs: dict[str, Any] = {"priority": request.priority} if request.priority else {}
+        parts = [f"{rid}#{i}" for i in range(len(request.inputs))]
+        llm, self._parts[rid] = self._llm, parts
+
+        async def one(part: str, x: str | list[int]) -> Any:
+            if isinstance(x, list):
+                self._check_vocab("input", x)
+            prompt = x if isinstance(x, str) else {"prompt_token_ids": x}
+            return await self._final(
+                part, rid, lambda: llm.encode(prompt, params.clone(), part, **kwargs)
+            )
+
+        inputs: list[str | list[int]] = list(request.inputs)
+        pairs = zip(parts, inputs, strict=True)
+        tasks = [asyncio.ensure_future(one(p, x)) for p, x in pairs]
+        try:
+            outs = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            if self._llm is not None and not self._llm.errored:
+                await self._llm.abort([p for p in parts if p in self._running])
+            raise
+        finally:
+            self._parts.pop(rid, None)
+            aborted = self._aborted.pop(rid, False) is None
+        if aborted or any(o is None or not o.finished for o in outs):
+            if aborted:
+                raise EngineAborted(f"request {rid} was aborted")
+            raise EngineError("engine returned no output")
+        return EmbedOutput(
+            vectors=[vector_bytes(o) for o in outs],
+            prompt_tokens=sum(len(o.prompt_token_ids or ()) for o in outs),
+            cached_tokens=sum(int(o.num_cached_tokens or 0) for o in outs),
+        )
 
     def _check_vocab(self, what: str, ids: list[int]) -> None:
         """EngineRefused for a token id outside the model's vocabulary, which would take the whole
@@ -303,7 +336,7 @@ class VllmEngine(EngineSizes):
                     text=c.text or "",
                     token_ids=list(c.token_ids),
                     finish_reason=c.finish_reason,
-                    logprobs=None if k is None else _logprobs(c, k),
+                    logprobs=None if k is None else logprobs_of(c, k),
                 )
                 for c in outs
             ]
@@ -326,6 +359,9 @@ class VllmEngine(EngineSizes):
             self._aborted.popitem(last=False)
         if self._llm is not None and request_id in self._running:
             await self._llm.abort(request_id)
+        parts = [p for p in self._parts.get(request_id, ()) if p in self._running]
+        if self._llm is not None and parts:
+            await self._llm.abort(parts)
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         if self._tokenizer is None:

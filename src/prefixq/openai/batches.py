@@ -19,6 +19,7 @@ import secrets
 import time
 from typing import Any
 
+import anyio
 import redis.asyncio as aredis
 
 from prefixq.core.errors import BurstNotFound, ValidationError
@@ -27,6 +28,7 @@ from prefixq.core.settings import Settings
 from prefixq.core.sharing import DEFAULT_PRIORITY, check_priority, check_tenant
 from prefixq.core.webhooks import WebhookConfig
 from prefixq.openai.apierror import ApiError, bad_request, not_found
+from prefixq.openai.embeddings import EMBEDDINGS, count_file_inputs, too_many_inputs
 from prefixq.openai.expiry import expires_after
 from prefixq.openai.files import FileStore
 from prefixq.openai.formats import ENDPOINTS
@@ -233,6 +235,11 @@ class BatchStore:
                 f"The file {file_id!r} has purpose {f['purpose']!r}, not 'batch'.",
                 param="input_file_id",
             )
+        if endpoint == EMBEDDINGS:  # OpenAI's limit of inputs across an embeddings batch
+            n = await anyio.to_thread.run_sync(count_file_inputs, self.files.path(file_id))
+            refusal = too_many_inputs(n)
+            if refusal:
+                raise bad_request(refusal, param="input_file_id", code="too_many_inputs")
         batch_id = "batch_" + secrets.token_hex(16)
         now = time.time()
         m = {

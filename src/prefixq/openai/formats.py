@@ -20,6 +20,7 @@ from typing import Any
 
 from prefixq.core.openai_lines import CHAT, COMPLETIONS, ENDPOINTS, RESPONSES
 from prefixq.core.records import Choice, Result, TokenLogprob
+from prefixq.openai.embeddings import EMBEDDINGS, embeddings_object
 from prefixq.openai.responses import response_body
 
 __all__ = [
@@ -145,9 +146,11 @@ def format_result(res: Result, *, burst: str, endpoint: str = CHAT, model: str =
 
 def _body(res: Result, *, burst: str, endpoint: str, model: str) -> dict[str, Any]:
     """A ``chat.completion``, ``text_completion`` or ``response`` object, as OpenAI's endpoint
-    returns it."""
+    returns it (an embeddings list: openai/embeddings.py)."""
     if endpoint == RESPONSES:
         return response_body(res, burst=burst, model=model)
+    if endpoint == EMBEDDINGS:
+        return embeddings_object(res, model)
     chat = endpoint == CHAT
     choices = [_choice(c, chat) for c in _choices(res)]
     usage = {

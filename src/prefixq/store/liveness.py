@@ -7,6 +7,10 @@ Placement puts no new prefix on a shard that is not live, and a shard whose last
 queue away (worker/handover.py). A shard that never had a worker has no field; the first live worker
 that looks records when it saw it so (`Keys.orphans`), and its age counts from then.
 
+Each worker also records what its shard serves (`Keys.tasks`: generate or embed) as it starts and
+beats; `tasks_of` reads it for placement, and work moves (worker/handover.py, worker/fleet.py) go
+only between shards that serve the same task.
+
 Times are the hosts' wall clocks, as for the workers' heartbeats: hosts whose clocks differ by a
 good part of ``heartbeat_ttl_s`` see each other's shards as dead too early or too late.
 """
@@ -23,7 +27,15 @@ import redis.asyncio as aredis
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 
-__all__ = ["Liveness", "alive_mask", "beat_commands", "read_liveness", "read_load"]
+__all__ = [
+    "Liveness",
+    "alive_mask",
+    "beat_commands",
+    "read_liveness",
+    "read_load",
+    "read_tasks",
+    "tasks_of",
+]
 
 
 @dataclass(slots=True)
@@ -37,6 +49,8 @@ class Liveness:
     shards: int
     ttl: float
     now: float
+    #: shard -> what it serves (`tasks_of`: generate where none is recorded)
+    tasks: list[str] | None = None
 
     @classmethod
     def of(
@@ -46,12 +60,22 @@ class Liveness:
         settings: Settings,
         shards: int,
         now: float,
+        tasks: dict[Any, Any] | None = None,
     ) -> Liveness:
         """From a read of the live and orphans hashes (any client: `read_liveness` is the
-        asyncio one's)."""
+        asyncio one's), and of the tasks hash when given."""
         return cls(
-            _floats(live, shards), _floats(orphans, shards), shards, settings.heartbeat_ttl_s, now
+            _floats(live, shards),
+            _floats(orphans, shards),
+            shards,
+            settings.heartbeat_ttl_s,
+            now,
+            None if tasks is None else tasks_of(tasks, shards),
         )
+
+    def task(self, shard: int) -> str:
+        """What ``shard`` serves (generate when the tasks hash was not read)."""
+        return "generate" if self.tasks is None else self.tasks[shard]
 
     def alive(self, shard: int) -> bool:
         return self.now - self.last.get(shard, float("-inf")) <= self.ttl
@@ -90,8 +114,28 @@ async def read_liveness(r: aredis.Redis, settings: Settings, shards: int) -> Liv
     pipe = r.pipeline(transaction=False)
     pipe.hgetall(keys.live)
     pipe.hgetall(keys.orphans)
-    live, orphans = await pipe.execute()
-    return Liveness.of(live, orphans, settings, shards, time.time())
+    pipe.hgetall(keys.tasks)
+    live, orphans, tasks = await pipe.execute()
+    return Liveness.of(live, orphans, settings, shards, time.time(), tasks)
+
+
+def tasks_of(raw: dict[Any, Any], shards: int) -> list[str]:
+    """What each of ``shards`` serves by a read of the tasks hash: generate where none is
+    recorded (a deployment older than the field, or a shard no worker has started on)."""
+    out = ["generate"] * shards
+    for k, v in raw.items():
+        try:
+            shard = int(k)
+        except (TypeError, ValueError):
+            continue
+        if 0 <= shard < shards:
+            out[shard] = v.decode() if isinstance(v, bytes) else str(v)
+    return out
+
+
+async def read_tasks(r: aredis.Redis, keys: Keys, shards: int) -> list[str]:
+    """What each of ``shards`` serves (`tasks_of`)."""
+    return tasks_of(await r.hgetall(keys.tasks), shards)
 
 
 async def read_load(r: aredis.Redis, keys: Keys, shards: Iterable[int]) -> dict[int, float]:
@@ -103,15 +147,22 @@ async def read_load(r: aredis.Redis, keys: Keys, shards: Iterable[int]) -> dict[
     return load
 
 
-def alive_mask(raw: dict[Any, Any], shards: int, ttl: float, now: float) -> list[bool]:
+def alive_mask(
+    raw: dict[Any, Any], shards: int, ttl: float, now: float, among: list[int] | None = None
+) -> list[bool]:
     """Which of ``shards`` are live by a read of the live hash (``raw``); every shard when none
-    is (no worker is up yet: work waits for the first one, wherever it goes)."""
+    is (no worker is up yet: work waits for the first one, wherever it goes). With ``among``,
+    only those shards count (the ones that serve the burst's task), and all of them when none
+    of them is live."""
     last = _floats(raw, shards)
-    mask = [now - last.get(k, float("-inf")) <= ttl for k in range(shards)]
-    return mask if any(mask) else [True] * shards
+    pool = set(range(shards) if among is None else among)
+    mask = [k in pool and now - last.get(k, float("-inf")) <= ttl for k in range(shards)]
+    return mask if any(mask) else [k in pool for k in range(shards)]
 
 
-def beat_commands(pipe: Any, keys: Keys, shard: int, now: float) -> None:
-    """Add a heartbeat's liveness writes to ``pipe``: the shard is live now, not orphaned."""
+def beat_commands(pipe: Any, keys: Keys, shard: int, now: float, task: str = "generate") -> None:
+    """Add a heartbeat's liveness writes to ``pipe``: the shard is live now, not orphaned, and
+    serves ``task`` (`Keys.tasks`)."""
     pipe.hset(keys.live, str(shard), repr(now))
     pipe.hdel(keys.orphans, str(shard))
+    pipe.hset(keys.tasks, str(shard), task)

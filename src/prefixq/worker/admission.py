@@ -2,7 +2,8 @@
 
 `Admission` takes the entries a worker admits — a read round's picks (`launch`), its own pending
 entries of a restart (`admit`: no scheduling), entries claimed from a dead worker (`take_over`:
-stocked to go before anything else) — and hands each request to the engine as soon as it has it:
+stocked to go before anything else) — and hands each request to the engine as soon as it has it
+(an embeddings request to `Engine.embed`, every other to `Engine.generate`):
 a request of a burst that ended meanwhile gets its ended result instead (worker/ends.py), stored
 prefixes are resolved with one MGET per round (worker/prefixes.py), an entry on its last allowed
 delivery runs alone (worker/solo.py), and the engine's queue follows priorities, or fair shares
@@ -31,7 +32,13 @@ from prefixq.core.errors import (
 from prefixq.core.result_record import ENDED_ERRORS, error_code_of
 from prefixq.core.settings import Settings
 from prefixq.core.sharing import PRIORITIES
-from prefixq.engine.protocol import Engine, EngineRequest
+from prefixq.engine.protocol import (
+    EmbedOutput,
+    EmbedRequest,
+    Engine,
+    EngineOutput,
+    EngineRequest,
+)
 from prefixq.store.retry import retry
 from prefixq.worker.deliveries import Delivery, Ref, last_allowed
 from prefixq.worker.ends import BurstEnds
@@ -168,6 +175,7 @@ class Admission:
             if req.refusal is not None:  # refused per line at submit: its result is the refusal
                 raise ValidationError(req.refusal)
             prompt = self.engine.render_chat(req.messages) if req.messages else req.prompt
+            out: EngineOutput | EmbedOutput
             async with self.gate.call(solo):
                 why = self.ends.ended_reason(e)
                 if why is not None:  # it ended while this waited for the gate
@@ -176,16 +184,20 @@ class Admission:
                 self.probes.read_to_engine.add(time.perf_counter() - t_read)
                 rid = f"{e.burst}:{e.index}:{ref[1].decode()}"
                 self.ends.running(ref, e.burst, rid)
-                out = await self.engine.generate(
-                    EngineRequest(
-                        request_id=rid,
-                        prompt=prompt,
-                        prompt_token_ids=req.prompt_token_ids,
-                        sampling=req.sampling,
-                        chat=req.messages is not None,
-                        priority=priority,
+                if req.inputs is not None:  # an embeddings request: one vector per input
+                    dims = req.pooling.get("dimensions")
+                    out = await self.engine.embed(EmbedRequest(rid, req.inputs, dims, priority))
+                else:
+                    out = await self.engine.generate(
+                        EngineRequest(
+                            request_id=rid,
+                            prompt=prompt,
+                            prompt_token_ids=req.prompt_token_ids,
+                            sampling=req.sampling,
+                            chat=req.messages is not None,
+                            priority=priority,
+                        )
                     )
-                )
             out.apply(res)
         except EngineDead as err:
             self._engine_died(str(err))

@@ -109,7 +109,8 @@ class FleetWatch:
             await self._report(await self.handover.move_shard(k, shards, why="orphaned"), out)
         self.orphaned_shards = orphaned
         if self.steal_min_tokens > 0 and self.idle() and time.monotonic() >= self._next_steal:
-            await self._steal(live.live_shards(), out)
+            mine = live.task(self.shard)  # only work this worker's engine serves
+            await self._steal([k for k in live.live_shards() if live.task(k) == mine], out)
         return out
 
     async def _finish_plans(self, shards: int) -> None:

@@ -116,9 +116,11 @@ class Handover:
         that is live, else to the least loaded."""
         rep = MoveReport(source=source, why=why)
         live = await read_liveness(self.r, self.s, shards)
-        targets = [k for k in live.live_shards() if k != source]
+        task = live.task(source)  # its queue holds work of its task: only such shards take it
+        targets = [k for k in live.live_shards() if k != source and live.task(k) == task]
         if not targets:
             rep.skipped = "no live shard to move to"
+            rep.skipped += f" (that serves {task})" if task != "generate" else ""
             return rep
         return await self._run(rep, targets, dead_pending=True, steal=None)
 

@@ -106,7 +106,7 @@ class Heartbeat:
         # workers killed without unregistering: shown as gone for a while, then forgotten
         pipe.zremrangebyscore(workers, "-inf", now - GONE_KEPT_S)
         if self.serving():
-            beat_commands(pipe, self.stream.keys, self.stream.shard, now)
+            beat_commands(pipe, self.stream.keys, self.stream.shard, now, self.stream.settings.task)
         await pipe.execute()
         await self.stream.renew(self.holding())
         self._untold += self.tallies()

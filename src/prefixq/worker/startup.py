@@ -10,7 +10,7 @@ import time
 
 from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
-from prefixq.engine.protocol import Engine, EngineRequest
+from prefixq.engine.protocol import EmbedRequest, Engine, EngineRequest
 from prefixq.store.connection import is_cluster
 from prefixq.store.policy import acheck_policy
 from prefixq.store.retry import retry
@@ -45,6 +45,8 @@ async def register(stream: ShardStream, settings: Settings) -> None:
         # what the live workers wait before moving a dead shard's queue: `inspect` and the
         # dashboard call a shard orphaned by it, whatever their own settings say
         await r.hset(keys.config, "orphan_after_s", repr(settings.orphan_after_s))
+        # what the shard serves, before its engine is up: producers place by it at once
+        await r.hset(keys.tasks, str(stream.shard), settings.task)
 
     await retry("recording the shard count", shards, settings=settings)
     if settings.shards and settings.shards > count:  # below it: a deployment grown by --join
@@ -72,9 +74,14 @@ async def record_engine(stream: ShardStream, settings: Settings, engine: Engine)
     )
 
 
-async def warm_up(engine: Engine, request_id: str) -> float:
-    """One tiny request through the engine, then an empty prefix cache; returns seconds."""
+async def warm_up(engine: Engine, request_id: str, task: str = "generate") -> float:
+    """One tiny request through the engine (an embedding for an engine that embeds), then an
+    empty prefix cache; returns seconds."""
     t0 = time.perf_counter()
+    if task == "embed":
+        await engine.embed(EmbedRequest(request_id, [[1] * 8]))
+        await engine.reset_prefix_cache()
+        return time.perf_counter() - t0
     await engine.generate(
         EngineRequest(
             request_id=request_id,

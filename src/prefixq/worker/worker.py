@@ -291,7 +291,7 @@ class Worker:
         await retry(what, call, settings=self.settings)
 
     async def _warm_up(self) -> None:
-        took = await warm_up(self.engine, f"warmup-{self.name}-{os.getpid()}")
+        took = await warm_up(self.engine, f"warmup-{self.name}-{os.getpid()}", self.settings.task)
         if self.gc_policy.enabled:
             self.gc_policy.freeze()
         self.gc.start()
