@@ -191,7 +191,7 @@ def test_method_and_url_are_checked() -> None:
     refused({**line, "method": "DELETE"}, "method must be POST, not 'DELETE'")
     refused({k: v for k, v in line.items() if k != "method"}, "needs 'method'")
     refused({k: v for k, v in line.items() if k != "url"}, "needs 'url'")
-    refused({**line, "url": "/v1/embeddings"}, "unsupported url '/v1/embeddings'")
+    refused({**line, "url": "/v1/moderations"}, "unsupported url '/v1/moderations'")
     refused({**line, "url": "/v1/completions"}, "body.messages does not go with the completions")
     refused({**completion(), "url": "/v1/chat/completions"}, "body.prompt does not go with")
     refused({**line, "extra": 1}, "unknown fields in an OpenAI batch line: extra")

@@ -26,7 +26,7 @@ from prefixq.core.settings import Settings
 @pytest.mark.parametrize(
     ("change", "param"),
     [
-        ({"endpoint": "/v1/embeddings"}, "endpoint"),
+        ({"endpoint": "/v1/moderations"}, "endpoint"),
         ({"completion_window": "1 day"}, "completion_window"),
         ({"completion_window": "0h"}, "completion_window"),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
