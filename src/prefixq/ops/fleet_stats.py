@@ -30,15 +30,17 @@ def _float(v: bytes | None, default: float) -> float:
 
 
 def fleet(r: redis.Redis, settings: Settings, shards: int, now: float) -> dict[str, Any]:
-    """Per shard: live, seconds without a live worker, orphaned; the moves' totals by why
+    """Per shard: live, seconds without a live worker, orphaned, what it serves (generate or
+    embed); the moves' totals by why
     (store/move_log.py) and the newest few."""
     keys = settings.keys
     pipe = r.pipeline(transaction=False)
     pipe.hgetall(keys.live)
     pipe.hgetall(keys.orphans)
     pipe.hget(keys.config, "orphan_after_s")
-    live_raw, orphans_raw, workers_wait = pipe.execute()
-    state = Liveness.of(live_raw, orphans_raw, settings, shards, now)
+    pipe.hgetall(keys.tasks)
+    live_raw, orphans_raw, workers_wait, tasks_raw = pipe.execute()
+    state = Liveness.of(live_raw, orphans_raw, settings, shards, now, tasks_raw)
     # the workers' setting (they move the queues), else this reader's
     wait = _float(workers_wait, settings.orphan_after_s)
     per_shard = []
@@ -46,7 +48,13 @@ def fleet(r: redis.Redis, settings: Settings, shards: int, now: float) -> dict[s
         alive, dead_for = state.alive(k), state.dead_for(k)
         orphaned = not alive and wait > 0 and dead_for >= wait
         per_shard.append(
-            {"shard": k, "live": alive, "dead_for_s": round(dead_for, 1), "orphaned": orphaned}
+            {
+                "shard": k,
+                "live": alive,
+                "dead_for_s": round(dead_for, 1),
+                "orphaned": orphaned,
+                "task": state.task(k),
+            }
         )
     totals, recent = read_moves(r, keys, _RECENT)
     return {
