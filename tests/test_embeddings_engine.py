@@ -21,7 +21,7 @@ from openai import OpenAI
 from openai.types import CreateEmbeddingResponse
 
 from conftest import WorkerProc
-from helpers import cli, wait_burst
+from helpers import cli, wait_burst, wait_until
 from openai_server import Server, jsonl, wait_batch
 from prefixq.cli.redis_server import RedisServer
 from prefixq.client.producer import Producer
@@ -168,16 +168,26 @@ def test_official_client_runs_an_embeddings_batch_with_every_input_form(
     )
 
 
-def test_official_client_cancels_an_embeddings_batch(oai: OpenAI) -> None:
-    """A large embeddings batch cancelled right after it is created ends `cancelled`, with
-    fewer requests completed than it holds."""
-    lines = [embed_line(f"c{i}", [f"text {i}-{j} " * 20 for j in range(16)]) for i in range(150)]
+def test_official_client_cancels_an_embeddings_batch_and_its_inputs_leave_the_engine(
+    oai: OpenAI, deployment: Settings
+) -> None:
+    """An embeddings batch cancelled while its lines are in the engine ends `cancelled` with
+    fewer lines completed than it holds, and every input still in the engine is aborted: the
+    worker has nothing in flight again long before the batch's work could have been done."""
+    lines = [embed_line(f"c{i}", [f"text {i}-{j} " * 60 for j in range(16)]) for i in range(150)]
     b = create(oai, lines)
-    b = oai.batches.cancel(b.id)
-    assert b.status in ("cancelling", "cancelled")
-    b = wait_batch(oai, b.id, FINAL, timeout=120)
-    assert b.status == "cancelled"
-    assert b.request_counts is not None and b.request_counts.completed < 150
+    r = redis.Redis.from_url(deployment.redis_url)
+    hb = Keys(deployment.namespace).heartbeat(1, "embed-s1")
+    try:
+        wait_until(lambda: int(r.hget(hb, "inflight") or 0) > 0, 120, "lines in the engine")
+        b = oai.batches.cancel(b.id)
+        assert b.status in ("cancelling", "cancelled")
+        b = wait_batch(oai, b.id, FINAL, timeout=120)
+        assert b.status == "cancelled"
+        assert b.request_counts is not None and b.request_counts.completed < 150
+        wait_until(lambda: r.hget(hb, "inflight") == b"0", 30, "the aborted inputs to leave")
+    finally:
+        r.close()
 
 
 def test_producer_submit_places_embeddings_on_the_embed_shard_only(

@@ -24,6 +24,7 @@ from prefixq.core.errors import (
     SetupError,
 )
 from prefixq.core.sampling import DEFAULT_MAX_TOKENS
+from prefixq.engine.engine_args import cpu_defaults, parse_engine_args
 from prefixq.engine.logprobs import logprobs_of
 from prefixq.engine.pooling import pooling_params, vector_bytes
 from prefixq.engine.protocol import (
@@ -33,50 +34,11 @@ from prefixq.engine.protocol import (
     EngineRequest,
     EngineSizes,
 )
-from prefixq.engine.vllm_compat import cpu_block_size, is_retryable
+from prefixq.engine.vllm_compat import is_retryable
+
+__all__ = ["RETRY_FOR_S", "VllmEngine", "cpu_defaults", "parse_engine_args"]
 
 log = logging.getLogger(__name__)
-
-
-def parse_engine_args(pairs: list[str]) -> dict[str, Any]:
-    """``["max_model_len=4096", "enforce_eager=true"]`` -> typed kwargs for `AsyncEngineArgs`."""
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise SetupError(f"--engine-arg takes KEY=VALUE, not {pair!r}")
-        out[key.strip().replace("-", "_")] = _literal(raw.strip())
-    return out
-
-
-def _literal(raw: str) -> Any:
-    low = raw.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("none", "null"):
-        return None
-    for kind in (int, float):
-        try:
-            return kind(raw)
-        except ValueError:
-            pass
-    return raw
-
-
-def cpu_defaults() -> dict[str, Any]:
-    """Engine args for a small CPU machine (docs/engine.md): a bounded KV cache (the default 0.92
-    share of a NUMA node fails at start-up); eager mode (start-up ~25 s instead of ~100 s with
-    torch.compile); float32, since eager bfloat16 on the CPU drifts far enough to change greedy
-    answers of the embedded model ("Paris" becomes French word salad); small KV blocks, close to
-    the block the affinity map hashes (the CPU backend's own default is 128; the smallest it
-    takes depends on the release: `cpu_block_size`)."""
-    return {
-        "kv_cache_memory_bytes": 2 << 30,
-        "max_model_len": 8192,
-        "enforce_eager": True,
-        "dtype": "float32",
-        "block_size": cpu_block_size(),
-    }
 
 
 #: how long a request vLLM refuses only for now (`is_retryable`: its queue is full, it is
@@ -115,6 +77,8 @@ class VllmEngine(EngineSizes):
         self._running: set[str] = set()
         #: the vLLM request ids of each embeddings request in flight (one per input)
         self._parts: dict[str, list[str]] = {}
+        #: aborts sent again until their request leaves (`abort`)
+        self._aborting: set[asyncio.Future[None]] = set()
 
     async def start(self) -> None:
         try:
@@ -357,11 +321,30 @@ class VllmEngine(EngineSizes):
         self._aborted[request_id] = None
         while len(self._aborted) > _ABORTED_KEPT:
             self._aborted.popitem(last=False)
-        if self._llm is not None and request_id in self._running:
-            await self._llm.abort(request_id)
-        parts = [p for p in self._parts.get(request_id, ()) if p in self._running]
-        if self._llm is not None and parts:
-            await self._llm.abort(parts)
+        ids = self._live_ids(request_id)
+        if self._llm is not None and ids:
+            await self._llm.abort(ids)
+            # vLLM knows a request only once its prompt is tokenized (off the event loop): an
+            # abort before that misses it. Sent again until the request has left.
+            task = asyncio.ensure_future(self._abort_again(request_id))
+            self._aborting.add(task)
+            task.add_done_callback(self._aborting.discard)
+
+    def _live_ids(self, request_id: str) -> list[str]:
+        """The vLLM request ids of a request still running: its own, or one per input of an
+        embeddings request."""
+        ids = [request_id, *self._parts.get(request_id, ())]
+        return [i for i in ids if i in self._running]
+
+    async def _abort_again(self, request_id: str) -> None:
+        delay, deadline = 0.05, time.monotonic() + RETRY_FOR_S
+        while time.monotonic() < deadline:
+            await asyncio.sleep(delay)
+            ids = self._live_ids(request_id)
+            if self._llm is None or self._llm.errored or not ids:
+                return
+            await self._llm.abort(ids)
+            delay = min(delay * 2, 1.0)
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         if self._tokenizer is None:
