@@ -3,6 +3,7 @@ of a run, and when it is interrupted. The real engine (the demo's own worker pro
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import time
@@ -32,7 +33,8 @@ def test_a_demo_run_leaves_no_keys_in_the_redis_it_found(
     found: tuple[RedisServer, redis.Redis],
 ) -> None:
     """A whole demo run (2 output tokens per answer) against a Redis it found deletes every key it
-    wrote there when it ends; other keys stay."""
+    wrote there when it ends; other keys stay. Its embeddings leg (a worker with --task embed)
+    printed each document's cosine to the query, nearest first, from 576-dimension vectors."""
     srv, r = found
     p = subprocess.run(
         [*cli_argv(None, "demo", "--max-tokens", "2", url=srv.url)],
@@ -44,6 +46,10 @@ def test_a_demo_run_leaves_no_keys_in_the_redis_it_found(
     assert p.returncode == 0, p.stderr[-3000:]
     assert "answers; using it" in p.stderr and "removed the demo's" in p.stderr
     assert sorted(r.keys("*")) == [b"other:keep"]
+    assert "(576 dimensions)" in p.stdout, p.stdout[-3000:]
+    cosines = [float(x) for x in re.findall(r"cosine (-?[0-9.]+)", p.stdout)]
+    assert len(cosines) == 4 and cosines == sorted(cosines, reverse=True), p.stdout[-3000:]
+    assert all(-1.0 <= x <= 1.0 for x in cosines)
 
 
 def test_an_interrupted_demo_leaves_no_keys_in_the_redis_it_found(

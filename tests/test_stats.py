@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 import redis
 
-from helpers import cli
+from helpers import cli, wait_until
 from prefixq.cli.redis_server import RedisServer
 from prefixq.client import Producer, results
 from prefixq.core.errors import BurstRecordLost
+from prefixq.core.keys import GROUP
 from prefixq.core.records import Result, Timings
 from prefixq.core.settings import Settings
 from prefixq.ops import stats
@@ -129,6 +130,8 @@ def test_inspect_in_flight_is_the_consumer_groups_pending_not_a_stale_heartbeat(
     with fake_worker(s, name="beat0"):
         burst = Producer(s).submit([{"id": f"q{i}", "prompt": f"hi {i}"} for i in range(20)])
         results.wait(burst, s, timeout=30)
+        # a result is readable just before its entry is acknowledged
+        wait_until(lambda: not r.xpending(s.keys.stream(0), GROUP)["pending"], 10, "the acks")
         r.hset(s.keys.heartbeat(0, "beat0"), "inflight", 3)  # what a beat mid-burst wrote
         snap = stats.snapshot(s, burst=burst, client=r)
     (b,) = snap["bursts"]

@@ -1,9 +1,11 @@
 """`prefixq demo`: the whole pipeline on one machine with the embedded model.
 
 Redis from REDIS_URL if it answers, else a private redis-server; the embedded SmolLM2-135M-Instruct
-prepared once; one CPU worker process; a burst of chat questions about a few documents (Python's
-own reference pages, bundled with Python) plus one general question; answers and the per-stage
-latency summary printed at the end.
+prepared once; two CPU worker processes, one generating (shard 0) and one embedding (shard 1,
+`--task embed`: the same model through vLLM's pooling runner); a burst of chat questions about a
+few documents (Python's own reference pages, bundled with Python) plus one general question, and a
+burst of embeddings of those documents and of a search query; answers, the document nearest the
+query and the per-stage latency summary printed at the end.
 
 On a Redis it found, the demo works in a namespace of its own (``<namespace>-demo-<random>``) and
 deletes every key of that namespace when it ends, also on Ctrl-C, SIGTERM or an error, once its
@@ -45,6 +47,8 @@ QUESTIONS = (
     "Give a one-line example of the statement described in the document.",
 )
 GENERAL = "What is the capital of France?"
+#: the embeddings burst's search query: the document nearest it is printed
+QUERY = "How do I repeat a block of code while a condition holds?"
 
 
 def demo_requests(max_tokens: int) -> list[dict[str, Any]]:
@@ -77,6 +81,21 @@ def demo_requests(max_tokens: int) -> list[dict[str, Any]]:
     return reqs
 
 
+def embed_requests() -> list[dict[str, Any]]:
+    """The demo's embeddings burst: the query, then each document's first 2,000 characters."""
+    from pydoc_data.topics import topics
+
+    docs = [{"id": doc, "input": topics[doc][:2000]} for doc in DOCUMENTS]
+    return [{"id": "query", "input": QUERY}, *docs]
+
+
+def nearest(vectors: dict[str, list[float]]) -> list[tuple[str, float]]:
+    """Each document's cosine similarity to the query (vectors are normalized), nearest first."""
+    q = vectors["query"]
+    sims = [(k, sum(a * b for a, b in zip(q, v, strict=True))) for k, v in vectors.items()]
+    return sorted(((k, s) for k, s in sims if k != "query"), key=lambda x: -x[1])
+
+
 def _redis_answers(url: str) -> bool:
     try:
         return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
@@ -85,18 +104,24 @@ def _redis_answers(url: str) -> bool:
 
 
 def _wait_engine_up(
-    r: redis.Redis, keys: Keys, proc: subprocess.Popen[bytes], log: Path, timeout: float
+    r: redis.Redis, keys: Keys, procs: list[subprocess.Popen[bytes]], log: Path, timeout: float
 ) -> None:
+    """Until the worker of each shard (``procs[k]`` serves shard k) has its engine up."""
     deadline = time.monotonic() + timeout
+    waiting = set(range(len(procs)))
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-3000:]
-            raise SetupError(f"the worker exited ({proc.returncode}) before serving:\n{tail}")
-        for name in r.zrange(keys.workers(0), 0, -1):
-            if r.hget(keys.heartbeat(0, name.decode()), "engine_up") == b"1":
-                return
+        for k in sorted(waiting):
+            proc = procs[k]
+            if proc.poll() is not None:
+                tail = (log.parent / f"worker-{k}.log").read_text(errors="replace")[-3000:]
+                raise SetupError(f"worker {k} exited ({proc.returncode}) before serving:\n{tail}")
+            for name in r.zrange(keys.workers(k), 0, -1):
+                if r.hget(keys.heartbeat(k, name.decode()), "engine_up") == b"1":
+                    waiting.discard(k)
+        if not waiting:
+            return
         time.sleep(1.0)
-    raise SetupError(f"the worker did not come up within {timeout:.0f}s; see {log}")
+    raise SetupError(f"the workers did not come up within {timeout:.0f}s; see {log.parent}")
 
 
 def run_demo(
@@ -125,7 +150,7 @@ def run_demo(
             )
             settings = settings.replace(redis_url=srv.url)
         settings = settings.replace(
-            namespace=f"{settings.namespace}-demo-{secrets.token_hex(3)}", shards=1
+            namespace=f"{settings.namespace}-demo-{secrets.token_hex(3)}", shards=2
         )
         if srv is None:  # registered before the worker starts, so it runs after the worker stopped
             stack.callback(_forget, settings, con)
@@ -134,19 +159,27 @@ def run_demo(
         path = resolve_model(model, default_cache_dir(settings.cache_dir))
         con.print(f"[bold]model[/] {path}")
 
-        log = Path(tempfile.mkdtemp(prefix="prefixq-demo-")) / "worker.log"
-        cmd = worker_command(settings, 0, path, engine_args=engine_args or ())
-        out = stack.enter_context(open(log, "wb"))
-        proc = _start_worker(cmd, out)
-        stack.callback(_stop, proc)
+        logs = Path(tempfile.mkdtemp(prefix="prefixq-demo-"))
+        procs = []
+        for k, task in enumerate(("generate", "embed")):
+            cmd = worker_command(
+                settings.replace(task=task),
+                k,
+                path,
+                engine_args=engine_args or (),
+                fields=("redis_url", "namespace", "shards", "task"),
+            )
+            out = stack.enter_context(open(logs / f"worker-{k}.log", "wb"))
+            procs.append(_start_worker(cmd, out))
+            stack.callback(_stop, procs[-1])
         con.print(
-            f"[bold]worker[/] pid {proc.pid} starting its vLLM engine (about 1-2 min on "
-            f"2 CPU cores); log: {log}"
+            f"[bold]workers[/] pids {procs[0].pid} (generate) and {procs[1].pid} (embed) starting "
+            f"their vLLM engines (about 1-3 min on 2 CPU cores); logs: {logs}"
         )
         r = stack.enter_context(sync_client(settings))
         t0 = time.monotonic()
-        _wait_engine_up(r, settings.keys, proc, log, timeout=900)
-        con.print(f"[bold]worker[/] serving after {time.monotonic() - t0:.0f}s")
+        _wait_engine_up(r, settings.keys, procs, logs / "worker-0.log", timeout=900)
+        con.print(f"[bold]workers[/] serving after {time.monotonic() - t0:.0f}s")
 
         reqs = demo_requests(max_tokens)
         burst = Producer(settings).submit(reqs)
@@ -162,9 +195,33 @@ def run_demo(
                 res.text.strip().replace("\n", " ") if res.error is None else f"ERROR {res.error}"
             )
             c.print(f"[cyan]{doc:>8}[/] {question}\n         [green]->[/] {text}")
-        render_snapshot(snapshot(settings, burst=burst, client=r), c)
         failed = sum(1 for a in answers if a.error)
+        failed += _embeddings(settings, c)
+        render_snapshot(snapshot(settings, burst=burst, client=r), c)
     return 1 if failed else 0
+
+
+def _embeddings(settings: Settings, c: Console) -> int:
+    """The embeddings burst on the embed shard: the documents nearest the query, printed; the
+    number of requests that failed."""
+    from prefixq.client import Producer
+    from prefixq.core.embeddings import unpack_vector
+
+    reqs = embed_requests()
+    burst = Producer(settings).submit(reqs)
+    c.print(f"[bold]burst[/] {burst}: {len(reqs)} embeddings requests (shard 1, --task embed)")
+    results.wait(burst, settings, timeout=900)
+    got = results.collect(burst, settings)
+    bad = [x for x in got if x.error or not x.embeddings]
+    for x in bad:
+        c.print(f"[red]embedding {x.id} failed[/]: {x.error}")
+    if bad:
+        return len(bad)
+    vectors = {x.id: unpack_vector(x.embeddings[0]) for x in got if x.embeddings}
+    c.print(f"[cyan]   query[/] {QUERY!r} ({len(vectors['query'])} dimensions)")
+    for doc, sim in nearest(vectors):
+        c.print(f"         [green]->[/] {doc:<8} cosine {sim:.3f}")
+    return 0
 
 
 def forget_namespace(r: redis.Redis, namespace: str) -> int:

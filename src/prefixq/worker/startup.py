@@ -45,8 +45,6 @@ async def register(stream: ShardStream, settings: Settings) -> None:
         # what the live workers wait before moving a dead shard's queue: `inspect` and the
         # dashboard call a shard orphaned by it, whatever their own settings say
         await r.hset(keys.config, "orphan_after_s", repr(settings.orphan_after_s))
-        # what the shard serves, before its engine is up: producers place by it at once
-        await r.hset(keys.tasks, str(stream.shard), settings.task)
 
     await retry("recording the shard count", shards, settings=settings)
     if settings.shards and settings.shards > count:  # below it: a deployment grown by --join
@@ -59,6 +57,11 @@ async def register(stream: ShardStream, settings: Settings) -> None:
             f"shard {stream.shard} does not exist (namespace {settings.namespace!r} has shards "
             f"0..{count - 1})"
         )
+
+    async def task() -> None:  # what the shard serves, before its engine is up: producers
+        await r.hset(keys.tasks, str(stream.shard), settings.task)  # place by it at once
+
+    await retry("recording what the shard serves", task, settings=settings)
     if is_cluster(r):
         for line in await alayout_lines(r, keys, count):
             log.info("%s", line)
