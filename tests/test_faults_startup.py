@@ -63,6 +63,40 @@ def test_a_stop_during_a_start_that_blocks_its_thread_exits_0_at_once(
     LEDGER.fault(f"{signal.Signals(sig).name} to a worker whose start blocks its thread")
 
 
+def test_signals_that_keep_coming_while_a_stopped_start_unwinds_still_end_it_with_0(
+    make_settings: Callable[..., Settings], tmp_path: Path
+) -> None:
+    """Given a held start stopped by SIGTERM, then SIGTERM and SIGINT sent again every
+    millisecond until it is gone (a supervisor or an operator repeating the stop; the soak's
+    fault sends two in a row), it still exits 0: the interpreter's exit resets a Python handler
+    to the default action, so a signal that landed then ended it with -15."""
+    s = make_settings()
+    log = tmp_path / "held.log"
+    proc = fault_worker(s, log, "--name", "held2", "--hold-start", "120")
+    try:
+        wait_until(lambda: "starting (pid" in log.read_text(), 30, "its start under way")
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + EXIT_S + 10
+        sent = 1
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                proc.send_signal(signal.SIGTERM if sent % 2 else signal.SIGINT)
+            except ProcessLookupError:
+                break
+            sent += 1
+            time.sleep(0.001)
+        rc = proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    print(f"  exit {rc} after {sent} signals")
+    assert sent > 1 and rc == 0, (rc, text)
+    assert "Traceback" not in text, text
+    LEDGER.fault("repeated SIGTERM/SIGINT while a stopped start unwinds")
+
+
 #: seconds after the start at which a test stops a worker: while its interpreter starts (~30 ms
 #: idle, several times that on a loaded machine), then through the imports of its command (~0.6 s
 #: before its handlers, once) and of vLLM, torch and numpy (C extensions: a stop raised inside

@@ -89,6 +89,10 @@ class WorkerSignals:
         if self._leaving:  # a second signal while the start unwinds
             return
         self._leaving = True
+        # ignored from now on, not only here: the interpreter's exit resets a Python handler to
+        # the default action, and a second SIGTERM then would end the process with -15, not 0
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
         STOPPING.set()  # whatever the unwinding raises, the process exits 0 (prefixq.cli)
         log.info("%s during start-up: exiting (nothing is held yet)", signal.Signals(signum).name)
         if inside_import(frame):  # raising there can abort the process (prefixq.cli)
