@@ -103,45 +103,28 @@ def enqueue_order(
         return [g[0] for g in members] + sorted(i for g in members for i in g[1:])
     if order == "depth-first":
         members.sort(key=lambda g: items[g[0]].path)  # stable: equal paths keep first appearance
-    elif order == "decode-first":
-        members = _long_answers_first(items, members)
+    n = 0  # leading groups that keep their places (decode-first's long answers)
+    if order == "decode-first":
+        members, n = _long_answers_first(items, members)
     if arrange is not None and order in ("grouped", "decode-first"):
-        n = _long_count(items, members) if order == "decode-first" else 0
         members = members[:n] + arrange(members[n:])
     return [i for g in members for i in g]
 
 
-def _long_answers_first(items: Sequence[Peek], members: list[list[int]]) -> list[list[int]]:
+def _long_answers_first(
+    items: Sequence[Peek], members: list[list[int]]
+) -> tuple[list[list[int]], int]:
     """The groups asking for a long answer (`LONG_OUTPUT`), longest first, then the rest as they
-    are; ties and the rest keep their order (sorting is stable)."""
-    long = _long(items)
-    if long is None:
-        return members
-
-    def key(group: list[int]) -> int:
-        longest = max(items[i].output for i in group)
-        return -longest if longest >= long else 0
-
-    return sorted(members, key=key)
-
-
-def _long(items: Sequence[Peek]) -> int | None:
-    """The output budget from which a request asks for a long answer (None: none asks)."""
+    are (ties and the rest keep their order: sorting is stable), and how many ask for one. A
+    group asks for a long answer when one of its requests' output budget is at least
+    `LONG_OUTPUT` times the burst's 10th percentile (the lower one)."""
     budgets = sorted(p.output for p in items if p.output > 0)
     if not budgets:
-        return None
-    return LONG_OUTPUT * budgets[(len(budgets) - 1) // 10]  # the 10th percentile (lower)
-
-
-def _long_count(items: Sequence[Peek], members: list[list[int]]) -> int:
-    """How many of ``members`` (in the decode-first order) ask for a long answer."""
-    long = _long(items)
-    if long is None:
-        return 0
-    n = 0
-    while n < len(members) and max(items[i].output for i in members[n]) >= long:
-        n += 1
-    return n
+        return members, 0
+    long = LONG_OUTPUT * budgets[(len(budgets) - 1) // 10]
+    longest = [max(items[i].output for i in g) for g in members]
+    ranked = sorted(range(len(members)), key=lambda k: -longest[k] if longest[k] >= long else 0)
+    return [members[k] for k in ranked], sum(1 for x in longest if x >= long)
 
 
 #: a prefix value and what was computed of it: group, path, size
