@@ -179,6 +179,42 @@ def test_a_worker_publishes_the_newest_groups_within_its_window_and_a_reset_empt
         wait_until(lambda: not r.exists(keys.pass_marks(0)), 10, "the window emptied")
 
 
+def test_the_window_follows_what_the_engine_finished_not_what_the_worker_handed_it(
+    make_settings: Callable[..., Settings], r: redis.Redis, fake_worker: Callable[..., Any]
+) -> None:
+    """A worker hands a whole burst to its engine at once (its window, twice ``max_num_seqs``,
+    holds it: on an H200 hundreds of requests), so the groups it admitted last are the end of
+    the engine's queue. The published window is where the engine is: the groups of the
+    requests it finished last. Here documents 0-3 take 0.2 s and 4-11 take 6 s: while only the
+    first four are done, the window holds some of them and nothing of the rest (it held
+    documents 9-11, the last admitted, before the window followed finished requests)."""
+    s = make_settings(prefix_store_min_chars=16, heartbeat_s=0.2, pass_window=0.5)
+    keys = Keys(s.namespace)
+    docs = [f"sleep:{0.2 if d < 4 else 6} " + DOCS[d] for d in range(12)]
+    reqs = [
+        {"id": f"w-d{d}-q{q}", "prefix": docs[d], "prompt": f" question {q}?"}
+        for d in range(12)
+        for q in range(2)
+    ]
+    burst = asyncio.run(Producer(s).asubmit(reqs, order="grouped"))
+    engine = FakeEngine(max_num_seqs=64)  # a window of 128: the burst goes in at once
+    tokens = max(
+        e.work + e.predicted_cached
+        for e in (Entry.from_wire(wire.decode(f[b"d"])) for _, f in queued_entries(r, s))
+    )
+    engine.kv_tokens = 2 * 3 * tokens  # type: ignore[attr-defined]  # window: 3 documents
+    fast = {pass_key(_fingerprint(docs[d])) for d in range(4)}
+    with fake_worker(s, engine=engine):
+        in_engine = lambda: sum(x.startswith(burst + ":") for x in engine.seen)  # noqa: E731
+        wait_until(lambda: in_engine() == len(reqs), 10, "the whole burst in the engine")
+        wait_until(lambda: results.status(burst, s).done >= 8, 10, "the fast documents' results")
+        raw = wait_until(lambda: r.get(keys.pass_marks(0)), 3, "the published window")
+        window = wire.unpack(raw)
+        assert results.status(burst, s).done == 8  # the slow documents still run
+        assert window and set(window) <= fast, "the window holds groups the engine has not done"
+        assert results.wait(burst, s, timeout=60).failed == 0
+
+
 def test_the_session_workers_publish_their_pass_and_a_second_burst_follows_the_first(
     engines: Any, r: redis.Redis
 ) -> None:

@@ -11,14 +11,14 @@ pass is and wraps around:
   the prefix, the same in every process: `prefixq.client.encoding.pass_key`), so every later
   burst walks the documents it shares with earlier ones in the order they did. A burst alone
   keeps its own order: its new groups are placed in it.
-- **where the pass is**: each worker publishes the pass keys of the groups its engine served
-  most recently, as many as fill `pass_window` of its KV cache (worker/shared_pass.py). A burst
-  starts at the first of these in the corpus order, read circularly (after the largest gap
-  between them, so that a pass that wrapped around is read as one run), and wraps around to the
-  groups before it: next to the newest groups, it shares the documents the engine runs now, and
-  costs the groups before its start once more at its end (a start further behind, in the hope
-  that the bursts behind find what the one ahead loaded, lost: the requests in flight hold most
-  of the cache; docs/BENCHMARKS.md, 2026-12-04).
+- **where the pass is**: each worker publishes the pass keys of the groups whose requests its
+  engine finished most recently, as many as fill `pass_window` of its KV cache
+  (worker/shared_pass.py): the completion front, where a joining burst's requests enter the
+  engine's queue (worker/engine_order.py). A burst starts at the first of these in the corpus
+  order, read circularly (after the largest gap between them, so that a pass that wrapped
+  around is read as one run), and wraps around to the groups before it: it shares the documents
+  the engine runs now and those queued after them, and costs the groups before its start once
+  more at its end (docs/BENCHMARKS.md, 2026-12-04).
 
 Only the groups' order changes (each group's requests stay together, in the order `ORDERS` gives
 them); requests without a shared prefix, and the long answers ``decode-first`` puts first, keep

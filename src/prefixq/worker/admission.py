@@ -95,7 +95,8 @@ class Admission:
         self._room, self._request_done, self._engine_died = room, request_done, on_engine_dead
         #: engine priorities by fair share (worker/engine_order.py), or by priority alone
         self.order = EngineOrder() if settings.engine_fair_order else None
-        #: where the pass is (worker/shared_pass.py; the heartbeat's, which publishes it)
+        #: where the pass is: the groups of the requests the engine finished last
+        #: (worker/shared_pass.py; the heartbeat's, which publishes it)
         self.marks: PassMarks | None = None
 
     async def admit(self, deliveries: list[Delivery]) -> None:
@@ -139,11 +140,8 @@ class Admission:
         # request; no collection runs meanwhile, and what they all hold is frozen after it
         # (worker/gc_policy.py)
         with self.probes.gc_policy.admitting(len(ready)):
-            marks = self.marks
             for d, e, t in ready:
                 self.counts["admitted"] += 1
-                if marks is not None:
-                    marks.note(e)
                 solo = last_allowed(d.deliveries, max_attempts)
                 ref = d.ref
                 prio = ENGINE_PRIORITY[e.priority]
@@ -198,6 +196,8 @@ class Admission:
                             priority=priority,
                         )
                     )
+                    if self.marks is not None:  # its prefix is in the engine's cache now
+                        self.marks.note(e)
             out.apply(res)
         except EngineDead as err:
             self._engine_died(str(err))

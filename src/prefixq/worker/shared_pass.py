@@ -1,9 +1,14 @@
 """Where this worker's pass is: the prefix groups its engine most likely holds, for producers.
 
-`PassMarks` follows the requests the worker admits, as the engine's prefix cache does: a least
-recently used list of their groups' pass keys (`prefixq.core.entries.Entry.group`), each with the
-tokens its requests' prompts take, cut to ``pass_window`` of the engine's KV cache (the newest
-groups only: what a burst that starts among them finds still there once it gets to them). The
+`PassMarks` follows the requests the engine finishes, as its prefix cache does: a least recently
+used list of their groups' pass keys (`prefixq.core.entries.Entry.group`), each with the tokens
+its requests' prompts take, cut to ``pass_window`` of the engine's KV cache (the newest groups
+only: what a burst that starts among them finds still there once it gets to them). Finished, not
+admitted: the worker hands up to twice ``max_num_seqs`` requests to the engine at once (on an
+H200 a whole burst of hundreds), so the groups it admitted last are the end of what the engine
+has queued, not where its pass is; the groups it finished last are where the engine's own queue
+is served from (worker/engine_order.py: a burst that joins starts at the completion front), and
+their prefixes are the newest in its cache. The
 worker publishes it every `PUBLISH_S` when it changed (a msgpack array, oldest first, with a TTL;
 Keys.pass_marks), and a producer starts a burst over the same documents there
 (client/shared_pass.py): a pass moves tens of documents a second on a GPU, so not only with the
@@ -36,7 +41,7 @@ PUBLISH_S = 0.2
 
 
 class PassMarks:
-    """The newest prefix groups admitted, within ``window`` (a share) of ``kv_tokens``."""
+    """The prefix groups the engine finished last, within ``window`` (a share) of ``kv_tokens``."""
 
     def __init__(self, key: str, window: float, kv_tokens: int = 0) -> None:
         self.key = key
@@ -52,7 +57,7 @@ class PassMarks:
         self.capacity = int(kv_tokens * self.window) if kv_tokens > 0 else 0
 
     def note(self, e: Entry) -> None:
-        """``e`` was admitted: its group is the newest."""
+        """``e``'s request finished in the engine: its group is the newest."""
         g = e.group
         if g is None:
             return
