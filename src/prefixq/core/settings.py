@@ -110,7 +110,8 @@ class Settings:
     #: a burst over documents another burst's pass holds joins that pass where it is and wraps
     #: around (grouped and decode-first orders; client/shared_pass.py)
     shared_pass: bool = True
-    #: workers: the share of the engine's KV cache whose newest prefixes a joining burst starts at
+    #: workers: the share of the engine's KV cache, filled by the prefixes of the requests it
+    #: finished last (the completion front), among which a joining burst starts
     pass_window: float = 0.1
     #: producer-side tokenizer (HF folder) for token block hashes; empty = character blocks
     tokenizer: str = ""
