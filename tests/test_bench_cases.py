@@ -186,3 +186,55 @@ def test_the_bench_measures_multi_burst_with_the_shared_pass_off_beside_the_defa
     assert [b["tenant"] for b in got["bursts"]] == ["tenant-a", "tenant-b", "tenant-c", "tenant-3"]
     assert set(got["pass_off"]) == {"on", "off"}
     assert got["pass_off"]["off"]["pipeline"]["median_throughput"] > 0
+
+
+def test_a_high_priority_burst_arriving_mid_pass_is_submitted_and_reported_with_its_priority(
+    make_settings: Callable[..., Settings], fake_worker: Callable[..., FakeWorker]
+) -> None:
+    """``--burst-priorities normal,high`` (issue 36's variant: a high-priority burst arriving
+    mid-pass): the bench submits the second burst as ``high`` (the worker's engine gets it at
+    the high band's engine priority), records each burst's priority, and reports each burst's
+    arrival to its last result; an unknown priority is a clear error."""
+    import pytest
+    from rich.console import Console
+
+    from prefixq.bench.command import _priorities
+    from prefixq.bench.report import table
+    from prefixq.bench.runner import BenchConfig, _workload
+    from prefixq.bench.workloads import Shape, Sizes
+    from prefixq.core.errors import ConfigError
+    from prefixq.worker.engine_order import SPAN
+
+    assert _priorities(" normal, high ,") == ("normal", "high")
+    with pytest.raises(ConfigError, match="--burst-priorities: unknown urgent"):
+        _priorities("normal,urgent")
+    s = make_settings(prefix_store_min_chars=16)
+    fw = fake_worker(s, name="bench-s0")
+    sizes = Sizes(documents=4, burst_questions=1, burst_gap=0.2, bursts=2,
+                  burst_priorities=("normal", "high"))  # fmt: skip
+    cfg = BenchConfig(
+        model="fake", gpus=[None], engine_args=[], workloads=["multi-burst"], pairs=1,
+        sizes=sizes, shape=Shape(doc_tokens=40, question_tokens=4, output_tokens=2),
+        setups=["given"],
+    )  # fmt: skip
+
+    async def main() -> dict[str, Any]:
+        ar = async_client(s)
+        try:
+            async with Producer(s) as producer:
+                workers = type("W", (), {"names": [fw.name]})()
+                env = Env(s, ar, {"given": FakeStandalone()}, workers, producer, print, 16)
+                return await _workload(cfg, env, "multi-burst", 1000, None)
+        finally:
+            await ar.aclose()
+
+    got = asyncio.run(main())
+    assert [b["priority"] for b in got["bursts"]] == ["normal", "high"]
+    prios = [p for rid, p in fw.engine.priorities if not rid.startswith("warmup")]
+    assert sum(p < -SPAN // 2 for p in prios) == 4  # the high burst's four, in the high band
+    assert sum(p >= -SPAN // 2 for p in prios) == 4
+    spans = got["placements"]["affinity"]["shares"]["pipeline"][0]["took_s"]
+    assert len(spans) == 2 and all(x > 0 for x in spans)
+    console = Console(record=True, width=200)
+    table({"config": {}, "environment": {}, "workloads": {"multi-burst": got}}, console)
+    assert "each burst's arrival to its last result" in console.export_text()

@@ -200,9 +200,15 @@ async def pipeline(
         delay = t0 + b.wl.bursts[k].at - time.time()
         if delay > 0:
             await asyncio.sleep(delay)
-        tenant = b.wl.bursts[k].tenant if len(b.reqs) > 1 else None
+        burst = b.wl.bursts[k]
+        tenant = burst.tenant if len(b.reqs) > 1 else None
         return await env.producer.asubmit(
-            b.reqs[k], placement=placement, seed=1, order=order, tenant=tenant
+            b.reqs[k],
+            placement=placement,
+            seed=1,
+            order=order,
+            tenant=tenant,
+            priority=burst.priority,
         )
 
     ids = await asyncio.gather(*(submit(k) for k in range(len(b.reqs))))

@@ -106,6 +106,12 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         help="multi-burst: the share of the documents each burst after the first asks about",
     )
     b.add_argument(
+        "--burst-priorities",
+        default="",
+        help="multi-burst: each burst's priority in order, e.g. normal,normal,high (a "
+        "high-priority burst arriving mid-pass; missing ones: normal)",
+    )
+    b.add_argument(
         "--pass-off",
         default="",
         help="workloads to measure with the shared pass off too (the producer's shared_pass "
@@ -176,6 +182,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         burst_gap=args.burst_gap,
         bursts=args.bursts,
         burst_share=args.burst_share,
+        burst_priorities=_priorities(args.burst_priorities),
         system_prompts=args.system_prompts,
         system_tokens=args.system_tokens,
         decode_requests=args.decode_requests,
@@ -260,6 +267,17 @@ def _fleet(raw: str, shards: int) -> list[str]:
     if cases and shards < 2:
         raise ConfigError("--fleet needs two shards or more (--gpus 0,0, or --cpu 2)")
     return [c for c in FLEET_CASES if c in cases]  # lose last: it kills a worker
+
+
+def _priorities(raw: str) -> tuple[str, ...]:
+    from prefixq.core.sharing import PRIORITIES
+
+    got = tuple(p.strip() for p in raw.split(",") if p.strip())
+    bad = [p for p in got if p not in PRIORITIES]
+    if bad:
+        known = ", ".join(PRIORITIES)
+        raise ConfigError(f"--burst-priorities: unknown {', '.join(bad)} (known: {known})")
+    return got
 
 
 def _orders(raw: str) -> list[str]:

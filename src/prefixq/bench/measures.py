@@ -61,6 +61,8 @@ def shares(
         "completed": done,
         "ratio": ratio,
         "finished_s": [round(x, 4) for x in last],
+        # each burst's arrival to its last completion: what a high-priority burst is about
+        "took_s": [round(x - a, 4) for x, a in zip(last, arrived, strict=True)],
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,8 @@ def table(report: dict[str, Any], console: Console | None = None) -> None:
             if p.get("max_share_ratio"):
                 c.print(f"{wl}/{pl}: most / fewest completions while all bursts had work, worst "
                         f"run per mode: {p['max_share_ratio']}")  # fmt: skip
+        for line in _spans(wl, w):
+            c.print(line)
         if "affinity_gain" in w:
             g = w["affinity_gain"]
             c.print(
@@ -82,6 +85,25 @@ def table(report: dict[str, Any], console: Console | None = None) -> None:
                 f"{wl}: without gc.freeze: max GC pause ms {u['gc_max_pause_ms']} "
                 f"({u['gc_pauses']} collections)"
             )
+
+
+def _spans(wl: str, w: dict[str, Any]) -> list[str]:
+    """Where a burst has a priority of its own: each burst's arrival to its last result, the
+    median over the runs of each mode."""
+    prios = [b.get("priority", "normal") for b in w.get("bursts", [])]
+    if all(p == "normal" for p in prios):
+        return []
+    out = []
+    for pl, p in w["placements"].items():
+        for mode, xs in (p.get("shares") or {}).items():
+            took = [x["took_s"] for x in xs if x and "took_s" in x]
+            if took:
+                med = [f"{statistics.median(col):.2f}" for col in zip(*took, strict=True)]
+                out.append(
+                    f"{wl}/{pl} {mode}: each burst's arrival to its last result, s (median): "
+                    + ", ".join(f"{m} ({q})" for m, q in zip(med, prios, strict=True))
+                )
+    return out
 
 
 def _fleet(f: dict[str, Any]) -> Table:

@@ -218,7 +218,8 @@ async def _workload(
         "requests": len(b.flat),
         "documents": wl.documents if name != "no-reuse" else len(b.flat),
         "bursts": [
-            {"requests": len(x.requests), "tenant": x.tenant, "at": x.at} for x in wl.bursts
+            {"requests": len(x.requests), "tenant": x.tenant, "at": x.at, "priority": x.priority}
+            for x in wl.bursts
         ],
         "kv_capacity_tokens": capacity,
         "placements": {},

@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixq.core.sharing import DEFAULT_PRIORITY
+
 CHARS_PER_TOKEN = 4
 QUESTIONS = (
     "Summarise the document above in a few sentences.",
@@ -58,6 +60,8 @@ class Sizes:
     #: after the first asks about (a random subset; 1: all)
     bursts: int = 3
     burst_share: float = 1.0
+    #: multi-burst: each burst's priority, in order (high, normal, low; missing: normal)
+    burst_priorities: tuple[str, ...] = ()
     system_prompts: int = 4
     system_tokens: int = 2000
     decode_requests: int = 64
@@ -71,11 +75,13 @@ class Sizes:
 
 @dataclass
 class Burst:
-    """One burst of a workload: its requests, its tenant, when it arrives (s after the start)."""
+    """One burst of a workload: its requests, its tenant, when it arrives (s after the start),
+    its priority."""
 
     requests: list[dict[str, Any]]
     tenant: str = "default"
     at: float = 0.0
+    priority: str = DEFAULT_PRIORITY
 
 
 @dataclass
@@ -228,7 +234,9 @@ class _Maker:
                     reqs.append(self.request(f"mb{b}-d{d}-q{q}", doc, self.question(qn)))
                     ps.append((f"d{d}",))
             reqs, ps = _shuffled(self.rng, reqs, ps)
-            bursts.append(Burst(reqs, tenant, round(b * sizes.burst_gap, 3)))
+            given = sizes.burst_priorities
+            priority = given[b] if b < len(given) else DEFAULT_PRIORITY
+            bursts.append(Burst(reqs, tenant, round(b * sizes.burst_gap, 3), priority))
             paths += ps
         return Workload("multi-burst", bursts, paths, depth, self.exact)
 
