@@ -52,6 +52,12 @@ def _doc_order(r: redis.Redis, s: Settings, burst: str, shards: int = 1) -> list
     return out
 
 
+def _entries_of(r: redis.Redis, s: Settings, burst: str, shard: int) -> list[Entry]:
+    """The queued entries of ``burst`` on ``shard``."""
+    got = (Entry.from_wire(wire.decode(f[b"d"])) for _, f in queued_entries(r, s, shard))
+    return [e for e in got if e.burst == burst]
+
+
 def _doc_of(request_id: str) -> int:
     return int(request_id.split("-d")[1].split("-")[0])
 
@@ -134,6 +140,40 @@ def test_a_burst_starts_where_a_shards_pass_is_and_wraps_around(
     c = asyncio.run(Producer(s).asubmit(_burst("c", list(range(8)), seed=3), order="grouped"))
     got = _doc_order(r, s, c, shards=2)
     assert got == _on_shards(a, got)
+
+
+def test_an_unreadable_corpus_order_or_window_is_a_hint_lost_never_a_burst_refused(
+    make_settings: Callable[..., Settings], r: redis.Redis
+) -> None:
+    """The corpus order and the windows are hints: a place that is not a whole number is given
+    a new one (after the known ones), a field ``n`` that is not one or a key of another type
+    starts the order over, a window key of another type is no pass; each burst goes in whole
+    (they failed the submit: a script error, a places list one short, WRONGTYPE)."""
+    s = make_settings(prefix_store_min_chars=16, shards=2)
+    keys = Keys(s.namespace)
+    first = _burst("a", list(range(8)), seed=1)
+    asyncio.run(Producer(s).asubmit(first, order="grouped"))
+    a = _first_seen(first)
+    r.hset(keys.pass_order, str(_key(a[0])), "not a place")
+    r.hset(keys.pass_marks(0), "not", "a window")
+    b = asyncio.run(Producer(s).asubmit(_burst("b", list(range(8)), seed=2), order="grouped"))
+    got = _doc_order(r, s, b, shards=2)
+    assert got == _on_shards(a[1:] + a[:1], got)
+    for n, spoil in enumerate(
+        [
+            lambda: r.hset(keys.pass_order, "n", "1.5"),
+            lambda: r.hset(keys.pass_order, "n", "-3"),
+            lambda: r.delete(keys.pass_order) + r.set(keys.pass_order, "not a hash"),
+        ]
+    ):
+        spoil()
+        reqs = _burst(f"c{n}", list(range(8)), seed=3 + n)
+        c = asyncio.run(Producer(s).asubmit(reqs, order="grouped"))
+        got = _doc_order(r, s, c, shards=2)
+        assert got == _on_shards(_first_seen(reqs), got)  # a new order: its own
+        assert r.hget(keys.pass_order, "n") == b"8"
+    for burst in (b, c):
+        assert sum(1 for k in range(2) for _ in _entries_of(r, s, burst, k)) == 16
 
 
 def test_a_worker_publishes_the_newest_groups_within_its_window_and_a_reset_empties_it(

@@ -135,8 +135,8 @@ async def _marks(r: Any, keys: Keys, shards: int) -> set[int]:
     for k in range(shards):
         pipe.get(keys.pass_marks(k))
     out: set[int] = set()
-    for raw in await pipe.execute():
-        if not raw:
+    for raw in await pipe.execute(raise_on_error=False):
+        if not raw or not isinstance(raw, bytes):  # a key of another type: no pass
             continue
         try:
             got = wire.unpack(raw)
