@@ -9,11 +9,12 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import redis
 
 from fake_engine import FakeEngine
 from helpers import queued_entries, wait_until
-from prefixq.client import Producer, results
+from prefixq.client import Producer, results, shared_pass
 from prefixq.client.encoding import _fingerprint, pass_key
 from prefixq.client.shared_pass import join_point, rotate
 from prefixq.core import wire
@@ -174,6 +175,28 @@ def test_an_unreadable_corpus_order_or_window_is_a_hint_lost_never_a_burst_refus
         assert r.hget(keys.pass_order, "n") == b"8"
     for burst in (b, c):
         assert sum(1 for k in range(2) for _ in _entries_of(r, s, burst, k)) == 16
+
+
+def test_a_burst_placed_in_several_calls_keeps_one_order_when_the_order_starts_over(
+    make_settings: Callable[..., Settings], r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past `ORDER_MAX` places the order starts over, at a burst's first call of the script
+    only: a burst whose places take several calls (here 3 keys a call) keeps its own order
+    (the order used to start over at its second call: its first groups, placed at the old
+    order's end, went in among its later ones, and were no longer in the order)."""
+    monkeypatch.setattr(shared_pass, "_CHUNK", 3)
+    s = make_settings(prefix_store_min_chars=16)
+    keys = Keys(s.namespace)
+    r.hset(keys.pass_order, "n", shared_pass.ORDER_MAX)
+    reqs = _burst("a", list(range(8)), seed=1)
+    burst = asyncio.run(Producer(s).asubmit(reqs, order="grouped"))
+    assert _doc_order(r, s, burst) == [_first_seen(reqs)]
+    assert r.hget(keys.pass_order, "n") == str(shared_pass.ORDER_MAX + 8).encode()
+    # past the limit now: the next burst's first call starts the order over, with its own
+    again = _burst("b", list(range(8)), seed=2)
+    later = asyncio.run(Producer(s).asubmit(again, order="grouped"))
+    assert _doc_order(r, s, later) == [_first_seen(again)] != [_first_seen(reqs)]
+    assert r.hget(keys.pass_order, "n") == b"8"
 
 
 def test_a_worker_publishes_the_newest_groups_within_its_window_and_a_reset_empties_it(

@@ -75,8 +75,8 @@ async def arrangement(
     script = r.register_script(lua("pass_order"))
     places: list[int] = []
     size = 0
-    for i in range(0, len(pkeys), _CHUNK):
-        args = [ORDER_TTL_S, ORDER_MAX, *pkeys[i : i + _CHUNK]]
+    for i in range(0, len(pkeys), _CHUNK):  # only the first call may start the order over
+        args = [ORDER_TTL_S, ORDER_MAX if i == 0 else 0, *pkeys[i : i + _CHUNK]]
         got = await script(keys=[keys.pass_order], args=args)
         places += [int(x) for x in got[:-1]]
         size = int(got[-1])

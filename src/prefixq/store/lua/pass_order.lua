@@ -2,7 +2,8 @@
 -- the first time a burst submits it, so that later bursts over the same documents walk them in
 -- the order the first one did.
 -- KEYS[1]  the pass-order hash (pass key -> place; field 'n': the next place)
--- ARGV[1]  TTL (s)   ARGV[2] most places kept (beyond: the order starts over)   ARGV[3..] keys
+-- ARGV[1]  TTL (s)   ARGV[2] most places kept (beyond: the order starts over; 0: never now, a
+--          burst's later calls, so that its places stay in one order)   ARGV[3..] keys
 -- Returns the place of each key, then the next place (the order's length).
 -- The order is a hint: a value that is not a place (a hash field that is not a whole number,
 -- a key of another type) is given a new place, or the order starts over; never an error.
@@ -19,7 +20,7 @@ if kind ~= 'hash' and kind ~= 'none' then
 end
 local most = tonumber(ARGV[2])
 local n = place(redis.call('HGET', KEYS[1], 'n') or '0')
-if n == nil or n > most then
+if n == nil or (most > 0 and n > most) then
   redis.call('DEL', KEYS[1])
   n = 0
 end
