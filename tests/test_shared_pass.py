@@ -23,6 +23,7 @@ from prefixq.core.keys import POS, Keys
 from prefixq.core.settings import Settings
 from prefixq.store.connection import async_client
 from prefixq.worker import control
+from prefixq.worker.shared_pass import COUNT_WINDOW, PassMarks
 
 DOCS = [f"document {d}: " + f"the {d}th text of the corpus " * 20 for d in range(12)]
 
@@ -197,6 +198,22 @@ def test_a_burst_placed_in_several_calls_keeps_one_order_when_the_order_starts_o
     later = asyncio.run(Producer(s).asubmit(again, order="grouped"))
     assert _doc_order(r, s, later) == [_first_seen(again)] != [_first_seen(reqs)]
     assert r.hget(keys.pass_order, "n") == b"8"
+
+
+def test_a_window_smaller_than_a_token_of_a_known_cache_holds_the_newest_group_only() -> None:
+    """``pass_window`` times the engine's KV cache under one token is a window of the newest
+    group, as a small window is, and an engine of unknown cache counts `COUNT_WINDOW` groups
+    (the tiny window rounded to 0, read as unknown: 64 groups, more than a larger one held)."""
+
+    def entry(g: int) -> Entry:
+        return Entry("b", g, f"r{g}", {}, None, None, {}, 0.0, 0, 100, 0, group=g)
+
+    tiny, unknown = PassMarks("k", 1e-6, kv_tokens=100_000), PassMarks("k", 1e-6)
+    for g in range(100):
+        tiny.note(entry(g))
+        unknown.note(entry(g))
+    assert tiny.keys() == [99]
+    assert unknown.keys() == list(range(100 - COUNT_WINDOW, 100))
 
 
 def test_a_worker_publishes_the_newest_groups_within_its_window_and_a_reset_empties_it(

@@ -53,8 +53,9 @@ class PassMarks:
         self._dirty = False
 
     def size(self, kv_tokens: int) -> None:
-        """The engine's KV cache, in tokens (0: unknown)."""
-        self.capacity = int(kv_tokens * self.window) if kv_tokens > 0 else 0
+        """The engine's KV cache, in tokens (0: unknown). A known cache is a window of at least
+        one token (the newest group), never the unknown cache's `COUNT_WINDOW` groups."""
+        self.capacity = max(1, int(kv_tokens * self.window)) if kv_tokens > 0 else 0
 
     def note(self, e: Entry) -> None:
         """``e``'s request finished in the engine: its group is the newest."""
