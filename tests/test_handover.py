@@ -26,7 +26,7 @@ from prefixq.ops.fleet_stats import fleet
 from prefixq.store.connection import async_client
 from prefixq.store.deployment import ajoin_shard
 from prefixq.store.entry_moves import EntryMoves
-from prefixq.store.liveness import alive_mask
+from prefixq.store.liveness import alive_mask, beat_commands
 from prefixq.worker.fleet import FleetWatch
 from prefixq.worker.handover import Handover, MoveReport
 
@@ -470,3 +470,21 @@ def test_a_fleet_watch_waits_out_a_full_redis_with_one_warning(
     assert not r.hexists(keys.orphans, "1")
     asyncio.run(watch(0.2))
     assert r.hexists(keys.orphans, "1")
+
+
+def test_a_joiner_that_served_and_died_leaves_its_shard_to_the_next_joiner(
+    r: redis.Redis, make_settings: Any
+) -> None:
+    """Given a joiner that took shard 1, beat (its engine was up) and was then killed -9, when
+    another worker joins within the first one's hold, then it takes shard 1 (the lowest without
+    a live worker), not a new shard: a heartbeat ends the hold."""
+    s = make_settings(shards=3, heartbeat_ttl_s=3.0)
+    keys = Keys(s.namespace)
+    r.hset(keys.config, "shards", 3)
+    _mark_live(r, s, 0, 2)
+    assert _join(s) == 1
+    pipe = r.pipeline(transaction=False)
+    beat_commands(pipe, keys, 1, time.time() - 10)  # its last beat, 10 s ago: dead since
+    pipe.execute()
+    assert _join(s) == 1
+    assert r.hget(keys.config, "shards") == b"3"

@@ -184,7 +184,7 @@ class Keys:
     @property
     def joins(self) -> str:
         """Hash: shard -> until when a joining worker holds it while its engine starts (epoch s;
-        `prefixq worker --join`, store/liveness.py)."""
+        `prefixq worker --join`, store/deployment.py); cleared by the shard's next heartbeat."""
         return f"{self.ns}:{{fleet}}:joins"
 
     @property

@@ -70,7 +70,7 @@ def resolve_shards(r: redis.Redis, settings: Settings) -> int:
 async def ajoin_shard(r: aredis.Redis, settings: Settings, *, hold_s: float = JOIN_HOLD_S) -> int:
     """The shard a joining worker serves: the lowest without a live worker that no other joiner
     holds, else a new one (the recorded count grows by one). Held for ``hold_s`` or until the
-    worker's first heartbeat makes it live."""
+    worker's first heartbeat (which ends the hold: store/liveness.py, `beat_commands`)."""
     keys = settings.keys
     join = r.register_script(lua("join_shard"))
     grow = r.register_script(lua("grow_shards"))

@@ -161,8 +161,11 @@ def alive_mask(
 
 
 def beat_commands(pipe: Any, keys: Keys, shard: int, now: float, task: str = "generate") -> None:
-    """Add a heartbeat's liveness writes to ``pipe``: the shard is live now, not orphaned, and
-    serves ``task`` (`Keys.tasks`)."""
+    """Add a heartbeat's liveness writes to ``pipe``: the shard is live now, not orphaned, no
+    longer held for a joining worker (`Keys.joins`: once its worker beats, the hold has done its
+    job, and a joiner that dies later leaves the shard to the next one), and serves ``task``
+    (`Keys.tasks`)."""
     pipe.hset(keys.live, str(shard), repr(now))
     pipe.hdel(keys.orphans, str(shard))
+    pipe.hdel(keys.joins, str(shard))
     pipe.hset(keys.tasks, str(shard), task)
