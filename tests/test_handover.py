@@ -488,3 +488,26 @@ def test_a_joiner_that_served_and_died_leaves_its_shard_to_the_next_joiner(
     pipe.execute()
     assert _join(s) == 1
     assert r.hget(keys.config, "shards") == b"3"
+
+
+@pytest.mark.parametrize("garbage", ["no-ttl", "long-ttl", "wrong-type"])
+def test_a_lease_no_mover_set_does_not_block_the_shards_moves(
+    r: redis.Redis, three: Settings, garbage: str
+) -> None:
+    """Given an orphaned shard whose mover lease key holds what no mover writes (a value without
+    a TTL, one longer than a mover's lease, or another type: a restore, a hand edit), when a
+    live worker moves the shard, then it takes the lease over and the queue moves."""
+    Producer(three).submit(_burst(6, 2))
+    n = len(_entries(r, three, 1))
+    assert n
+    _mark_live(r, three, 0)
+    lease = Keys(three.namespace).mover(1)
+    if garbage == "no-ttl":
+        r.set(lease, "garbage")
+    elif garbage == "long-ttl":
+        r.set(lease, "garbage", ex=30 * 24 * 3600)
+    else:
+        r.hset(lease, "x", "y")
+    rep = _move(three, 1, 3)
+    assert (rep.skipped, rep.requests) == ("", n)
+    assert _entries(r, three, 1) == [] and not r.exists(lease)

@@ -86,8 +86,11 @@ class Handover:
 
     # ---- the lease --------------------------------------------------------------------------
     async def _acquire(self, source: int) -> str | None:
+        """The shard's mover lease, unless another mover holds it (a key no mover wrote, such as
+        one without a TTL, is taken over: lua/batch_lease.lua)."""
         token = f"{self.name}:{secrets.token_hex(6)}"
-        got = await self.r.set(self.keys.mover(source), token, nx=True, px=LEASE_MS)
+        args = [token, "acquire", LEASE_MS]
+        got = await self._lease(keys=[self.keys.mover(source)], args=args)
         return token if got else None
 
     async def _renew(self, source: int, token: str) -> bool:
