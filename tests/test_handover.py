@@ -511,3 +511,27 @@ def test_a_lease_no_mover_set_does_not_block_the_shards_moves(
     rep = _move(three, 1, 3)
     assert (rep.skipped, rep.requests) == ("", n)
     assert _entries(r, three, 1) == [] and not r.exists(lease)
+
+
+def test_a_hand_over_waits_for_a_steal_under_way_on_its_shard_then_moves_the_rest(
+    r: redis.Redis, three: Settings
+) -> None:
+    """Given a stopping worker of shard 1 (``--hand-over``) while an idle worker holds shard 1's
+    mover lease for a steal (1.5 s left), when it hands its queue over, then it waits for the
+    lease and moves the rest, rather than leaving it to wait ``orphan_after_s``."""
+    Producer(three).submit(_burst(6, 2))
+    n = len(_entries(r, three, 1))
+    assert n
+    _mark_live(r, three, 0, 1, 2)
+    r.set(Keys(three.namespace).mover(1), "a-thief:token", px=1500)
+
+    async def hand_over() -> MoveReport | None:
+        client = async_client(three)
+        try:
+            return await FleetWatch(client, three, shard=1, name="w1").hand_over()
+        finally:
+            await client.aclose()
+
+    rep = asyncio.run(hand_over())
+    assert rep is not None and (rep.skipped, rep.requests) == ("", n)
+    assert _entries(r, three, 1) == []

@@ -34,13 +34,15 @@ from prefixq.store.deployment import aresolve_shards
 from prefixq.store.liveness import read_liveness, read_load
 from prefixq.store.redis_errors import TRANSIENT, error_text
 from prefixq.worker.aio import within
-from prefixq.worker.handover import Handover, MoveReport
+from prefixq.worker.handover import LEASE_HELD, LEASE_MS, Handover, MoveReport
 from prefixq.worker.lifecycle import HAND_OVER_S
 
 __all__ = ["FleetWatch", "MoveTotals"]
 
 #: heartbeats an idle worker waits after a look for work to steal that found none
 STEAL_BACKOFF = 5
+#: seconds between a hand-over's tries for its shard's lease while another mover holds it
+LEASE_POLL_S = 0.2
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +174,8 @@ class FleetWatch:
 
     async def hand_over(self) -> MoveReport | None:
         """Move what is left of this worker's shard to the live shards, unless another live
-        worker serves it (called once this worker has unregistered)."""
+        worker serves it (called once this worker has unregistered); waits for the shard's lease
+        while another mover holds it."""
         keys = self.keys
         others = await self.r.zrange(keys.workers(self.shard), 0, -1)
         for w in others:
@@ -181,7 +184,14 @@ class FleetWatch:
                 return None
         await self.r.hdel(keys.live, str(self.shard))  # no new prefix comes here now
         shards = await aresolve_shards(self.r, self.s)
-        rep = await self.handover.move_shard(self.shard, shards, why="drain")
+        # a steal or an operator's move of this shard may hold its lease: it ends within a
+        # lease's life, and what it leaves is this hand-over's to move
+        give_up = time.monotonic() + LEASE_MS / 1000
+        while True:
+            rep = await self.handover.move_shard(self.shard, shards, why="drain")
+            if rep.skipped != LEASE_HELD or time.monotonic() >= give_up:
+                break
+            await asyncio.sleep(LEASE_POLL_S)
         if rep.skipped:
             log.warning("hand-over of shard %d: %s; its queue waits", self.shard, rep.skipped)
         elif rep.requests:

@@ -40,12 +40,14 @@ from prefixq.store.liveness import read_liveness, read_load
 from prefixq.store.move_log import add_moves
 from prefixq.worker.queued import Group, groups, scan
 
-__all__ = ["Handover", "MoveReport"]
+__all__ = ["LEASE_HELD", "LEASE_MS", "Handover", "MoveReport"]
 
 log = logging.getLogger(__name__)
 
 #: how long a mover's lease lasts without renewal (it renews between groups)
 LEASE_MS = 30_000
+#: `MoveReport.skipped` when another mover holds the shard's lease
+LEASE_HELD = "another mover holds the lease"
 
 
 @dataclass(slots=True)
@@ -146,7 +148,7 @@ class Handover:
         source = rep.source
         token = await self._acquire(source)
         if token is None:
-            rep.skipped = "another mover holds the lease"
+            rep.skipped = LEASE_HELD
             return rep
         try:
             await self.moves.finish(source)
