@@ -535,3 +535,18 @@ def test_a_hand_over_waits_for_a_steal_under_way_on_its_shard_then_moves_the_res
     rep = asyncio.run(hand_over())
     assert rep is not None and (rep.skipped, rep.requests) == ("", n)
     assert _entries(r, three, 1) == []
+
+
+def test_a_join_reads_garbage_in_the_live_and_joins_hashes_as_no_beat_and_no_hold(
+    r: redis.Redis, make_settings: Any
+) -> None:
+    """Given fields of the live and joins hashes that are not times (a hand edit), when a worker
+    joins, then it reads them as no heartbeat and no hold (as the producers and movers read the
+    live hash) instead of failing the join's script."""
+    s = make_settings(shards=3)
+    keys = Keys(s.namespace)
+    r.hset(keys.config, "shards", 3)
+    _mark_live(r, s, 0, 2)
+    r.hset(keys.live, "1", "garbage")
+    r.hset(keys.joins, "1", "not a time")
+    assert _join(s) == 1

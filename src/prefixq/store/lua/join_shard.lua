@@ -6,8 +6,9 @@
 -- Returns the shard, or -1 when every shard is served or held (the caller grows the count).
 local now, ttl, n = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 for k = 0, n - 1 do
-  local beat = tonumber(redis.call('HGET', KEYS[1], tostring(k)) or '-1e18')
-  local held = tonumber(redis.call('HGET', KEYS[2], tostring(k)) or '-1e18')
+  -- a field that is not a time (a hand edit) is no beat and no hold, as the producers read it
+  local beat = tonumber(redis.call('HGET', KEYS[1], tostring(k)) or '') or -1e18
+  local held = tonumber(redis.call('HGET', KEYS[2], tostring(k)) or '') or -1e18
   if now - beat > ttl and held < now then
     redis.call('HSET', KEYS[2], tostring(k), ARGV[4])
     return k
