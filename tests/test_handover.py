@@ -550,3 +550,33 @@ def test_a_join_reads_garbage_in_the_live_and_joins_hashes_as_no_beat_and_no_hol
     r.hset(keys.live, "1", "garbage")
     r.hset(keys.joins, "1", "not a time")
     assert _join(s) == 1
+
+
+def test_a_group_taken_in_part_is_counted_for_what_moved(
+    r: redis.Redis, make_settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given an orphaned shard's one group, 2 entries pending on a dead consumer and 2 never
+    delivered, when a worker reads one of the latter between the move's two takes, then the 2
+    taken entries move and the report, the moves stream and the load estimate count them (the
+    rest stays: a raced group)."""
+    three = make_settings(shards=3)  # affinity: the 4 questions are one group
+    _mark_live(r, three, 0, 1, 2)
+    Producer(three).submit(_burst(1, 4))
+    shard, stream, _ = _delivered(r, three, "dead-worker", 2)
+    keys = Keys(three.namespace)
+    r.hdel(keys.live, str(shard))
+    load_before = float(r.hget(keys.load, str(shard)) or 0)
+    real_take = EntryMoves.take
+
+    async def racing_take(self: EntryMoves, *args: Any, **kw: Any) -> int:
+        if kw.get("pending_on") is None:  # a live worker reads one of the new part first
+            r.xreadgroup(GROUP, "live-worker", {stream: ">"}, count=1)
+        return await real_take(self, *args, **kw)
+
+    monkeypatch.setattr(EntryMoves, "take", racing_take)
+    rep = _move(three, shard, 3)
+    assert (rep.requests, rep.raced) == (2, 1)
+    assert len(_entries(r, three, shard)) == 2
+    recs = r.xrange(keys.moves)
+    assert sum(int(f[b"requests"]) for _, f in recs) == 2
+    assert float(r.hget(keys.load, str(shard)) or 0) < load_before

@@ -38,7 +38,7 @@ from prefixq.store.connection import lua
 from prefixq.store.entry_moves import EntryMoves
 from prefixq.store.liveness import read_liveness, read_load
 from prefixq.store.move_log import add_moves
-from prefixq.worker.queued import Group, groups, scan
+from prefixq.worker.queued import Found, Group, groups, scan
 
 __all__ = ["LEASE_HELD", "LEASE_MS", "Handover", "MoveReport"]
 
@@ -61,7 +61,8 @@ class MoveReport:
     groups: int = 0
     #: estimated uncached prompt tokens moved
     tokens: int = 0
-    #: groups left in place: taken by a worker between the look and the move
+    #: groups left in place, whole or in part: read by a worker between the look and the move
+    #: (a part taken before the race moves, and is counted in the fields above)
     raced: int = 0
     #: no live shard to move to, or another mover holds the lease
     skipped: str = ""
@@ -216,9 +217,12 @@ class Handover:
             else:
                 named = mapped.get(g.anchor) if g.anchor is not None else None
                 target = named if named is not None else min(targets, key=lambda k: (load[k], k))
-            if not await self._take_group(source, g, target):
+            taken = await self._take_group(source, g, target)
+            if taken is not g:  # a worker read some of it meanwhile: count what moved
                 rep.raced += 1
-                continue
+                if not taken.items:
+                    continue
+            g = taken
             if steal is not None:
                 steal[0] -= g.work
                 steal[1] += g.work + g.cached
@@ -227,7 +231,7 @@ class Handover:
             rep.moved[target] = rep.moved.get(target, 0) + len(g.items)
             rep.groups += 1
             rep.tokens += g.work
-            if g.anchor is not None:
+            if g.anchor is not None and g is queued[i]:  # the map follows a whole group
                 claims[g.anchor] = target
             records.append(self._record(source, target, g, rep.why))
             if i % 64 == 63 and not await self._renew(source, token):
@@ -236,17 +240,23 @@ class Handover:
         await self.moves.finish(source)
         await self._follow(source, claims, shifted, records)
 
-    async def _take_group(self, source: int, g: Group, target: int) -> bool:
-        """Take every entry of ``g`` (one call per stream and consumer): False if any part of it
-        was taken by a worker meanwhile (what was taken before moves on; the rest stays)."""
-        parts: dict[tuple[str, bytes | None], list[bytes]] = defaultdict(list)
+    async def _take_group(self, source: int, g: Group, target: int) -> Group:
+        """Take every entry of ``g`` (one call per stream and consumer, each all or none):
+        ``g`` itself when all of it was taken, else the part taken (a worker read the rest
+        meanwhile: what was taken moves on, the rest stays)."""
+        parts: dict[tuple[str, bytes | None], list[Found]] = defaultdict(list)
         for f in g.items:
-            parts[(f.stream, f.consumer)].append(f.id)
-        whole = True
-        for (stream, consumer), ids in parts.items():
-            got = await self.moves.take(source, stream, ids, target, pending_on=consumer)
-            whole = whole and got > 0
-        return whole
+            parts[(f.stream, f.consumer)].append(f)
+        taken: list[Found] = []
+        for (stream, consumer), items in parts.items():
+            ids = [f.id for f in items]
+            if await self.moves.take(source, stream, ids, target, pending_on=consumer):
+                taken += items
+        if len(taken) == len(g.items):
+            return g
+        entries = [f.entry for f in taken if f.entry is not None]
+        work = sum(e.work for e in entries)
+        return Group(g.key, taken, g.anchor, work, sum(e.predicted_cached for e in entries))
 
     def _record(self, source: int, target: int, g: Group, why: str) -> dict[str, Any]:
         return {
