@@ -124,7 +124,8 @@ def test_a_burst_starts_where_a_shards_pass_is_and_wraps_around(
 ) -> None:
     """A shard's published window (documents 5, 6, 7 of the first burst's order, as a worker
     publishes it) makes a later burst start at the first of them and wrap around; across two
-    shards the windows are read together; a value that is not a window is no pass."""
+    shards each shard's groups start at its own window (shard 1's: document 7); a value that is
+    not a window is no pass."""
     s = make_settings(prefix_store_min_chars=16, shards=2)
     keys = Keys(s.namespace)
     first_reqs = _burst("a", list(range(8)), seed=1)
@@ -136,7 +137,7 @@ def test_a_burst_starts_where_a_shards_pass_is_and_wraps_around(
     r.set(keys.pass_marks(1), wire.pack([_key(a[7])]))
     b = asyncio.run(Producer(s).asubmit(_burst("b", list(range(8)), seed=2)))  # decode-first
     got = _doc_order(r, s, b, shards=2)
-    assert got == _on_shards(a[5:] + a[:5], got)
+    assert got == [_on_shards(a[5:] + a[:5], got)[0], _on_shards(a[7:] + a[:7], got)[1]]
     r.set(keys.pass_marks(0), b"\xc1garbage")
     r.set(keys.pass_marks(1), wire.pack({"not": "a list"}))
     c = asyncio.run(Producer(s).asubmit(_burst("c", list(range(8)), seed=3), order="grouped"))
@@ -259,6 +260,40 @@ def test_a_worker_publishes_the_newest_groups_within_its_window_and_a_reset_empt
         wait_until(lambda: not r.exists(keys.pass_marks(0)), 10, "the window emptied")
 
 
+def test_each_shard_starts_a_burst_where_its_own_pass_is(
+    make_settings: Callable[..., Settings], r: redis.Redis
+) -> None:
+    """Two shards whose passes are at different places of the corpus: a later burst's groups
+    on each shard start at that shard's own window (the producer kept where each group went:
+    keys.pass_shards), each shard's part wrapping around; one shard's pass does not turn the
+    other's groups. A hint about a shard that is gone, or garbage, is no hint."""
+    s = make_settings(prefix_store_min_chars=16, shards=2)
+    keys = Keys(s.namespace)
+    first_reqs = _burst("a", list(range(12)), seed=1)
+    first = asyncio.run(Producer(s).asubmit(first_reqs, order="grouped"))
+    held = _doc_order(r, s, first, shards=2)
+    assert all(len(h) >= 4 for h in held)
+    assert r.hlen(keys.pass_shards) == 12
+    r.set(keys.pass_marks(0), wire.pack([_key(held[0][-2])]))
+    r.set(keys.pass_marks(1), wire.pack([_key(held[1][1])]))
+    later = asyncio.run(Producer(s).asubmit(_burst("b", list(range(12)), seed=2)))
+    got = _doc_order(r, s, later, shards=2)
+    assert got[0] == held[0][-2:] + held[0][:-2]
+    assert got[1] == held[1][1:] + held[1][:1]
+    # garbage hints and a hint naming a shard past the count: the shards' passes together
+    r.hset(keys.pass_shards, mapping={str(_key(d)): "9" for d in held[0]})
+    r.hset(keys.pass_shards, str(_key(held[1][0])), "not a shard")
+    again = asyncio.run(Producer(s).asubmit(_burst("c", list(range(12)), seed=3)))
+    assert sum(map(len, _doc_order(r, s, again, shards=2))) == 12
+    r.delete(keys.pass_shards)
+    r.set(keys.pass_shards, "not a hash")
+    fourth = asyncio.run(Producer(s).asubmit(_burst("d", list(range(12)), seed=4)))
+    assert sum(map(len, _doc_order(r, s, fourth, shards=2))) == 12
+    assert r.type(keys.pass_shards) == b"hash"  # kept anew after the burst
+    for burst in (first, later, again, fourth):
+        assert results.status(burst, s).total == 24
+
+
 def test_the_window_follows_what_the_engine_finished_not_what_the_worker_handed_it(
     make_settings: Callable[..., Settings], r: redis.Redis, fake_worker: Callable[..., Any]
 ) -> None:
@@ -327,3 +362,24 @@ def test_the_session_workers_publish_their_pass_and_a_second_burst_follows_the_f
         assert any(part[i:] + part[:i] in got for i in range(len(part)))
     st = results.wait(later, s, timeout=300)
     assert st.failed == 0
+
+
+def test_each_shard_starts_at_its_own_pass_on_a_redis_cluster(
+    cluster_settings: Callable[..., Settings], cr: redis.Redis
+) -> None:
+    """The same on a real Redis Cluster (4 shards on three masters): the corpus order, the
+    shards' windows and where each group went live in different slots; a later burst's groups
+    on each shard start at that shard's window."""
+    s = cluster_settings(prefix_store_min_chars=16)
+    keys = Keys(s.namespace)
+    first = asyncio.run(Producer(s).asubmit(_burst("a", list(range(12)), seed=1), order="grouped"))
+    held = _doc_order(cr, s, first, shards=4)
+    busy = [k for k in range(4) if len(held[k]) >= 2]
+    assert len(busy) >= 2
+    for k in busy:
+        cr.set(keys.pass_marks(k), wire.pack([_key(held[k][-1])]))
+    later = asyncio.run(Producer(s).asubmit(_burst("b", list(range(12)), seed=2)))
+    got = _doc_order(cr, s, later, shards=4)
+    for k in busy:
+        assert got[k] == held[k][-1:] + held[k][:-1]
+    assert results.status(later, s, client=cr).total == 24

@@ -256,7 +256,9 @@ async def reset(env: Env) -> None:
     await control.send(env.r, keys, "reset_prefix_cache", env.workers.names)
     stale = [k async for k in env.r.scan_iter(match=keys.prefix("*"), count=1000)]
     stale += [keys.pass_marks(k) for k in range(env.s.shards)]
-    await env.r.delete(keys.prefix_map, keys.prefix_lru, keys.load, keys.pass_order, *stale)
+    await env.r.delete(
+        keys.prefix_map, keys.prefix_lru, keys.load, keys.pass_order, keys.pass_shards, *stale
+    )
 
 
 async def assignment(

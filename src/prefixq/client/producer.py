@@ -252,6 +252,8 @@ class _Submission:
         tasks = await read_tasks(self.r, self.keys, shards)
         placer = for_task(placer, reqs.task or "generate", tasks, self.s)
         head_chunk = await reqs.encode(head, placer, shards, inline=True)
+        if arrange is not None:
+            arrange.placed(head, [p.shard for p in head_chunk[1]])
         await self._create(shards, placement, order)
         try:
             await self._send(head, head_chunk, first=True)
@@ -262,7 +264,10 @@ class _Submission:
             while start < len(rest):
                 chunk = rest[start : start + size]
                 reqs.validate(chunk)  # a file's: read again now
-                await self._send(chunk, await reqs.encode(chunk, placer, shards))
+                encoded = await reqs.encode(chunk, placer, shards)
+                if arrange is not None:
+                    arrange.placed(chunk, [p.shard for p in encoded[1]])
+                await self._send(chunk, encoded)
                 start, size = start + len(chunk), min(4 * size, _CHUNK)
             # min_replicas_acked: the replicas hold every entry and the record before submit
             # returns (the writes go to every master: entries, prefixes, record, indexes)
@@ -271,6 +276,8 @@ class _Submission:
             await self._abandon(e)
             raise
         await self.writer.finish(shards)
+        if arrange is not None:  # where its groups went: the next burst's groups follow them
+            await arrange.remember(self.r, self.keys)
         return self.burst
 
     # ---- steps -------------------------------------------------------------------------------

@@ -28,9 +28,12 @@ their places. ``grouped`` and ``decode-first`` (the default) bursts take part; t
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
+
+from redis.exceptions import ResponseError
 
 from prefixq.client.encoding import pass_key
 from prefixq.client.order import Peek
@@ -38,8 +41,11 @@ from prefixq.core import wire
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from prefixq.store.connection import lua
+from prefixq.store.redis_errors import TRANSIENT
 
-__all__ = ["PASS_ORDERS", "Arrange", "arrangement", "join_point", "rotate"]
+__all__ = ["PASS_ORDERS", "Arrangement", "arrangement", "join_point", "rotate", "rotate_each"]
+
+log = logging.getLogger(__name__)
 
 #: the enqueue orders whose groups follow the shared pass
 PASS_ORDERS = ("grouped", "decode-first")
@@ -50,16 +56,76 @@ ORDER_MAX = 2_000_000
 #: pass keys per call of the script
 _CHUNK = 10_000
 
-#: reorders a burst's groups (lists of request indices) for the pass
-Arrange = Callable[[list[list[int]]], list[list[int]]]
+
+class Arrangement:
+    """How one burst's groups follow the shared pass (`arrangement` builds it): called with the
+    burst's groups it reorders them; `placed` and `remember` keep, for the next burst, the shard
+    each group went to."""
+
+    def __init__(
+        self,
+        looks: Sequence[Peek],
+        place: dict[int, int],
+        size: int,
+        starts: dict[int, int],
+        start: int | None,
+        shard_of: dict[int, int],
+    ) -> None:
+        self.looks, self.place, self.size = looks, place, size
+        self.starts, self.start, self.shard_of = starts, start, shard_of
+        #: pass key -> the shard this burst placed the group on (`placed`)
+        self.went: dict[int, int] = {}
+
+    def _pkey(self, i: int) -> int | None:
+        g: Hashable | None = self.looks[i].group
+        k = pass_key(g) if g is not None else None
+        return k if k is not None and k in self.place else None
+
+    def __call__(self, members: list[list[int]]) -> list[list[int]]:
+        places: list[int | None] = []
+        starts: list[int | None] = []
+        for m in members:
+            k = self._pkey(m[0])
+            places.append(None if k is None else self.place[k])
+            shard = self.shard_of.get(k) if k is not None else None
+            starts.append(self.starts.get(shard, self.start) if shard is not None else self.start)
+        return rotate_each(members, places, starts, self.size)
+
+    def placed(self, idx: Sequence[int], shards: Sequence[int]) -> None:
+        """Requests ``idx`` went to ``shards``: the first one of each group says where it is."""
+        for i, shard in zip(idx, shards, strict=True):
+            k = self._pkey(i)
+            if k is not None and k not in self.went:
+                self.went[k] = shard
+
+    async def remember(self, r: Any, keys: Keys) -> None:
+        """Keep where this burst's groups went (keys.pass_shards), for the bursts after it: a
+        hint, so a failure is only logged."""
+        if not self.went:
+            return
+        items = list(self.went.items())
+        try:
+            for i in range(0, len(items), _CHUNK):
+                mapping = dict(items[i : i + _CHUNK])
+                pipe = r.pipeline(transaction=False)
+                pipe.hset(keys.pass_shards, mapping=mapping)
+                pipe.expire(keys.pass_shards, ORDER_TTL_S)
+                got = await pipe.execute(raise_on_error=False)
+                if isinstance(got[0], ResponseError):  # another type: the hint starts over
+                    await r.delete(keys.pass_shards)
+                    await r.hset(keys.pass_shards, mapping=mapping)
+                    await r.expire(keys.pass_shards, ORDER_TTL_S)
+        except (*TRANSIENT, ResponseError) as e:
+            log.debug("shared pass: where the groups went not kept: %s", e)
 
 
 async def arrangement(
     r: Any, s: Settings, keys: Keys, looks: Sequence[Peek], shards: int
-) -> Arrange | None:
+) -> Arrangement | None:
     """How the groups of a burst (``looks``: its `Peek`s) follow the shared pass: their places in
-    the corpus order (placing its new groups), and where the shards' passes are. None when the
-    burst has fewer than two shared groups (nothing to arrange)."""
+    the corpus order (placing its new groups), where each shard's pass is, and the shard each
+    group went to last. None when the burst has fewer than two shared groups (nothing to
+    arrange)."""
     if not s.shared_pass:
         return None
     least = s.prefix_store_min_chars
@@ -81,18 +147,15 @@ async def arrangement(
         places += [int(x) for x in got[:-1]]
         size = int(got[-1])
     place = dict(zip(pkeys, places, strict=True))
-    window = await _marks(r, keys, shards)
-    start = join_point([place[k] for k in pkeys if k in window], size)
-
-    def arrange(members: list[list[int]]) -> list[list[int]]:
-        def key_of(group: list[int]) -> int | None:
-            g: Hashable | None = looks[group[0]].group
-            k = pass_key(g) if g is not None else None
-            return place.get(k) if k is not None else None
-
-        return rotate(members, [key_of(m) for m in members], start, size)
-
-    return arrange
+    windows, shard_of = await _marks(r, keys, shards, pkeys)
+    union = set().union(*windows) if windows else set()
+    start = join_point([place[k] for k in pkeys if k in union], size)
+    starts: dict[int, int] = {}
+    for shard, window in enumerate(windows):
+        at = join_point([place[k] for k in pkeys if k in window], size)
+        if at is not None:
+            starts[shard] = at
+    return Arrangement(looks, place, size, starts, start, shard_of)
 
 
 def rotate(
@@ -100,11 +163,20 @@ def rotate(
 ) -> list[list[int]]:
     """``members`` (groups) with the placed ones (``places``; None: not placed, kept where it
     is) in the corpus order from ``start`` around (None: from the beginning)."""
+    return rotate_each(members, places, [start] * len(members), size)
+
+
+def rotate_each(
+    members: list[list[int]], places: list[int | None], starts: list[int | None], size: int
+) -> list[list[int]]:
+    """``members`` (groups) with the placed ones (``places``; None: not placed, kept where it
+    is) in the order of their distance, in the corpus order read circularly, from their own
+    ``starts`` (a group's shard's pass; None: the order's beginning): each shard's groups from
+    where its pass is around, the shards' turns interleaved."""
     placed = [i for i, x in enumerate(places) if x is not None]
-    at = 0 if start is None else start
 
     def turn(i: int) -> int:
-        x = places[i]
+        x, at = places[i], starts[i] or 0
         assert x is not None
         return (x - at) % size if size else x
 
@@ -129,19 +201,33 @@ def join_point(places: list[int], size: int) -> int | None:
     return start
 
 
-async def _marks(r: Any, keys: Keys, shards: int) -> set[int]:
-    """The pass keys the shards' workers published (worker/shared_pass.py)."""
+async def _marks(
+    r: Any, keys: Keys, shards: int, pkeys: list[int]
+) -> tuple[list[set[int]], dict[int, int]]:
+    """Per shard, the pass keys its workers published (worker/shared_pass.py); and of
+    ``pkeys``, the shard each went to last (keys.pass_shards), in one round trip."""
     pipe = r.pipeline(transaction=False)
     for k in range(shards):
         pipe.get(keys.pass_marks(k))
-    out: set[int] = set()
-    for raw in await pipe.execute(raise_on_error=False):
+    for i in range(0, len(pkeys), _CHUNK):
+        pipe.hmget(keys.pass_shards, pkeys[i : i + _CHUNK])
+    got = await pipe.execute(raise_on_error=False)
+    windows: list[set[int]] = []
+    for raw in got[:shards]:
+        window: set[int] = set()
+        windows.append(window)
         if not raw or not isinstance(raw, bytes):  # a key of another type: no pass
             continue
         try:
-            got = wire.unpack(raw)
+            marks = wire.unpack(raw)
         except Exception:  # a hint only: a value we cannot read is no pass
             continue
-        if isinstance(got, list):
-            out.update(x for x in got if isinstance(x, int) and not isinstance(x, bool))
-    return out
+        if isinstance(marks, list):
+            window.update(x for x in marks if isinstance(x, int) and not isinstance(x, bool))
+    shard_of: dict[int, int] = {}
+    held = [x for part in got[shards:] if isinstance(part, list) for x in part]
+    if len(held) == len(pkeys):  # else a key of another type: no hints
+        for k, v in zip(pkeys, held, strict=True):
+            if isinstance(v, bytes) and v.isdigit() and int(v) < shards:
+                shard_of[k] = int(v)
+    return windows, shard_of

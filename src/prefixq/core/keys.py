@@ -150,6 +150,13 @@ class Keys:
         return f"{self.ns}:pass-order"
 
     @property
+    def pass_shards(self) -> str:
+        """Hash: a prefix group's pass key -> the shard the last burst that asked about it
+        placed it on, with a TTL: which shard's pass a later burst's group follows
+        (client/shared_pass.py)."""
+        return f"{self.ns}:pass-shards"
+
+    @property
     def moves(self) -> str:
         """Stream: one entry per prefix group moved: by the load guard at placement (``why``
         absent), or queued entries moved off a shard (``why``: orphaned, steal, drain, operator)."""
