@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -383,3 +384,28 @@ def test_each_shard_starts_at_its_own_pass_on_a_redis_cluster(
     for k in busy:
         assert got[k] == held[k][-1:] + held[k][:-1]
     assert results.status(later, s, client=cr).total == 24
+
+
+def test_a_window_lives_as_long_as_its_worker(
+    make_settings: Callable[..., Settings],
+    r: redis.Redis,
+    fake_worker: Callable[..., Any],
+    monkeypatch: Any,
+) -> None:
+    """The published window's TTL is renewed while its worker runs, even with nothing new to
+    publish, and it goes soon after the worker does (a restarted engine's cache is empty: a
+    window left for an hour pointed bursts at what it no longer held)."""
+    from prefixq.worker import shared_pass as marks_module
+
+    monkeypatch.setattr(marks_module, "TTL_S", 2)
+    monkeypatch.setattr(marks_module, "REFRESH_S", 0.5)
+    s = make_settings(prefix_store_min_chars=16, heartbeat_s=0.2)
+    keys = Keys(s.namespace)
+    burst = asyncio.run(Producer(s).asubmit(_burst("t", list(range(4)), seed=1), order="grouped"))
+    fw = fake_worker(s)
+    results.wait(burst, s, timeout=60)
+    wait_until(lambda: r.exists(keys.pass_marks(0)), 10, "the published window")
+    time.sleep(3)  # past the TTL: still there, renewed with nothing new
+    assert r.exists(keys.pass_marks(0)) and 0 < r.ttl(keys.pass_marks(0)) <= 2
+    fw.stop()
+    wait_until(lambda: not r.exists(keys.pass_marks(0)), 10, "the window gone with its worker")

@@ -9,7 +9,8 @@ H200 a whole burst of hundreds), so the groups it admitted last are the end of w
 has queued, not where its pass is; the groups it finished last are where the engine's own queue
 is served from (worker/engine_order.py: a burst that joins starts at the completion front), and
 their prefixes are the newest in its cache. The
-worker publishes it every `PUBLISH_S` when it changed (a msgpack array, oldest first, with a TTL;
+worker publishes it every `PUBLISH_S` when it changed, and every `REFRESH_S` to renew its TTL
+(a msgpack array, oldest first, with a TTL of `TTL_S`: a dead worker's window goes with it;
 Keys.pass_marks), and a producer starts a burst over the same documents there
 (client/shared_pass.py): a pass moves tens of documents a second on a GPU, so not only with the
 heartbeat. An engine that says nothing of its KV cache (a test engine) counts `COUNT_WINDOW`
@@ -34,10 +35,13 @@ log = logging.getLogger(__name__)
 
 #: groups in the window of an engine of unknown KV capacity
 COUNT_WINDOW = 64
-#: seconds the published window outlives its last change
-TTL_S = 3600
+#: seconds the published window outlives its worker's last publication: a worker that died or
+#: restarted (its engine's cache empty) stops pointing bursts at what it held within this
+TTL_S = 60
 #: seconds between two publications of a changed window
 PUBLISH_S = 0.2
+#: seconds between two publications of a window that did not change (its TTL renewed)
+REFRESH_S = 20
 
 
 class PassMarks:
@@ -87,12 +91,16 @@ class PassMarks:
         return list(self._lru)
 
     async def run(self, r: Any) -> None:
-        """Publish the window every `PUBLISH_S` while it changes (a task of the worker's)."""
+        """Publish the window every `PUBLISH_S` while it changes, and every `REFRESH_S` while
+        it holds something, so that it lives as long as its worker (a task of the worker's)."""
+        loop = asyncio.get_running_loop()
+        last = loop.time()
         while True:
             await asyncio.sleep(PUBLISH_S)
-            if not self._dirty:
+            if not self._dirty and not (self._lru and loop.time() - last >= REFRESH_S):
                 continue
             self._dirty = False
+            last = loop.time()
             try:
                 if self._lru:
                     await r.set(self.key, wire.pack(list(self._lru)), ex=TTL_S)
