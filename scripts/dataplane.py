@@ -195,6 +195,7 @@ async def one(
     await control.send(r, dep.s.keys, "reset_stats", dep.names)
     pids = [p.pid for p in dep.procs]
     w0 = [cpu_s(p) for p in pids]
+    await r.config_resetstat()
     r0 = await redis_cpu_s(r)
     t0 = time.perf_counter()
     c0 = time.process_time()
@@ -205,8 +206,11 @@ async def one(
     await asyncio.sleep(0.3)  # the last acks after the last result
     w1 = [cpu_s(p) for p in pids]
     r1 = await redis_cpu_s(r)
+    commands = await r.info("commandstats")
     stats = await control.send(r, dep.s.keys, "stats", dep.names)
     n = len(reqs)
+    # where Redis's time went: the commands (scripts' inner calls included) by µs per request
+    by_usec = sorted(commands.items(), key=lambda kv: -float(kv[1]["usec"]))[:8]
     if st.done != n or st.failed:
         raise SystemExit(f"burst {burst}: {st.done} done, {st.failed} failed of {n}")
     return {
@@ -220,6 +224,9 @@ async def one(
         "gc_max_pause_ms_by_gen": [stats[x]["gc_max_pause_ms_by_gen"] for x in dep.names],
         "gc_pauses_by_gen": [stats[x]["gc_pauses_by_gen"] for x in dep.names],
         "gc_idle_max_ms": [stats[x]["gc_idle_max_ms"] for x in dep.names],
+        "redis_commands_us": {
+            k.removeprefix("cmdstat_"): round(float(v["usec"]) / n, 2) for k, v in by_usec
+        },
     }
 
 
