@@ -21,7 +21,10 @@ import redis
 
 from helpers import wait_burst
 from prefixq.client import Producer
+from prefixq.client.enqueue import BurstWriter
+from prefixq.client.producer import HEAD
 from prefixq.client.submit_args import new_burst_id
+from prefixq.core.errors import WritesLost
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from prefixq.worker.writer import ResultWriter
@@ -118,3 +121,62 @@ def test_a_failover_between_record_and_fence_does_not_ack_a_lost_result(
     assert [(r.id, r.text) for r in got] == [("only", "beta alpha")]
     assert hook.calls >= 2, "the fence confirmed the lost result at once"
     assert "missing on master" in caplog.text
+
+
+class FailoverAfterSend:
+    """Patches `BurstWriter.send`: after its ``after``-th call returns (the chunk is answered),
+    fails the shard's master over as `FailoverBeforeFence` does and makes the producer's client
+    follow, recording how many entries the promoted replica holds."""
+
+    def __init__(self, cluster: RedisCluster, intake: str, master: Node, after: int) -> None:
+        self.failover = FailoverBeforeFence(cluster, intake, master)
+        self.intake, self.after = intake, after
+        self.calls = 0
+        self.held_after: int | None = None
+
+    def patch(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        real: Callable[..., Awaitable[None]] = BurstWriter.send
+        hook = self
+
+        async def send(writer: BurstWriter, *args: Any, **kw: Any) -> None:
+            await real(writer, *args, **kw)
+            hook.calls += 1
+            if hook.calls == hook.after:
+                await asyncio.to_thread(hook.failover._failover)
+                for _ in range(50):
+                    try:
+                        hook.held_after = await writer.r.xlen(hook.intake)
+                        break
+                    except redis.RedisError:
+                        await asyncio.sleep(0.1)
+
+        monkeypatch.setattr(BurstWriter, "send", send)
+
+
+@pytest.mark.parametrize("n", [HEAD, 5 * HEAD], ids=["lost-last-chunk", "lost-earlier-chunk"])
+def test_a_failover_after_a_chunk_was_sent_fails_the_submit(
+    cluster: RedisCluster,
+    cluster_settings: Callable[..., Settings],
+    cr: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    n: int,
+) -> None:
+    """With min_replicas_acked=1, the master of a shard's queue answers a burst's head and loses
+    it in a failover (its replica, cut off, never got it) before the submit's fence: the submit
+    fails with WritesLost and the burst is cancelled, whether the head was its last chunk (the
+    fence reads the shard's count back) or a later chunk went to the promoted replica (that chunk
+    finds the entries before it missing). Before: the fence confirmed on the new master and
+    submit returned a burst missing its head, which no worker would ever answer."""
+    s = cluster_settings(min_replicas_acked=1, min_replicas_acked_timeout_ms=1000)
+    keys = Keys(s.namespace)
+    intake = keys.intake(SHARD, "normal")
+    master = cluster.master_of(intake)
+    burst = burst_id_off(cluster, keys, master)
+    hook = FailoverAfterSend(cluster, intake, master, after=1)
+    hook.patch(monkeypatch)
+    hook.failover.cut()
+    reqs = [{"id": f"r{i}", "prompt": f"alpha {i}", "max_tokens": 4} for i in range(n)]
+    with pytest.raises(WritesLost, match="missing"):
+        Producer(s).submit(reqs, placement=OnShard(SHARD), burst_id=burst)
+    assert hook.held_after == 0, "the failover kept the head: the window was missed"
+    assert cr.hget(keys.burst(burst), "status") == b"cancelled"

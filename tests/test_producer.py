@@ -17,6 +17,7 @@ from helpers import cli, queued_entries
 from prefixq.affinity.placement import HashPlacer
 from prefixq.client import Producer, results
 from prefixq.client import producer as producer_module
+from prefixq.client.layout import GUARD_TTL_S, Layout
 from prefixq.client.producer import HEAD
 from prefixq.core import wire
 from prefixq.core.entries import Entry
@@ -350,3 +351,24 @@ def test_small_entries_travel_uncompressed(
     body = [by_id[q["id"]] for q in reqs[HEAD:]]
     assert {tag for tag, n in body if n < wire.COMPRESS_FROM} == {wire.CODEC_TAGS["none"]}
     assert {tag for tag, n in body if n >= wire.COMPRESS_FROM} == {wire.CODEC_TAGS["zlib"]}
+
+
+def test_a_long_submit_keeps_the_count_of_a_shard_it_stopped_sending_to(
+    settings: Settings, r: redis.Redis
+) -> None:
+    """Given a shard whose count of a submission's entries (lua/enqueue.lua's guard) was last set
+    long ago, when a chunk goes only to other shards, then it refreshes that count's TTL: the
+    submit's fence reads every count back, and one that expired would fail the submit."""
+    keys = Keys(settings.namespace)
+    lay = Layout(keys, "long", "normal", "default")
+    pipe = r.pipeline(transaction=False)
+    lay.add(pipe, {0: [(b"a", 1)], 1: [(b"b", 1)]}, first=True, token="t")
+    pipe.execute()
+    guard = keys.enqueued(1, "long", "t")
+    r.expire(guard, 5)
+    lay._touched[1] -= GUARD_TTL_S  # its TTL was last set a long while ago
+    pipe = r.pipeline(transaction=False)
+    lay.add(pipe, {0: [(b"c", 1)]}, first=False, token="t")
+    pipe.execute()
+    assert r.ttl(guard) > GUARD_TTL_S - 60
+    assert lay.counts("t") == {keys.enqueued(0, "long", "t"): 2, guard: 1}

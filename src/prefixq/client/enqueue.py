@@ -21,7 +21,7 @@ from redis.exceptions import RedisError
 from prefixq.affinity.placement import Placed, Placer
 from prefixq.client.encoding import Encoded, EntryEncoder
 from prefixq.client.layout import Layout
-from prefixq.core.errors import BurstIdTaken
+from prefixq.core.errors import BurstIdTaken, WritesLost
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from prefixq.store.connection import is_cluster, lua
@@ -151,9 +151,28 @@ class BurstWriter:
         at = 2 * len(encoded.new_prefixes)
         fresh = [bool(x) for x in replies[:at:2]]
         self.enc.stored(encoded.new_prefixes, fresh)
+        self._lost(encoded.by_shard, replies[at::2])
         await self._skipped(count, encoded.by_shard, replies[at::2])
         self.per_shard.update(p.shard for p in placed)
         self.sent += count
+
+    def _lost(self, by_shard: dict[int, list[tuple[bytes, int]]], replies: list[Any]) -> None:
+        """`WritesLost` when a shard's master lacks entries this submission sent it before and
+        was answered for (``replies``: lua/enqueue.lua's, negative: the number missing; a failover
+        lost them, and the promoted replica took this chunk's call): the burst would never
+        finish."""
+        lost = {k: -int(x) for k, x in zip(sorted(by_shard), replies, strict=False) if int(x) < 0}
+        if lost:
+            raise WritesLost(
+                f"burst {self.burst}: entries sent before are missing on the master of shard(s) "
+                + ", ".join(f"{k} ({n})" for k, n in sorted(lost.items()))
+                + " (a Redis failover lost them after their master had answered)"
+            )
+
+    def proofs(self) -> tuple[dict[str, list[str]], dict[str, int]]:
+        """What the submit's fence reads back (store/fence.py): the burst record's ``total``, and
+        each shard's count of this submission's entries (lua/enqueue.lua's guard)."""
+        return {self.keys.burst(self.burst): ["total"]}, self.layout.counts(self.token)
 
     async def _skipped(
         self, count: int, by_shard: dict[int, list[tuple[bytes, int]]], replies: list[Any]

@@ -14,6 +14,7 @@ architecture.md, "Sharing a shard" ("Layout", "Costs"), has the design and what 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prefixq.core.keys import FIELD, GROUP, LANE, POS, Keys
@@ -21,8 +22,11 @@ from prefixq.core.sharing import LaneInfo
 from prefixq.store.connection import lua
 
 #: seconds a shard's guard of one submission lives after its last chunk (Keys.enqueued): a resend
-#: comes within the producer's ride-through (enqueue.RIDE_THROUGH_S)
+#: comes within the producer's ride-through (enqueue.RIDE_THROUGH_S); a chunk refreshes the guards
+#: of the shards it sends nothing to every `_REFRESH_S`, so that every guard lasts until the
+#: submit's fence reads it back (store/fence.py) and the next chunk's check (lua/enqueue.lua)
 GUARD_TTL_S = 600
+_REFRESH_S = GUARD_TTL_S / 4
 
 
 class Layout:
@@ -36,11 +40,21 @@ class Layout:
         #: its intake
         self.laned: dict[int, int] = {}
         self.intaken: dict[int, int] = {}
+        #: per shard: when its guard's TTL was last set (`add`)
+        self._touched: dict[int, float] = {}
 
     @property
     def lanes(self) -> set[int]:
         """Shards where this burst has a lane."""
         return set(self.laned)
+
+    def counts(self, token: str) -> dict[str, int]:
+        """Each shard's guard of submission ``token`` and the entries sent to that shard: what
+        the submit's fence reads back."""
+        return {
+            self.keys.enqueued(k, self.burst, token): self.laned.get(k, 0) + n
+            for k, n in self.intaken.items()
+        }
 
     def mark(self) -> tuple[dict[int, int], dict[int, int]]:
         """What the layout has sent, for `rewind` (a pipeline sent again sends the same)."""
@@ -54,7 +68,8 @@ class Layout:
     ) -> None:
         """The entries of one chunk (shard -> [(entry, estimated work)]) and the shards' load
         counters: per shard, in shard order, one lua/enqueue.lua call (its reply: the entries
-        skipped as sent before by submission ``token``) and one HINCRBY; ``first``: the
+        skipped as sent before by submission ``token``, or minus those missing) and one HINCRBY;
+        then the guards of the other shards that are due, refreshed (EXPIRE); ``first``: the
         burst's head."""
         keys, burst, info = self.keys, self.burst, self.info
         for shard, rows in sorted(by_shard.items()):
@@ -84,6 +99,12 @@ class Layout:
             call += [make, burst, GROUP, FIELD, POS, LANE]
             pipe.execute_command("EVAL", self._script, 4, *call, *args)
             pipe.hincrby(keys.load, str(shard), sum(w for _, w in rows))
+            self._touched[shard] = time.monotonic()
+        stale = time.monotonic() - _REFRESH_S
+        for shard, at in self._touched.items():
+            if at < stale:
+                pipe.expire(keys.enqueued(shard, burst, token), GUARD_TTL_S)
+                self._touched[shard] = time.monotonic()
 
     def seal(self, pipe: Any) -> None:
         """Mark the burst's lanes sealed: nothing more comes, a worker may close them once empty."""

@@ -270,8 +270,11 @@ class _Submission:
                 await self._send(chunk, encoded)
                 start, size = start + len(chunk), min(4 * size, _CHUNK)
             # min_replicas_acked: the replicas hold every entry and the record before submit
-            # returns (the writes go to every master: entries, prefixes, record, indexes)
-            await afence(self.r, self.s)
+            # returns (the writes go to every master: entries, prefixes, record, indexes); the
+            # record and each shard's count of entries are read back on the masters that serve
+            # them now, so a failover since they were answered fails the submit (WritesLost)
+            present, counted = self.writer.proofs()
+            await afence(self.r, self.s, present=present, counted=counted)
         except Exception as e:  # ours, Redis's, or a bug: never a created burst left half sent
             await self._abandon(e)
             raise

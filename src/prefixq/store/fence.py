@@ -15,23 +15,26 @@ already recorded, count once). A single Redis with replicas works the same way (
 A fence's key carries a hash tag ``{f<i>}`` whose slot that master serves, found once per master
 by trying i = 0, 1, ... (a few tries: 3 masters split the 16384 slots).
 
-**A fence proves the writes it guards** (``present``: hash fields that must exist). WAIT confirms
+**A fence proves the writes it guards** (``present``: hash fields that must exist; ``counted``:
+counters that must be at least so high, such as a submission's count of entries on a shard;
+``members``: set members that must exist, such as the entries moved onto a shard). WAIT confirms
 what the master it runs on holds, not what an earlier command wrote: if the slot map changes
 between the write and the fence (the master dies, its replica, which never got the write, is
 promoted, and the client's map follows), a bare fence runs on the new master, its replicas confirm
-it, and the caller acks writes that are gone. So the fence's pipeline first reads the fields back
-(``HMGET``) on the same connection, then ``SET`` + ``WAIT``: fields all there and n replicas
-confirming means the replicas hold them (the SET comes after the read on that master's one
-replication stream, so WAIT covers what the read saw), whichever node wrote them; a field missing
-is `WritesLost` and the caller writes again; a node that no longer serves the slot answers MOVED
-(transient: the caller retries). It costs no round trip more: the read rides in the fence's
-pipeline. docs/delivery.md, "Redis Cluster and failover".
+it, and the caller acks writes that are gone. So the fence's pipeline first reads the writes back
+(``HMGET``, ``GET``, ``SMISMEMBER``) on the same connection, then ``SET`` + ``WAIT``: writes all
+there and n replicas confirming means the replicas hold them (the SET comes after the read on that
+master's one replication stream, so WAIT covers what the read saw), whichever node wrote them; a
+write missing is `WritesLost` and the caller writes again (a producer's submit fails); a node that
+no longer serves the slot answers MOVED (transient: the caller retries). It costs no round trip
+more: the read rides in the fence's pipeline. docs/delivery.md, "Redis Cluster and failover".
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -63,25 +66,53 @@ def fence_key(r: Any, keys: Keys, node: Any) -> str:
 
 #: hash fields a fence must find before it confirms: {hash key: fields}
 Present = Mapping[str, Collection[int | str]]
+#: counters a fence must find at least this high: {string key: least value}
+Counted = Mapping[str, int]
+#: set members a fence must find: {set key: members}
+Members = Mapping[str, Collection[bytes | str]]
 
 
-def _check(
-    replies: list[Any],
-    proofs: Sequence[tuple[str, Collection[int | str]]],
-    where: str,
-    settings: Settings,
-) -> None:
-    """Raise what ``replies`` (one per HMGET of ``proofs``, then SET's and WAIT's) say went wrong:
-    an error reply, a field missing (`WritesLost`), fewer replicas than asked (`ReplicasBehind`)."""
+@dataclass(frozen=True, slots=True)
+class _Proof:
+    """One read a fence's pipeline makes before its SET and WAIT, and what it must find: a hash's
+    fields (``hash``), a counter at least ``least`` (``count``), a set's members (``set``)."""
+
+    kind: str
+    key: str
+    items: tuple[int | str | bytes, ...] = ()
+    least: int = 0
+
+    def command(self) -> tuple[Any, ...]:
+        if self.kind == "hash":
+            return ("HMGET", self.key, *self.items)
+        if self.kind == "count":
+            return ("GET", self.key)
+        return ("SMISMEMBER", self.key, *self.items)
+
+    def missing(self, got: Any) -> list[str]:
+        """What of this proof the reply ``got`` lacks, for the error."""
+        if self.kind == "count":
+            have = int(got or 0)
+            return [] if have >= self.least else [f"{self.key} ({have} of {self.least})"]
+        lost = (it for it, v in zip(self.items, got, strict=True) if v is None or v == 0)
+        return [f"{self.key} {it.decode() if isinstance(it, bytes) else it}" for it in lost]
+
+
+def _proofs(present: Present, counted: Counted, members: Members) -> list[_Proof]:
+    return [
+        *(_Proof("hash", k, tuple(f)) for k, f in present.items() if f),
+        *(_Proof("count", k, least=n) for k, n in counted.items() if n > 0),
+        *(_Proof("set", k, tuple(m)) for k, m in members.items() if m),
+    ]
+
+
+def _check(replies: list[Any], proofs: Sequence[_Proof], where: str, settings: Settings) -> None:
+    """Raise what ``replies`` (one per read of ``proofs``, then SET's and WAIT's) say went wrong:
+    an error reply, a write missing (`WritesLost`), fewer replicas than asked (`ReplicasBehind`)."""
     for got in replies:
         if isinstance(got, Exception):
             raise got
-    missing = [
-        f"{key} {field}"
-        for (key, fields), got in zip(proofs, replies, strict=False)
-        for field, value in zip(fields, got, strict=True)
-        if value is None
-    ]
+    missing = [m for p, got in zip(proofs, replies, strict=False) for m in p.missing(got)]
     if missing:
         raise WritesLost(
             f"{len(missing)} writes to confirm are missing on {where} (a failover between the "
@@ -97,32 +128,29 @@ def _check(
         )
 
 
-def _commands(
-    key: str, settings: Settings, proofs: Sequence[tuple[str, Collection[int | str]]] = ()
-) -> list[tuple[Any, ...]]:
-    """The fence's pipeline: the proofs' HMGETs, then SET and WAIT (one connection)."""
+def _commands(key: str, settings: Settings, proofs: Sequence[_Proof] = ()) -> list[tuple[Any, ...]]:
+    """The fence's pipeline: the proofs' reads, then SET and WAIT (one connection)."""
     n = settings.min_replicas_acked
     return [
-        *(("HMGET", k, *fields) for k, fields in proofs),
+        *(p.command() for p in proofs),
         ("SET", key, n, "PX", _TTL_MS),
         ("WAIT", n, settings.min_replicas_acked_timeout_ms),
     ]
 
 
 def _targets(
-    r: Any, written: Iterable[str] | None, present: Present
-) -> list[tuple[Any, list[tuple[str, Collection[int | str]]]]]:
+    r: Any, written: Iterable[str] | None, proofs: Sequence[_Proof]
+) -> list[tuple[Any, list[_Proof]]]:
     """The masters to fence, each with the proofs its pipeline reads: those serving ``written``
-    and ``present``'s keys (``written`` None: every master)."""
-    nodes: dict[str, tuple[Any, list[tuple[str, Collection[int | str]]]]] = {}
+    and the proofs' keys (``written`` None: every master)."""
+    nodes: dict[str, tuple[Any, list[_Proof]]] = {}
     if written is None:
         nodes = {n.name: (n, []) for n in r.get_primaries()}
-    for key in [*(written or ()), *present]:
+    for key in [*(written or ()), *(p.key for p in proofs)]:
         node = r.get_node_from_key(key)
         nodes.setdefault(node.name, (node, []))
-    for key, fields in present.items():
-        if fields:
-            nodes[r.get_node_from_key(key).name][1].append((key, list(fields)))
+    for p in proofs:
+        nodes[r.get_node_from_key(p.key).name][1].append(p)
     return list(nodes.values())
 
 
@@ -132,15 +160,17 @@ async def afence(
     written: Iterable[str] | None = None,
     *,
     present: Present | None = None,
+    counted: Counted | None = None,
+    members: Members | None = None,
 ) -> int:
     """Fence (asyncio client) the masters of the keys ``written`` (None: every master), after
-    reading ``present``'s hash fields back on each (`WritesLost` when one is missing); nothing
-    when ``min_replicas_acked`` is 0. Returns the number of masters fenced."""
+    reading back on each ``present``'s hash fields, ``counted``'s counters and ``members``'s set
+    members (`WritesLost` when one is missing or a counter is short); nothing when
+    ``min_replicas_acked`` is 0. Returns the number of masters fenced."""
     if settings.min_replicas_acked <= 0:
         return 0
-    present = present or {}
+    proofs = _proofs(present or {}, counted or {}, members or {})
     if not is_cluster(r):
-        proofs = [(k, list(f)) for k, f in present.items() if f]
         pipe = r.pipeline(transaction=False)  # one connection: WAIT follows its SET
         for cmd in _commands(settings.keys.fence(0), settings, proofs):
             pipe.execute_command(*cmd)
@@ -148,9 +178,9 @@ async def afence(
         _check(replies, proofs, redact(settings.redis_url), settings)
         return 1
     await r.initialize()  # the slot map (a no-op once the client has one)
-    nodes = _targets(r, written, present)
+    nodes = _targets(r, written, proofs)
 
-    async def one(node: Any, proofs: list[tuple[str, Collection[int | str]]]) -> None:
+    async def one(node: Any, proofs: list[_Proof]) -> None:
         cmds = [
             PipelineCommand(i, *c)
             for i, c in enumerate(_commands(fence_key(r, settings.keys, node), settings, proofs))
@@ -172,7 +202,7 @@ def fence(r: redis.Redis, settings: Settings, written: Iterable[str] | None = No
             pipe.execute_command(*cmd)
         _check(pipe.execute(raise_on_error=False), [], redact(settings.redis_url), settings)
         return 1
-    nodes = _targets(r, written, {})
+    nodes = _targets(r, written, [])
     for node, _ in nodes:
         pipe = r.get_redis_connection(node).pipeline(transaction=False)
         for cmd in _commands(fence_key(r, settings.keys, node), settings):

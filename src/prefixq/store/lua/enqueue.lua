@@ -17,13 +17,18 @@
 -- ARGV[5]  the burst id   ARGV[6] the consumer group
 -- ARGV[7], ARGV[8], ARGV[9]  the field names: payload, place, doorbell (prefixq.core.keys)
 -- ARGV[10..] per entry, in order: payload, place
--- Returns the number of entries skipped as already added (0 on a first send).
+-- Returns the number of entries skipped as already added (0 on a first send), or, when fewer than
+-- ARGV[2] are in (a failover lost entries this submission sent before and the master answered
+-- for), minus the number missing, adding nothing: the producer's submit fails (WritesLost).
 local sent = tonumber(redis.call('GET', KEYS[1]) or '0')
 local start = tonumber(ARGV[2])
 local laned = tonumber(ARGV[3])
 local n = (#ARGV - 9) / 2
 if sent >= start + n then
   return n
+end
+if sent < start then
+  return sent - start
 end
 if ARGV[4] ~= '' and sent <= start then
   -- a lane left by an expired burst of the same id keeps its group (BUSYGROUP)
