@@ -25,9 +25,10 @@ from ledger import LEDGER
 from prefixq.client import Producer
 from prefixq.core import wire
 from prefixq.core.entries import Entry
-from prefixq.core.errors import ReplicasBehind
+from prefixq.core.errors import RedisUnavailable, ReplicasBehind, WritesLost
 from prefixq.core.keys import FIELD, Keys
 from prefixq.core.settings import Settings
+from prefixq.store import entry_moves
 from prefixq.store.connection import async_client
 from prefixq.store.entry_moves import EntryMoves
 from prefixq.worker.handover import Handover
@@ -139,3 +140,74 @@ def test_without_min_replicas_acked_the_same_failover_doubles_nothing_and_says_w
     ids = Counter(_ids(cr, s, TARGET)) + Counter(_ids(cr, s, SOURCE))
     assert max(ids.values(), default=1) == 1, ids
     print(f"  min_replicas_acked=0: {written} entries put, {N - sum(ids.values())} lost")
+
+
+def test_a_failover_between_the_put_and_its_fence_keeps_the_plan(
+    cluster: RedisCluster,
+    cluster_settings: Callable[..., Settings],
+    cr: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With min_replicas_acked=1, the put lands on the target's master only (its replica cut off),
+    and that master fails over after the put and before its fence (the killed node back as the
+    new master's replica, so WAIT 1 confirms there): the fence reads the entries moved in back,
+    finds them missing (WritesLost), the plan stays, and finishing the move puts every entry on
+    the target once. Before: the fence confirmed on the promoted replica, the plan was deleted,
+    and the entries the put had written were gone from every shard."""
+    s = cluster_settings(min_replicas_acked=1, min_replicas_acked_timeout_ms=1000)
+    keys = Keys(s.namespace)
+    Producer(s).submit(_requests(), placement=OnShard(SOURCE))
+    cr.hset(keys.live, str(TARGET), repr(time.time()))
+    intake = keys.intake(TARGET, "normal")
+    master = cluster.master_of(intake)
+    replica = cluster.replica_of(master)
+    real = entry_moves.afence
+    lost: list[int] = []
+
+    def failover() -> None:
+        cluster.kill(master)
+        cluster.resume(replica)
+        assert cluster.wait_failover(intake, master) is replica
+        cluster.restart(master)
+        cluster.wait_whole(60)
+
+    async def afence(r: Any, settings: Settings, written: Any = None, **kw: Any) -> int:
+        if not lost and written and keys.moved_in(TARGET) in written:
+            await asyncio.to_thread(failover)
+            for _ in range(50):  # the client follows the new slot map
+                try:
+                    lost.append(await r.xlen(intake))
+                    break
+                except redis.RedisError:
+                    await asyncio.sleep(0.1)
+        return await real(r, settings, written, **kw)
+
+    monkeypatch.setattr(entry_moves, "afence", afence)
+    cluster.isolate(replica, master)
+
+    async def move() -> BaseException | None:
+        client = async_client(s)
+        try:
+            await Handover(client, s, name="mover").move_shard(SOURCE, 4, why="operator")
+            return None
+        except RedisUnavailable as e:
+            return e
+        finally:
+            await client.aclose()
+
+    err = asyncio.run(move())
+    assert lost == [0], "the failover kept the put: the window was missed"
+    assert isinstance(err, WritesLost), err
+    assert cr.hlen(keys.moving(SOURCE)) > 0, "the plan was deleted after a lost put"
+    monkeypatch.undo()
+
+    async def finish() -> None:
+        client = async_client(s)
+        try:
+            await EntryMoves(client, s).finish(SOURCE)
+        finally:
+            await client.aclose()
+
+    asyncio.run(finish())
+    assert Counter(_ids(cr, s, TARGET)) == Counter(f"m{i}" for i in range(N))
+    assert _ids(cr, s, SOURCE) == [] and cr.hlen(keys.moving(SOURCE)) == 0

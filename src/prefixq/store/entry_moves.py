@@ -17,7 +17,11 @@ each atomic in one slot, and each safe to repeat:
 A mover that dies after 1 leaves the plan; `finish` (run first by every mover of that shard) puts
 what is planned and deletes the plan. With ``min_replicas_acked`` the source's master is fenced
 after 1 and the target's after 2 (store/fence.py), so a failover cannot lose a step that the
-next one relies on. docs/delivery.md, "Moves between shards", has the rest.
+next one relies on; the target's fence first reads the put's tokens back from the set of entries
+moved in, so a failover between the put and its fence (the promoted replica never got the put) is
+`WritesLost` and the plan stays for the next `finish`, where a bare WAIT on the new master would
+have confirmed, and the plan's deletion lost the entries. docs/delivery.md, "Moves between
+shards", has the rest.
 """
 
 from __future__ import annotations
@@ -129,8 +133,9 @@ class EntryMoves:
         for target, group in by_target.items():
             for start in range(0, len(group), _PUT_BATCH):
                 added += await self._put_batch(target, group[start : start + _PUT_BATCH])
-        if self.s.min_replicas_acked:
-            await afence(self.r, self.s, [self.keys.moved_in(t) for t in by_target])
+        if self.s.min_replicas_acked:  # the tokens read back: a put a failover lost keeps its plan
+            members = {self.keys.moved_in(t): [p.token for p in g] for t, g in by_target.items()}
+            await afence(self.r, self.s, list(members), members=members)
         source = plans[0].source
         for start in range(0, len(plans), 1000):
             fields = [p.field for p in plans[start : start + 1000]]
