@@ -249,3 +249,65 @@ def test_sigterm_while_prefixq_worker_builds_its_vllm_engine_exits_0_at_once(
     assert not alive, f"engine processes left: {alive}"
     assert not r.exists(hb)
     LEDGER.fault("SIGTERM to `prefixq worker` while it builds its vLLM engine")
+
+
+def _run_stopped(tmp_path: Path, body: str) -> tuple[int, str, float]:
+    """Run ``body`` after `WorkerSignals().install()` (what `prefixq worker` does first) in a
+    process of its own; its exit code, its output and how long it took."""
+    script = tmp_path / "stopped.py"
+    script.write_text(
+        "import asyncio, gc, logging, os, signal, sys, time\n"
+        "from prefixq.cli.worker_signals import WorkerSignals\n"
+        "logging.basicConfig(level='INFO', format='%(levelname)s %(name)s: %(message)s')\n"
+        "WorkerSignals().install()\n" + textwrap.dedent(body)
+    )
+    t0 = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=EXIT_S + 30
+    )
+    return done.returncode, done.stdout + done.stderr, time.monotonic() - t0
+
+
+def test_a_stop_that_lands_in_a_finalizer_still_ends_the_start_at_once(tmp_path: Path) -> None:
+    """Given a stop whose signal handler runs inside a finalizer (``__del__``, a weakref
+    callback: the garbage collector runs them wherever the start is), where Python swallows the
+    ``SystemExit`` it raises ("Exception ignored in"), the process still exits 0 at once and the
+    start goes no further. Before: the start went on (a FakeEngine worker stopped 0.5-0.8 s
+    after its start logged "exiting" and then "serving", reading its shard) until the watchdog
+    ended it after EXIT_S."""
+    rc, out, took = _run_stopped(
+        tmp_path,
+        """
+        class Finalized:
+            def __del__(self):
+                os.kill(os.getpid(), signal.SIGTERM)  # the handler runs in here
+                time.sleep(0.05)
+        Finalized()
+        print("the start went on", flush=True)
+        time.sleep(30)
+        """,
+    )
+    assert rc == 0 and "SIGTERM during start-up: exiting" in out, out
+    assert "the start went on" not in out and took < EXIT_S, (took, out)
+    assert "Traceback" not in out, out
+
+
+def test_a_stop_that_lands_in_a_task_of_the_start_unwinds_without_errors(tmp_path: Path) -> None:
+    """Given a stop whose handler runs inside an asyncio task of the start that is not the one
+    ``asyncio.run`` awaits (the worker's own start tasks), the process exits 0 with no ERROR
+    line and no traceback (before: asyncio logged "Task exception was never retrieved" with the
+    SystemExit's traceback, and "Task was destroyed but it is pending!")."""
+    rc, out, _ = _run_stopped(
+        tmp_path,
+        """
+        async def side():
+            os.kill(os.getpid(), signal.SIGINT)
+            await asyncio.sleep(0)
+        async def main():
+            tasks = [asyncio.create_task(side()), asyncio.create_task(asyncio.sleep(30))]
+            await asyncio.sleep(30)
+        asyncio.run(main())
+        """,
+    )
+    assert rc == 0 and "SIGINT during start-up: exiting" in out, out
+    assert "ERROR" not in out and "Traceback" not in out, out

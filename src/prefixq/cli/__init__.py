@@ -20,7 +20,7 @@ import signal
 import sys
 from types import FrameType
 
-from prefixq.cli.start_stop import STOPPING, inside_import, leave_now
+from prefixq.cli.start_stop import STOPPING, inside_import, leave_now, unwinding
 
 __all__ = ["main"]
 
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _exit_during_start(signum: int, frame: FrameType | None) -> None:
     """A stop while the worker imports its command: it holds nothing yet; exit 0."""
-    STOPPING.set()
+    unwinding()
     if inside_import(frame):
         leave_now()
     raise SystemExit(0)

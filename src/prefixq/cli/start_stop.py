@@ -1,6 +1,7 @@
 """A worker stopped while it starts (prefixq.cli, prefixq.cli.worker_signals): it holds nothing
 yet, so it exits 0, at once where unwinding is not safe (`inside_import`, `leave_now`), and
-whatever the unwinding raises (`STOPPING`). Standard library only: imported at the process's
+whatever the unwinding raises (`STOPPING`), quietly, and at once where Python swallows the stop
+(`unwinding`). Standard library only: imported at the process's
 first line.
 """
 
@@ -10,7 +11,7 @@ import sys
 import threading
 from types import FrameType
 
-__all__ = ["STOPPING", "inside_import", "leave_now"]
+__all__ = ["STOPPING", "inside_import", "leave_now", "unwinding"]
 
 #: set by a stop signal that came while a worker started (prefixq.cli, or its worker_signals)
 STOPPING = threading.Event()
@@ -38,3 +39,28 @@ def leave_now() -> None:
         except (OSError, ValueError):
             continue
     os._exit(0)
+
+
+def unwinding() -> None:
+    """A stop came while the worker starts, and the handler is about to raise ``SystemExit(0)``
+    wherever the main thread is: `STOPPING` set; from now on, what the unwinding leaves behind is
+    not reported (asyncio's "Task exception was never retrieved" for a task the SystemExit went
+    through, "Task was destroyed but it is pending!", a coroutine never awaited: ERROR lines and
+    tracebacks of a process that exits 0 holding nothing); and a ``SystemExit`` that Python
+    swallows (raised inside a finalizer, ``__del__`` or a weakref callback, which the garbage
+    collector runs anywhere: "Exception ignored in") leaves at once (`leave_now`), where the
+    start would otherwise have gone on to serve until the watchdog ended it."""
+    import logging
+    import warnings
+
+    STOPPING.set()
+    logging.getLogger("asyncio").disabled = True
+    warnings.simplefilter("ignore")
+    previous = sys.unraisablehook
+
+    def swallowed(unraisable: sys.UnraisableHookArgs) -> None:
+        if unraisable.exc_type is SystemExit:
+            leave_now()
+        previous(unraisable)
+
+    sys.unraisablehook = swallowed

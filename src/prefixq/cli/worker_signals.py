@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
-from prefixq.cli.start_stop import STOPPING, inside_import, leave_now
+from prefixq.cli.start_stop import inside_import, leave_now, unwinding
 
 if TYPE_CHECKING:  # imported at the process's first line (prefixq.cli): nothing slow
     import asyncio
@@ -93,7 +93,7 @@ class WorkerSignals:
         # the default action, and a second SIGTERM then would end the process with -15, not 0
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
-        STOPPING.set()  # whatever the unwinding raises, the process exits 0 (prefixq.cli)
+        unwinding()  # whatever the unwinding raises, the process exits 0 (prefixq.cli), quietly
         log.info("%s during start-up: exiting (nothing is held yet)", signal.Signals(signum).name)
         if inside_import(frame):  # raising there can abort the process (prefixq.cli)
             leave_now()
