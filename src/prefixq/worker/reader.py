@@ -197,9 +197,16 @@ class Reader:
                 lane.exists = False
             if not lane.ended and lane.burst in self.ended:
                 sched.end(lane)
-            if lane.stock or lane.remote:
+            if lane.stock:
                 continue
-            if lane.exists and (lane.sealed or lane.ended):
+            if lane.exists and lane.ended:
+                # asked even while it may grow: an unsealed lane always may (its producer may
+                # have died before sealing it), and lua/close_lane.lua decides ("ended": idle
+                # long enough, nothing undelivered or pending)
+                closable.append(lane)
+            elif lane.remote:
+                continue
+            elif lane.exists and lane.sealed:
                 closable.append(lane)
             elif not lane.exists:
                 sched.drop(lane)
