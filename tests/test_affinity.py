@@ -170,6 +170,41 @@ def test_unknown_prefixes_spread_by_prefill_tokens_not_count(
     assert abs(counts[0] - counts[1]) >= 4, "balanced by tokens, so counts should differ"
 
 
+def test_garbage_in_the_load_counters_or_the_prefix_map_is_no_estimate_never_an_error(
+    make_settings: Callable[..., Settings], r: redis.Redis
+) -> None:
+    """The load counters and the prefix map are estimates every producer, mover and `inspect`
+    reads: fields that are not shards, values that are not (finite) numbers, and a map entry
+    that names no shard are read as nothing known (the entry placed anew), never a refused
+    submit or a failed `inspect`."""
+    from prefixq.ops.stats import shard_stats
+    from prefixq.store.liveness import load_of
+
+    s = make_settings(shards=2, prefix_store_min_chars=16)
+    keys = Keys(s.namespace)
+    doc = "a document worth a prefix group of its own. " * 20
+    first = Producer(s).submit([{"prefix": doc, "prompt": f" q{i}?"} for i in range(4)])
+    assert results.status(first, s).total == 4
+    r.hset(keys.load, mapping={"zero": 5, "0": "lots", "1": "nan", "2": 7, "-1": "inf"})
+    cps = r.hkeys(keys.prefix_map)
+    assert cps
+    r.hset(keys.prefix_map, mapping=dict.fromkeys(cps, b"not a shard"))
+    later = Producer(s).submit([{"prefix": doc, "prompt": f" r{i}?"} for i in range(4)])
+    assert results.status(later, s).total == 4
+    held = {int(v) for v in r.hmget(keys.prefix_map, cps) if v is not None}
+    assert held and held <= {0, 1}  # placed anew: the entries name a shard again
+    # the counters the submit raised are integers again (lua/add_load.lua replaced the garbage)
+    assert all(r.hget(keys.load, str(k)).lstrip(b"-").isdigit() for k in {0, 1} & set(held))
+    assert load_of({b"zero": b"5", b"0": b"lots", b"1": b"inf", b"2": b"7"}, range(2)) == {
+        0: 0.0,
+        1: 0.0,
+    }
+    rows = shard_stats(r, s, 2)
+    assert [row["outstanding_prefill_tokens"] for row in rows] == [
+        int(load_of(r.hgetall(keys.load), range(2))[k]) for k in range(2)
+    ]
+
+
 def test_hash_placement_puts_a_document_on_its_first_blocks_shard_whatever_the_load(
     make_settings: Callable[..., Settings], r: redis.Redis
 ) -> None:

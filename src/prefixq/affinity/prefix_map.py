@@ -23,7 +23,7 @@ import redis.asyncio as aredis
 from prefixq.affinity.placement import Item, Placed
 from prefixq.core.settings import Settings
 from prefixq.store.connection import lua
-from prefixq.store.liveness import alive_mask
+from prefixq.store.liveness import alive_mask, load_of
 from prefixq.store.move_log import add_moves
 
 log = logging.getLogger(__name__)
@@ -85,17 +85,15 @@ class AffinityPlacer:
         for start in range(0, len(unique), 10_000):
             chunk = unique[start : start + 10_000]
             for cp, v in zip(chunk, await r.hmget(self.keys.prefix_map, chunk), strict=True):
-                if v is None or not 0 <= int(v) < shards:
+                if v is None:
                     continue
-                if alive[int(v)]:
-                    known[cp] = int(v)
-                else:  # its shard has no live worker: placed anew, the map entry moved
+                held = int(v) if v.isdigit() else -1
+                if 0 <= held < shards and alive[held]:
+                    known[cp] = held
+                else:  # no live worker there, or not a shard: placed anew, the map entry moved
                     modes[cp] = "m"
-        raw = await r.hgetall(self.keys.load)
-        load = [0.0] * shards
-        for k, v in raw.items():
-            if 0 <= int(k) < shards:
-                load[int(k)] = max(0.0, float(v))
+        by_shard = load_of(await r.hgetall(self.keys.load), range(shards))
+        load = [by_shard[k] for k in range(shards)]
 
         local: dict[bytes, int] = {}  # decided in this burst (claims and moves)
         placed: list[Placed] = []

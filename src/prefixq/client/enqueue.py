@@ -25,6 +25,7 @@ from prefixq.core.errors import BurstIdTaken, WritesLost
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from prefixq.store.connection import is_cluster, lua
+from prefixq.store.liveness import add_load
 from prefixq.store.redis_errors import transient
 from prefixq.store.retry import Backoff
 
@@ -184,7 +185,7 @@ class BurstWriter:
             return
         pipe = self.r.pipeline(transaction=False)
         for k, n in skipped.items():  # the first n entries of the shard's part were in already
-            pipe.hincrby(self.keys.load, str(k), -sum(w for _, w in by_shard[k][:n]))
+            add_load(pipe, self.keys, k, -sum(w for _, w in by_shard[k][:n]))
         await pipe.execute(raise_on_error=False)  # an estimate: a refused update only drifts it
         n = sum(skipped.values())
         self.skipped += n

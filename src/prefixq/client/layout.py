@@ -20,6 +20,7 @@ from typing import Any
 from prefixq.core.keys import FIELD, GROUP, LANE, POS, Keys
 from prefixq.core.sharing import LaneInfo
 from prefixq.store.connection import lua
+from prefixq.store.liveness import add_load
 
 #: seconds a shard's guard of one submission lives after its last chunk (Keys.enqueued): a resend
 #: comes within the producer's ride-through (enqueue.RIDE_THROUGH_S); a chunk refreshes the guards
@@ -98,7 +99,7 @@ class Layout:
             call += [keys.lane(shard, burst), keys.lanes(shard), GUARD_TTL_S, start, to_lane]
             call += [make, burst, GROUP, FIELD, POS, LANE]
             pipe.execute_command("EVAL", self._script, 4, *call, *args)
-            pipe.hincrby(keys.load, str(shard), sum(w for _, w in rows))
+            add_load(pipe, keys, shard, sum(w for _, w in rows))
             self._touched[shard] = time.monotonic()
         stale = time.monotonic() - _REFRESH_S
         for shard, at in self._touched.items():

@@ -38,6 +38,7 @@ from prefixq.store.dead_letters import (
     identify,
 )
 from prefixq.store.deployment import resolve_shards
+from prefixq.store.liveness import add_load
 from prefixq.store.scripts import BURST_DONE, FINISHED_DUPLICATE, record_call
 from prefixq.store.webhook_outbox import add_burst_event
 from prefixq.worker.deliveries import group_lost
@@ -214,7 +215,7 @@ class Recovery:
         rep.dead += 1
         if entry is not None:
             self.record_failure(entry, dead_lettered_result(entry, k, CLI_WORKER, reason))
-            self.r.hincrby(self.keys.load, str(k), -entry.work)
+            add_load(self.r, self.keys, k, -entry.work)
 
     def record_failure(self, e: Entry, res: Result) -> None:
         """Record a failed result exactly once (the writer's script and arguments)."""
@@ -306,7 +307,7 @@ class Recovery:
         if new is None:
             rep.skipped.append((did, "already requeued by another call"))
             return
-        self.r.hincrby(self.keys.load, str(k), entry.work)
+        add_load(self.r, self.keys, k, entry.work)
         rep.requeued += 1
 
 

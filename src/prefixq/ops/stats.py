@@ -30,6 +30,7 @@ from prefixq.ops import distributions, queues
 from prefixq.ops.fleet_stats import fleet, shares
 from prefixq.ops.worker_stats import gone_workers, live_workers
 from prefixq.store.deployment import resolve_shards
+from prefixq.store.liveness import load_of
 
 PERCENTILES = (50, 95, 99)
 #: results read per burst for its latency percentiles (a uniform random sample beyond that)
@@ -78,7 +79,7 @@ def shard_stats(
     of the bursts with a lane, per priority and tenant, over all shards."""
     keys = settings.keys
     now = time.time()
-    load = {k.decode(): int(v) for k, v in r.hgetall(keys.load).items()}
+    load = {str(k): int(v) for k, v in load_of(r.hgetall(keys.load), range(shards)).items()}
     sstats = {k.decode(): v for k, v in r.hgetall(keys.shard_stats).items()}
     out = []
     for k in range(shards):

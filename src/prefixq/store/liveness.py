@@ -17,6 +17,7 @@ good part of ``heartbeat_ttl_s`` see each other's shards as dead too early or to
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ import redis.asyncio as aredis
 
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
+from prefixq.store.connection import lua
 
 __all__ = [
     "Liveness",
@@ -140,10 +142,28 @@ async def read_tasks(r: aredis.Redis, keys: Keys, shards: int) -> list[str]:
 
 async def read_load(r: aredis.Redis, keys: Keys, shards: Iterable[int]) -> dict[int, float]:
     """The estimated outstanding prefill tokens of ``shards`` (`Keys.load`; 0 where none)."""
+    return load_of(await r.hgetall(keys.load), shards)
+
+
+def add_load(pipe: Any, keys: Keys, shard: int, tokens: int) -> Any:
+    """Raise (lower: negative ``tokens``) ``shard``'s outstanding prefill tokens on ``pipe`` (a
+    client or a pipeline, sync or async): lua/add_load.lua, an HINCRBY that a value other than
+    an integer in the hash cannot fail."""
+    return pipe.eval(lua("add_load"), 1, keys.load, str(shard), int(tokens))
+
+
+def load_of(raw: dict[Any, Any], shards: Iterable[int]) -> dict[int, float]:
+    """``shards``' outstanding prefill tokens in a read of `Keys.load` (0 where none). An
+    estimate: a field that is not a shard or a value that is not a finite number counts as
+    none, never an error (placement, moves and steals all read it)."""
     load = dict.fromkeys(shards, 0.0)
-    for k, v in (await r.hgetall(keys.load)).items():
-        if int(k) in load:
-            load[int(k)] = max(0.0, float(v))
+    for k, v in raw.items():
+        try:
+            shard, tokens = int(k), float(v)
+        except (TypeError, ValueError):
+            continue
+        if shard in load and math.isfinite(tokens):
+            load[shard] = max(0.0, tokens)
     return load
 
 

@@ -36,7 +36,7 @@ from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from prefixq.store.connection import lua
 from prefixq.store.entry_moves import EntryMoves
-from prefixq.store.liveness import read_liveness, read_load
+from prefixq.store.liveness import add_load, read_liveness, read_load
 from prefixq.store.move_log import add_moves
 from prefixq.worker.queued import Found, Group, groups, scan
 
@@ -289,7 +289,7 @@ class Handover:
                 await script(keys=[self.keys.prefix_map, self.keys.prefix_lru], args=args)
         pipe = self.r.pipeline(transaction=False)
         for target, work in shifted.items():
-            pipe.hincrby(self.keys.load, str(target), work)
-            pipe.hincrby(self.keys.load, str(source), -work)
+            add_load(pipe, self.keys, target, work)
+            add_load(pipe, self.keys, source, -work)
         add_moves(pipe, self.keys, records)
         await pipe.execute()

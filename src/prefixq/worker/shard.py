@@ -30,6 +30,7 @@ from prefixq.core.keys import GROUP, Keys
 from prefixq.core.settings import Settings
 from prefixq.store.connection import lua
 from prefixq.store.dead_letters import DEAD_MAXLEN, carried, dead_letter_record
+from prefixq.store.liveness import add_load
 from prefixq.store.pipelined_script import Call, PipelinedScript
 from prefixq.store.retry import retry
 from prefixq.store.scripts import group_tallies, record_call, tally_corrections
@@ -319,7 +320,7 @@ class ShardStream:
             call: Call = (list(groups), [GROUP, *counts, *ids])
             self._ack.add(pipe, *call)
             acks = 1
-        pipe.hincrby(keys.load, str(k), -sum(w.entry.work for w in batch))
+        add_load(pipe, keys, k, -sum(w.entry.work for w in batch))
         stats = keys.shard_stats
         pipe.hincrby(stats, f"{k}:prompt", sum(w.result.prompt_tokens for w in batch))
         pipe.hincrby(stats, f"{k}:cached", sum(w.result.cached_tokens for w in batch))
