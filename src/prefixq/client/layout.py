@@ -69,9 +69,9 @@ class Layout:
     ) -> None:
         """The entries of one chunk (shard -> [(entry, estimated work)]) and the shards' load
         counters: per shard, in shard order, one lua/enqueue.lua call (its reply: the entries
-        skipped as sent before by submission ``token``, or minus those missing) and one HINCRBY;
-        then the guards of the other shards that are due, refreshed (EXPIRE); ``first``: the
-        burst's head."""
+        skipped as sent before by submission ``token``, or minus those missing) and one load
+        increment (lua/add_load.lua); then the guards of the other shards that are due,
+        refreshed (EXPIRE); ``first``: the burst's head."""
         keys, burst, info = self.keys, self.burst, self.info
         for shard, rows in sorted(by_shard.items()):
             laned, intaken = self.laned.get(shard), self.intaken.get(shard, 0)

@@ -253,7 +253,7 @@ class _Submission:
         placer = for_task(placer, reqs.task or "generate", tasks, self.s)
         head_chunk = await reqs.encode(head, placer, shards, inline=True)
         if arrange is not None:
-            arrange.placed(head, [p.shard for p in head_chunk[1]])
+            arrange.placed(head, head_chunk[1])
         await self._create(shards, placement, order)
         try:
             await self._send(head, head_chunk, first=True)
@@ -266,7 +266,7 @@ class _Submission:
                 reqs.validate(chunk)  # a file's: read again now
                 encoded = await reqs.encode(chunk, placer, shards)
                 if arrange is not None:
-                    arrange.placed(chunk, [p.shard for p in encoded[1]])
+                    arrange.placed(chunk, encoded[1])
                 await self._send(chunk, encoded)
                 start, size = start + len(chunk), min(4 * size, _CHUNK)
             # min_replicas_acked: the replicas hold every entry and the record before submit

@@ -35,6 +35,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
+from prefixq.affinity.placement import Placed
 from prefixq.client.encoding import pass_key
 from prefixq.client.order import Peek
 from prefixq.core import wire
@@ -91,12 +92,12 @@ class Arrangement:
             starts.append(self.starts.get(shard, self.start) if shard is not None else self.start)
         return rotate_each(members, places, starts, self.size)
 
-    def placed(self, idx: Sequence[int], shards: Sequence[int]) -> None:
-        """Requests ``idx`` went to ``shards``: the first one of each group says where it is."""
-        for i, shard in zip(idx, shards, strict=True):
+    def placed(self, idx: Sequence[int], placed: Sequence[Placed]) -> None:
+        """Requests ``idx`` were ``placed``: the first one of each group says where it is."""
+        for i, p in zip(idx, placed, strict=True):
             k = self._pkey(i)
             if k is not None and k not in self.went:
-                self.went[k] = shard
+                self.went[k] = p.shard
 
     async def remember(self, r: Any, keys: Keys) -> None:
         """Keep where this burst's groups went (keys.pass_shards), for the bursts after it: a

@@ -79,7 +79,7 @@ def shard_stats(
     of the bursts with a lane, per priority and tenant, over all shards."""
     keys = settings.keys
     now = time.time()
-    load = {str(k): int(v) for k, v in load_of(r.hgetall(keys.load), range(shards)).items()}
+    load = load_of(r.hgetall(keys.load), range(shards))
     sstats = {k.decode(): v for k, v in r.hgetall(keys.shard_stats).items()}
     out = []
     for k in range(shards):
@@ -112,7 +112,7 @@ def shard_stats(
                 "worker_detail": workers,
                 "workers_gone": gone,
                 "inflight": q.pending,
-                "outstanding_prefill_tokens": load.get(str(k), 0),
+                "outstanding_prefill_tokens": int(load[k]),
                 "dead_letters": dead,
                 "prompt_tokens": int(sstats.get(f"{k}:prompt", 0)),
                 "cached_tokens": int(sstats.get(f"{k}:cached", 0)),

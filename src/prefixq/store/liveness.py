@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,16 +98,28 @@ class Liveness:
         return 0.0
 
 
-def _floats(raw: dict[Any, Any], shards: int) -> dict[int, float]:
-    out: dict[int, float] = {}
+def _by_shard(raw: dict[Any, Any]) -> Iterator[tuple[int, Any]]:
+    """(shard, value) of a read of a hash keyed by shard; a field that is not a shard is none."""
     for k, v in raw.items():
         try:
-            shard, at = int(k), float(v)
+            yield int(k), v
         except (TypeError, ValueError):
             continue
-        if 0 <= shard < shards:
-            out[shard] = at
+
+
+def _numbers(raw: dict[Any, Any]) -> dict[int, float]:
+    """Shard -> number of a read of a hash keyed by shard; a value that is not a number is none."""
+    out: dict[int, float] = {}
+    for shard, v in _by_shard(raw):
+        try:
+            out[shard] = float(v)
+        except (TypeError, ValueError):
+            continue
     return out
+
+
+def _floats(raw: dict[Any, Any], shards: int) -> dict[int, float]:
+    return {k: v for k, v in _numbers(raw).items() if 0 <= k < shards}
 
 
 async def read_liveness(r: aredis.Redis, settings: Settings, shards: int) -> Liveness:
@@ -125,11 +137,7 @@ def tasks_of(raw: dict[Any, Any], shards: int) -> list[str]:
     """What each of ``shards`` serves by a read of the tasks hash: generate where none is
     recorded (a deployment older than the field, or a shard no worker has started on)."""
     out = ["generate"] * shards
-    for k, v in raw.items():
-        try:
-            shard = int(k)
-        except (TypeError, ValueError):
-            continue
+    for shard, v in _by_shard(raw):
         if 0 <= shard < shards:
             out[shard] = v.decode() if isinstance(v, bytes) else str(v)
     return out
@@ -157,11 +165,7 @@ def load_of(raw: dict[Any, Any], shards: Iterable[int]) -> dict[int, float]:
     estimate: a field that is not a shard or a value that is not a finite number counts as
     none, never an error (placement, moves and steals all read it)."""
     load = dict.fromkeys(shards, 0.0)
-    for k, v in raw.items():
-        try:
-            shard, tokens = int(k), float(v)
-        except (TypeError, ValueError):
-            continue
+    for shard, tokens in _numbers(raw).items():
         if shard in load and math.isfinite(tokens):
             load[shard] = max(0.0, tokens)
     return load

@@ -254,9 +254,10 @@ class Handover:
                 taken += items
         if len(taken) == len(g.items):
             return g
-        entries = [f.entry for f in taken if f.entry is not None]
-        work = sum(e.work for e in entries)
-        return Group(g.key, taken, g.anchor, work, sum(e.predicted_cached for e in entries))
+        part = Group(g.key, anchor=g.anchor)
+        for f in taken:
+            part.add(f)
+        return part
 
     def _record(self, source: int, target: int, g: Group, why: str) -> dict[str, Any]:
         return {

@@ -56,6 +56,13 @@ class Group:
     #: prompt tokens predicted cached there (computed again on another shard)
     cached: int = 0
 
+    def add(self, f: Found) -> None:
+        """``f`` is the group's next entry."""
+        self.items.append(f)
+        if f.entry is not None:
+            self.work += f.entry.work
+            self.cached += f.entry.predicted_cached
+
 
 async def scan(
     r: aredis.Redis,
@@ -144,11 +151,7 @@ def groups(found: list[Found]) -> list[Group]:
     for f in found:
         e = f.entry
         gk = group_key(f)
-        g = out.setdefault(gk, Group(gk, anchor=e.anchor if e else None))
-        g.items.append(f)
-        if e is not None:
-            g.work += e.work
-            g.cached += e.predicted_cached
+        out.setdefault(gk, Group(gk, anchor=e.anchor if e else None)).add(f)
     return list(out.values())
 
 
