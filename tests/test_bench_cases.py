@@ -150,38 +150,45 @@ def test_the_bench_switches_a_live_workers_admission_order_and_back(
     assert not sched.whole_groups and sched.resident is None
 
 
-def test_the_bench_measures_multi_burst_with_the_shared_pass_off_beside_the_default(
-    make_settings: Callable[..., Settings], fake_worker: Callable[..., FakeWorker]
-) -> None:
-    """``--pass-off multi-burst`` (bench/runner.py): the workload's case runs again with the
-    producers' shared pass off, reported beside the default; ``--bursts`` and ``--burst-share``
-    shape the bursts (four here, the later ones over half the documents)."""
+def _multi_burst(s: Settings, worker: str, sizes: Any, **config: Any) -> dict[str, Any]:
+    """The bench's multi-burst case (`_workload`) on the fake worker ``worker`` and a fake
+    standalone engine, with ``sizes`` and the rest of `BenchConfig` as ``config`` says."""
     from prefixq.bench.runner import BenchConfig, _workload
-    from prefixq.bench.workloads import Shape, Sizes
+    from prefixq.bench.workloads import Shape
 
-    s = make_settings(prefix_store_min_chars=16)
-    fw = fake_worker(s, name="bench-s0")
-    eng = FakeStandalone()
-    sizes = Sizes(documents=6, burst_questions=1, burst_gap=0.2, bursts=4, burst_share=0.5)
     cfg = BenchConfig(
         model="fake", gpus=[None], engine_args=[], workloads=["multi-burst"], pairs=1,
         sizes=sizes, shape=Shape(doc_tokens=40, question_tokens=4, output_tokens=2),
-        pass_off=["multi-burst"], setups=["given"],
+        setups=["given"], **config,
     )  # fmt: skip
 
     async def main() -> dict[str, Any]:
         ar = async_client(s)
         try:
             async with Producer(s) as producer:
-                workers = type("W", (), {"names": [fw.name]})()
-                env = Env(s, ar, {"given": eng}, workers, producer, print, 16)
+                workers = type("W", (), {"names": [worker]})()
+                env = Env(s, ar, {"given": FakeStandalone()}, workers, producer, print, 16)
                 out = await _workload(cfg, env, "multi-burst", 1000, None)
                 assert env.producer is producer
                 return out
         finally:
             await ar.aclose()
 
-    got = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_the_bench_measures_multi_burst_with_the_shared_pass_off_beside_the_default(
+    make_settings: Callable[..., Settings], fake_worker: Callable[..., FakeWorker]
+) -> None:
+    """``--pass-off multi-burst`` (bench/runner.py): the workload's case runs again with the
+    producers' shared pass off, reported beside the default; ``--bursts`` and ``--burst-share``
+    shape the bursts (four here, the later ones over half the documents)."""
+    from prefixq.bench.workloads import Sizes
+
+    s = make_settings(prefix_store_min_chars=16)
+    fw = fake_worker(s, name="bench-s0")
+    sizes = Sizes(documents=6, burst_questions=1, burst_gap=0.2, bursts=4, burst_share=0.5)
+    got = _multi_burst(s, fw.name, sizes, pass_off=["multi-burst"])
     assert [b["requests"] for b in got["bursts"]] == [6, 3, 3, 3]
     assert [b["tenant"] for b in got["bursts"]] == ["tenant-a", "tenant-b", "tenant-c", "tenant-3"]
     assert set(got["pass_off"]) == {"on", "off"}
@@ -200,8 +207,7 @@ def test_a_high_priority_burst_arriving_mid_pass_is_submitted_and_reported_with_
 
     from prefixq.bench.command import _priorities
     from prefixq.bench.report import table
-    from prefixq.bench.runner import BenchConfig, _workload
-    from prefixq.bench.workloads import Shape, Sizes
+    from prefixq.bench.workloads import Sizes
     from prefixq.core.errors import ConfigError
     from prefixq.worker.engine_order import SPAN
 
@@ -212,23 +218,7 @@ def test_a_high_priority_burst_arriving_mid_pass_is_submitted_and_reported_with_
     fw = fake_worker(s, name="bench-s0")
     sizes = Sizes(documents=4, burst_questions=1, burst_gap=0.2, bursts=2,
                   burst_priorities=("normal", "high"))  # fmt: skip
-    cfg = BenchConfig(
-        model="fake", gpus=[None], engine_args=[], workloads=["multi-burst"], pairs=1,
-        sizes=sizes, shape=Shape(doc_tokens=40, question_tokens=4, output_tokens=2),
-        setups=["given"],
-    )  # fmt: skip
-
-    async def main() -> dict[str, Any]:
-        ar = async_client(s)
-        try:
-            async with Producer(s) as producer:
-                workers = type("W", (), {"names": [fw.name]})()
-                env = Env(s, ar, {"given": FakeStandalone()}, workers, producer, print, 16)
-                return await _workload(cfg, env, "multi-burst", 1000, None)
-        finally:
-            await ar.aclose()
-
-    got = asyncio.run(main())
+    got = _multi_burst(s, fw.name, sizes)
     assert [b["priority"] for b in got["bursts"]] == ["normal", "high"]
     prios = [p for rid, p in fw.engine.priorities if not rid.startswith("warmup")]
     assert sum(p < -SPAN // 2 for p in prios) == 4  # the high burst's four, in the high band

@@ -40,6 +40,23 @@ N = 60
 SOURCE, TARGET = 2, 3
 
 
+def _move(s: Settings, expected: type[BaseException]) -> BaseException | None:
+    """An operator's move of shard SOURCE to the live shards: the ``expected`` error it raised,
+    or None when it returned."""
+
+    async def move() -> BaseException | None:
+        client = async_client(s)
+        try:
+            await Handover(client, s, name="mover").move_shard(SOURCE, 4, why="operator")
+            return None
+        except expected as e:
+            return e
+        finally:
+            await client.aclose()
+
+    return asyncio.run(move())
+
+
 def _requests() -> list[dict[str, Any]]:
     return [
         {"id": f"m{i}", "prefix": f"document {i % 12} " * 30, "prompt": f"q{i}", "max_tokens": 4}
@@ -68,17 +85,7 @@ def _move_with_target_master_lost(
     replica = cluster.replica_of(master)
     cluster.isolate(replica, master)
 
-    async def move() -> BaseException | None:
-        client = async_client(s)
-        try:
-            await Handover(client, s, name="mover").move_shard(SOURCE, 4, why="operator")
-            return None
-        except ReplicasBehind as e:
-            return e
-        finally:
-            await client.aclose()
-
-    err = asyncio.run(move())
+    err = _move(s, ReplicasBehind)
     written = len(_ids(cr, s, TARGET))
     cluster.kill(master)
     cluster.resume(replica)
@@ -185,17 +192,7 @@ def test_a_failover_between_the_put_and_its_fence_keeps_the_plan(
     monkeypatch.setattr(entry_moves, "afence", afence)
     cluster.isolate(replica, master)
 
-    async def move() -> BaseException | None:
-        client = async_client(s)
-        try:
-            await Handover(client, s, name="mover").move_shard(SOURCE, 4, why="operator")
-            return None
-        except RedisUnavailable as e:
-            return e
-        finally:
-            await client.aclose()
-
-    err = asyncio.run(move())
+    err = _move(s, RedisUnavailable)
     assert lost == [0], "the failover kept the put: the window was missed"
     assert isinstance(err, WritesLost), err
     assert cr.hlen(keys.moving(SOURCE)) > 0, "the plan was deleted after a lost put"
