@@ -93,8 +93,11 @@ class Fault:
         raise NotImplementedError
 
 
-def busy_primary(soak: SoakRun, timeout: float = 6.0) -> tuple[Worker, int] | None:
-    """A live primary worker with entries pending on it (waits up to ``timeout`` for one)."""
+def busy_primary(
+    soak: SoakRun, timeout: float = 6.0, *, alone: bool = False
+) -> tuple[Worker, int] | None:
+    """A live primary worker with entries pending on it (waits up to ``timeout`` for one);
+    ``alone``: only one that no other live worker of its shard (serving or still starting) backs."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         shards = list(range(soak.settings.shards))
@@ -102,6 +105,8 @@ def busy_primary(soak: SoakRun, timeout: float = 6.0) -> tuple[Worker, int] | No
         for k in shards:
             w = soak.workers.primary(k)
             if w is None or not soak.workers.serving(w, soak.r):
+                continue
+            if alone and any(x.shard == k and x.alive and x is not w for x in soak.workers.all):
                 continue
             try:
                 n = pending_on(soak.r, soak.keys, k, w.name)

@@ -2,10 +2,11 @@
 lost for good, one that joins mid-burst, one that drains and leaves. Every primary worker runs
 with ``--hand-over``, and the soak's ``orphan_after_s`` is a few heartbeats. How each is seen:
 
-- ``worker_lost``: a primary with entries pending on it, killed -9 (its exit status says so)
-  and never started again: the moves stream then records its shard's queue moving to live
-  shards (``why`` orphaned, from that shard) within ``orphan_after_s`` plus its heartbeat's TTL
-  and a margin; a shard is only lost while another primary serves;
+- ``worker_lost``: a primary with entries pending on it and no other worker of its shard alive
+  (serving or starting), killed -9 (its exit status says so) and never started again: the
+  moves stream then records its shard's queue moving to live shards (``why`` orphaned, from
+  that shard) within ``orphan_after_s`` plus its heartbeat's TTL and a margin; a shard is only
+  lost while another primary serves;
 - ``worker_join``: a worker started with ``--join`` serves (its heartbeat says so) on the shard
   its log names: the lowest one without a live worker (a lost or drained one), else a new one,
   the deployment's shard count grown by one (at most two new shards a run);
@@ -64,7 +65,9 @@ class WorkerLost(Fault):
     def run(self, soak: SoakRun) -> list[Landed]:
         if len(_live_primaries(soak)) < 2:
             return []
-        got = busy_primary(soak)
+        # alone on its shard: a worker still starting there (a restart, or a join that took the
+        # shard while the restart warmed up) keeps the shard live, and nothing should move
+        got = busy_primary(soak, alone=True)
         if got is None:
             return []
         w, n = got

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _exit_during_start(signum: int, frame: FrameType | None) -> None:
     """A stop while the worker imports its command: it holds nothing yet; exit 0."""
-    unwinding()
-    if inside_import(frame):
+    if inside_import(frame):  # before anything imports: the module being imported is half-built
         leave_now()
+    unwinding()
     raise SystemExit(0)

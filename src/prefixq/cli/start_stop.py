@@ -28,11 +28,15 @@ def inside_import(frame: FrameType | None) -> bool:
 
 def leave_now() -> None:
     """Exit 0 at once, the log flushed: for a stop that cannot unwind safely (inside an import),
-    at a moment the process holds nothing; an engine it started dies with it (the reaper)."""
-    import logging
-    import os
+    at a moment the process holds nothing; an engine it started dies with it (the reaper).
+    It imports nothing: called inside an import, a module this one loads could find the module
+    being imported half-built (``logging`` imports ``re``: a stop inside ``import re`` made
+    ``import logging`` fail with "partially initialized module 're'", and the process exit 1)."""
+    import os  # loaded before any Python code runs: no import happens here
 
-    logging.shutdown()
+    shutdown = getattr(sys.modules.get("logging"), "shutdown", None)  # only a logging in use
+    if shutdown is not None:
+        shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -49,7 +53,8 @@ def unwinding() -> None:
     tracebacks of a process that exits 0 holding nothing); and a ``SystemExit`` that Python
     swallows (raised inside a finalizer, ``__del__`` or a weakref callback, which the garbage
     collector runs anywhere: "Exception ignored in") leaves at once (`leave_now`), where the
-    start would otherwise have gone on to serve until the watchdog ended it."""
+    start would otherwise have gone on to serve until the watchdog ended it. Call it outside an
+    import only (`inside_import`: there, `leave_now`): it imports ``logging``."""
     import logging
     import warnings
 

@@ -93,10 +93,10 @@ class WorkerSignals:
         # the default action, and a second SIGTERM then would end the process with -15, not 0
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
-        unwinding()  # whatever the unwinding raises, the process exits 0 (prefixq.cli), quietly
         log.info("%s during start-up: exiting (nothing is held yet)", signal.Signals(signum).name)
         if inside_import(frame):  # raising there can abort the process (prefixq.cli)
             leave_now()
+        unwinding()  # whatever the unwinding raises, the process exits 0 (prefixq.cli), quietly
         watchdog = threading.Timer(EXIT_S, os._exit, (0,))
         watchdog.daemon = True
         watchdog.start()
