@@ -359,3 +359,20 @@ def test_a_closed_connection_written_to_inside_redis_py_is_transient_and_a_bug_o
     with pytest.raises(AttributeError) as ours:
         None.writelines  # type: ignore[attr-defined]  # noqa: B018
     assert not connection.inside_redis_py(ours.value) and not connection.transient(ours.value)
+
+
+@pytest.mark.parametrize("url", ["notaurl", "http://h:1/0", "localhost:6379", "redis:/h:1/0"])
+def test_a_redis_url_that_is_not_one_says_what_one_looks_like(url: str) -> None:
+    """Given a REDIS_URL without a Redis scheme, the error names the URL and the forms it may
+    take (before: "seed '' names no host" for ``notaurl``)."""
+    with pytest.raises(ConfigError, match=r"is not a Redis URL: redis://host:port/db"):
+        seeds(url)
+
+
+def test_a_redis_url_scheme_is_read_as_redis_py_reads_it() -> None:
+    """Upper-case schemes are accepted, as redis-py accepts them; a URL with a password and no
+    host says so without printing the password."""
+    assert seeds("REDIS://h1:7000/0") == [("h1", 7000)]
+    with pytest.raises(ConfigError, match=r"names no host") as e:
+        seeds("redis://:secret@/0")
+    assert "secret" not in str(e.value)

@@ -173,6 +173,38 @@ def test_a_mover_that_dies_after_taking_leaves_a_plan_the_next_one_finishes_once
     assert len(_entries(r, three, 2)) >= on_two
 
 
+def test_an_unreadable_plan_goes_to_the_dead_letters_once_and_readable_ones_are_kept(
+    r: redis.Redis, three: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Given a shard's plan hash holding a plan no mover wrote (garbage) beside a real one, a
+    look returns the real plan, moves the garbage to the shard's dead letters (raw, with its
+    field and reason) and out of the hash; the next look reports nothing (before: it stayed for
+    good, an ERROR line at every look)."""
+    Producer(three).submit(_burst(3, 3))
+    keys = Keys(three.namespace)
+    key, eid = next((k, e) for k in keys.intakes(1) for e, _ in r.xrange(k))
+    r.hset(keys.moving(1), b"junk\n1-1", b"\xc1 not msgpack")
+
+    async def look_twice() -> tuple[int, int]:
+        client = async_client(three)
+        try:
+            moves = EntryMoves(client, three)
+            assert await moves.take(1, key, [eid], 2) == 1
+            first = await moves.planned(1)
+            return len(first), len(await moves.planned(1))
+        finally:
+            await client.aclose()
+
+    with caplog.at_level("ERROR", logger="prefixq.store.entry_moves"):
+        assert asyncio.run(look_twice()) == (1, 1)
+    assert r.hkeys(keys.moving(1)) != [] and not r.hexists(keys.moving(1), b"junk\n1-1")
+    dead = r.xrange(keys.dead(1))
+    assert len(dead) == 1 and dead[0][1][FIELD] == b"\xc1 not msgpack"
+    assert dead[0][1][b"entry"] == b"junk\n1-1"
+    assert dead[0][1][b"reason"].startswith(b"unreadable move plan")
+    assert sum("unreadable" in m.getMessage() for m in caplog.records) == 1
+
+
 def test_a_delivered_entry_is_not_taken_and_takes_none_of_its_group(
     r: redis.Redis, three: Settings
 ) -> None:

@@ -27,6 +27,7 @@ shards", has the rest.
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from prefixq.core.keys import CARRIED, FIELD, GROUP, LANE, POS, Keys
 from prefixq.core.settings import Settings
 from prefixq.core.sharing import DEFAULT_PRIORITY, PRIORITIES
 from prefixq.store.connection import lua
-from prefixq.store.dead_letters import identify
+from prefixq.store.dead_letters import DEAD_MAXLEN, identify
 from prefixq.store.fence import afence
 
 __all__ = ["MOVED_IN_TTL_S", "EntryMoves", "Planned"]
@@ -111,16 +112,42 @@ class EntryMoves:
     async def planned(self, source: int) -> list[Planned]:
         """What is taken off ``source`` and not yet done (a dead mover's plan included)."""
         out: list[Planned] = []
+        bad: dict[bytes, tuple[bytes, str]] = {}
         async for field, raw in self.r.hscan_iter(self.keys.moving(source), count=1000):
             try:
                 target, flat = msgpack.unpackb(raw, raw=True)
                 fields = dict(zip(flat[::2], flat[1::2], strict=True))
                 out.append(Planned(source, field, int(target), fields))
             except (ValueError, TypeError) as err:
-                log.error(
-                    "plan %r of shard %d is unreadable (%s): left in place", field, source, err
-                )
+                bad[field] = (raw, str(err))
+        if bad:
+            await self._dead_plans(source, bad)
         return out
+
+    async def _dead_plans(self, source: int, bad: dict[bytes, tuple[bytes, str]]) -> None:
+        """Plans no mover can read (written by something else: no move writes them so) go to the
+        source shard's dead letters, raw, and leave the plan hash: each is reported once, not at
+        every look, and none is lost without a trace."""
+        pipe = self.r.pipeline(transaction=False)
+        for field, (raw, err) in bad.items():
+            log.error(
+                "plan %r of shard %d is unreadable (%s): moved to its dead letters",
+                field,
+                source,
+                err,
+            )
+            record = {
+                "entry": field,
+                "shard": source,
+                "reason": f"unreadable move plan: {err}"[:2000],
+                "delivered": 0,
+                "at": time.time(),
+                "worker": "mover",
+                FIELD: raw,
+            }
+            pipe.xadd(self.keys.dead(source), record, maxlen=DEAD_MAXLEN, approximate=True)
+            pipe.hdel(self.keys.moving(source), field)
+        await pipe.execute()
 
     async def put(self, plans: Sequence[Planned]) -> int:
         """Steps 2 and 3 for ``plans`` (of one source shard): returns the entries added."""

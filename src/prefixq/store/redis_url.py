@@ -42,9 +42,14 @@ _FILE_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
 def seeds(url: str) -> list[tuple[str, int]]:
     """The (host, port) seed nodes a REDIS_URL names: one, or several separated by commas
     (``redis://user:pw@h1:7000,h2:7001/0``); [] for a unix socket."""
-    scheme, _, rest = url.partition("://")
-    if scheme == "unix":
+    scheme, sep, rest = url.partition("://")
+    if scheme.lower() == "unix":
         return []
+    if not sep or scheme.lower() not in ("redis", "rediss"):
+        raise ConfigError(
+            f"REDIS_URL {redact(url)!r} is not a Redis URL: redis://host:port/db, "
+            "rediss://host:port/db (TLS) or unix:///path/to/redis.sock"
+        )
     netloc = rest.split("/", 1)[0].split("?", 1)[0].split("#", 1)[0]
     hosts = netloc.rpartition("@")[2]
     out = []
@@ -55,7 +60,8 @@ def seeds(url: str) -> list[tuple[str, int]]:
         except ValueError:
             raise ConfigError(f"REDIS_URL seed {one!r} has a bad port") from None
         if not parts.hostname:
-            raise ConfigError(f"REDIS_URL seed {one!r} names no host")
+            where = f"seed {one!r}" if one else "URL"
+            raise ConfigError(f"REDIS_URL {where} names no host: {redact(url)!r}")
         out.append((parts.hostname, port))
     return out
 
