@@ -77,7 +77,7 @@ def test_freezing_stops_at_the_budget_until_idle(
 ) -> None:
     h, _ = policy
     monkeypatch.setattr(heap_mod, "FREEZE_BUDGET", 3)
-    monkeypatch.setattr(heap_mod, "WHOLE_HEAP_AFTER", 3)
+    monkeypatch.setattr(heap_mod, "WHOLE_HEAP_AFTER", 1)  # the budget: max(3, 2 x 1)
     h.admitted(3)
     late = Node()
     h.admitted(1)

@@ -310,6 +310,10 @@ def by_gen(stats: dict[str, dict[str, Any]], names: list[str]) -> list[dict[str,
             # stopped between steps because work arrived
             "idle_max_step_ms": stats[n].get("gc_idle_max_step_ms"),
             "idle_postponed": stats[n].get("gc_idle_postponed"),
+            # what the last whole-heap collection freed (-1: none yet), and the requests frozen
+            # before the next one (spaced by the garbage found)
+            "whole_heap_freed": stats[n].get("gc_whole_heap_freed"),
+            "whole_heap_after": stats[n].get("gc_whole_heap_after"),
         }
         for n in names
     ]

@@ -10,9 +10,12 @@ they do, and a collection in the middle of a batch would traverse all of it, and
 older generations, whose next collection traverses it again (a single generation-1 collection of
 7 ms on a reuse burst). The pause lasts one step of the event loop.
 Cycles among frozen objects wait for an idle moment (`GcPolicy.idle`), which collects the whole
-heap once `WHOLE_HEAP_AFTER` requests were frozen; a worker never idle stops freezing after
-`FREEZE_BUDGET`, so what can wait stays bounded. `admitted` runs at every admission and must stay
-O(1); `idle` runs only when nothing is in flight.
+heap once enough requests were frozen: `WHOLE_HEAP_AFTER` at first, then as many as leave
+`GARBAGE_BUDGET` objects of cyclic garbage at the rate the last whole collection found, up to
+`WHOLE_HEAP_MAX_AFTER` (a vLLM worker's requests leave none: its whole collections, 670 ms on
+the CPU, freed 0 objects, so they are now 50 times rarer). A worker never idle stops freezing
+after twice that many (at least `FREEZE_BUDGET`), so what can wait stays bounded. `admitted`
+runs at every admission and must stay O(1); `idle` runs only when nothing is in flight.
 
 An idle collection must not hold up a burst that arrives meanwhile, so it runs in steps with the
 event loop running between them (`STEP_GAP_S`): generation 0, generation 1, what is not frozen
@@ -38,9 +41,13 @@ from prefixq.worker.gcwatch import GcWatch
 
 log = logging.getLogger(__name__)
 
-#: requests frozen before an idle moment collects the whole heap
+#: requests frozen before an idle moment collects the whole heap, at first (and at least)
 WHOLE_HEAP_AFTER = 1_000
-#: requests admitted (and frozen) between whole-heap collections, at most
+#: ... and at most, whatever the last whole collection found (the workload may change)
+WHOLE_HEAP_MAX_AFTER = 50_000
+#: objects of cyclic garbage that may wait in the frozen heap, at the rate last measured
+GARBAGE_BUDGET = 100_000
+#: requests admitted (and frozen) between whole-heap collections, at least
 FREEZE_BUDGET = 20_000
 #: seconds the event loop runs between two steps of an idle collection (it reads what arrived)
 STEP_GAP_S = 0.002
@@ -65,6 +72,19 @@ class GcPolicy:
         self.idle_postponed = 0
         #: the young steps ran since the last admission (only the whole heap may be left)
         self._young_done = False
+        #: requests between whole-heap collections, from the garbage the last one freed (0:
+        #: none measured yet, `WHOLE_HEAP_AFTER`)
+        self.whole_after = 0
+        #: objects the last whole-heap collection freed (cycles among frozen objects)
+        self.whole_freed = -1
+
+    def due_after(self) -> int:
+        """Requests frozen before the whole heap is collected (at the next long idle moment)."""
+        return max(WHOLE_HEAP_AFTER, self.whole_after)
+
+    def _freezing(self, n: int) -> bool:
+        budget = max(FREEZE_BUDGET, 2 * self.due_after())
+        return self.enabled and bool(n) and self.frozen_requests < budget
 
     def freeze(self) -> None:
         """Collect, then freeze everything (after warm-up, or when turned on)."""
@@ -82,7 +102,7 @@ class GcPolicy:
     def admitted(self, n: int) -> None:
         """``n`` requests were just handed to the engine: freeze what they hold (O(1))."""
         self._young_done = False
-        if self.enabled and n and self.frozen_requests < FREEZE_BUDGET:
+        if self._freezing(n):
             gc.freeze()
             self.frozen_requests += n
 
@@ -91,7 +111,7 @@ class GcPolicy:
         """Around handing ``n`` requests to the engine (one step of the event loop): no automatic
         collection inside, and what they hold frozen at the end (`admitted`, O(1))."""
         self._young_done = False
-        if not (self.enabled and n and self.frozen_requests < FREEZE_BUDGET):
+        if not self._freezing(n):
             yield
             return
         was = gc.isenabled()
@@ -106,12 +126,12 @@ class GcPolicy:
     async def idle(self, served: int, quiet: Callable[[], bool], idle_s: float) -> bool:
         """Nothing has been in flight for ``idle_s`` seconds and ``served`` requests finished
         since the last complete call: collect what they left, step by step while ``quiet()``
-        holds, and the whole heap once `WHOLE_HEAP_AFTER` requests were frozen and the worker
-        has been idle for `WHOLE_HEAP_IDLE_S`. Whether nothing is left for a later idle moment
+        holds, and the whole heap once `due_after` requests were frozen and the worker has been
+        idle for `WHOLE_HEAP_IDLE_S`. Whether nothing is left for a later idle moment
         (False: work arrived between two steps, or the whole heap waits for a longer idle)."""
         if not self.enabled or not served:
             return True
-        due = self.frozen_requests >= WHOLE_HEAP_AFTER
+        due = self.frozen_requests >= self.due_after()
         whole = due and idle_s >= WHOLE_HEAP_IDLE_S
         steps: list[Callable[[], int]] = []
         if not self._young_done:
@@ -122,7 +142,7 @@ class GcPolicy:
             ]
         if whole:
             steps.append(self._whole)
-        collected, spent = 0, 0.0
+        collected, spent, freed = 0, 0.0, 0
         for step in steps:
             await asyncio.sleep(STEP_GAP_S)  # the loop runs: a burst that arrived is read
             if not quiet():
@@ -131,8 +151,9 @@ class GcPolicy:
                 return False
             t0 = time.perf_counter()
             with self.watch.apart():
-                collected += step()
+                freed = step()
                 gc.freeze()
+            collected += freed
             ms = (time.perf_counter() - t0) * 1e3
             spent += ms
             self.idle_max_step_ms = max(self.idle_max_step_ms, ms)
@@ -149,9 +170,23 @@ class GcPolicy:
                 self.frozen_requests,
                 spent,
             )
-        if whole:
-            self.frozen_requests = 0
+        if whole:  # `freed`: the last step's, the whole heap's
+            self._measured(freed)
+            log.debug(
+                "idle: the whole heap held %d objects of frozen garbage; next after %d requests",
+                freed,
+                self.whole_after,
+            )
         return whole or not due
+
+    def _measured(self, freed: int) -> None:
+        """The whole heap was collected, freeing ``freed`` objects left by `frozen_requests`
+        requests: space the next one so that about `GARBAGE_BUDGET` objects wait for it."""
+        per_request = freed / max(1, self.frozen_requests)
+        spacing = GARBAGE_BUDGET / per_request if per_request else WHOLE_HEAP_MAX_AFTER
+        self.whole_after = int(min(WHOLE_HEAP_MAX_AFTER, max(WHOLE_HEAP_AFTER, spacing)))
+        self.whole_freed = freed
+        self.frozen_requests = 0
 
     @staticmethod
     def _whole() -> int:
@@ -166,4 +201,6 @@ class GcPolicy:
             "gc_idle_max_ms": round(self.idle_max_ms, 3),
             "gc_idle_max_step_ms": round(self.idle_max_step_ms, 3),
             "gc_idle_postponed": self.idle_postponed,
+            "gc_whole_heap_after": self.due_after(),
+            "gc_whole_heap_freed": self.whole_freed,
         }
