@@ -14,7 +14,7 @@ heap once enough requests were frozen: `WHOLE_HEAP_AFTER` at first, then as many
 `GARBAGE_BUDGET` objects of cyclic garbage at the rate the last whole collection found, up to
 `WHOLE_HEAP_MAX_AFTER` (a vLLM worker's requests leave none: its whole collections, 670 ms on
 the CPU, freed 0 objects, so they are now 50 times rarer). A worker never idle stops freezing
-after twice that many (at least `FREEZE_BUDGET`), so what can wait stays bounded. `admitted`
+after that many (at least `FREEZE_BUDGET`), so what can wait stays bounded. `admitted`
 runs at every admission and must stay O(1); `idle` runs only when nothing is in flight.
 
 An idle collection must not hold up a burst that arrives meanwhile, so it runs in steps with the
@@ -83,7 +83,7 @@ class GcPolicy:
         return max(WHOLE_HEAP_AFTER, self.whole_after)
 
     def _freezing(self, n: int) -> bool:
-        budget = max(FREEZE_BUDGET, 2 * self.due_after())
+        budget = max(FREEZE_BUDGET, self.due_after())
         return self.enabled and bool(n) and self.frozen_requests < budget
 
     def freeze(self) -> None:
