@@ -201,6 +201,56 @@ def test_the_demo_started_with_sigint_ignored_stops_on_sigint_and_so_does_its_wo
     assert shell.returncode != 0  # the demo ended by its KeyboardInterrupt
 
 
+def test_a_sigint_while_the_demo_starts_its_redis_server_stops_it_and_leaves_no_server(
+    tmp_path: Path,
+) -> None:
+    """Given the demo started with SIGINT ignored and no Redis at its URL, when SIGINT comes
+    while it starts its private redis-server, the demo ends by its KeyboardInterrupt and no
+    redis-server is left (before: the demo's handlers came after that start, so the SIGINT was
+    ignored and the demo went on)."""
+    script = tmp_path / "demo_start.py"
+    script.write_text(
+        textwrap.dedent("""
+        import os, signal, sys
+        from prefixq.cli import demo
+        from prefixq.cli.redis_server import RedisServer, free_port
+        from prefixq.core.settings import Settings
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a background job's
+        real = RedisServer.start
+        def start(self, timeout=10.0):
+            print("server", self.dir, flush=True)
+            real(self, timeout)
+            print("pid", self.proc.pid, flush=True)
+            os.kill(os.getpid(), signal.SIGINT)  # the stop lands in the start
+            import time; time.sleep(0.5)
+            return self
+        RedisServer.start = start
+        def not_reached(*a, **kw):
+            print("went on", flush=True)
+            raise SystemExit(3)
+        demo.resolve_model = not_reached
+        import prefixq.engine.embedded_model as em
+        em.resolve_model = not_reached
+        url = f"redis://127.0.0.1:{free_port()}/0"
+        try:
+            demo.run_demo(Settings(redis_url=url))
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            sys.exit(130)
+        """)
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    out = done.stdout
+    pid = int(out.split("pid ", 1)[1].split()[0]) if "pid " in out else 0
+    folder = out.split("server ", 1)[1].split()[0] if "server " in out else ""
+    alive = bool(pid) and Path(f"/proc/{pid}").exists()
+    if alive:
+        os.kill(pid, signal.SIGKILL)
+    assert "interrupted" in out and "went on" not in out, (done.returncode, out, done.stderr)
+    assert pid and not alive, "the demo's redis-server was left running"
+    assert folder and not Path(folder).exists(), "its folder was left"
+
+
 def _title(p: Any) -> str:
     """A process's name and first argument; "" once it is gone (a child that just forked has
     no command line yet, one that just ended none any more)."""

@@ -140,6 +140,8 @@ def run_demo(
     con = Console(stderr=True)
     srv: RedisServer | None = None
     with contextlib.ExitStack() as stack:
+        # first: a stop during the redis-server start (or at any later moment) unwinds the demo
+        stack.enter_context(_interrupts())
         if _redis_answers(settings.redis_url):
             con.print(f"[green]redis[/] {redact(settings.redis_url)} answers; using it")
         else:
@@ -154,7 +156,6 @@ def run_demo(
         )
         if srv is None:  # registered before the worker starts, so it runs after the worker stopped
             stack.callback(_forget, settings, con)
-        stack.enter_context(_interrupts())  # before the worker starts: see `_start_worker`
         con.print("[bold]model[/] preparing the embedded SmolLM2-135M-Instruct (once)...")
         path = resolve_model(model, default_cache_dir(settings.cache_dir))
         con.print(f"[bold]model[/] {path}")
