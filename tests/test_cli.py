@@ -153,6 +153,9 @@ def test_results_into_a_pipe_closed_early_stops_quietly(settings: Settings) -> N
         (("dead", "--limit", "0"), "--limit must be >= 1, not 0"),
         (("reclaim", "--idle-s", "-5"), "--idle-s must be >= 0, not -5.0"),
         (("workers", "--cpu", "0"), "--cpu needs at least 1 worker, not 0"),
+        # an empty --gpus started one CPU worker (read as "no --gpus")
+        (("workers", "--gpus", ""), "--gpus needs at least one GPU index"),
+        (("workers", "--gpus", " , "), "--gpus needs at least one GPU index"),
         (
             ("inspect", "--watch", "--interval", "nan"),
             "--interval must be > 0 and --watch-count >= 0",

@@ -50,7 +50,9 @@ def cmd_workers(args: argparse.Namespace, settings: Settings, argv: Sequence[str
     if args.gpus is None and args.cpu < 1:
         raise ConfigError(f"--cpu needs at least 1 worker, not {args.cpu}")
     gpus: list[str | None] = (
-        [g.strip() for g in args.gpus.split(",") if g.strip()] if args.gpus else [None] * args.cpu
+        [None] * args.cpu
+        if args.gpus is None
+        else [g.strip() for g in args.gpus.split(",") if g.strip()]
     )
     if not gpus:
         raise ConfigError("--gpus needs at least one GPU index")
