@@ -188,7 +188,8 @@ class Handover:
         if anchors:
             shards = await self.r.hmget(self.keys.prefix_map, anchors)
             for a, v in zip(anchors, shards, strict=True):
-                if v is not None and int(v) in targets:
+                # a value that is not a shard (a hand edit) names none, as placement reads it
+                if v is not None and v.isdigit() and int(v) in targets:
                     mapped[a] = int(v)
         return mapped
 

@@ -1,0 +1,117 @@
+"""An elastic fleet at its edges, on real worker processes over the FakeEngine
+(tests/fault_worker.py) and a real redis-server."""
+
+from __future__ import annotations
+
+import secrets
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from helpers import fault_worker, queued_entries, wait_until
+from ledger import account
+from prefixq.client import Producer
+from prefixq.core.keys import Keys
+from prefixq.core.settings import Settings
+
+
+def _burst(docs: int, per_doc: int) -> list[dict[str, Any]]:
+    return [
+        {
+            "id": f"d{d}q{q}",
+            "prefix": f"document {d} " + "lorem ipsum " * 200,
+            "prompt": f"sleep:0.05 question {q}",
+            "max_tokens": 4,
+        }
+        for d in range(docs)
+        for q in range(per_doc)
+    ]
+
+
+def _settings(url: str, shards: int, **kw: Any) -> Settings:
+    base: dict[str, Any] = {
+        "redis_url": url,
+        "namespace": f"edge{secrets.token_hex(3)}",
+        "shards": shards,
+        "heartbeat_s": 0.3,
+        "heartbeat_ttl_s": 1.5,
+        "orphan_after_s": 2.0,
+        "claim_idle_s": 60.0,
+        "grace_s": 3.0,
+        "max_inflight": 2,
+    }
+    return Settings(**(base | kw))
+
+
+def _start(s: Settings, log: Path, *args: str) -> subprocess.Popen[bytes]:
+    ttl, orphan = str(s.heartbeat_ttl_s), str(s.orphan_after_s)
+    return fault_worker(s, log, *args, "--heartbeat-ttl-s", ttl, "--orphan-after-s", orphan)
+
+
+def _up(r: redis.Redis, s: Settings, shard: int, name: str) -> None:
+    hb = Keys(s.namespace).heartbeat(shard, name)
+    wait_until(lambda: r.hget(hb, "engine_up") == b"1", 60, f"worker {name} up")
+
+
+def test_both_workers_handing_over_at_once_lose_nothing_and_a_joiner_ends_the_burst(
+    redis_server: Any, r: redis.Redis, tmp_path: Path
+) -> None:
+    s = _settings(redis_server.url, 2)
+    ws = [
+        _start(s, tmp_path / f"w{k}.log", "--shard", str(k), "--name", f"w{k}", "--hand-over")
+        for k in range(2)
+    ]
+    joiner = None
+    try:
+        for k in range(2):
+            _up(r, s, k, f"w{k}")
+        keys = Keys(s.namespace)
+        burst = Producer(s).submit(_burst(12, 6))
+        wait_until(lambda: r.hlen(keys.results(burst.id)) >= 6, 60, "6 results")
+        for w in ws:
+            w.send_signal(signal.SIGTERM)
+        assert [w.wait(60) for w in ws] == [0, 0]
+        left = sum(len(queued_entries(r, s, k)) for k in range(2))
+        done = r.hlen(keys.results(burst.id))
+        print("left", left, "done", done, [len(queued_entries(r, s, k)) for k in range(2)])
+        joiner = _start(s, tmp_path / "j.log", "--join", "--name", "j")
+        wait_until(lambda: r.hlen(keys.results(burst.id)) >= 72, 90, "every result")
+        out = account(r, s, burst.id, 72, what="edge")
+        assert (out.lost, out.duplicated, out.failed) == (0, 0, 0)
+    finally:
+        for w in [*ws, *([joiner] if joiner else [])]:
+            if w.poll() is None:
+                w.send_signal(signal.SIGTERM)
+                w.wait(30)
+        for p in tmp_path.glob("*.log"):
+            print(p.name, p.read_text()[-3000:])
+
+
+def test_garbage_in_the_prefix_map_does_not_stop_an_orphaned_shards_queue_moving(
+    redis_server: Any, r: redis.Redis, tmp_path: Path
+) -> None:
+    """Given an orphaned shard whose groups' prefix map entries hold values that are not shards
+    (a hand edit), when the live worker looks, then the queue moves to it and is served (every
+    look failed on the value with a traceback, and the queue waited for good)."""
+    s = _settings(redis_server.url, 2)
+    keys = Keys(s.namespace)
+    for k in (0, 1):
+        r.hset(keys.live, str(k), repr(time.time()))
+    burst = Producer(s).submit(_burst(6, 3))
+    for cp in r.hkeys(keys.prefix_map):
+        r.hset(keys.prefix_map, cp, "garbage")
+    r.hset(keys.live, "1", repr(time.time() - 60))  # shard 1's worker is long gone
+    assert queued_entries(r, s, 1)
+    w0 = _start(s, tmp_path / "w0.log", "--shard", "0", "--name", "w0")
+    try:
+        wait_until(lambda: r.hlen(keys.results(burst.id)) >= 18, 60, "every result")
+        out = account(r, s, burst.id, 18, what="garbage map")
+        assert (out.lost, out.duplicated, out.failed) == (0, 0, 0)
+        assert b"Traceback" not in (tmp_path / "w0.log").read_bytes()
+    finally:
+        w0.send_signal(signal.SIGTERM)
+        assert w0.wait(30) == 0
