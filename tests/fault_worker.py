@@ -11,7 +11,8 @@ blocks the start for S seconds before the worker is built, as vLLM's engine buil
 thread (SIGTERM/SIGINT are handled from the first line, as `prefixq worker` does:
 prefixq.cli.worker_signals). ``--join`` and ``--hand-over`` are `prefixq worker`'s: the shard a
 joining worker takes (it logs "joins the deployment as shard K"), and its queue handed over as it
-stops.
+stops; ``--hold-join S`` blocks S seconds after the join (an engine's build), ``--fail-start``
+then fails the start (an engine that does not come up: exit 1).
 
 ``python tests/fault_worker.py workers --cpu N [settings]`` runs the real supervisor
 (`prefixq.cli.worker_process.supervise`, as `prefixq workers` does) over such worker processes.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import subprocess
@@ -29,7 +31,7 @@ import time
 from typing import Any
 
 from fake_engine import serve
-from prefixq.cli.fleet_commands import join_shard
+from prefixq.cli.fleet_commands import joined
 from prefixq.cli.main import _settings_parser, settings_from
 from prefixq.cli.worker_process import supervise
 from prefixq.cli.worker_signals import WorkerSignals
@@ -59,6 +61,8 @@ def worker(argv: list[str]) -> int:
     p.add_argument("--crash-after-record", action="store_true")
     p.add_argument("--hold-start", type=float, default=0.0, metavar="S")
     p.add_argument("--join", action="store_true")
+    p.add_argument("--hold-join", type=float, default=0.0, metavar="S")
+    p.add_argument("--fail-start", action="store_true")
     p.add_argument("--hand-over", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(
@@ -72,12 +76,19 @@ def worker(argv: list[str]) -> int:
         time.sleep(args.hold_start)
     try:
         s = settings_from(args)
-        if args.join:
-            args.shard = join_shard(s)
-            log.info("worker joins the deployment as shard %d", args.shard)
-        return asyncio.run(
-            serve(s, args.shard, name=args.name, on_worker=signals.serve, hand_over=args.hand_over)
-        )
+        with contextlib.ExitStack() as stack:
+            if args.join:
+                args.shard = stack.enter_context(joined(s))
+                log.info("worker joins the deployment as shard %d", args.shard)
+            if args.hold_join:  # an engine start after the join, blocking the thread
+                time.sleep(args.hold_join)
+            if args.fail_start:
+                raise RuntimeError("fault_worker: the engine failed to start")
+            return asyncio.run(
+                serve(
+                    s, args.shard, name=args.name, on_worker=signals.serve, hand_over=args.hand_over
+                )
+            )
     except ConfigError as e:
         print(f"prefixq: error: {e}", file=sys.stderr)
         return 2

@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from helpers import fault_worker, queued_entries, wait_until
+from helpers import cli, fault_worker, queued_entries, wait_until
 from ledger import account
 from prefixq.client import Producer
 from prefixq.core.keys import Keys
@@ -89,6 +89,50 @@ def test_both_workers_handing_over_at_once_lose_nothing_and_a_joiner_ends_the_bu
                 w.wait(30)
         for p in tmp_path.glob("*.log"):
             print(p.name, p.read_text()[-3000:])
+
+
+def test_a_joiner_that_exits_before_serving_releases_its_shard_and_grows_no_count(
+    redis_server: Any, r: redis.Redis, tmp_path: Path
+) -> None:
+    """Given one shard served, when joiners exit before their first heartbeat (stopped while
+    their engine starts, an engine that fails to start, a model that does not exist), then each
+    releases its hold: the next joiner takes the same shard, and the shard count grew once (it
+    grew at every such restart: the hold stayed 15 minutes, so a crash-looping pod added a
+    shard per restart, for good)."""
+    s = _settings(redis_server.url, 1)
+    keys = Keys(s.namespace)
+    w0 = _start(s, tmp_path / "w0.log", "--shard", "0", "--name", "w0")
+    procs = [w0]
+    try:
+        _up(r, s, 0, "w0")
+        log = tmp_path / "j1.log"
+        j1 = _start(s, log, "--join", "--hold-join", "60", "--name", "j1")
+        procs.append(j1)
+        wait_until(lambda: b"as shard 1" in log.read_bytes(), 30, "j1 joined")
+        assert r.hget(keys.joins, "1") is not None  # held while its engine starts
+        j1.send_signal(signal.SIGTERM)
+        assert j1.wait(30) == 0
+        assert r.hget(keys.joins, "1") is None
+        j2 = _start(s, tmp_path / "j2.log", "--join", "--fail-start", "--name", "j2")
+        procs.append(j2)
+        assert j2.wait(30) == 1
+        assert b"as shard 1" in (tmp_path / "j2.log").read_bytes()
+        bad = cli(s, "worker", "--join", "--model", str(tmp_path / "no-such-model"))
+        assert bad.returncode == 2 and "does not exist" in bad.stderr, bad.stderr
+        assert "as shard 1" in bad.stderr
+        assert r.hget(keys.joins, "1") is None
+        assert r.hget(keys.config, "shards") == b"2"
+        log = tmp_path / "j3.log"
+        j3 = _start(s, log, "--join", "--name", "j3")
+        procs.append(j3)
+        wait_until(lambda: b"as shard 1" in log.read_bytes(), 30, "j3 joined shard 1")
+        _up(r, s, 1, "j3")
+        assert r.hget(keys.config, "shards") == b"2"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(30)
 
 
 def test_garbage_in_the_prefix_map_does_not_stop_an_orphaned_shards_queue_moving(

@@ -6,25 +6,53 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import logging
+from collections.abc import Iterator
 
 from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
 
+log = logging.getLogger(__name__)
 
-def join_shard(settings: Settings) -> int:
-    """The shard a worker started with ``--join`` serves (held for it while its engine starts)."""
+
+#: seconds an exiting joiner spends releasing its hold (Redis down: the hold lapses by itself)
+RELEASE_S = 2.0
+
+
+@contextlib.contextmanager
+def joined(settings: Settings) -> Iterator[int]:
+    """The shard a worker started with ``--join`` serves, held for it while its engine starts
+    (store/deployment.py). A worker that leaves the block before its first heartbeat (a stop
+    during its start, an engine that fails to start) releases the hold, so the next joiner takes
+    the shard rather than growing the count; one killed (-9) leaves it for ``JOIN_HOLD_S``."""
     from prefixq.store.connection import async_client
-    from prefixq.store.deployment import ajoin_shard
+    from prefixq.store.deployment import Joined, ajoin, arelease_join
+    from prefixq.worker.aio import within
 
-    async def pick() -> int:
+    async def pick() -> Joined:
         r = async_client(settings)
         try:
-            return await ajoin_shard(r, settings)
+            return await ajoin(r, settings)
         finally:
             await r.aclose()
 
-    return asyncio.run(pick())
+    async def release(j: Joined) -> None:
+        r = async_client(settings)
+        try:
+            await within(arelease_join(r, settings, j), RELEASE_S)
+        finally:
+            await r.aclose()
+
+    j = asyncio.run(pick())
+    try:
+        yield j.shard
+    finally:
+        try:
+            asyncio.run(release(j))
+        except Exception as err:  # never an error of the exit: the hold lapses by itself
+            log.warning("the join's hold on shard %d was not released: %s", j.shard, err)
 
 
 def cmd_handover(args: argparse.Namespace, settings: Settings) -> int:

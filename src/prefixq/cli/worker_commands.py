@@ -6,6 +6,7 @@ prefixq.cli.worker_process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 from collections.abc import Iterator, Sequence
@@ -21,27 +22,28 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     from prefixq.cli.worker_signals import WorkerSignals
 
     signals = WorkerSignals().install()  # a stop before the worker serves exits 0 at once
-    if args.join:
-        from prefixq.cli.fleet_commands import join_shard
+    with contextlib.ExitStack() as stack:
+        if args.join:
+            from prefixq.cli.fleet_commands import joined
 
-        args.shard = join_shard(settings)
-        log.info("worker joins the deployment as shard %d", args.shard)
-    log.info("worker shard=%d starting (pid %d)", args.shard, os.getpid())
-    from prefixq.cli.worker_process import run_worker
-    from prefixq.engine.embedded_model import default_cache_dir, resolve_model
-    from prefixq.engine.vllm_engine import parse_engine_args
+            args.shard = stack.enter_context(joined(settings))  # released as the worker exits
+            log.info("worker joins the deployment as shard %d", args.shard)
+        log.info("worker shard=%d starting (pid %d)", args.shard, os.getpid())
+        from prefixq.cli.worker_process import run_worker
+        from prefixq.engine.embedded_model import default_cache_dir, resolve_model
+        from prefixq.engine.vllm_engine import parse_engine_args
 
-    model = resolve_model(args.model, default_cache_dir(settings.cache_dir))
-    return run_worker(
-        settings,
-        args.shard,
-        model,
-        gpu=args.gpu,
-        engine_args=parse_engine_args(args.engine_arg),
-        name=args.name,
-        signals=signals,
-        hand_over=args.hand_over,
-    )
+        model = resolve_model(args.model, default_cache_dir(settings.cache_dir))
+        return run_worker(
+            settings,
+            args.shard,
+            model,
+            gpu=args.gpu,
+            engine_args=parse_engine_args(args.engine_arg),
+            name=args.name,
+            signals=signals,
+            hand_over=args.hand_over,
+        )
 
 
 def cmd_workers(args: argparse.Namespace, settings: Settings, argv: Sequence[str]) -> int:

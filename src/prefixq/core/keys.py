@@ -191,7 +191,8 @@ class Keys:
     @property
     def joins(self) -> str:
         """Hash: shard -> until when a joining worker holds it while its engine starts (epoch s;
-        `prefixq worker --join`, store/deployment.py); cleared by the shard's next heartbeat."""
+        `prefixq worker --join`, store/deployment.py); cleared by the shard's next heartbeat, or by
+        the joiner as it exits before one."""
         return f"{self.ns}:{{fleet}}:joins"
 
     @property

@@ -3,13 +3,15 @@
 The first worker (or producer given ``PREFIXQ_SHARDS``) writes the shard count into the namespace's
 config hash; every later producer, tool and worker reads it from there. A worker started with
 ``--join`` takes the lowest shard without a live worker, or grows the count by one
-(`ajoin_shard`); a count in the settings below Redis's is then a deployment that grew, not an
-error.
+(`ajoin`); a count in the settings below Redis's is then a deployment that grew, not an error.
+The shard is held for the joiner while its engine starts; a joiner that exits before serving
+releases its hold (`arelease_join`), so the next one takes the shard instead of growing the count.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import redis
 import redis.asyncio as aredis
@@ -18,7 +20,7 @@ from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
 from prefixq.store.connection import lua
 
-__all__ = ["ajoin_shard", "aresolve_shards", "resolve_shards"]
+__all__ = ["Joined", "ajoin", "ajoin_shard", "arelease_join", "aresolve_shards", "resolve_shards"]
 
 #: seconds a joining worker holds its shard before its first heartbeat (its engine starts)
 JOIN_HOLD_S = 900.0
@@ -67,18 +69,42 @@ def resolve_shards(r: redis.Redis, settings: Settings) -> int:
     return n
 
 
-async def ajoin_shard(r: aredis.Redis, settings: Settings, *, hold_s: float = JOIN_HOLD_S) -> int:
+@dataclass(frozen=True, slots=True)
+class Joined:
+    """The shard a joining worker took, and the hold it wrote there (`Keys.joins`)."""
+
+    shard: int
+    #: the hold's value (until when, epoch s): only this joiner's own hold is released
+    held: str
+
+
+async def ajoin(r: aredis.Redis, settings: Settings, *, hold_s: float = JOIN_HOLD_S) -> Joined:
     """The shard a joining worker serves: the lowest without a live worker that no other joiner
     holds, else a new one (the recorded count grows by one). Held for ``hold_s`` or until the
-    worker's first heartbeat (which ends the hold: store/liveness.py, `beat_commands`)."""
+    worker's first heartbeat (which ends the hold: store/liveness.py, `beat_commands`), or until
+    it exits before that (`arelease_join`)."""
     keys = settings.keys
     join = r.register_script(lua("join_shard"))
     grow = r.register_script(lua("grow_shards"))
     n = await aresolve_shards(r, settings)
     while True:
         now = time.time()
-        args = [repr(now), settings.heartbeat_ttl_s, n, repr(now + hold_s)]
+        held = repr(now + hold_s)
+        args = [repr(now), settings.heartbeat_ttl_s, n, held]
         k = int(await join(keys=[keys.live, keys.joins], args=args))
         if k >= 0:
-            return k
+            return Joined(k, held)
         n = int(await grow(keys=[keys.config], args=[n]))
+
+
+async def ajoin_shard(r: aredis.Redis, settings: Settings, *, hold_s: float = JOIN_HOLD_S) -> int:
+    """`ajoin`'s shard."""
+    return (await ajoin(r, settings, hold_s=hold_s)).shard
+
+
+async def arelease_join(r: aredis.Redis, settings: Settings, joined: Joined) -> bool:
+    """Release ``joined``'s hold if it is still there (its worker never beat: it stops, or failed
+    to start); whether it was."""
+    script = r.register_script(lua("release_join"))
+    args = [str(joined.shard), joined.held]
+    return bool(await script(keys=[settings.keys.joins], args=args))
