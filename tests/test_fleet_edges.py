@@ -159,3 +159,36 @@ def test_garbage_in_the_prefix_map_does_not_stop_an_orphaned_shards_queue_moving
     finally:
         w0.send_signal(signal.SIGTERM)
         assert w0.wait(30) == 0
+
+
+def test_times_that_are_not_times_hold_no_shard_live_held_or_unorphaned_for_good(
+    redis_server: Any, r: redis.Redis, tmp_path: Path
+) -> None:
+    """Given shards whose live, orphans or joins fields hold a value that is a number but no time
+    (inf, nan, a time centuries ahead: a hand edit, a restore), then a live worker moves their
+    queues and serves them, and a joiner takes such a shard. Before, a beat of ``inf`` or
+    ``1e300`` held its shard live for good (producers placed on it, its queue never moved), a
+    first-seen time ahead kept it from being orphaned for good (HSETNX never replaced it), and such
+    a hold made every joiner grow the count."""
+    s = _settings(redis_server.url, 4)
+    keys = Keys(s.namespace)
+    for k in range(4):
+        r.hset(keys.live, str(k), repr(time.time()))
+    burst = Producer(s).submit(_burst(12, 2))
+    assert all(queued_entries(r, s, k) for k in (1, 2, 3))
+    r.hset(keys.live, mapping={"1": "inf", "2": "1e300", "3": "nan"})
+    r.hset(keys.orphans, mapping={"2": "1e300", "3": "inf"})
+    r.hdel(keys.live, "3")  # shard 3: never had a worker, as far as the hash says
+    assert cli(s, "inspect", "--json").returncode == 0
+    w0 = _start(s, tmp_path / "w0.log", "--shard", "0", "--name", "w0")
+    try:
+        wait_until(lambda: r.hlen(keys.results(burst.id)) >= 24, 60, "every result")
+        out = account(r, s, burst.id, 24, what="not times")
+        assert (out.lost, out.duplicated, out.failed) == (0, 0, 0)
+        r.hset(keys.joins, mapping={"1": "1e300", "2": "inf", "3": "nan"})
+        bad = cli(s, "worker", "--join", "--model", str(tmp_path / "no-such-model"))
+        assert "as shard 1" in bad.stderr, bad.stderr
+        assert r.hget(keys.config, "shards") == b"4"
+    finally:
+        w0.send_signal(signal.SIGTERM)
+        assert w0.wait(30) == 0

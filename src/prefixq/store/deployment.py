@@ -19,6 +19,7 @@ import redis.asyncio as aredis
 from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
 from prefixq.store.connection import lua
+from prefixq.store.liveness import FUTURE_S
 
 __all__ = ["Joined", "ajoin", "ajoin_shard", "arelease_join", "aresolve_shards", "resolve_shards"]
 
@@ -90,7 +91,7 @@ async def ajoin(r: aredis.Redis, settings: Settings, *, hold_s: float = JOIN_HOL
     while True:
         now = time.time()
         held = repr(now + hold_s)
-        args = [repr(now), settings.heartbeat_ttl_s, n, held]
+        args = [repr(now), settings.heartbeat_ttl_s, n, held, FUTURE_S]
         k = int(await join(keys=[keys.live, keys.joins], args=args))
         if k >= 0:
             return Joined(k, held)

@@ -30,6 +30,7 @@ from prefixq.core.settings import Settings
 from prefixq.store.connection import lua
 
 __all__ = [
+    "FUTURE_S",
     "Liveness",
     "alive_mask",
     "beat_commands",
@@ -38,6 +39,11 @@ __all__ = [
     "read_tasks",
     "tasks_of",
 ]
+
+
+#: seconds ahead of a reader's clock past which a recorded time is not one (hosts' clocks differ
+#: by far less; a time further ahead would hold a shard live, or held, or not orphaned, for good)
+FUTURE_S = 3600.0
 
 
 @dataclass(slots=True)
@@ -67,8 +73,8 @@ class Liveness:
         """From a read of the live and orphans hashes (any client: `read_liveness` is the
         asyncio one's), and of the tasks hash when given."""
         return cls(
-            _floats(live, shards),
-            _floats(orphans, shards),
+            _times(live, shards, now),
+            _times(orphans, shards, now),
             shards,
             settings.heartbeat_ttl_s,
             now,
@@ -118,8 +124,15 @@ def _numbers(raw: dict[Any, Any]) -> dict[int, float]:
     return out
 
 
-def _floats(raw: dict[Any, Any], shards: int) -> dict[int, float]:
-    return {k: v for k, v in _numbers(raw).items() if 0 <= k < shards}
+def _times(raw: dict[Any, Any], shards: int, now: float) -> dict[int, float]:
+    """Shard -> time of a read of a hash of times (live, orphans); a value that is not a time
+    (not a number, not finite, more than `FUTURE_S` ahead of ``now``: a hand edit, a restore)
+    is none, so no such value holds a shard live, or keeps it from being orphaned, for good."""
+    return {
+        k: v
+        for k, v in _numbers(raw).items()
+        if 0 <= k < shards and math.isfinite(v) and v <= now + FUTURE_S
+    }
 
 
 async def read_liveness(r: aredis.Redis, settings: Settings, shards: int) -> Liveness:
@@ -178,7 +191,7 @@ def alive_mask(
     is (no worker is up yet: work waits for the first one, wherever it goes). With ``among``,
     only those shards count (the ones that serve the burst's task), and all of them when none
     of them is live."""
-    last = _floats(raw, shards)
+    last = _times(raw, shards, now)
     pool = set(range(shards) if among is None else among)
     mask = [k in pool and now - last.get(k, float("-inf")) <= ttl for k in range(shards)]
     return mask if any(mask) else [k in pool for k in range(shards)]

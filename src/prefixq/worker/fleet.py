@@ -103,7 +103,8 @@ class FleetWatch:
             if k == self.shard or live.alive(k) or self.s.orphan_after_s <= 0:
                 continue
             if k not in live.last and k not in live.seen_dead:  # never had a worker
-                await self.r.hsetnx(self.keys.orphans, str(k), repr(live.now))
+                # HSET, not HSETNX: a value there that is not a time must not block it for good
+                await self.r.hset(self.keys.orphans, str(k), repr(live.now))
                 continue
             if live.dead_for(k) < self.s.orphan_after_s:
                 continue
