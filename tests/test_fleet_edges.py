@@ -192,3 +192,38 @@ def test_times_that_are_not_times_hold_no_shard_live_held_or_unorphaned_for_good
     finally:
         w0.send_signal(signal.SIGTERM)
         assert w0.wait(30) == 0
+
+
+def test_a_fleet_key_of_another_type_is_replaced_by_the_next_heartbeat(
+    redis_server: Any, r: redis.Redis, tmp_path: Path
+) -> None:
+    """Given a serving worker, when something writes a string over the fleet's live, orphans,
+    joins and tasks hashes and the shard's worker set, then within a few heartbeats each is its
+    own type again and a burst submitted afterwards is served whole (before: every heartbeat,
+    submit and inspect failed with WRONGTYPE until someone deleted the keys by hand)."""
+    s = _settings(redis_server.url, 1)
+    keys = Keys(s.namespace)
+    w0 = _start(s, tmp_path / "w0.log", "--shard", "0", "--name", "w0")
+    try:
+        _up(r, s, 0, "w0")
+        wanted = {keys.live: b"hash", keys.tasks: b"hash", keys.workers(0): b"zset"}
+        for key in (*wanted, keys.orphans, keys.joins):
+            r.delete(key)
+            r.set(key, "garbage")
+
+        def repaired() -> bool:
+            return all(r.type(k) == t for k, t in wanted.items()) and all(
+                r.type(k) in (b"hash", b"none") for k in (keys.orphans, keys.joins)
+            )
+
+        wait_until(repaired, 10, "the fleet's keys rebuilt by heartbeats")
+        burst = Producer(s).submit(_burst(2, 3))
+        wait_until(lambda: r.hlen(keys.results(burst.id)) >= 6, 60, "every result")
+        out = account(r, s, burst.id, 6, what="fleet keys of another type")
+        assert (out.lost, out.duplicated, out.failed) == (0, 0, 0)
+        assert cli(s, "inspect", "--json").returncode == 0
+        log = (tmp_path / "w0.log").read_text()
+        assert "held a string, not a hash: replaced" in log and "Traceback" not in log
+    finally:
+        w0.send_signal(signal.SIGTERM)
+        assert w0.wait(30) == 0

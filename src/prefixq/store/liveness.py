@@ -17,6 +17,7 @@ good part of ``heartbeat_ttl_s`` see each other's shards as dead too early or to
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Iterable, Iterator
@@ -28,6 +29,8 @@ import redis.asyncio as aredis
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from prefixq.store.connection import lua
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "FUTURE_S",
@@ -206,3 +209,33 @@ def beat_commands(pipe: Any, keys: Keys, shard: int, now: float, task: str = "ge
     pipe.hdel(keys.orphans, str(shard))
     pipe.hdel(keys.joins, str(shard))
     pipe.hset(keys.tasks, str(shard), task)
+
+
+def beat_types(keys: Keys, shard: int, heartbeat: str) -> dict[str, str]:
+    """The type of each key a heartbeat writes (`beat_commands`, the worker's own heartbeat hash
+    and its shard's worker set): all rebuilt by heartbeats, so one of another type (written by
+    something else) is replaced (`repair_types`)."""
+    hashes = (heartbeat, keys.live, keys.orphans, keys.joins, keys.tasks)
+    return {**dict.fromkeys(hashes, "hash"), keys.workers(shard): "zset"}
+
+
+async def repair_types(r: aredis.Redis, expected: dict[str, str]) -> list[str]:
+    """Delete each of ``expected``'s keys that holds another type than it names (a WRONGTYPE for
+    every reader and writer until then: submits, inspect and every heartbeat failed for good);
+    the keys deleted, each logged once, for the next heartbeat to write anew."""
+    pipe = r.pipeline(transaction=False)
+    for key in expected:
+        pipe.type(key)
+    found = await pipe.execute()
+    wrong = []
+    for (key, want), got in zip(expected.items(), found, strict=True):
+        kind = got.decode() if isinstance(got, bytes) else str(got)
+        if kind not in (want, "none"):
+            log.warning("%s held a %s, not a %s: replaced (heartbeats rebuild it)", key, kind, want)
+            wrong.append(key)
+    if wrong:  # one DEL each: on a cluster they are in different slots
+        pipe = r.pipeline(transaction=False)
+        for key in wrong:
+            pipe.delete(key)
+        await pipe.execute()
+    return wrong

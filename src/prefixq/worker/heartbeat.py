@@ -24,7 +24,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from prefixq.store.liveness import beat_commands
+from prefixq.store.liveness import beat_commands, beat_types, repair_types
 from prefixq.store.redis_errors import TRANSIENT
 from prefixq.worker.deliveries import Ref
 from prefixq.worker.gc_policy import GcPolicy
@@ -107,7 +107,14 @@ class Heartbeat:
         pipe.zremrangebyscore(workers, "-inf", now - GONE_KEPT_S)
         if self.serving():
             beat_commands(pipe, self.stream.keys, self.stream.shard, now, self.stream.settings.task)
-        await pipe.execute()
+        try:
+            await pipe.execute()
+        except ResponseError as e:  # a key of another type, written by something else: replaced
+            if "WRONGTYPE" not in str(e):
+                raise
+            keys = self.stream.keys
+            await repair_types(self.stream.r, beat_types(keys, self.stream.shard, hb))
+            raise
         await self.stream.renew(self.holding())
         self._untold += self.tallies()
         await self.stream.tally(self._untold)  # kept for the next beat if Redis refused them
