@@ -258,8 +258,9 @@ def test_load_guard_moves_a_hot_prefix_group_and_later_questions_follow(
 def test_prefix_map_stays_under_its_bound_after_100k_distinct_prefixes(
     make_settings: Callable[..., Settings], r: redis.Redis
 ) -> None:
-    """100,000 distinct prefixes through the placer keep the map at map_max_entries entries;
-    prints the bytes each entry costs (the documented bound)."""
+    """100,000 distinct prefixes through the placer keep the map within map_max_entries entries
+    (at least half of them: its two generations); prints the bytes each entry costs (the
+    documented bound)."""
     bound = 20_000
     s = make_settings(shards=4, map_max_entries=bound)
     keys = Keys(s.namespace)
@@ -289,11 +290,12 @@ def test_prefix_map_stays_under_its_bound_after_100k_distinct_prefixes(
 
     placed = asyncio.run(run())
     assert len(placed) == 100_000
-    entries, lru = r.hlen(keys.prefix_map), r.zcard(keys.prefix_lru)
-    mem = r.memory_usage(keys.prefix_map) + r.memory_usage(keys.prefix_lru)
+    young, old = r.hlen(keys.prefix_map), r.hlen(keys.prefix_map_old)
+    mem = r.memory_usage(keys.prefix_map) + (r.memory_usage(keys.prefix_map_old) or 0)
+    entries = young + old
     print(f"map entries {entries} (bound {bound}), {mem} bytes = {mem / entries:.0f} B/entry")
-    assert entries <= bound and lru <= bound
-    assert entries >= bound * 0.9
+    assert entries <= bound
+    assert entries >= bound // 2  # the previous generation holds at least the last half
     assert mem / entries < 200
 
 

@@ -6,9 +6,10 @@ shard with the least estimated outstanding prefill work. Only shards with a live
 (store/liveness.py): a checkpoint the map gives to a shard without one is placed again, and the map
 moves with it (affinity is a preference, never a reason for work to wait). Two invariants: new
 checkpoints are claimed atomically (``HSETNX`` in lua/claim_prefixes.lua), so when two producers
-race for one prefix the loser follows the winner; and the map stays bounded (``map_max_entries``,
-least recently used evicted first). docs/architecture.md, "Affinity", has the design (checkpoints,
-the load guard, moves) and its measured costs.
+race for one prefix the loser follows the winner; and the map stays bounded (``map_max_entries``;
+an approximate LRU in two generations: a checkpoint claimed or used stays while fewer than
+``map_max_entries`` / 2 others were written after it). docs/architecture.md, "Affinity", has the
+design (checkpoints, the load guard, moves) and its measured costs.
 """
 
 from __future__ import annotations
@@ -22,13 +23,11 @@ import redis.asyncio as aredis
 
 from prefixq.affinity.placement import Item, Placed
 from prefixq.core.settings import Settings
-from prefixq.store.connection import lua
 from prefixq.store.liveness import alive_mask, load_of
 from prefixq.store.move_log import add_moves
+from prefixq.store.prefix_claims import claim, read_map
 
 log = logging.getLogger(__name__)
-
-_CLAIMS_PER_CALL = 4000
 
 
 def _cp(h: int) -> bytes:
@@ -84,7 +83,7 @@ class AffinityPlacer:
         modes: dict[bytes, str] = {}
         for start in range(0, len(unique), 10_000):
             chunk = unique[start : start + 10_000]
-            for cp, v in zip(chunk, await r.hmget(self.keys.prefix_map, chunk), strict=True):
+            for cp, v in zip(chunk, await read_map(r, self.keys, chunk), strict=True):
                 if v is None:
                     continue
                 held = int(v) if v.isdigit() else -1
@@ -195,23 +194,7 @@ class AffinityPlacer:
         modes: dict[bytes, str],
         touched: list[bytes],
     ) -> dict[bytes, int]:
-        script = r.register_script(lua("claim_prefixes"))
-        items = list(local.items())
-        stored: dict[bytes, int] = {}
-        now = repr(time.time())
-        for start in range(0, max(len(items), 1), _CLAIMS_PER_CALL):
-            chunk = items[start : start + _CLAIMS_PER_CALL]
-            args: list[bytes | str | int] = [now, self.s.map_max_entries, len(chunk)]
-            for cp, shard in chunk:
-                args += [cp, shard, modes.get(cp, "n")]
-            if start == 0:
-                args += touched
-            if not chunk and not touched:
-                break
-            out = await script(keys=[self.keys.prefix_map, self.keys.prefix_lru], args=args)
-            for (cp, _), v in zip(chunk, out, strict=True):
-                stored[cp] = int(v)
-        return stored
+        return await claim(r, self.keys, self.s.map_max_entries, local, modes, touched)
 
     async def _record(self, r: aredis.Redis) -> None:
         """Add the moves decided since the last call to the moves stream (a burst is placed in

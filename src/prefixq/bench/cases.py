@@ -257,7 +257,7 @@ async def reset(env: Env) -> None:
     stale = [k async for k in env.r.scan_iter(match=keys.prefix("*"), count=1000)]
     stale += [keys.pass_marks(k) for k in range(env.s.shards)]
     await env.r.delete(
-        keys.prefix_map, keys.prefix_lru, keys.load, keys.pass_order, keys.pass_shards, *stale
+        keys.prefix_map, keys.prefix_map_old, keys.load, keys.pass_order, keys.pass_shards, *stale
     )
 
 

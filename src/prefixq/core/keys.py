@@ -135,13 +135,15 @@ class Keys:
 
     @property
     def prefix_map(self) -> str:
-        """Hash: prefix checkpoint hash (8 bytes) -> shard."""
+        """Hash: prefix checkpoint hash (8 bytes) -> shard; the map's current generation, every
+        checkpoint claimed or used is written here (lua/claim_prefixes.lua)."""
         return f"{self.ns}:{{pmap}}"
 
     @property
-    def prefix_lru(self) -> str:
-        """Sorted set: prefix checkpoint hash -> last use, to bound `prefix_map` (same slot)."""
-        return f"{self.ns}:{{pmap}}:lru"
+    def prefix_map_old(self) -> str:
+        """Hash: the prefix map's previous generation (same slot), read where `prefix_map` has
+        no entry and dropped whole when `prefix_map` fills half of ``map_max_entries``."""
+        return f"{self.ns}:{{pmap}}:old"
 
     @property
     def pass_order(self) -> str:

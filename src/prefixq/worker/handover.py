@@ -38,6 +38,7 @@ from prefixq.store.connection import lua
 from prefixq.store.entry_moves import EntryMoves
 from prefixq.store.liveness import add_load, read_liveness, read_load
 from prefixq.store.move_log import add_moves
+from prefixq.store.prefix_claims import claim, read_map
 from prefixq.worker.queued import Found, Group, groups, scan
 
 __all__ = ["LEASE_HELD", "LEASE_MS", "Handover", "MoveReport"]
@@ -186,7 +187,7 @@ class Handover:
         anchors = [g.anchor for g in queued if g.anchor is not None]
         mapped: dict[bytes, int] = {}
         if anchors:
-            shards = await self.r.hmget(self.keys.prefix_map, anchors)
+            shards = await read_map(self.r, self.keys, anchors)
             for a, v in zip(anchors, shards, strict=True):
                 # a value that is not a shard (a hand edit) names none, as placement reads it
                 if v is not None and v.isdigit() and int(v) in targets:
@@ -281,14 +282,8 @@ class Handover:
     ) -> None:
         """The prefix map, the load estimate and the moves stream follow the moved groups."""
         if claims:
-            script = self.r.register_script(lua("claim_prefixes"))
-            items = list(claims.items())
-            for start in range(0, len(items), 4000):
-                chunk = items[start : start + 4000]
-                args: list[Any] = [repr(time.time()), self.s.map_max_entries, len(chunk)]
-                for cp, shard in chunk:
-                    args += [cp, shard, "m"]
-                await script(keys=[self.keys.prefix_map, self.keys.prefix_lru], args=args)
+            moved = dict.fromkeys(claims, "m")
+            await claim(self.r, self.keys, self.s.map_max_entries, claims, moved)
         pipe = self.r.pipeline(transaction=False)
         for target, work in shifted.items():
             add_load(pipe, self.keys, target, work)

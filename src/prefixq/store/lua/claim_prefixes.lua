@@ -1,71 +1,115 @@
--- Claim prefix checkpoints for shards in the shared affinity map, touch their LRU scores, and
--- keep the map within its bound.
--- KEYS[1]  prefix map hash        (checkpoint hash, 8 raw bytes -> shard)
--- KEYS[2]  LRU sorted set         (checkpoint hash -> last use, epoch s)
--- ARGV[1]  now   ARGV[2] max entries   ARGV[3] n = number of claims
--- ARGV[4 .. 3+3n]  n triples: checkpoint, shard, mode
+-- Claim prefix checkpoints for shards in the shared affinity map, mark the ones used as recent,
+-- and keep the map within its bound.
+-- The map is two generations of one hash each: KEYS[1] the current one, which every checkpoint
+-- claimed or used is written to, and KEYS[2] the previous one, read where the current one has no
+-- entry (a checkpoint's shard: the current generation's, else the previous one's). When a call
+-- would take the current generation past half the bound it becomes the previous one (RENAME) and
+-- the previous one is dropped whole (UNLINK): an approximate LRU in which a checkpoint claimed or
+-- used stays mapped while fewer than max / 2 other checkpoints have been written after it, and
+-- both generations together never hold more than max entries (an exact LRU keeps the last max;
+-- this one keeps at least the last max / 2, and a sorted set of scores, one ZADD member per
+-- checkpoint, was over a third of the map's Redis time: docs/BENCHMARKS.md).
+-- KEYS[1]  current generation    (checkpoint hash, 8 raw bytes -> shard)
+-- KEYS[2]  previous generation   (the same, older)
+-- ARGV[1]  max entries   ARGV[2] g = number of groups of claims
+-- ARGV[3 .. 2+3g]  g triples: shard, mode, the checkpoints claimed (8 raw bytes each,
+--          concatenated: one argument per group rather than three per claim, which cost a
+--          producer more to pack than Redis to run)
 --          mode "n": claim only if absent (as HSETNX) -- two racing producers agree on the winner
 --          mode "m": move (HSET) -- the load guard relocating a prefix group
--- ARGV[4+3n ..]    checkpoints used but not claimed (their LRU score is refreshed)
--- Returns, for each claim, the shard the map holds for it afterwards.
--- The checkpoints of one call are distinct. Each command takes up to BATCH of them (one HMGET,
--- one HSET, one ZADD, one HDEL per batch rather than one call each: a 16 KB prompt has ~24
--- checkpoints, and a Lua call per checkpoint cost Redis more than the work itself); the script
+-- ARGV[3+3g]  (optional) checkpoints used but not claimed, concatenated (marked recent: copied
+--          into the current generation unless there already; one in neither is left out)
+-- Returns, for each claim in the order given (group by group), the shard the map holds for it
+-- afterwards.
+-- The checkpoints of one call are distinct. Each command takes up to BATCH of them; the script
 -- runs atomically, so an HMGET then an HSET of the absent fields is HSETNX field by field.
 local BATCH = 1000 -- well under Lua's unpack limit (8,000 values)
-local now = ARGV[1]
-local maxn = tonumber(ARGV[2])
-local n = tonumber(ARGV[3])
-local out = {}
-for first = 1, n, BATCH do
-  local last = math.min(n, first + BATCH - 1)
-  local cps = {}
-  for i = first, last do
-    cps[#cps + 1] = ARGV[4 + 3 * (i - 1)]
+local maxn = tonumber(ARGV[1])
+local groups = tonumber(ARGV[2])
+local half = math.floor(maxn / 2)
+local cps, shards, modes, young = {}, {}, {}, {}
+local function split(blob, shard, mode)
+  for i = 1, #blob / 8 do
+    local k = #cps + 1
+    cps[k] = string.sub(blob, 8 * i - 7, 8 * i)
+    shards[k], modes[k] = shard, mode
   end
-  local held = redis.call('HMGET', KEYS[1], unpack(cps))
-  local set, touch = {}, {}
+end
+for g = 1, groups do
+  split(ARGV[3 * g + 2], ARGV[3 * g], ARGV[3 * g + 1])
+end
+local n = #cps
+split(ARGV[3 * groups + 3] or '', false, false)
+local total = #cps
+-- each checkpoint's entry: young[i] in the current generation, else old[i] in the previous one
+local old, adds = {}, 0
+for first = 1, total, BATCH do
+  local last = math.min(total, first + BATCH - 1)
+  local got = redis.call('HMGET', KEYS[1], unpack(cps, first, last))
+  local miss, at = {}, {}
   for i = first, last do
-    local pos = 4 + 3 * (i - 1)
-    local cp, shard, mode = ARGV[pos], ARGV[pos + 1], ARGV[pos + 2]
-    local had = held[i - first + 1]
-    if mode == 'm' or not had then
-      set[#set + 1] = cp
-      set[#set + 1] = shard
-      out[i] = shard
-    else
-      out[i] = had
+    local v = got[i - first + 1]
+    young[i] = v
+    if not v then
+      miss[#miss + 1] = cps[i]
+      at[#at + 1] = i
     end
-    touch[#touch + 1] = now
-    touch[#touch + 1] = cp
   end
-  if #set > 0 then
+  if #miss > 0 then
+    local prev = redis.call('HMGET', KEYS[2], unpack(miss))
+    for k = 1, #miss do
+      old[at[k]] = prev[k]
+    end
+    adds = adds + #miss
+  end
+end
+-- a new generation when this call's writes would take the current one past half the bound
+local rotated = false
+if adds > 0 and redis.call('HLEN', KEYS[1]) + adds > half then
+  redis.call('UNLINK', KEYS[2])
+  if redis.call('EXISTS', KEYS[1]) == 1 then
+    redis.call('RENAME', KEYS[1], KEYS[2])
+  end
+  rotated = true
+end
+local out, set = {}, {}
+local function put(cp, v)
+  set[#set + 1] = cp
+  set[#set + 1] = v
+  if #set == 2 * BATCH then
     redis.call('HSET', KEYS[1], unpack(set))
+    set = {}
   end
-  redis.call('ZADD', KEYS[2], unpack(touch))
 end
-local rest = 4 + 3 * n
-for first = rest, #ARGV, BATCH do
-  local touch = {}
-  for j = first, math.min(#ARGV, first + BATCH - 1) do
-    touch[#touch + 1] = now
-    touch[#touch + 1] = ARGV[j]
-  end
-  redis.call('ZADD', KEYS[2], unpack(touch))
-end
-local size = redis.call('ZCARD', KEYS[2])
-if size > maxn then
-  local old = redis.call('ZPOPMIN', KEYS[2], size - maxn)
-  local gone = {}
-  for k = 1, #old, 2 do
-    gone[#gone + 1] = old[k]
-    if #gone == BATCH then
-      redis.call('HDEL', KEYS[1], unpack(gone))
-      gone = {}
+for i = 1, total do
+  local cp, had = cps[i], young[i] or old[i]
+  local v = had
+  if i <= n then
+    local shard, mode = shards[i], modes[i]
+    if mode == 'm' or not had then
+      v = shard
     end
+    out[i] = v
   end
-  if #gone > 0 then
-    redis.call('HDEL', KEYS[1], unpack(gone))
+  -- written where the current generation lacks it (or it changes): claimed, moved, or used
+  if v and (rotated or young[i] ~= v) then
+    put(cp, v)
+  end
+end
+if #set > 0 then
+  redis.call('HSET', KEYS[1], unpack(set))
+end
+-- one call of more than half the bound: the previous generation goes, then what is past the bound
+local size = redis.call('HLEN', KEYS[1])
+if size > half then
+  redis.call('UNLINK', KEYS[2])
+  for i = total, 1, -1 do
+    if size <= maxn then
+      break
+    end
+    if redis.call('HDEL', KEYS[1], cps[i]) == 1 then
+      size = size - 1
+    end
   end
 end
 return out
