@@ -95,7 +95,8 @@ class Settings:
     block_chars: int = 64
     #: one map entry every this many blocks (plus the last full block of each prefix)
     checkpoint_every: int = 8
-    #: bound on the shared prefix map (entries); least recently used beyond it are evicted
+    #: bound on the shared prefix map (entries); the least recently used beyond it are evicted,
+    #: approximately (at least the last half are kept: docs/architecture.md)
     map_max_entries: int = 100_000
     #: a map match shorter than this share of the prompt (a common instruction) starts a new group
     affinity_min_match: float = 0.5
