@@ -26,7 +26,7 @@ from typing import IO, overload
 from prefixq.client.order import Peek, peek, peeks
 from prefixq.core.entries import check_size
 from prefixq.core.errors import ValidationError
-from prefixq.core.inputs import IdCheck, read_json_line
+from prefixq.core.inputs import BLANK, IdCheck, read_json_line
 from prefixq.core.records import Request
 from prefixq.core.settings import Settings
 
@@ -160,7 +160,7 @@ def _check(f: IO[bytes], path: str, name: str, s: Settings, *, keep_open: bool) 
     offset = 0
     for n, raw in enumerate(f, 1):
         obj = read_json_line(raw, n, name)
-        if obj is not None:
+        if obj is not BLANK:
             try:
                 req = Request.from_json(
                     obj, index=n - 1, max_chars=s.max_prompt_chars, max_messages=s.max_messages

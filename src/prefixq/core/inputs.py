@@ -18,7 +18,10 @@ from prefixq.core.errors import ValidationError
 from prefixq.core.records import Request
 from prefixq.core.settings import Settings
 
-__all__ = ["IdCheck", "normalize", "normalize_one", "read_json_line", "read_requests"]
+__all__ = ["BLANK", "IdCheck", "normalize", "normalize_one", "read_json_line", "read_requests"]
+
+#: what `read_json_line` returns for a blank line (JSON ``null`` is a value: the line's error)
+BLANK: Any = object()
 
 
 def read_requests(path: str, settings: Settings | None = None) -> list[Request]:
@@ -37,7 +40,7 @@ def read_requests(path: str, settings: Settings | None = None) -> list[Request]:
     with f:
         for n, raw in enumerate(f, 1):
             obj = read_json_line(raw, n, name)
-            if obj is None:
+            if obj is BLANK:
                 continue
             try:
                 req = Request.from_json(
@@ -53,7 +56,8 @@ def read_requests(path: str, settings: Settings | None = None) -> list[Request]:
 
 
 def read_json_line(raw: bytes, n: int, name: str = "input") -> Any:
-    """The JSON value of line ``n`` (1-based) of ``name``, or None for a blank line;
+    """The JSON value of line ``n`` (1-based) of ``name``, or `BLANK` for a blank line (a
+    ``null`` line is JSON null, refused by its reader as any value that is not an object);
     ValidationError naming the line for bytes that are not UTF-8 or text that is not JSON."""
     where = f"{name}: line {n}"
     if n == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark
@@ -66,7 +70,7 @@ def read_json_line(raw: bytes, n: int, name: str = "input") -> Any:
             f"{raw[e.start : e.start + 1]!r})"
         ) from None
     if not text.strip():
-        return None
+        return BLANK
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:

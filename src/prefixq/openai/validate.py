@@ -23,7 +23,7 @@ from typing import Any
 from prefixq.client.request_file import RequestFile
 from prefixq.core.entries import check_size
 from prefixq.core.errors import ValidationError
-from prefixq.core.inputs import read_json_line
+from prefixq.core.inputs import BLANK, read_json_line
 from prefixq.core.openai_lines import RESPONSES
 from prefixq.core.records import Request
 from prefixq.core.settings import Settings
@@ -149,7 +149,7 @@ def check_input(path: Path, endpoint: str, settings: Settings) -> Checked:
             except ValidationError:
                 out.add(n, "invalid_json_line", "This line is not parseable as valid JSON.")
                 continue
-            if obj is None:  # a blank line
+            if obj is BLANK:  # a blank line (a ``null`` one is not: not an object)
                 continue
             req = _check_line(obj, n, endpoint, settings, seen, out)
             if req is not None and not out.error_count:

@@ -1,0 +1,44 @@
+"""`prefixq serve`'s Batch API against hostile input files, through the official `openai` client
+on a real Redis: a line that is JSON but not a request object (``null``) fails the batch naming
+its line, as every other bad line does, instead of being skipped as if it were blank; the CLI's
+readers refuse it the same way. docs/openai.md, "Input file errors"."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from openai_server import chat_line, wait_batch
+from prefixq.client.request_file import read_request_file
+from prefixq.core.errors import ValidationError
+from prefixq.core.inputs import read_requests
+
+
+@pytest.mark.parametrize("value", ["null", " null \r", "5", '"x"', "[]"])
+def test_a_json_line_that_is_no_object_fails_the_batch_naming_its_line(
+    client: OpenAI, value: str
+) -> None:
+    lines = [json.dumps(chat_line("a", "hi")), value, "", json.dumps(chat_line("b", "yo"))]
+    f = client.files.create(file=("n.jsonl", "\n".join(lines).encode()), purpose="batch")
+    b = client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    b = wait_batch(client, b.id, {"failed", "in_progress", "completed"})
+    assert b.status == "failed", b
+    assert b.errors is not None and b.errors.data is not None
+    assert [(e.line, e.code) for e in b.errors.data] == [(2, "invalid_request")]
+    assert b.request_counts is not None and b.request_counts.total == 0
+
+
+def test_the_cli_readers_refuse_a_null_line_and_skip_blank_ones(tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": "a", "prompt": "x"}\n\n  \nnull\n')
+    for read in (read_requests, read_request_file):
+        with pytest.raises(ValidationError, match="line 4"):
+            read(str(path))
+    path.write_text('{"id": "a", "prompt": "x"}\n\n  \r\n{"id": "b", "prompt": "y"}\n')
+    assert [r.id for r in read_requests(str(path))] == ["a", "b"]
+    assert [r.id for r in read_request_file(str(path))] == ["a", "b"]
