@@ -49,9 +49,21 @@ _PREFIX = "whsec_"
 
 
 def check_url(url: Any, what: str = "url") -> str:
-    """An ``http(s)://host...`` URL; ValidationError otherwise."""
-    parts = urlsplit(url) if isinstance(url, str) else None
-    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+    """An ``http(s)://host[:port]...`` URL that can be posted to; ValidationError otherwise (a
+    port that is not a number from 1 to 65535, whitespace or control characters, an unclosed
+    ``[`` IPv6 host), so no delivery is ever queued for an address no attempt can reach."""
+    try:
+        parts = urlsplit(url) if isinstance(url, str) else None
+        ok = (
+            parts is not None
+            and parts.scheme in ("http", "https")
+            and bool(parts.hostname)
+            and parts.port != 0  # reading it checks it: ValueError when not 0-65535
+            and not any(c <= " " or c == "\x7f" for c in url)
+        )
+    except ValueError:
+        ok = False
+    if not ok:
         raise ValidationError(f"{what} must be an http:// or https:// URL, not {url!r}")
     return str(url)
 

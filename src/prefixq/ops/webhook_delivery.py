@@ -48,8 +48,11 @@ WATCH_EVERY_S = 2.0
 
 def _where(url: str) -> str:
     """A URL as logged: no query string or user info (either may hold a token)."""
-    p = urlsplit(url)
-    return f"{p.scheme}://{p.hostname}{':' + str(p.port) if p.port else ''}{p.path}"
+    try:
+        p = urlsplit(url)
+        return f"{p.scheme}://{p.hostname}{':' + str(p.port) if p.port else ''}{p.path}"
+    except ValueError:  # not a URL (an outbox record written before check_url refused it)
+        return "<malformed URL>"
 
 
 class Deliverer:
@@ -135,7 +138,7 @@ class Deliverer:
         headers["user-agent"] = "prefixq-webhooks"
         try:
             resp = await http.post(d.url, content=d.body.encode(), headers=headers)
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:  # a URL no attempt can reach
             return f"{type(e).__name__}: {e}"[:300]
         if 200 <= resp.status_code < 300:
             return ""
