@@ -1,5 +1,6 @@
 """Webhooks against hostile receivers and addresses, on real `prefixq serve` processes and a real
-Redis: URLs no attempt can reach (a port that is no number, control
+Redis: a receiver that trickles its answer (the attempt must end at ``webhook_timeout_s``, not
+when the receiver stops), and URLs no attempt can reach (a port that is no number, control
 characters, an unclosed IPv6 host): refused where they are given, and an outbox record holding
 one is a failed attempt, retried and given up as any other. docs/operations.md, "Receiving
 webhooks"."""
@@ -7,14 +8,18 @@ webhooks"."""
 from __future__ import annotations
 
 import json
+import socket
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import redis
+from openai import OpenAI
 
 from helpers import requests, wait_until
 from openai_server import Server
+from prefixq.cli.redis_server import free_port
 from prefixq.client import Producer
 from prefixq.core.errors import ConfigError, ValidationError
 from prefixq.core.keys import Keys
@@ -23,6 +28,69 @@ from prefixq.store.webhook_outbox import Delivery
 from test_webhooks import _config, _flags, _secret
 
 BAD_URLS = ["http://h:abc/x", "http://h:99999/x", "http://[::1/x", "http://a\nb/x", "http://h/\x00"]
+
+
+class Trickler:
+    """A receiver that reads a request, answers ``200 OK`` and then one header byte every
+    ``every`` seconds for ``for_s`` seconds: each read is quick, the answer never ends. Records
+    how long each connection stayed open."""
+
+    def __init__(self, every: float = 0.2, for_s: float = 15.0) -> None:
+        self.port, self.every, self.for_s = free_port(), every, for_s
+        self.held: list[float] = []
+        self._sock = socket.create_server(("127.0.0.1", self.port))
+        self._stop = False
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/hooks"
+
+    def _serve(self) -> None:
+        while not self._stop:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn: socket.socket) -> None:
+        t0 = time.monotonic()
+        try:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\n")
+            while time.monotonic() - t0 < self.for_s:
+                conn.sendall(b"x")  # an endless header line, a byte at a time
+                time.sleep(self.every)
+        except OSError:  # the sender hung up
+            pass
+        finally:
+            self.held.append(time.monotonic() - t0)
+            conn.close()
+
+    def close(self) -> None:
+        self._stop = True
+        self._sock.close()
+
+
+def test_a_receiver_that_trickles_its_answer_is_cut_off_at_the_timeout(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """Given a receiver that sends a byte of its answer every 0.2 s for 15 s and a 1 s
+    ``webhook_timeout_s``, each attempt of the failed batch's event ends after about 1 s (and is
+    retried), instead of lasting as long as the receiver trickles."""
+    rx = Trickler()
+    flags = _flags(_config(settings.namespace, _secret(), rx.url), webhook_timeout_s=1.0)
+    try:
+        with Server(settings, tmp_path / "files", extra=flags) as srv:
+            c = OpenAI(base_url=srv.url, api_key="k", max_retries=0)
+            f = c.files.create(file=("e.jsonl", b"\n"), purpose="batch")  # empty: fails
+            c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="1h")
+            wait_until(lambda: len(rx.held) >= 2, 12, "two attempts ended")
+            assert "no answer within webhook_timeout_s" in srv.tail(20_000)
+    finally:
+        rx.close()
+    assert max(rx.held[:2]) < 4.0, rx.held
 
 
 @pytest.mark.parametrize("url", BAD_URLS)

@@ -136,8 +136,15 @@ class Deliverer:
             return "no signing secret for its namespace in the webhooks setting"
         headers = signed_headers(key, d.id, int(time.time()), d.body)
         headers["user-agent"] = "prefixq-webhooks"
+        limit = self.settings.webhook_timeout_s
         try:
-            resp = await http.post(d.url, content=d.body.encode(), headers=headers)
+            # httpx's timeout bounds each read and write, not the attempt: a receiver that
+            # trickles its answer would hold the attempt past its claim (and be sent it again)
+            resp = await asyncio.wait_for(
+                http.post(d.url, content=d.body.encode(), headers=headers), limit
+            )
+        except TimeoutError:
+            return f"no answer within webhook_timeout_s ({limit:g} s)"
         except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:  # a URL no attempt can reach
             return f"{type(e).__name__}: {e}"[:300]
         if 200 <= resp.status_code < 300:
