@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 from openai import OpenAI
 
-from openai_server import chat_line, wait_batch
+from openai_server import chat_line, jsonl, wait_batch
 from prefixq.client.request_file import read_request_file
 from prefixq.core.errors import ValidationError
 from prefixq.core.inputs import read_requests
@@ -42,3 +43,20 @@ def test_the_cli_readers_refuse_a_null_line_and_skip_blank_ones(tmp_path: Path) 
     path.write_text('{"id": "a", "prompt": "x"}\n\n  \r\n{"id": "b", "prompt": "y"}\n')
     assert [r.id for r in read_requests(str(path))] == ["a", "b"]
     assert [r.id for r in read_request_file(str(path))] == ["a", "b"]
+
+
+@pytest.mark.parametrize("metadata", [r'{"a": "\ud800"}', r'{"\udc00": "v"}'])
+def test_a_create_body_with_a_lone_surrogate_is_a_400_not_a_500(
+    client: OpenAI, metadata: str
+) -> None:
+    """JSON escapes that decode to no text (a lone surrogate) are refused as an unparseable body
+    in OpenAI's shape; nothing is created."""
+    f = client.files.create(file=("a.jsonl", jsonl([chat_line("a", "hi")])), purpose="batch")
+    body = (
+        f'{{"input_file_id": "{f.id}", "endpoint": "/v1/chat/completions", '
+        f'"completion_window": "24h", "metadata": {metadata}}}'
+    )
+    r = httpx.post(f"{client.base_url}batches", content=body.encode())
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert client.batches.list().data == []

@@ -234,7 +234,9 @@ def _batch_routes(
                 raise bad_request("The request body is too large.")
         try:
             body = json.loads(raw or b"null")
-        except (UnicodeDecodeError, json.JSONDecodeError):
+            # a lone surrogate (``"\\ud800"``) is valid JSON but no text: Redis could not store it
+            json.dumps(body, ensure_ascii=False).encode()
+        except (UnicodeError, json.JSONDecodeError, RecursionError):
             raise bad_request(
                 "We could not parse the JSON body of your request. (HINT: This likely means you "
                 "aren't using your HTTP library correctly.)"
