@@ -79,7 +79,9 @@ class Tab:
         return got
 
     def shot(self, path: Path) -> None:
-        self.page.screenshot(path=str(path), full_page=True)
+        # a frame of a page that updates as it polls: on a loaded 2-core machine (engines and
+        # the suite's other workers) the renderer took over 30 s to give one, once
+        self.page.screenshot(path=str(path), full_page=True, timeout=120_000)
         assert path.stat().st_size > 10_000
 
 
