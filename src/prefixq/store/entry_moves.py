@@ -27,7 +27,6 @@ shards", has the rest.
 from __future__ import annotations
 
 import logging
-import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from prefixq.core.keys import CARRIED, FIELD, GROUP, LANE, POS, Keys
 from prefixq.core.settings import Settings
 from prefixq.core.sharing import DEFAULT_PRIORITY, PRIORITIES
 from prefixq.store.connection import lua
-from prefixq.store.dead_letters import DEAD_MAXLEN, identify
+from prefixq.store.dead_letters import DEAD_MAXLEN, dead_letter_record, identify
 from prefixq.store.fence import afence
 
 __all__ = ["MOVED_IN_TTL_S", "EntryMoves", "Planned"]
@@ -136,15 +135,10 @@ class EntryMoves:
                 source,
                 err,
             )
-            record = {
-                "entry": field,
-                "shard": source,
-                "reason": f"unreadable move plan: {err}"[:2000],
-                "delivered": 0,
-                "at": time.time(),
-                "worker": "mover",
-                FIELD: raw,
-            }
+            reason = f"unreadable move plan: {err}"
+            record, _ = dead_letter_record(
+                field, source, {FIELD: raw}, reason, 0, "mover", self.limits
+            )
             pipe.xadd(self.keys.dead(source), record, maxlen=DEAD_MAXLEN, approximate=True)
             pipe.hdel(self.keys.moving(source), field)
         await pipe.execute()
