@@ -298,6 +298,21 @@ def requests(n: int, prompt: Callable[[int], str] = lambda i: f"hello {i}") -> l
     return [{"id": f"q{i}", "prompt": prompt(i), "max_tokens": 8} for i in range(n)]
 
 
+def doc_burst(docs: int, per_doc: int) -> list[dict[str, Any]]:
+    """``per_doc`` questions about each of ``docs`` documents (prefix groups), each 0.05 s in the
+    FakeEngine: a burst whose groups a fleet moves, steals and hands over."""
+    return [
+        {
+            "id": f"d{d}q{q}",
+            "prefix": f"document {d} " + "lorem ipsum " * 200,
+            "prompt": f"sleep:0.05 question {q}",
+            "max_tokens": 4,
+        }
+        for d in range(docs)
+        for q in range(per_doc)
+    ]
+
+
 # ---- fake-engine worker processes -----------------------------------------------------------
 WORKER_FLAGS = (
     "redis_url",

@@ -3,33 +3,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import redis
 
-from helpers import cli, fault_worker, queued_entries, wait_until
+from helpers import cli, doc_burst, fault_worker, queued_entries, wait_until
 from ledger import account
 from prefixq.client import Producer
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
-
-
-def _burst(docs: int, per_doc: int) -> list[dict[str, Any]]:
-    return [
-        {
-            "id": f"d{d}q{q}",
-            "prefix": f"document {d} " + "lorem ipsum " * 200,
-            "prompt": f"sleep:0.05 question {q}",
-            "max_tokens": 4,
-        }
-        for d in range(docs)
-        for q in range(per_doc)
-    ]
 
 
 def _settings(url: str, shards: int, **kw: Any) -> Settings:
@@ -52,6 +41,26 @@ def _start(s: Settings, log: Path, *args: str) -> subprocess.Popen[bytes]:
     return fault_worker(s, log, *args, "--heartbeat-ttl-s", ttl, "--orphan-after-s", orphan)
 
 
+@contextlib.contextmanager
+def _worker0(s: Settings, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """Shard 0's worker ``w0`` while inside; stopped with SIGTERM at the end, and it exits 0."""
+    w0 = _start(s, log, "--shard", "0", "--name", "w0")
+    try:
+        yield w0
+    finally:
+        w0.send_signal(signal.SIGTERM)
+        assert w0.wait(30) == 0
+
+
+def _all_once(
+    r: redis.Redis, s: Settings, burst: str, n: int, what: str, wait_s: float = 60
+) -> None:
+    """Every one of the burst's ``n`` results comes within ``wait_s``, each once, none failed."""
+    wait_until(lambda: r.hlen(Keys(s.namespace).results(burst)) >= n, wait_s, "every result")
+    out = account(r, s, burst, n, what=what)
+    assert (out.lost, out.duplicated, out.failed) == (0, 0, 0)
+
+
 def _up(r: redis.Redis, s: Settings, shard: int, name: str) -> None:
     hb = Keys(s.namespace).heartbeat(shard, name)
     wait_until(lambda: r.hget(hb, "engine_up") == b"1", 60, f"worker {name} up")
@@ -70,7 +79,7 @@ def test_both_workers_handing_over_at_once_lose_nothing_and_a_joiner_ends_the_bu
         for k in range(2):
             _up(r, s, k, f"w{k}")
         keys = Keys(s.namespace)
-        burst = Producer(s).submit(_burst(12, 6))
+        burst = Producer(s).submit(doc_burst(12, 6))
         wait_until(lambda: r.hlen(keys.results(burst.id)) >= 6, 60, "6 results")
         for w in ws:
             w.send_signal(signal.SIGTERM)
@@ -79,9 +88,7 @@ def test_both_workers_handing_over_at_once_lose_nothing_and_a_joiner_ends_the_bu
         done = r.hlen(keys.results(burst.id))
         print("left", left, "done", done, [len(queued_entries(r, s, k)) for k in range(2)])
         joiner = _start(s, tmp_path / "j.log", "--join", "--name", "j")
-        wait_until(lambda: r.hlen(keys.results(burst.id)) >= 72, 90, "every result")
-        out = account(r, s, burst.id, 72, what="edge")
-        assert (out.lost, out.duplicated, out.failed) == (0, 0, 0)
+        _all_once(r, s, burst.id, 72, "edge", wait_s=90)
     finally:
         for w in [*ws, *([joiner] if joiner else [])]:
             if w.poll() is None:
@@ -145,20 +152,14 @@ def test_garbage_in_the_prefix_map_does_not_stop_an_orphaned_shards_queue_moving
     keys = Keys(s.namespace)
     for k in (0, 1):
         r.hset(keys.live, str(k), repr(time.time()))
-    burst = Producer(s).submit(_burst(6, 3))
+    burst = Producer(s).submit(doc_burst(6, 3))
     for cp in r.hkeys(keys.prefix_map):
         r.hset(keys.prefix_map, cp, "garbage")
     r.hset(keys.live, "1", repr(time.time() - 60))  # shard 1's worker is long gone
     assert queued_entries(r, s, 1)
-    w0 = _start(s, tmp_path / "w0.log", "--shard", "0", "--name", "w0")
-    try:
-        wait_until(lambda: r.hlen(keys.results(burst.id)) >= 18, 60, "every result")
-        out = account(r, s, burst.id, 18, what="garbage map")
-        assert (out.lost, out.duplicated, out.failed) == (0, 0, 0)
+    with _worker0(s, tmp_path / "w0.log"):
+        _all_once(r, s, burst.id, 18, "garbage map")
         assert b"Traceback" not in (tmp_path / "w0.log").read_bytes()
-    finally:
-        w0.send_signal(signal.SIGTERM)
-        assert w0.wait(30) == 0
 
 
 def test_times_that_are_not_times_hold_no_shard_live_held_or_unorphaned_for_good(
@@ -174,24 +175,18 @@ def test_times_that_are_not_times_hold_no_shard_live_held_or_unorphaned_for_good
     keys = Keys(s.namespace)
     for k in range(4):
         r.hset(keys.live, str(k), repr(time.time()))
-    burst = Producer(s).submit(_burst(12, 2))
+    burst = Producer(s).submit(doc_burst(12, 2))
     assert all(queued_entries(r, s, k) for k in (1, 2, 3))
     r.hset(keys.live, mapping={"1": "inf", "2": "1e300", "3": "nan"})
     r.hset(keys.orphans, mapping={"2": "1e300", "3": "inf"})
     r.hdel(keys.live, "3")  # shard 3: never had a worker, as far as the hash says
     assert cli(s, "inspect", "--json").returncode == 0
-    w0 = _start(s, tmp_path / "w0.log", "--shard", "0", "--name", "w0")
-    try:
-        wait_until(lambda: r.hlen(keys.results(burst.id)) >= 24, 60, "every result")
-        out = account(r, s, burst.id, 24, what="not times")
-        assert (out.lost, out.duplicated, out.failed) == (0, 0, 0)
+    with _worker0(s, tmp_path / "w0.log"):
+        _all_once(r, s, burst.id, 24, "not times")
         r.hset(keys.joins, mapping={"1": "1e300", "2": "inf", "3": "nan"})
         bad = cli(s, "worker", "--join", "--model", str(tmp_path / "no-such-model"))
         assert "as shard 1" in bad.stderr, bad.stderr
         assert r.hget(keys.config, "shards") == b"4"
-    finally:
-        w0.send_signal(signal.SIGTERM)
-        assert w0.wait(30) == 0
 
 
 def test_a_fleet_key_of_another_type_is_replaced_by_the_next_heartbeat(
@@ -203,8 +198,7 @@ def test_a_fleet_key_of_another_type_is_replaced_by_the_next_heartbeat(
     submit and inspect failed with WRONGTYPE until someone deleted the keys by hand)."""
     s = _settings(redis_server.url, 1)
     keys = Keys(s.namespace)
-    w0 = _start(s, tmp_path / "w0.log", "--shard", "0", "--name", "w0")
-    try:
+    with _worker0(s, tmp_path / "w0.log"):
         _up(r, s, 0, "w0")
         wanted = {keys.live: b"hash", keys.tasks: b"hash", keys.workers(0): b"zset"}
         for key in (*wanted, keys.orphans, keys.joins):
@@ -217,13 +211,8 @@ def test_a_fleet_key_of_another_type_is_replaced_by_the_next_heartbeat(
             )
 
         wait_until(repaired, 10, "the fleet's keys rebuilt by heartbeats")
-        burst = Producer(s).submit(_burst(2, 3))
-        wait_until(lambda: r.hlen(keys.results(burst.id)) >= 6, 60, "every result")
-        out = account(r, s, burst.id, 6, what="fleet keys of another type")
-        assert (out.lost, out.duplicated, out.failed) == (0, 0, 0)
+        burst = Producer(s).submit(doc_burst(2, 3))
+        _all_once(r, s, burst.id, 6, "fleet keys of another type")
         assert cli(s, "inspect", "--json").returncode == 0
         log = (tmp_path / "w0.log").read_text()
         assert "held a string, not a hash: replaced" in log and "Traceback" not in log
-    finally:
-        w0.send_signal(signal.SIGTERM)
-        assert w0.wait(30) == 0

@@ -13,24 +13,11 @@ from typing import Any
 
 import redis
 
-from helpers import fault_worker, wait_until
+from helpers import doc_burst, fault_worker, wait_until
 from ledger import account
 from prefixq.client import Producer
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
-
-
-def _burst(docs: int, per_doc: int) -> list[dict[str, Any]]:
-    return [
-        {
-            "id": f"d{d}q{q}",
-            "prefix": f"document {d} " + "lorem ipsum " * 200,
-            "prompt": f"sleep:0.05 question {q}",
-            "max_tokens": 4,
-        }
-        for d in range(docs)
-        for q in range(per_doc)
-    ]
 
 
 def _start(s: Settings, log: Path, shard: int, name: str) -> subprocess.Popen[bytes]:
@@ -70,7 +57,7 @@ def test_a_zombie_whose_queue_moved_doubles_no_result(
             hb = keys.heartbeat(k, f"w{k}")
             wait_until(lambda hb=hb: r.hget(hb, "engine_up") == b"1", 60, f"worker {k} up")
         total = 160
-        burst = Producer(s).submit(_burst(20, 8))
+        burst = Producer(s).submit(doc_burst(20, 8))
         wait_until(lambda: r.hlen(keys.results(burst.id)) >= 20, 60, "20 results")
         ws[1].send_signal(signal.SIGSTOP)
         wait_until(
