@@ -24,7 +24,7 @@ from prefixq.integrations.metric_series import COUNTERS
 from prefixq.integrations.worker_metrics import WorkerMetrics
 from prefixq.ops.fleet_stats import fleet
 from prefixq.store.connection import async_client
-from prefixq.store.deployment import ajoin_shard
+from prefixq.store.deployment import ajoin
 from prefixq.store.entry_moves import EntryMoves
 from prefixq.store.liveness import alive_mask, beat_commands
 from prefixq.worker.fleet import FleetWatch
@@ -337,7 +337,7 @@ def _join(s: Settings) -> int:
     async def go() -> int:
         client = async_client(s)
         try:
-            return await ajoin_shard(client, s)
+            return (await ajoin(client, s)).shard
         finally:
             await client.aclose()
 
@@ -363,7 +363,7 @@ def test_a_joining_worker_takes_the_lowest_shard_without_a_worker_then_grows_the
 async def _two_joins(s: Settings) -> list[int]:
     clients = [async_client(s), async_client(s)]
     try:
-        return list(await asyncio.gather(*(ajoin_shard(c, s) for c in clients)))
+        return [j.shard for j in await asyncio.gather(*(ajoin(c, s) for c in clients))]
     finally:
         for c in clients:
             await c.aclose()

@@ -21,7 +21,7 @@ from prefixq.core.settings import Settings
 from prefixq.store.connection import lua
 from prefixq.store.liveness import FUTURE_S
 
-__all__ = ["Joined", "ajoin", "ajoin_shard", "arelease_join", "aresolve_shards", "resolve_shards"]
+__all__ = ["Joined", "ajoin", "arelease_join", "aresolve_shards", "resolve_shards"]
 
 #: seconds a joining worker holds its shard before its first heartbeat (its engine starts)
 JOIN_HOLD_S = 900.0
@@ -96,11 +96,6 @@ async def ajoin(r: aredis.Redis, settings: Settings, *, hold_s: float = JOIN_HOL
         if k >= 0:
             return Joined(k, held)
         n = int(await grow(keys=[keys.config], args=[n]))
-
-
-async def ajoin_shard(r: aredis.Redis, settings: Settings, *, hold_s: float = JOIN_HOLD_S) -> int:
-    """`ajoin`'s shard."""
-    return (await ajoin(r, settings, hold_s=hold_s)).shard
 
 
 async def arelease_join(r: aredis.Redis, settings: Settings, joined: Joined) -> bool:
