@@ -114,6 +114,24 @@ def test_usage_error_exits_2(settings: Settings) -> None:
     assert p.returncode == 2
 
 
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (("inspect", "--shard", "1"), "--shard"),  # was read as --shards 1
+        (("inspect", "--json", "--namesp", "other"), "--namesp"),
+        (("reclaim", "--idle", "5"), "--idle"),
+    ],
+)
+def test_an_abbreviated_flag_is_a_usage_error(
+    settings: Settings, args: tuple[str, ...], flag: str
+) -> None:
+    """argparse took a flag's prefix as the flag: `inspect --shard 1` set the shard count to 1
+    and printed shard 0 only. A prefix is now an unknown flag (exit 2, named)."""
+    p = cli(settings, *args)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert f"unrecognized arguments: {flag}" in p.stderr, p.stderr
+
+
 def _cancelled_burst(settings: Settings, n: int) -> str:
     """A burst of ``n`` requests with a (cancelled) result each, without a worker."""
     burst = Producer(settings).submit([{"id": f"q{i}", "prompt": f"q {i}"} for i in range(n)])

@@ -60,3 +60,25 @@ def test_a_create_body_with_a_lone_surrogate_is_a_400_not_a_500(
     assert r.status_code == 400, r.text
     assert r.json()["error"]["type"] == "invalid_request_error"
     assert client.batches.list().data == []
+
+
+@pytest.mark.parametrize("limit", [" 5", "+5", "1_0", "\u0665", "5\n", "99999999999999999999"])
+def test_a_limit_that_is_no_plain_number_is_a_400(client: OpenAI, limit: str) -> None:
+    """``limit`` is ASCII digits only (Python's int() also reads spaces, a sign, underscores and
+    other scripts' digits); ``?limit=5`` still pages."""
+    f = client.files.create(file=("a.jsonl", jsonl([chat_line("a", "hi")])), purpose="batch")
+    for path in ("batches", "files"):
+        r = httpx.get(f"{client.base_url}{path}", params={"limit": limit})
+        assert r.status_code == 400, (path, limit, r.text)
+        assert r.json()["error"]["param"] == "limit"
+        ok = httpx.get(f"{client.base_url}{path}", params={"limit": "5"})
+        assert ok.status_code == 200, ok.text
+    assert [x.id for x in client.files.list(limit=5)] == [f.id]
+
+
+def test_an_unknown_long_after_is_a_short_400(client: OpenAI) -> None:
+    """An ``after`` that names no object is a 400 whose message cuts what it echoes."""
+    r = httpx.get(f"{client.base_url}batches", params={"after": "x" * 8_000})
+    assert r.status_code == 400, r.text[:300]
+    assert r.json()["error"]["param"] == "after"
+    assert len(r.text) < 1_000, len(r.text)

@@ -235,6 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dl.add_argument("--limit", type=int, default=1000, help="list at most N per shard")
     dl.add_argument("--json", action="store_true")
+    # no abbreviations: `inspect --shard 1` read as `--shards 1` (a settings flag) changed the
+    # shard count in silence; an unknown flag is an error, whatever it starts like
+    p.allow_abbrev = False
+    for one in sub.choices.values():
+        one.allow_abbrev = False
     return p
 
 

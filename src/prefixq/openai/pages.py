@@ -37,17 +37,21 @@ def parse_limit(raw: str | None, *, default: int, most: int) -> int:
     """The ``limit`` query parameter: an integer in 1..``most``; 400 otherwise."""
     if raw is None:
         return default
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
+    # ASCII digits only: int() also takes " 5", "+5", "1_0" and other scripts' digits
+    n = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 9 else 0
     if not 1 <= n <= most:
         raise bad_request(
-            f"Invalid 'limit': {raw!r}; expected an integer between 1 and {most}.",
+            f"Invalid 'limit': {_short(raw)}; expected an integer between 1 and {most}.",
             param="limit",
             code="invalid_value",
         )
     return n
+
+
+def _short(raw: str, most: int = 80) -> str:
+    """``raw`` quoted for an error message, cut to ``most`` characters (a parameter is the
+    caller's, of any length: the message echoes no megabyte)."""
+    return repr(raw) if len(raw) <= most else f"{raw[:most]!r}... ({len(raw)} characters)"
 
 
 async def page(
@@ -64,13 +68,15 @@ async def page(
     whether more follow. ``fetch`` turns ids into objects (dropping vanished ones); ``keep``
     filters them. An ``after`` that is not in the set is a 400."""
     if order not in ("asc", "desc"):
-        raise bad_request(f"Invalid 'order': {order!r}; expected 'asc' or 'desc'.", param="order")
+        raise bad_request(
+            f"Invalid 'order': {_short(order)}; expected 'asc' or 'desc'.", param="order"
+        )
     desc = order == "desc"
     start = 0
     if after:
         rank = await (r.zrevrank(zkey, after) if desc else r.zrank(zkey, after))
         if rank is None:
-            raise bad_request(f"Invalid 'after': no object with id {after!r}.", param="after")
+            raise bad_request(f"Invalid 'after': no object with id {_short(after)}.", param="after")
         start = int(rank) + 1
     out: list[dict[str, Any]] = []
     chunk = min(_CHUNK, limit + 1)
