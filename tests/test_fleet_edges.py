@@ -104,8 +104,8 @@ def test_a_joiner_that_exits_before_serving_releases_its_shard_and_grows_no_coun
     """Given one shard served, when joiners exit before their first heartbeat (stopped while
     their engine starts, an engine that fails to start, a model that does not exist), then each
     releases its hold: the next joiner takes the same shard, and the shard count grew once (it
-    grew at every such restart: the hold stayed 15 minutes, so a crash-looping pod added a
-    shard per restart, for good)."""
+    grew at every such restart: the hold stayed until it lapsed, so a crash-looping pod added a
+    shard per restart)."""
     s = _settings(redis_server.url, 1)
     keys = Keys(s.namespace)
     w0 = _start(s, tmp_path / "w0.log", "--shard", "0", "--name", "w0")
@@ -134,6 +134,48 @@ def test_a_joiner_that_exits_before_serving_releases_its_shard_and_grows_no_coun
         procs.append(j3)
         wait_until(lambda: b"as shard 1" in log.read_bytes(), 30, "j3 joined shard 1")
         _up(r, s, 1, "j3")
+        assert r.hget(keys.config, "shards") == b"2"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(30)
+
+
+def test_a_joiner_killed_while_its_engine_starts_holds_its_shard_only_while_it_renews(
+    redis_server: Any, r: redis.Redis, tmp_path: Path
+) -> None:
+    """Given one shard served and a joiner whose engine start outlasts ``join_hold_s`` (1.5 s)
+    several times over, its hold is renewed for as long as it starts; killed -9 meanwhile (an OOM
+    kill while the model loads), the hold lapses within ``join_hold_s``, and the next joiner
+    takes the same shard, serves it, and its first heartbeat ends the hold for good: the count
+    grew once. (The hold was a fixed 15 minutes: each kill -9 while starting added a shard.)"""
+    s = _settings(redis_server.url, 1)
+    keys = Keys(s.namespace)
+    hold = ("--join-hold-s", "1.5")
+    procs = [_start(s, tmp_path / "w0.log", "--shard", "0", "--name", "w0")]
+    try:
+        _up(r, s, 0, "w0")
+        log = tmp_path / "j1.log"
+        j1 = _start(s, log, "--join", "--hold-join", "120", "--name", "j1", *hold)
+        procs.append(j1)
+        wait_until(lambda: b"as shard 1" in log.read_bytes(), 30, "j1 joined")
+        first = float(r.hget(keys.joins, "1") or 0)
+        time.sleep(4.0)  # past its first hold, more than once
+        renewed = float(r.hget(keys.joins, "1") or 0)
+        assert renewed > first and renewed > time.time(), (first, renewed, time.time())
+        j1.send_signal(signal.SIGKILL)
+        j1.wait(30)
+        killed = time.time()
+        wait_until(lambda: float(r.hget(keys.joins, "1") or 0) < time.time(), 10, "lapsed")
+        assert time.time() - killed < 1.5 + 1.0
+        log = tmp_path / "j2.log"
+        j2 = _start(s, log, "--join", "--name", "j2", *hold)
+        procs.append(j2)
+        wait_until(lambda: b"as shard 1" in log.read_bytes(), 30, "j2 joined shard 1")
+        _up(r, s, 1, "j2")
+        time.sleep(1.0)  # renewals stop once the heartbeat has ended the hold
+        assert r.hget(keys.joins, "1") is None
         assert r.hget(keys.config, "shards") == b"2"
     finally:
         for p in procs:

@@ -9,10 +9,15 @@ import asyncio
 import contextlib
 import json
 import logging
+import threading
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
+
+if TYPE_CHECKING:
+    from prefixq.store.deployment import Joined
 
 log = logging.getLogger(__name__)
 
@@ -24,11 +29,13 @@ RELEASE_S = 2.0
 @contextlib.contextmanager
 def joined(settings: Settings) -> Iterator[int]:
     """The shard a worker started with ``--join`` serves, held for it while its engine starts
-    (store/deployment.py). A worker that leaves the block before its first heartbeat (a stop
-    during its start, an engine that fails to start) releases the hold, so the next joiner takes
-    the shard rather than growing the count; one killed (-9) leaves it for ``JOIN_HOLD_S``."""
+    (store/deployment.py): a thread renews the hold until the first heartbeat ends it. A worker
+    that leaves the block before its first heartbeat (a stop during its start, an engine that
+    fails to start) releases the hold, so the next joiner takes the shard rather than growing the
+    count; one killed (-9, an OOM kill while the model loads) renews it no more, and it lapses
+    within ``join_hold_s``."""
     from prefixq.store.connection import async_client
-    from prefixq.store.deployment import Joined, ajoin, arelease_join
+    from prefixq.store.deployment import ajoin, arelease_join
     from prefixq.worker.aio import within
 
     async def pick() -> Joined:
@@ -46,13 +53,60 @@ def joined(settings: Settings) -> Iterator[int]:
             await r.aclose()
 
     j = asyncio.run(pick())
+    renewal = _Renewal(settings, j)
+    renewal.start()
     try:
         yield j.shard
     finally:
+        j = renewal.stop()
         try:
             asyncio.run(release(j))
         except Exception as err:  # never an error of the exit: the hold lapses by itself
             log.warning("the join's hold on shard %d was not released: %s", j.shard, err)
+
+
+class _Renewal(threading.Thread):
+    """Renews a joiner's hold every quarter of ``join_hold_s`` while it is still there (a daemon
+    thread: the engine's start blocks the main one for minutes). A failed renewal (Redis away)
+    is tried again at the next; the hold lapses by itself if none succeeds."""
+
+    def __init__(self, settings: Settings, joined: Joined) -> None:
+        super().__init__(name="prefixq-join-hold", daemon=True)
+        self.settings = settings
+        self.joined = joined
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+
+    def run(self) -> None:
+        from prefixq.store.connection import sync_client
+        from prefixq.store.deployment import renew_join
+
+        r = sync_client(self.settings)
+        try:
+            while not self._done.wait(self.settings.join_hold_s / 4):
+                with self._lock:
+                    if self._done.is_set():
+                        return
+                    try:
+                        renewed = renew_join(r, self.settings, self.joined)
+                    except Exception as err:  # Redis away: the next renewal tries again
+                        log.warning("the join's hold on shard %d: %s", self.joined.shard, err)
+                        continue
+                    if renewed is None:  # the first heartbeat ended it, or another holds it
+                        return
+                    self.joined = renewed
+        finally:
+            r.close()
+
+    def stop(self) -> Joined:
+        """Renew no more; the hold as last written (what the exit releases)."""
+        self._done.set()
+        if not self._lock.acquire(timeout=RELEASE_S):  # a renewal stuck on Redis: it lapses
+            return self.joined
+        try:
+            return self.joined
+        finally:
+            self._lock.release()
 
 
 def cmd_handover(args: argparse.Namespace, settings: Settings) -> int:

@@ -21,10 +21,14 @@ from prefixq.core.settings import Settings
 from prefixq.store.connection import lua
 from prefixq.store.liveness import FUTURE_S
 
-__all__ = ["Joined", "ajoin", "arelease_join", "aresolve_shards", "resolve_shards"]
-
-#: seconds a joining worker holds its shard before its first heartbeat (its engine starts)
-JOIN_HOLD_S = 900.0
+__all__ = [
+    "Joined",
+    "ajoin",
+    "arelease_join",
+    "aresolve_shards",
+    "renew_join",
+    "resolve_shards",
+]
 
 
 def _shards(stored: bytes | None, settings: Settings) -> tuple[int, bool]:
@@ -79,18 +83,19 @@ class Joined:
     held: str
 
 
-async def ajoin(r: aredis.Redis, settings: Settings, *, hold_s: float = JOIN_HOLD_S) -> Joined:
+async def ajoin(r: aredis.Redis, settings: Settings) -> Joined:
     """The shard a joining worker serves: the lowest without a live worker that no other joiner
     holds, else a new one (the recorded count grows by one). Held for ``hold_s`` or until the
     worker's first heartbeat (which ends the hold: store/liveness.py, `beat_commands`), or until
-    it exits before that (`arelease_join`)."""
+    it exits before that (`arelease_join`). The hold lasts ``settings.join_hold_s``; the joiner
+    renews it (`renew_join`) while its engine starts."""
     keys = settings.keys
     join = r.register_script(lua("join_shard"))
     grow = r.register_script(lua("grow_shards"))
     n = await aresolve_shards(r, settings)
     while True:
         now = time.time()
-        held = repr(now + hold_s)
+        held = repr(now + settings.join_hold_s)
         args = [repr(now), settings.heartbeat_ttl_s, n, held, FUTURE_S]
         k = int(await join(keys=[keys.live, keys.joins], args=args))
         if k >= 0:
@@ -104,3 +109,13 @@ async def arelease_join(r: aredis.Redis, settings: Settings, joined: Joined) -> 
     script = r.register_script(lua("release_join"))
     args = [str(joined.shard), joined.held]
     return bool(await script(keys=[settings.keys.joins], args=args))
+
+
+def renew_join(r: redis.Redis, settings: Settings, joined: Joined) -> Joined | None:
+    """Extend ``joined``'s hold to ``join_hold_s`` from now (blocking client), if it is still there;
+    the renewed hold, or None when it is gone (the worker's first heartbeat ended it, or another
+    joiner holds the shard: nothing more to renew)."""
+    held = repr(time.time() + settings.join_hold_s)
+    script = r.register_script(lua("renew_join"))
+    args = [str(joined.shard), joined.held, held]
+    return Joined(joined.shard, held) if script(keys=[settings.keys.joins], args=args) else None
