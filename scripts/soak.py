@@ -89,7 +89,10 @@ class Soak:
             heartbeat_ttl_s=3.0,
             claim_idle_s=3.0,
             grace_s=3.0,
-            orphan_after_s=3.0,  # a lost worker's queue moves within seconds (fleet_faults.py)
+            # a lost worker's queue moves within seconds (fleet_faults.py), but not before the
+            # `reclaim` fault's hand reclaim, once the heartbeat's TTL has passed, could take it
+            # (at 3.0, the TTL, the move always came first: that fault never landed)
+            orphan_after_s=6.0,
             max_attempts=6,
             max_inflight=4,  # with the workload's pace: work in flight most of the time
             tenant_weights="ta=3,tb=1",
@@ -103,6 +106,7 @@ class Soak:
         self.plan = Plan(random.Random(args.seed + 1), f"s{args.seed}", args.requests, span)
         self.launched: list[Planned] = []
         self.extra = 0
+        self._topping = False  # a top-up burst's submit is under way (`top_up`)
         self.landed: list[Landed] = []
         self.problems: list[str] = []
         self.notes: list[str] = []
@@ -265,6 +269,7 @@ class Soak:
             if not times:
                 if now > end:
                     return
+                self.top_up()
                 times.append(now + self.rng.uniform(0.5, 2.0))
             at = times.pop(0)
             time.sleep(max(0.0, at - (time.monotonic() - self.t0)))
@@ -290,6 +295,23 @@ class Soak:
                 self.say(f"({fault.kind}: nothing to hit, not counted)")
                 if fault.kind not in unseen and fault.kind not in self.kinds_landed():
                     unseen.append(fault.kind)  # drawn again later
+
+    def top_up(self) -> None:
+        """With faults still owed after the planned ones, and no burst left unfinished, submit
+        one more (most faults need work in flight to land: with the plan drained they found
+        nothing to hit, draw after draw, and the run ended one fault short)."""
+        if faults.unfinished(self) or self._topping:
+            return
+        b = self.extra_burst(self.rng.randint(300, 800))
+        self.say(f"faults still owed and nothing in flight: one more burst, {b.burst_id}")
+        self._topping = True
+
+        def settle(b: Planned | None) -> None:
+            while b is not None:
+                b = self.settle_submit(b, self.launch(b))
+            self._topping = False
+
+        threading.Thread(target=settle, args=(b,), name="top-up", daemon=True).start()
 
     def kinds_landed(self) -> set[str]:
         return {x.kind for x in self.landed}

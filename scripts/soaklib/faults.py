@@ -374,7 +374,9 @@ class Reclaim(Fault):
     weight = 1.5
 
     def run(self, soak: SoakRun) -> list[Landed]:
-        got = busy_primary(soak)
+        # alone on its shard: a second worker there would claim the entries before the hand
+        # reclaim did (twice "nothing to hit" in one run, beside a duplicate worker)
+        got = busy_primary(soak, alone=True)
         if got is None:
             return []
         w, n = got
@@ -383,7 +385,8 @@ class Reclaim(Fault):
         if kill is None:
             return []
         landed.append(kill)
-        time.sleep(soak.settings.heartbeat_ttl_s + 1.2)  # its heartbeat expired; entries idle
+        # its heartbeat expired, its entries idle (and the shard not yet orphaned: soak.py)
+        time.sleep(soak.settings.heartbeat_ttl_s + 0.5)
         p = soak.cli("reclaim", "--shard", str(w.shard), "--idle-s", "1", "--json")
         soak.workers.start(w.shard)  # a new name: the old one's entries are not its own
         if p.returncode != 0:
