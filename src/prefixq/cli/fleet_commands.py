@@ -83,7 +83,7 @@ class _Renewal(threading.Thread):
 
         r = sync_client(self.settings)
         try:
-            while not self._done.wait(self.settings.join_hold_s / 4):
+            while not self._done.wait(max(0.05, self.settings.join_hold_s / 4)):
                 with self._lock:
                     if self._done.is_set():
                         return
