@@ -40,8 +40,8 @@ class FakeRecorder:
     def record(self, index: int) -> int:
         k, b = Keys(self.settings.namespace), self.burst
         res = Result(id=f"q{index}", index=index, text="answer", finish_reason="stop")
-        keys, args = record_call(k, b, res, self.settings, repr(time.time()))
-        reply = int(self.script(keys=keys, args=args))
+        keys, args = record_call(k, b, [(res, 0.0)], self.settings, repr(time.time()))
+        (reply,) = self.script(keys=keys, args=args)
         self.replies[index] = reply
         return reply
 

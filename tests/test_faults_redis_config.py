@@ -193,7 +193,7 @@ def test_error_text_of_a_pipeline_oom_is_one_printable_line_without_the_argument
     admin.hset("oom:{b1}:meta", "total", 1)  # a running burst: the script goes on to write
     at_maxmemory(admin)
     keys = ("oom:{b1}:results", "oom:{b1}:meta", "oom:{b1}:events", "oom:{b1}:ids")
-    args = (*keys, 0, payload, "", 60, 1, 1, 0, 0)
+    args = (*keys, 60, 1, "", 0, payload, "", 1, 0, 0, "0")
     pipe = admin.pipeline(transaction=False)
     pipe.get("ballast")
     pipe.evalsha(sha, 4, *args)

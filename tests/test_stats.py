@@ -48,7 +48,7 @@ def recorded_burst(r: redis.Redis, s: Settings, n: int) -> str:
             timings=Timings(now - 3, now - 2 + i / n, now - 1.5, now - 1 + i / n),
         )
         res.cached_tokens = res.predicted_cached_tokens = 4
-        rkeys, args = record_call(keys, burst, res, s, repr(now))
+        rkeys, args = record_call(keys, burst, [(res, 0.0)], s, repr(now))
         script(keys=rkeys, args=args, client=pipe)
     pipe.execute()
     return burst
@@ -187,8 +187,8 @@ def test_inspect_says_queued_then_running_and_reads_past_an_unreadable_result(
     waiting = Producer(s).submit([{"id": f"w{i}", "prompt": f"p {i}"} for i in range(3)])
     served = Producer(s).submit([{"id": f"q{i}", "prompt": f"p {i}"} for i in range(3)])
     script = r.register_script(lua("record_result"))
-    rkeys, args = record_call(s.keys, served, Result(id="q0", index=0, text="a"), s, "1")
-    assert script(keys=rkeys, args=args) == 1
+    rkeys, args = record_call(s.keys, served, [(Result(id="q0", index=0, text="a"), 0.0)], s, "1")
+    assert script(keys=rkeys, args=args) == [1]
     done = recorded_burst(r, s, 3)
     r.hset(s.keys.results(done), "1", b"\xff\xfe not a result")
     snap = stats.snapshot(s, recent=5, client=r)
@@ -234,8 +234,8 @@ def test_inspect_shows_each_workers_share_of_a_burst_and_the_moves_totals(
     assert sum(got.values()) == 40
     # a result recorded again (a redelivery) is not counted again
     again = next(iter(burst.collect()))
-    keys, args = record_call(s.keys, burst.id, again, s, repr(time.time()))
-    assert r.register_script(lua("record_result"))(keys=keys, args=args) == 3
+    keys, args = record_call(s.keys, burst.id, [(again, 0.0)], s, repr(time.time()), again.worker)
+    assert r.register_script(lua("record_result"))(keys=keys, args=args) == [3]
     assert stats.burst_stats(r, s, burst.id)["workers"] == got
     out = cli(s, "inspect", "--burst", burst.id)
     assert out.returncode == 0, out.stderr

@@ -219,8 +219,9 @@ class Recovery:
 
     def record_failure(self, e: Entry, res: Result) -> None:
         """Record a failed result exactly once (the writer's script and arguments)."""
-        keys, args = record_call(self.keys, e.burst, res, self.s, repr(time.time()), e.enqueued)
-        reply = self._record(keys=keys, args=args)
+        now = repr(time.time())
+        call = record_call(self.keys, e.burst, [(res, e.enqueued)], self.s, now, res.worker)
+        (reply,) = self._record(keys=call[0], args=call[1])
         if reply in (BURST_DONE, FINISHED_DUPLICATE):
             add_burst_event(self.r, self.s, e.burst)  # its on_complete_url, if any
         if reply in (BURST_DONE, FINISHED_DUPLICATE) and self.on_burst_done is not None:

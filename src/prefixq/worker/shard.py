@@ -33,7 +33,7 @@ from prefixq.store.dead_letters import DEAD_MAXLEN, carried, dead_letter_record
 from prefixq.store.liveness import add_load
 from prefixq.store.pipelined_script import Call, PipelinedScript
 from prefixq.store.retry import retry
-from prefixq.store.scripts import group_tallies, record_call, tally_corrections
+from prefixq.store.scripts import record_call
 from prefixq.worker.deliveries import (
     Delivery,
     GroupLost,
@@ -68,7 +68,6 @@ class ShardStream:
         self._record = PipelinedScript(r, lua("record_result"), "record_result")
         self._lanes = LaneScripts(r, index=self.index, consumer=consumer)
         self._ack = PipelinedScript(r, lua("ack_entries"), "ack_entries")
-        self._count = PipelinedScript(r, lua("count_results"), "count_results")
 
     # ---- the group ---------------------------------------------------------------------------
     async def join(self) -> None:
@@ -259,44 +258,32 @@ class ShardStream:
 
     # ---- results -----------------------------------------------------------------------------
     async def record(self, batch: Sequence[Written]) -> list[int | RedisError]:
-        """Record each result (one pipeline, lua/record_result.lua); per item the script's reply
-        or the error that refused it (that item is not recorded; record it again later).
-        Connection errors raise."""
+        """Record each result (lua/record_result.lua: one call per burst in the batch, in one
+        pipeline); per item the script's reply or the error that refused its burst's call
+        (nothing of that call is recorded; record them again later). Connection errors raise."""
         now = repr(time.time())
-        bursts = [w.entry.burst for w in batch]
-        tallies = group_tallies(bursts)  # each worker's share, counted once per burst and group
+        groups: dict[tuple[str, str], list[int]] = {}
+        for i, w in enumerate(batch):
+            groups.setdefault((w.entry.burst, w.result.worker), []).append(i)
         calls = [
             record_call(
-                self.keys, w.entry.burst, w.result, self.settings, now, w.entry.enqueued, others=t
+                self.keys,
+                burst,
+                [(batch[i].result, batch[i].entry.enqueued) for i in at],
+                self.settings,
+                now,
+                worker,
             )
-            for w, t in zip(batch, tallies, strict=True)
+            for (burst, worker), at in groups.items()
         ]
         # every key of a call shares one slot: on a cluster it is routed by its first; a NOSCRIPT
         # (Redis restarted, a replica promoted) is sent again once the script is loaded, quietly
         raw = await self._record.run(calls)
-        replies = [x if isinstance(x, RedisError) else int(x) for x in raw]
-        fixes = tally_corrections(bursts, tallies, replies)
-        if fixes:
-            await self._correct_tallies(batch, fixes)
+        replies: list[int | RedisError] = [0] * len(batch)
+        for at, got in zip(groups.values(), raw, strict=True):
+            for j, i in enumerate(at):
+                replies[i] = got if isinstance(got, RedisError) else int(got[j])
         return replies
-
-    async def _correct_tallies(self, batch: Sequence[Written], fixes: dict[int, int]) -> None:
-        """Correct the shares a group counted for results that were not recorded after all (a
-        redelivery's duplicates, a refused call; lua/count_results.lua). The shares are figures
-        to read, not a ledger: a correction Redis refuses is only logged."""
-        calls: list[Call] = [
-            ([self.keys.burst(w.entry.burst)], [w.result.worker, n, repr(w.entry.enqueued)])
-            for w, n in ((batch[i], n) for i, n in fixes.items())
-            if w.result.worker
-        ]
-        if not calls:
-            return
-        try:
-            out = await self._count.run(calls)
-        except (RedisError, OSError) as e:  # the group's results are recorded: go on to the ack
-            out = [e]
-        if any(isinstance(x, Exception) for x in out):
-            log.debug("worker shares not corrected: %s", out)
 
     async def ack(self, batch: Sequence[Written]) -> None:
         """Acknowledge and delete the entries of recorded results, and move the shard's counters
