@@ -168,7 +168,7 @@ def test_a_joiner_killed_while_its_engine_starts_holds_its_shard_only_while_it_r
         j1.wait(30)
         killed = time.time()
         wait_until(lambda: float(r.hget(keys.joins, "1") or 0) < time.time(), 10, "lapsed")
-        assert time.time() - killed < 1.5 + 1.0
+        assert time.time() - killed < 1.5 + 2.0  # the hold, and a loaded machine's delay
         log = tmp_path / "j2.log"
         j2 = _start(s, log, "--join", "--name", "j2", *hold)
         procs.append(j2)
