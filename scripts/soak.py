@@ -348,11 +348,10 @@ class Soak:
         start = last_new = last_reclaim = time.monotonic()
         seen = -1
         while True:
-            open_ = faults.unfinished(self)
+            open_, got = faults.progress(self)
             if not open_:
                 break
             now = time.monotonic()
-            got = self._results_of(open_)
             if got != seen:
                 seen, last_new = got, now
             if now - last_new > self.args.drain_s or now - start > 4 * self.args.drain_s:
@@ -372,16 +371,6 @@ class Soak:
                 self.note(f"after the bursts ended, (stream entries, pending) = {left}")
                 break
             time.sleep(0.2)
-
-    def _results_of(self, bursts: list[str]) -> int:
-        """Results recorded so far of ``bursts`` (done + failed; -1 with Redis away)."""
-        try:
-            pipe = self.r.pipeline(transaction=False)
-            for b in bursts:
-                pipe.hmget(self.keys.burst(b), "done", "failed")
-            return sum(int(d or 0) + int(f or 0) for d, f in pipe.execute())
-        except redis.RedisError:
-            return -1
 
     def damage(self) -> list[str]:
         with self._lock:

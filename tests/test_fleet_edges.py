@@ -52,6 +52,21 @@ def _worker0(s: Settings, log: Path) -> Iterator[subprocess.Popen[bytes]]:
         assert w0.wait(30) == 0
 
 
+@contextlib.contextmanager
+def _stopped_at_exit(
+    procs: list[subprocess.Popen[bytes]],
+) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """``procs`` (the test adds the ones it starts): those still running at the end are stopped
+    with SIGTERM."""
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(30)
+
+
 def _all_once(
     r: redis.Redis, s: Settings, burst: str, n: int, what: str, wait_s: float = 60
 ) -> None:
@@ -108,9 +123,9 @@ def test_a_joiner_that_exits_before_serving_releases_its_shard_and_grows_no_coun
     shard per restart)."""
     s = _settings(redis_server.url, 1)
     keys = Keys(s.namespace)
-    w0 = _start(s, tmp_path / "w0.log", "--shard", "0", "--name", "w0")
-    procs = [w0]
-    try:
+    with _stopped_at_exit(
+        [_start(s, tmp_path / "w0.log", "--shard", "0", "--name", "w0")]
+    ) as procs:
         _up(r, s, 0, "w0")
         log = tmp_path / "j1.log"
         j1 = _start(s, log, "--join", "--hold-join", "60", "--name", "j1")
@@ -135,11 +150,6 @@ def test_a_joiner_that_exits_before_serving_releases_its_shard_and_grows_no_coun
         wait_until(lambda: b"as shard 1" in log.read_bytes(), 30, "j3 joined shard 1")
         _up(r, s, 1, "j3")
         assert r.hget(keys.config, "shards") == b"2"
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                p.wait(30)
 
 
 def test_a_joiner_killed_while_its_engine_starts_holds_its_shard_only_while_it_renews(
@@ -153,8 +163,9 @@ def test_a_joiner_killed_while_its_engine_starts_holds_its_shard_only_while_it_r
     s = _settings(redis_server.url, 1)
     keys = Keys(s.namespace)
     hold = ("--join-hold-s", "1.5")
-    procs = [_start(s, tmp_path / "w0.log", "--shard", "0", "--name", "w0")]
-    try:
+    with _stopped_at_exit(
+        [_start(s, tmp_path / "w0.log", "--shard", "0", "--name", "w0")]
+    ) as procs:
         _up(r, s, 0, "w0")
         log = tmp_path / "j1.log"
         j1 = _start(s, log, "--join", "--hold-join", "120", "--name", "j1", *hold)
@@ -177,11 +188,6 @@ def test_a_joiner_killed_while_its_engine_starts_holds_its_shard_only_while_it_r
         time.sleep(1.0)  # renewals stop once the heartbeat has ended the hold
         assert r.hget(keys.joins, "1") is None
         assert r.hget(keys.config, "shards") == b"2"
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                p.wait(30)
 
 
 def test_garbage_in_the_prefix_map_does_not_stop_an_orphaned_shards_queue_moving(

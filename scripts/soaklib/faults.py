@@ -239,15 +239,24 @@ class DuplicateWorker(Fault):
 
 def unfinished(soak: SoakRun) -> list[str]:
     """Bursts submitted (record created) with results still missing."""
+    return progress(soak)[0]
+
+
+def progress(soak: SoakRun) -> tuple[list[str], int]:
+    """`unfinished`'s bursts, and how many results they have so far (the bursts read before
+    Redis went away, if it did)."""
     out: list[str] = []
+    results = 0
     for b in soak.created_bursts():
         try:
             total, done, failed = soak.r.hmget(soak.keys.burst(b), "total", "done", "failed")
         except redis.RedisError:
-            return out
-        if total is not None and int(done or 0) + int(failed or 0) < int(total):
+            break
+        got = int(done or 0) + int(failed or 0)
+        if total is not None and got < int(total):
             out.append(b)
-    return out
+            results += got
+    return out, results
 
 
 class RedisKill9(Fault):

@@ -85,10 +85,10 @@ class Joined:
 
 async def ajoin(r: aredis.Redis, settings: Settings) -> Joined:
     """The shard a joining worker serves: the lowest without a live worker that no other joiner
-    holds, else a new one (the recorded count grows by one). Held for ``hold_s`` or until the
-    worker's first heartbeat (which ends the hold: store/liveness.py, `beat_commands`), or until
-    it exits before that (`arelease_join`). The hold lasts ``settings.join_hold_s``; the joiner
-    renews it (`renew_join`) while its engine starts."""
+    holds, else a new one (the recorded count grows by one). Held for ``settings.join_hold_s``,
+    renewed by the joiner while its engine starts (`renew_join`), until the worker's first
+    heartbeat (which ends the hold: store/liveness.py, `beat_commands`), or until it exits before
+    that (`arelease_join`)."""
     keys = settings.keys
     join = r.register_script(lua("join_shard"))
     grow = r.register_script(lua("grow_shards"))
