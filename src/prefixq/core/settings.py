@@ -114,6 +114,10 @@ class Settings:
     #: workers: the share of the engine's KV cache, filled by the prefixes of the requests it
     #: finished last (the completion front), among which a joining burst starts
     pass_window: float = 0.1
+    #: workers: the share of the engine's KV cache the distinct prefixes of the requests inside
+    #: it may take (0: no limit); the rest keeps the prefixes finished last for joining bursts,
+    #: and the pass's window grows to 0.8 of it (worker/kv_budget.py)
+    kv_inflight_share: float = 0.0
     #: producer-side tokenizer (HF folder) for token block hashes; empty = character blocks
     tokenizer: str = ""
 
@@ -313,6 +317,9 @@ class Settings:
                 raise ConfigError(f"{name} must be a number >= 0, not {v}")
         if not 0 < self.pass_window <= 1:
             raise ConfigError(f"pass_window must be a share in (0, 1], not {self.pass_window}")
+        if not 0 <= self.kv_inflight_share < 1:
+            share = self.kv_inflight_share
+            raise ConfigError(f"kv_inflight_share must be a share in [0, 1), not {share}")
         if not 0 <= self.affinity_min_match <= 1:
             raise ConfigError(
                 f"affinity_min_match must be a share in [0, 1], not {self.affinity_min_match}"

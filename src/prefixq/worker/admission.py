@@ -44,6 +44,7 @@ from prefixq.worker.deliveries import Delivery, Ref, last_allowed
 from prefixq.worker.ends import BurstEnds
 from prefixq.worker.engine_order import EngineOrder, band_priority
 from prefixq.worker.intake import Intake
+from prefixq.worker.kv_budget import KvBudget
 from prefixq.worker.lanes import Picked, Tenant
 from prefixq.worker.middleware import Middleware
 from prefixq.worker.prefixes import PrefixCache
@@ -98,6 +99,9 @@ class Admission:
         #: where the pass is: the groups of the requests the engine finished last
         #: (worker/shared_pass.py; the heartbeat's, which publishes it)
         self.marks: PassMarks | None = None
+        #: the distinct prefixes inside the engine, held to ``kv_inflight_share`` of its cache
+        #: (worker/kv_budget.py; sized once the engine states its cache)
+        self.budget = probes.budget = KvBudget(settings.kv_inflight_share)
 
     async def admit(self, deliveries: list[Delivery]) -> None:
         """Take the entries in (worker/intake.py) and hand each request to the engine at
@@ -174,7 +178,7 @@ class Admission:
                 raise ValidationError(req.refusal)
             prompt = self.engine.render_chat(req.messages) if req.messages else req.prompt
             out: EngineOutput | EmbedOutput
-            async with self.gate.call(solo):
+            async with self.budget.hold(e, priority), self.gate.call(solo):
                 why = self.ends.ended_reason(e)
                 if why is not None:  # it ended while this waited for the gate
                     raise EngineAborted(why)

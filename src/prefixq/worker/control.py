@@ -37,6 +37,7 @@ COMMANDS = (
     "admission:fair",
     "admission:whole-groups",
     "admission:resident-first",
+    "admission:kv-history",
     # worker/fleet.py's tail stealing, for `prefixq bench --fleet`
     "steal:off",
     "steal:on",

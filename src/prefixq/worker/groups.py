@@ -49,6 +49,8 @@ ADMISSIONS = {
     "fair": (False, False),
     "whole-groups": (True, False),
     "resident-first": (False, True),
+    # fair shares, with the engine's in-flight prefixes held to half its cache (kv_budget.py)
+    "kv-history": (False, False),
 }
 
 #: virtual time (admissions of weight 1) within which tenants count as having an equal turn

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixq.worker.gc_policy import GcPolicy
 from prefixq.worker.gcwatch import GcWatch
 from prefixq.worker.loopwatch import Latency, LoopWatch
+
+if TYPE_CHECKING:
+    from prefixq.worker.kv_budget import KvBudget
 
 
 class Probes:
@@ -24,6 +27,8 @@ class Probes:
         self.loop = LoopWatch()
         #: from a stream read returning to a request being handed to the engine
         self.read_to_engine = Latency()
+        #: the KV budget of the requests in the engine (kv_budget.py; admission.py sets it)
+        self.budget: KvBudget | None = None
 
     def stats(self) -> dict[str, Any]:
         """The control stream's ``stats`` answer (milliseconds)."""
@@ -33,6 +38,7 @@ class Probes:
             **self.gc_policy.stats(),
             **self.loop.stats(),
             **self.read_to_engine.stats("read_to_engine"),
+            **(self.budget.stats() if self.budget is not None else {}),
         }
 
     def commands(self) -> dict[str, Callable[[], Awaitable[None]]]:
@@ -42,6 +48,8 @@ class Probes:
             self.gc.reset()
             self.loop.lag.reset()
             self.read_to_engine.reset()
+            if self.budget is not None:
+                self.budget.reset()
 
         async def gc_freeze() -> None:
             self.gc_policy.freeze()

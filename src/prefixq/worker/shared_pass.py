@@ -51,6 +51,7 @@ class PassMarks:
         self.key = key
         self.window = window
         self.capacity = 0
+        self.kv_tokens = 0
         self.size(kv_tokens)
         self._lru: OrderedDict[int, int] = OrderedDict()
         self._tokens = 0
@@ -59,7 +60,13 @@ class PassMarks:
     def size(self, kv_tokens: int) -> None:
         """The engine's KV cache, in tokens (0: unknown). A known cache is a window of at least
         one token (the newest group), never the unknown cache's `COUNT_WINDOW` groups."""
+        self.kv_tokens = kv_tokens
         self.capacity = max(1, int(kv_tokens * self.window)) if kv_tokens > 0 else 0
+
+    def resize(self, window: float) -> None:
+        """A new window (a share of the same cache; worker/kv_budget.py's budget sets it)."""
+        self.window = window
+        self.size(self.kv_tokens)
 
     def note(self, e: Entry) -> None:
         """``e``'s request finished in the engine: its group is the newest."""

@@ -32,6 +32,7 @@ from prefixq.engine.protocol import Engine
 from prefixq.store.connection import async_client
 from prefixq.store.retry import retry
 from prefixq.store.webhook_outbox import aadd_burst_event
+from prefixq.worker import kv_budget
 from prefixq.worker.admission import Admission
 from prefixq.worker.aio import cancel_all, drain, first_of, unless_stopped, within
 from prefixq.worker.backlog import replay_backlog
@@ -220,17 +221,16 @@ class Worker:
             await self.engine.close()
             await self.r.aclose()
             return EXIT_OK
-        if not self.max_inflight:
-            self.max_inflight = max(2 * self.engine.max_num_seqs, 1)
+        self.max_inflight = self.max_inflight or max(2 * self.engine.max_num_seqs, 1)
         self.sched.window = self.max_inflight
         await self._warm_up()
         self.engine_up = True
-        probes = self.probes
-        self.heartbeat.marks.size(getattr(self.engine, "kv_tokens", 0))
+        probes, marks, s = self.probes, self.heartbeat.marks, self.settings
+        kv_budget.size(self.admission.budget, marks, getattr(self.engine, "kv_tokens", 0), s)
         commands = {
-            "reset_prefix_cache": resetting(self.engine.reset_prefix_cache, self.heartbeat.marks),
+            "reset_prefix_cache": resetting(self.engine.reset_prefix_cache, marks),
             **probes.commands(),
-            **admission_commands(self.sched),
+            **kv_budget.commands(admission_commands(self.sched), self.admission.budget, marks, s),
             **self.fleet.commands(),
         }
         tasks = [

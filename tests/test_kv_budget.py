@@ -1,0 +1,242 @@
+"""The KV budget (worker/kv_budget.py): the distinct prefixes of the requests inside the engine
+held to a share of its cache, on its own (asyncio, no I/O) and in a fake-engine worker against a
+real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+
+from fake_engine import FakeEngine
+from helpers import queued_entries
+from prefixq.client import Producer, results
+from prefixq.core import wire
+from prefixq.core.entries import Entry
+from prefixq.core.errors import ConfigError
+from prefixq.core.settings import Settings
+from prefixq.engine.protocol import EngineOutput, EngineRequest
+from prefixq.worker.kv_budget import HISTORY_TRUST, KvBudget, pass_window_for
+
+
+def _e(group: int | None, tokens: int = 100, rid: str = "") -> Entry:
+    e = Entry("b", 0, rid or f"r{group}", {}, None, None, {}, 0.0, 0, tokens, 0)
+    e.group = group
+    return e
+
+
+class _Run:
+    """Requests holding ``budget`` until released, and the order they got in."""
+
+    def __init__(self, budget: KvBudget) -> None:
+        self.budget = budget
+        self.inside: list[str] = []
+        self.release: dict[str, asyncio.Event] = {}
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+
+    def start(self, name: str, e: Entry, priority: int = 0) -> None:
+        self.release[name] = asyncio.Event()
+
+        async def go() -> None:
+            async with self.budget.hold(e, priority):
+                self.inside.append(name)
+                await self.release[name].wait()
+
+        self.tasks[name] = asyncio.create_task(go())
+
+    async def done(self, name: str) -> None:
+        self.release[name].set()
+        await self.tasks[name]
+        await asyncio.sleep(0)
+
+
+def test_groups_fit_the_budget_and_the_same_groups_requests_go_at_once() -> None:
+    async def go() -> None:
+        b = KvBudget(0.5, 400)  # room for two groups of 100
+        run = _Run(b)
+        run.start("a1", _e(1))
+        run.start("b1", _e(2))
+        run.start("c1", _e(3))  # a third group: waits
+        run.start("a2", _e(1))  # group 1 is inside: goes, although c waits
+        await asyncio.sleep(0)
+        assert run.inside == ["a1", "b1", "a2"]
+        assert b.used == 200 and b.waiting == 1 and b.held == 1
+        await run.done("a1")
+        assert run.inside == ["a1", "b1", "a2"]  # a2 still holds group 1
+        await run.done("a2")
+        assert run.inside[-1] == "c1" and b.used == 200
+        await run.done("b1")
+        await run.done("c1")
+        assert b.used == 0 and b.peak == 200 and not b._inside
+
+    asyncio.run(go())
+
+
+def test_waiting_groups_go_in_priority_then_arrival_order_each_with_all_its_requests() -> None:
+    async def go() -> None:
+        b = KvBudget(0.5, 200)  # one group of 100 at a time
+        run = _Run(b)
+        run.start("x", _e(9))
+        run.start("n1", _e(1), priority=5)
+        run.start("n2", _e(2), priority=5)
+        run.start("h1", _e(3), priority=1)  # a higher band, arriving last
+        run.start("n1b", _e(1), priority=5)  # joins group 1's wait
+        run.start("h1b", _e(3), priority=1)
+        await asyncio.sleep(0)
+        assert run.inside == ["x"]
+        await run.done("x")
+        assert run.inside == ["x", "h1", "h1b"]
+        await run.done("h1")
+        await run.done("h1b")
+        assert run.inside[3:] == ["n1", "n1b"]
+        await run.done("n1")
+        await run.done("n1b")
+        assert run.inside[5:] == ["n2"]
+        await run.done("n2")
+
+    asyncio.run(go())
+
+
+def test_a_group_larger_than_the_budget_goes_alone_and_no_group_means_the_request_itself() -> None:
+    async def go() -> None:
+        b = KvBudget(0.1, 1000)  # 100 tokens
+        run = _Run(b)
+        run.start("big", _e(1, tokens=900))  # the engine is empty: it goes
+        run.start("lone", _e(None, tokens=10, rid="lone"))  # no group: its own tokens, waits
+        await asyncio.sleep(0)
+        assert run.inside == ["big"] and b.used == 900
+        await run.done("big")
+        assert run.inside == ["big", "lone"] and b.used == 10
+        await run.done("lone")
+
+    asyncio.run(go())
+
+
+def test_a_waiting_request_cancelled_leaves_nothing_behind_and_the_next_goes() -> None:
+    async def go() -> None:
+        b = KvBudget(0.5, 200)
+        run = _Run(b)
+        run.start("x", _e(1))
+        run.start("y", _e(2))
+        run.start("z", _e(3))
+        await asyncio.sleep(0)
+        run.tasks["y"].cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await run.tasks["y"]
+        assert b.waiting == 1
+        await run.done("x")
+        assert run.inside == ["x", "z"]
+        await run.done("z")
+        assert b.used == 0 and b.waiting == 0 and not b._heap
+        # let in, then cancelled before it ran: it leaves again
+        run.start("p", _e(4))
+        run.start("q", _e(5))
+        await asyncio.sleep(0)
+        run.release["p"].set()
+        await asyncio.sleep(0)  # p leaves, q is let in: cancel q before it runs
+        run.tasks["q"].cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await run.tasks["q"]
+        await run.tasks["p"]
+        assert b.used == 0 and not b._inside
+
+    asyncio.run(go())
+
+
+def test_off_or_resized_to_off_lets_everything_in_and_the_window_follows_the_share() -> None:
+    async def go() -> None:
+        b = KvBudget(0.0, 1000)
+        run = _Run(b)
+        for g in range(20):
+            run.start(f"g{g}", _e(g))
+        await asyncio.sleep(0)
+        assert len(run.inside) == 20 and b.held == 0
+        c = KvBudget(0.5, 200)
+        run2 = _Run(c)
+        for g in range(4):
+            run2.start(f"g{g}", _e(g))
+        await asyncio.sleep(0)
+        assert len(run2.inside) == 1
+        c.resize(0.0)
+        await asyncio.sleep(0)
+        assert len(run2.inside) == 4
+        for name in list(run.tasks):
+            await run.done(name)
+        for name in list(run2.tasks):
+            await run2.done(name)
+
+    asyncio.run(go())
+    assert pass_window_for(0.1, 0.0) == 0.1
+    assert pass_window_for(0.1, 0.5) == pytest.approx(HISTORY_TRUST * 0.5)
+    assert pass_window_for(0.9, 0.5) == 0.9
+    with pytest.raises(ConfigError, match="kv_inflight_share"):
+        Settings(kv_inflight_share=1.0).validate()
+    with pytest.raises(ConfigError, match="kv_inflight_share"):
+        Settings(kv_inflight_share=-0.1).validate()
+
+
+class _GroupCounting(FakeEngine):
+    """Counts the distinct documents (a prompt's first word) inside `generate` at once."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.docs: dict[str, int] = {}
+        self.peak_docs = 0
+
+    async def generate(self, request: EngineRequest) -> EngineOutput:
+        words = (request.prompt or "").split()
+        doc = words[1] if len(words) > 1 and words[1].startswith("doc") else request.request_id
+        self.docs[doc] = self.docs.get(doc, 0) + 1
+        self.peak_docs = max(self.peak_docs, len(self.docs))
+        try:
+            return await super().generate(request)
+        finally:
+            self.docs[doc] -= 1
+            if not self.docs[doc]:
+                del self.docs[doc]
+
+
+DOCS = [f"sleep:0.3 doc{d} " + f"the {d}th text of the corpus " * 20 for d in range(10)]
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_a_worker_keeps_the_distinct_prefixes_in_its_engine_within_the_budget(
+    share: float,
+    make_settings: Callable[..., Settings],
+    r: redis.Redis,
+    fake_worker: Callable[..., Any],
+) -> None:
+    """A worker whose window holds the whole burst (10 documents x 3 questions) hands it all to
+    its engine without a budget; with ``kv_inflight_share`` 0.5 of a cache of 6 documents, at
+    most 3 documents are inside at once, each document's questions go in together, and every
+    result comes."""
+    s = make_settings(prefix_store_min_chars=16, kv_inflight_share=share)
+    reqs = [
+        {"id": f"k-d{d}-q{q}", "prefix": DOCS[d], "prompt": f" question {q}?"}
+        for d in range(10)
+        for q in range(3)
+    ]
+    burst = asyncio.run(Producer(s).asubmit(reqs, order="grouped"))
+    engine = _GroupCounting(max_num_seqs=64)
+    tokens = max(
+        e.work + e.predicted_cached
+        for e in (Entry.from_wire(wire.decode(f[b"d"])) for _, f in queued_entries(r, s))
+    )
+    engine.kv_tokens = 6 * tokens  # type: ignore[attr-defined]  # the budget: 3 documents
+    t0 = time.monotonic()
+    with fake_worker(s, engine=engine):
+        st = results.wait(burst, s, timeout=60)
+        took = time.monotonic() - t0
+    assert st.failed == 0 and st.done == 30
+    got = {x.id: x for x in results.collect(burst, s)}
+    assert all(got[f"k-d{d}-q{q}"].error is None for d in range(10) for q in range(3))
+    if share:
+        assert engine.peak_docs <= 3, engine.peak_docs
+        assert took >= 3 * 0.3, took  # ten documents, at most three at a time
+    else:
+        assert engine.peak_docs == 10  # the whole burst at once: the test can tell
