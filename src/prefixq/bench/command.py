@@ -72,7 +72,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "--admissions",
         default="",
         help="the workers' admission orders to measure beside fair shares, switched on for a "
-        "case of their own: whole-groups, resident-first (WORKLOAD:NAME for one workload)",
+        "case of their own: whole-groups, resident-first, kv-history (half the engine's cache for "
+        "the prefixes inside it: kv_inflight_share 0.5); WORKLOAD:NAME for one workload",
     )
     b.add_argument(
         "--standalone",

@@ -1,0 +1,83 @@
+"""The KV budget (worker/kv_budget.py) in a `prefixq worker` on the real vLLM CPU engine: a cache
+of 1,088 tokens, half of it for the distinct prefixes inside the engine, a burst over documents
+that hold the whole cache; read back through the control stream's ``stats`` as `prefixq bench`
+does."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis.asyncio as aredis
+
+from prefixq.cli.redis_server import RedisServer
+from prefixq.client import Producer, results
+from prefixq.core.keys import Keys
+from prefixq.core.settings import Settings
+from prefixq.worker import control
+
+pytestmark = pytest.mark.engine
+
+DOCS, QUESTIONS, DOC_TOKENS = 8, 3, 128
+
+
+def _burst() -> list[dict[str, Any]]:
+    rng = random.Random(7)
+    docs = [[rng.randrange(100, 30_000) for _ in range(DOC_TOKENS)] for _ in range(DOCS)]
+    return [
+        {
+            "id": f"d{d}-q{q}",
+            "prefix": docs[d],
+            "prompt_token_ids": [rng.randrange(100, 30_000) for _ in range(16)],
+            "max_tokens": 4,
+            "ignore_eos": True,
+        }
+        for d in range(DOCS)
+        for q in range(QUESTIONS)
+    ]
+
+
+def test_a_vllm_worker_keeps_the_prefixes_inside_its_engine_to_half_its_cache(
+    redis_server: RedisServer, start_worker: Callable[..., Any]
+) -> None:
+    """Given a worker whose engine holds 1,088 tokens with ``kv_inflight_share`` 0.5, when a
+    burst of 8 documents of 128 tokens x 3 questions (more than the cache) comes, then every
+    request succeeds, some waited for room, the distinct prefixes inside never took more than
+    the budget, and each document's later questions found its prefix cached (its questions
+    went in together)."""
+    s = Settings(redis_url=redis_server.url, namespace=f"kvb{secrets.token_hex(3)}", shards=1)
+    extra = ["--kv-inflight-share", "0.5", "--prefix-store-min-chars", "16"]
+    for arg in ("kv_cache_memory_bytes=50331648", "max_model_len=1024"):
+        extra += ["--engine-arg", arg]
+    start_worker(s, name="kvb-w", extra=extra).wait_up()
+    burst = asyncio.run(Producer(s).asubmit(_burst(), order="grouped"))
+    st = results.wait(burst, s, timeout=300)
+    assert st.failed == 0 and st.done == DOCS * QUESTIONS
+    got = {x.id: x for x in results.collect(burst, s)}
+
+    async def stats() -> dict[str, Any]:
+        r = aredis.Redis.from_url(s.redis_url)
+        try:
+            return (await control.send(r, Keys(s.namespace), "stats", ["kvb-w"]))["kvb-w"]
+        finally:
+            await r.aclose()
+
+    answer = asyncio.run(stats())
+    print(
+        f"  budget {answer['kv_budget_tokens']} tokens, peak {answer['kv_budget_peak']}, "
+        f"held {answer['kv_budget_held']}"
+    )
+    assert answer["kv_budget_share"] == 0.5
+    assert 400 <= answer["kv_budget_tokens"] <= 600  # half of the engine's stated cache
+    assert 0 < answer["kv_budget_peak"] <= answer["kv_budget_tokens"]
+    assert answer["kv_budget_held"] > 0, "nothing waited: the burst did not test the budget"
+    cached = [
+        sum(got[f"d{d}-q{q}"].cached_tokens or 0 for q in range(QUESTIONS)) for d in range(DOCS)
+    ]
+    # a document's questions run together: those after its first find its 128 tokens cached
+    # (vLLM caches whole blocks of 16: at least 112 of them each)
+    assert all(c >= (QUESTIONS - 1) * 112 for c in cached), cached
