@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import heapq
 import itertools
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,8 @@ from prefixq.core.settings import Settings
 
 if TYPE_CHECKING:
     from prefixq.worker.shared_pass import PassMarks
+
+log = logging.getLogger(__name__)
 
 __all__ = ["HISTORY_TRUST", "KV_HISTORY_SHARE", "KvBudget", "commands", "pass_window_for", "size"]
 
@@ -40,7 +43,8 @@ HISTORY_TRUST = 0.8
 #: the budget `prefixq bench --admissions kv-history` switches a worker to
 KV_HISTORY_SHARE = 0.5
 
-_Key = int | str
+#: a request's group, or the request itself (its burst and index) when it has none
+_Key = int | tuple[str, int]
 
 
 def pass_window_for(pass_window: float, share: float) -> float:
@@ -101,7 +105,7 @@ class KvBudget:
     @contextlib.asynccontextmanager
     async def hold(self, e: Entry, priority: int) -> AsyncIterator[None]:
         """Inside the engine for the block: wait for room for ``e``'s prefix first."""
-        key: _Key = e.group if e.group is not None else e.id
+        key: _Key = e.group if e.group is not None else (e.burst, e.index)
         tokens = e.work + e.predicted_cached
         if self.capacity and key not in self._inside and not self._fits(tokens):
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -177,6 +181,8 @@ class KvBudget:
 def size(budget: KvBudget, marks: PassMarks, kv_tokens: int, settings: Settings) -> None:
     """Size the budget and the pass's window for an engine of ``kv_tokens`` (0: unknown)."""
     share = settings.kv_inflight_share
+    if share and kv_tokens <= 0:
+        log.warning("kv_inflight_share %s: the engine states no KV cache size; no budget", share)
     budget.resize(share, kv_tokens)
     marks.size(kv_tokens)
     marks.resize(pass_window_for(settings.pass_window, share))
