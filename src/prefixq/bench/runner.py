@@ -285,6 +285,7 @@ def _order_view(case: dict[str, Any]) -> dict[str, Any]:
         "cached_share",
         "optimum_cached_tokens",
         "max_share_ratio",
+        "shares",
     )
     return {k: case[k] for k in keep if k in case}
 
