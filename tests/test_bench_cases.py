@@ -12,6 +12,7 @@ from typing import Any
 
 import redis
 
+from fake_engine import FakeEngine
 from helpers import FakeWorker
 from prefixq.bench.cases import Bursts, Env, run_case
 from prefixq.bench.timeline import Stamp
@@ -126,11 +127,14 @@ def test_the_bench_switches_a_live_workers_admission_order_and_back(
     make_settings: Callable[..., Settings], fake_worker: Callable[..., FakeWorker]
 ) -> None:
     """`admission:whole-groups` and `admission:resident-first` on the control stream switch a
-    running worker's scheduler (worker/groups.py); `admission:fair` switches both off."""
+    running worker's scheduler (worker/groups.py); `admission:kv-history` its KV budget and pass
+    window (worker/kv_budget.py); `admission:fair` switches all of them back."""
     from prefixq.worker import control
 
     s = make_settings()
-    fw = fake_worker(s, name="adm")
+    engine = FakeEngine()
+    engine.kv_tokens = 1000  # type: ignore[attr-defined]  # a cache the budget can be sized on
+    fw = fake_worker(s, name="adm", engine=engine)
     assert fw.worker is not None
     sched = fw.worker.sched
     assert not sched.whole_groups and sched.resident is None and sched.window > 0
@@ -148,6 +152,16 @@ def test_the_bench_switches_a_live_workers_admission_order_and_back(
     assert not sched.whole_groups and sched.resident is not None
     asyncio.run(send("admission:fair"))
     assert not sched.whole_groups and sched.resident is None
+    # kv-history: fair shares, half the engine's cache for its prefixes, the pass's window
+    # widened to match; fair again: the settings' budget (none) and window
+    budget, marks = fw.worker.admission.budget, fw.worker.heartbeat.marks
+    assert budget.capacity == 0 and marks.window == s.pass_window
+    asyncio.run(send("admission:kv-history"))
+    assert not sched.whole_groups and sched.resident is None
+    assert budget.share == 0.5 and abs(marks.window - 0.4) < 1e-9
+    assert budget.capacity == 500
+    asyncio.run(send("admission:fair"))
+    assert budget.share == 0 and budget.capacity == 0 and marks.window == s.pass_window
 
 
 def _multi_burst(s: Settings, worker: str, sizes: Any, **config: Any) -> dict[str, Any]:
