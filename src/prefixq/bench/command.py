@@ -6,7 +6,10 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -244,18 +247,42 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     with err.status("benchmark") as status:
         reaper = start_reaper()  # engines die with the benchmark, even after kill -9
         try:
-            report = asyncio.run(run_bench(cfg, settings, step=lambda m: status.update(m)))
+            partial = _partial_writer(args.json_out)
+            report = asyncio.run(
+                run_bench(cfg, settings, step=lambda m: status.update(m), checkpoint=partial)
+            )
         finally:
             stop_reaper(reaper)
     table(report, Console(file=sys.stderr, width=None if err.is_terminal else 160))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=1)
+        Path(args.json_out + PARTIAL).unlink(missing_ok=True)
     if args.plot:
         plot(report, args.plot)
     if not args.json_out:
         print(json.dumps(report, indent=1))
     return 0
+
+
+#: the report so far, beside ``--json``'s path while the run goes on (gone once it is written)
+PARTIAL = ".partial"
+
+
+def _partial_writer(path: str | None) -> Callable[[dict[str, Any]], None] | None:
+    """Writes the report so far to ``path`` + `PARTIAL` after each case (atomically: a run
+    killed while writing leaves the previous one), so that a run cut short (a GPU machine taken
+    back) keeps the cases it finished; None without ``--json``."""
+    if not path:
+        return None
+    out = Path(path + PARTIAL)
+
+    def write(report: dict[str, Any]) -> None:
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=1, default=str))
+        os.replace(tmp, out)
+
+    return write
 
 
 def _fleet(raw: str, shards: int) -> list[str]:

@@ -97,9 +97,13 @@ Step = Callable[[str], None]
 
 
 async def run_bench(
-    cfg: BenchConfig, settings: Settings, step: Step | None = None
+    cfg: BenchConfig,
+    settings: Settings,
+    step: Step | None = None,
+    checkpoint: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Run every workload and pair; returns the report (see docs/BENCHMARKS.md)."""
+    """Run every workload and pair; returns the report (see docs/BENCHMARKS.md).
+    ``checkpoint`` gets the report so far after each case (and the engines' start)."""
     from prefixq.engine.vllm_engine import cpu_defaults, parse_engine_args
 
     say = step or (lambda _msg: None)
@@ -140,8 +144,13 @@ async def run_bench(
         counter = None if cfg.shape.token_ids else _counter(cfg.model)
         async with Producer(s) as producer:
             env = Env(s, r, engines, workers, producer, say, block)
+            if checkpoint is not None:
+                env.saved = lambda: checkpoint(report)
+                env.saved()
             for wl in cfg.workloads:
-                report["workloads"][wl] = await _workload(cfg, env, wl, capacity, counter)
+                into = report["workloads"]
+                into[wl] = await _workload(cfg, env, wl, capacity, counter, into)
+                env.saved()
             if cfg.fleet:
                 zipf = build("zipf", cfg.shape, cfg.sizes, count=counter)
                 report["fleet"] = await run_fleet(env, zipf, cfg.fleet, cfg.pairs)
@@ -209,8 +218,15 @@ def _counter(model: str) -> Counter | None:
 
 
 async def _workload(
-    cfg: BenchConfig, env: Env, name: str, capacity: int, counter: Counter | None
+    cfg: BenchConfig,
+    env: Env,
+    name: str,
+    capacity: int,
+    counter: Counter | None,
+    into: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """Workload ``name``'s cases, its part of the report (kept in ``into`` from the start, and
+    handed to `Env.saved` after each case)."""
     wl = build(name, cfg.shape, cfg.sizes, capacity_tokens=capacity, count=counter)
     b = Bursts(wl, [normalize(x.requests, env.s) for x in wl.bursts])
     placements = cfg.placements if name == "reuse" else ["affinity"]
@@ -224,6 +240,8 @@ async def _workload(
         "kv_capacity_tokens": capacity,
         "placements": {},
     }
+    if into is not None:
+        into[name] = out
     own = {k: v - wl.depth.get(k.rpartition("/")[0], 0) for k, v in wl.depth.items()}
     out["corpus_over_capacity"] = round(sum(own.values()) / capacity, 3) if capacity else None
     for placement in placements:
@@ -231,6 +249,7 @@ async def _workload(
         out["placements"][placement] = await run_case(
             env, b, placement, cfg.order, pairs, setups_for(cfg.setups, name)
         )
+        env.saved()
     others = [o for o in scoped(cfg.orders, name) if o != cfg.order]
     if name in SHARING and others and "affinity" in placements:
         order_setups = [SORTED] if SORTED in setups_for(cfg.setups, name) else [GIVEN]
@@ -238,6 +257,7 @@ async def _workload(
         for order in others:
             case = await run_case(env, b, "affinity", order, cfg.pairs, order_setups)
             out["orders"][order] = _order_view(case)
+            env.saved()
     admissions = [a for a in scoped(cfg.admissions, name) if a != "fair"]
     if name in SHARING and admissions:
         one = [SORTED] if SORTED in setups_for(cfg.setups, name) else [GIVEN]
@@ -249,6 +269,7 @@ async def _workload(
             finally:
                 await control.send(env.r, env.keys, "admission:fair", env.workers.names)
             out["admissions"][adm] = _order_view(case)
+            env.saved()
     if name in SHARING and name in cfg.pass_off:
         one = [SORTED] if SORTED in setups_for(cfg.setups, name) else [GIVEN]
         producer = env.producer
