@@ -147,8 +147,8 @@ async def run_bench(
             if checkpoint is not None:
                 env.saved = lambda: checkpoint(report)
                 env.saved()
+            into = report["workloads"]
             for wl in cfg.workloads:
-                into = report["workloads"]
                 into[wl] = await _workload(cfg, env, wl, capacity, counter, into)
                 env.saved()
             if cfg.fleet:
@@ -280,6 +280,7 @@ async def _workload(
                 env.producer = producer
         out["pass_off"] = {"on": _order_view(out["placements"]["affinity"])}
         out["pass_off"]["off"] = _order_view(case)
+        env.saved()
     if "affinity" in out["placements"] and "random" in out["placements"]:
         p = out["placements"]
         out["affinity_gain"] = {

@@ -178,7 +178,7 @@ class Admission:
                 raise ValidationError(req.refusal)
             prompt = self.engine.render_chat(req.messages) if req.messages else req.prompt
             out: EngineOutput | EmbedOutput
-            async with self.budget.hold(e, priority), self.gate.call(solo):
+            async with self.budget.holding(e, priority), self.gate.call(solo):
                 why = self.ends.ended_reason(e)
                 if why is not None:  # it ended while this waited for the gate
                     raise EngineAborted(why)

@@ -34,7 +34,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HISTORY_TRUST", "KV_HISTORY_SHARE", "KvBudget", "commands", "pass_window_for", "size"]
+__all__ = [
+    "HISTORY_TRUST",
+    "KV_HISTORY_SHARE",
+    "KvBudget",
+    "apply",
+    "commands",
+    "pass_window_for",
+    "size",
+]
 
 #: of the cache the budget leaves to finished prefixes, the share a joining burst counts on
 #: finding still there (questions' and answers' blocks, and the engine's own rounding, take some)
@@ -42,6 +50,9 @@ HISTORY_TRUST = 0.8
 
 #: the budget `prefixq bench --admissions kv-history` switches a worker to
 KV_HISTORY_SHARE = 0.5
+
+#: what `KvBudget.holding` gives while the budget is off
+_OFF: contextlib.AbstractAsyncContextManager[None] = contextlib.nullcontext()
 
 #: a request's group, or the request itself (its burst and index) when it has none
 _Key = int | tuple[str, int]
@@ -101,6 +112,11 @@ class KvBudget:
     def waiting(self) -> int:
         """Requests waiting for room."""
         return sum(len(w) for w in self._waiting.values())
+
+    def holding(self, e: Entry, priority: int) -> contextlib.AbstractAsyncContextManager[None]:
+        """`hold`, or nothing at all while the budget is off (the default: no cost per
+        request; a budget switched on counts the requests that enter from then on)."""
+        return self.hold(e, priority) if self.capacity else _OFF
 
     @contextlib.asynccontextmanager
     async def hold(self, e: Entry, priority: int) -> AsyncIterator[None]:
@@ -178,14 +194,19 @@ class KvBudget:
                     fut.set_result(None)
 
 
+def apply(budget: KvBudget, marks: PassMarks, share: float, pass_window: float) -> None:
+    """Hold ``budget`` to ``share`` of its cache and widen the pass's window to match."""
+    budget.resize(share)
+    marks.resize(pass_window_for(pass_window, share))
+
+
 def size(budget: KvBudget, marks: PassMarks, kv_tokens: int, settings: Settings) -> None:
     """Size the budget and the pass's window for an engine of ``kv_tokens`` (0: unknown)."""
     share = settings.kv_inflight_share
     if share and kv_tokens <= 0:
         log.warning("kv_inflight_share %s: the engine states no KV cache size; no budget", share)
-    budget.resize(share, kv_tokens)
-    marks.size(kv_tokens)
-    marks.resize(pass_window_for(settings.pass_window, share))
+    budget.kv_tokens = marks.kv_tokens = kv_tokens
+    apply(budget, marks, share, settings.pass_window)
 
 
 def commands(
@@ -202,8 +223,7 @@ def commands(
 
         async def go() -> None:
             await run()
-            budget.resize(share)
-            marks.resize(pass_window_for(settings.pass_window, share))
+            apply(budget, marks, share, settings.pass_window)
 
         return go
 
