@@ -131,6 +131,39 @@ def test_turned_off_a_batch_is_collected_as_usual(policy: tuple[GcPolicy, GcWatc
     assert young(batch)
 
 
+def test_stats_do_not_walk_the_frozen_heap(
+    policy: tuple[GcPolicy, GcWatch], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given a frozen heap, when the control stream asks for ``stats`` in the middle of a burst,
+    then the frozen objects are not counted then (`gc.get_freeze_count` walks the whole list: 20
+    ms for 3 million objects, a pause of the event loop) but reported as counted at the last
+    freeze or whole-heap collection, in idle time."""
+    from prefixq.worker.probes import Probes
+
+    h, _ = policy
+    h.freeze()
+    at_freeze = h.stats()["frozen"]
+    assert at_freeze > 1000  # the test process's heap, counted at the freeze
+    monkeypatch.setattr(heap_mod, "WHOLE_HEAP_AFTER", 1)
+    walks: list[int] = []
+    real = gc.get_freeze_count
+
+    def counted() -> int:
+        walks.append(1)
+        return real()
+
+    monkeypatch.setattr(gc, "get_freeze_count", counted)
+    probes = Probes(gc_freeze=True)
+    probes.gc_policy = h
+    h.admitted(1)
+    assert probes.stats()["frozen"] == at_freeze and not walks  # mid-burst: no walk
+    idle(h, 1)  # the whole heap, in idle time: counted there, once
+    frozen = probes.stats()["frozen"]
+    assert len(walks) == 1 and abs(frozen - real()) < 100 and frozen > 1000
+    h.unfreeze()
+    assert probes.stats()["frozen"] == 0
+
+
 def test_the_worst_pause_is_kept_in_cpu_time_too() -> None:
     """A collection's pause is timed in wall time and in the collecting thread's CPU time, which
     a preemption midway does not lengthen: never longer than the wall time."""

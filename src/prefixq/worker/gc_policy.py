@@ -77,6 +77,10 @@ class GcPolicy:
         self.whole_after = 0
         #: objects the last whole-heap collection freed (cycles among frozen objects)
         self.whole_freed = -1
+        #: objects frozen after the last `freeze` or whole-heap collection (-1: none yet), counted
+        #: then: `gc.get_freeze_count` walks the frozen list (20 ms for 3 million objects), too
+        #: long for a ``stats`` call in the middle of a burst
+        self.frozen_objects = -1
 
     def due_after(self) -> int:
         """Requests frozen before the whole heap is collected (at the next long idle moment)."""
@@ -92,12 +96,14 @@ class GcPolicy:
         gc.collect()
         gc.freeze()
         self.frozen_requests = 0
+        self.frozen_objects = gc.get_freeze_count()
 
     def unfreeze(self) -> None:
         """Back to ordinary collection of the whole heap (to measure what freezing avoids)."""
         self.enabled = False
         gc.unfreeze()
         self.frozen_requests = 0
+        self.frozen_objects = 0
 
     def admitted(self, n: int) -> None:
         """``n`` requests were just handed to the engine: freeze what they hold (O(1))."""
@@ -172,6 +178,7 @@ class GcPolicy:
             )
         if whole:  # `freed`: the last step's, the whole heap's
             self._measured(freed)
+            self.frozen_objects = gc.get_freeze_count()  # beside hundreds of ms, a few more
             log.debug(
                 "idle: the whole heap held %d objects of frozen garbage; next after %d requests",
                 freed,
@@ -203,4 +210,5 @@ class GcPolicy:
             "gc_idle_postponed": self.idle_postponed,
             "gc_whole_heap_after": self.due_after(),
             "gc_whole_heap_freed": self.whole_freed,
+            "frozen": self.frozen_objects,
         }

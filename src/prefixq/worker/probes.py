@@ -5,7 +5,6 @@ the GC policy (gcwatch.py, gc_policy.py), event-loop lag and read-to-engine time
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +32,6 @@ class Probes:
     def stats(self) -> dict[str, Any]:
         """The control stream's ``stats`` answer (milliseconds)."""
         return {
-            "frozen": gc.get_freeze_count(),
             **self.gc.stats(),
             **self.gc_policy.stats(),
             **self.loop.stats(),
