@@ -94,6 +94,19 @@ def test_with_two_tenants_a_group_that_does_not_fit_lets_the_other_tenant_go() -
     assert refs(s, 2) == "-" and s.holding
 
 
+def test_whole_groups_with_more_room_than_stock_in_several_lanes() -> None:
+    """Two bursts (lanes) of one tenant and a second tenant, each with fewer entries stocked than
+    the room left: every whole group goes, in fair turns (before: the room, larger than a lane's
+    stock, was read as entries of it, and the worker died of an IndexError)."""
+    s = sched(whole=True, window=64)
+    fill(s, "x", "AAB")
+    fill(s, "y", "CC")
+    fill(s, "z", "DE", tenant="b")
+    got = refs(s, 32)
+    assert sorted(got) == sorted("AABCCDE") and not s.holding
+    assert refs(s, 32) == ""
+
+
 def test_resident_first_prefers_a_tenant_whose_next_prefix_was_just_admitted() -> None:
     """Two tenants at an equal turn; b's next document was just admitted (resident), a's was
     not: b goes first. Without the setting, the tenants' order decides."""

@@ -60,9 +60,11 @@ RECENT = 512
 
 
 def take_whole(lane: _Lane, k: int, window: int) -> int:
-    """How many of ``lane``'s first ``k`` stocked entries to admit so that no group is split."""
+    """How many of ``lane``'s first ``k`` stocked entries to admit so that no group is split
+    (``k`` may exceed the stock: the room left when several lanes share it)."""
     stock = lane.stock
     n, i = len(stock), 0
+    k = min(k, n)
     while i < k:
         ref = stock[i][1].prefix_ref
         j = i + 1
