@@ -241,3 +241,23 @@ def test_submit_wait_that_times_out_still_prints_the_burst_id(
     burst = p.stdout.strip()
     assert f"prefixq: error: burst {burst}: 0/1 results after 1s" in p.stderr
     assert cli(settings, "cancel", burst).returncode == 0
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("results", "a\udcffb"),  # a byte that is not UTF-8, as a shell passes it
+        ("cancel", "a\udcffb"),
+        ("inspect", "--burst", "a\udcffb"),
+        ("cancel", "{b}"),
+        ("submit", "-", "--burst-id", "a b"),
+    ],
+)
+def test_a_burst_id_no_burst_can_have_is_a_usage_error(
+    settings: Settings, args: tuple[str, ...]
+) -> None:
+    """An id with a byte that is not UTF-8 reached Redis and ended in a traceback (results,
+    cancel); now every command refuses an id no burst can have, naming the rule."""
+    p = cli(settings, *args, stdin='{"prompt": "x"}\n')
+    assert p.returncode == 2, p.stderr
+    assert "must be 1-200 characters" in p.stderr and "Traceback" not in p.stderr

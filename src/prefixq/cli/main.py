@@ -27,8 +27,19 @@ from prefixq.cli.logs import configure as configure_logging
 from prefixq.cli.ops_commands import cmd_check, cmd_dead, cmd_inspect, cmd_reclaim
 from prefixq.cli.serve_commands import cmd_dashboard, cmd_serve
 from prefixq.cli.worker_commands import cmd_worker, cmd_workers
-from prefixq.core.errors import ConfigError, PrefixqError, SetupError
+from prefixq.client.submit_args import check_burst_id
+from prefixq.core.errors import ConfigError, PrefixqError, SetupError, ValidationError
 from prefixq.core.settings import Settings
+
+
+def _burst_id(text: str) -> str:
+    """A burst id argument: refused by argparse (a usage error, exit 2) unless it is one a burst
+    can have (before: an id with a byte that is not UTF-8 reached Redis and ended in a
+    traceback)."""
+    try:
+        return check_burst_id(text)
+    except ValidationError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _settings_parser() -> argparse.ArgumentParser:
@@ -123,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--wait", action="store_true", help="wait with a progress bar")
     s.add_argument("--out", help="with --wait: write results here (JSONL, input order)")
     s.add_argument("--timeout", type=float, default=None, help="with --wait: give up after S s")
-    s.add_argument("--burst-id", default=None)
+    s.add_argument("--burst-id", type=_burst_id, default=None)
     s.add_argument(
         "--on-complete-url",
         default=None,
@@ -140,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     r = sub.add_parser("results", parents=[common], help="write a burst's results (JSONL)")
-    r.add_argument("burst")
+    r.add_argument("burst", type=_burst_id)
     r.add_argument("--out", help="file (default: stdout)")
     r.add_argument("--timeout", type=float, default=None, help="wait at most S s for results")
     r.add_argument("--token-ids", action="store_true")
@@ -169,14 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="cancel a burst: its unfinished requests get cancelled results",
     )
-    ca.add_argument("burst")
+    ca.add_argument("burst", type=_burst_id)
     ca.add_argument("--json", action="store_true")
 
     from prefixq.bench.command import add_parser as add_bench
 
     add_bench(sub, common)
     i = sub.add_parser("inspect", parents=[common], help="queues, workers and burst latency")
-    i.add_argument("--burst", default=None)
+    i.add_argument("--burst", type=_burst_id, default=None)
     i.add_argument("--json", action="store_true")
     i.add_argument("--recent", type=int, default=5, help="bursts to show (default 5)")
     i.add_argument("--watch", action="store_true", help="refresh a live view until Ctrl-C")
