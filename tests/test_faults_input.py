@@ -146,6 +146,18 @@ BAD_ENTRIES: list[tuple[str, Callable[[str], dict[bytes, bytes]], str, str]] = [
         "dead+failed",
         "malformed entry",
     ),
+    (  # the enqueue time names the burst's incarnation: the result was dropped as another's
+        "enqueued-infinite",
+        lambda b: _d(_packed(_entry(b, e=math.inf))),
+        "dead+failed",
+        "enqueue time inf is not a time",
+    ),
+    (
+        "deadline-nan",
+        lambda b: _d(_packed(_entry(b, dl=math.nan))),
+        "dead+failed",
+        "deadline is not a number",
+    ),
     (
         "sampling-not-a-map",
         lambda b: _d(_packed(_entry(b, s=[1]))),

@@ -19,6 +19,7 @@ between shards whole, and the prefix map's entry that follows it (affinity/hando
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,6 +144,12 @@ class Entry:
             e.tenant = tn
         if not 0 <= e.index < _MAX_COUNT:
             raise WireError(f"entry index {e.index} out of range")
+        # the enqueue time names the burst's incarnation (record_result.lua): one that no
+        # record can hold would drop the result as another burst's, not dead-letter it
+        if not (math.isfinite(e.enqueued) and e.enqueued >= 0):
+            raise WireError(f"entry enqueue time {e.enqueued!r} is not a time")
+        if e.deadline is not None and math.isnan(e.deadline):
+            raise WireError("entry deadline is not a number")
         if len(e.own) != 1:
             raise WireError("entry needs exactly one of p, m, t, n")
         if e.pooling is not None and not isinstance(e.pooling, dict):
