@@ -283,6 +283,28 @@ def test_a_submit_that_fails_mid_chunk_with_redis_gone_says_what_it_cannot_know(
     assert "at least 20 and at most 84 of its 200 requests" in str(e.value), str(e.value)
 
 
+def test_a_submit_whose_queue_redis_refuses_is_cancelled_even_when_it_cannot_be_counted(
+    make_settings: Callable[..., Settings], r: redis.Redis
+) -> None:
+    """Given a shard's request stream holding a string (anything with write access may write
+    one), when a burst is submitted, then its entries are refused (WRONGTYPE), the count of what
+    was enqueued (which reads that stream) fails too, and the burst is still cancelled: status
+    cancelled, every request a cancelled result (before: the failed count skipped the cancel, and
+    the burst stayed queued, 0 of 4, for good)."""
+    from prefixq.core.errors import PrefixqError
+
+    s = make_settings(shards=1)
+    keys = Keys(s.namespace)
+    r.hset(keys.config, "shards", 1)
+    r.set(keys.stream(0), "not a stream")
+    with pytest.raises((PrefixqError, redis.RedisError)) as e:
+        Producer(s).submit(shifted(4), burst_id="refused")
+    assert "cancelled as a whole" in str(e.value), str(e.value)
+    st = results.status("refused", s)
+    assert st.status == "cancelled" and (st.done, st.failed) == (0, 4), st
+    assert {x.error_code for x in results.collect("refused", s)} == {"cancelled"}
+
+
 # ---- a pipeline sent again adds no entry twice (lua/enqueue.lua) --------------------------------
 def carries_entries(pipe: Any) -> bool:
     """Whether a pipeline adds entries (lua/enqueue.lua; before it, XADDs)."""

@@ -309,14 +309,14 @@ class _Submission:
         if not w.created:
             return
         log.error(
-            "burst %s: submit failed after %d of %d requests: %s",
+            "burst %s: submit failed with %d of its %d requests confirmed sent: %s",
             self.burst,
             w.sent,
             self.n,
             err,
         )
         enqueued: int | None = None
-        try:
+        try:  # apart from the cancel: a count Redis refuses must not leave the burst queued
             enqueued = await count_enqueued(
                 self.r,
                 self.s,
@@ -325,6 +325,10 @@ class _Submission:
                 priority=self.layout.info.priority,
                 created=self.enc.enqueued,
             )
+        except Exception as e:
+            log.warning("burst %s: its enqueued requests could not be counted: %s", self.burst, e)
+        part = w.held(enqueued) if enqueued is not None else self._sent_bounds()
+        try:
             done = self.p.on_burst_done
             await acancel(self.burst, self.s, self.r, on_burst_done=done.adone if done else None)
             if self.layout.lanes:
@@ -332,24 +336,26 @@ class _Submission:
                 self.layout.seal(pipe)
                 await pipe.execute()
             note = (
-                f"; {w.held(enqueued)} had been enqueued, so burst {self.burst} "
+                f"; {part} had been enqueued, so burst {self.burst} "
                 "was cancelled as a whole (what already finished keeps its result)"
             )
         except Exception as e:  # Redis itself may be what failed
             log.error("could not cancel burst %s: %s", self.burst, e)
-            if enqueued is not None:
-                part = w.held(enqueued)
-            elif w.sending:  # Redis may have processed part of the pipeline it never answered
-                first, last = w.sent + 1, w.sent + w.sending
-                part = (
-                    f"at least {w.sent} and at most {last} of its {self.n} requests: Redis "
-                    f"stopped answering while requests {first}-{last} were being sent"
-                )
-            else:
-                part = f"{w.sent} of its {self.n} requests"
             note = (
                 f"; burst {self.burst} is partly enqueued ({part}) and could not be cancelled: "
                 f"run `prefixq cancel {self.burst}`"
             )
         if err.args:
             err.args = (f"{err.args[0]}{note}", *err.args[1:])
+
+    def _sent_bounds(self) -> str:
+        """What Redis may hold of the burst when it cannot be asked: the bounds the producer
+        knows (a pipeline Redis processed in part before it stopped answering counts too)."""
+        w = self.writer
+        if w.sending:
+            first, last = w.sent + 1, w.sent + w.sending
+            return (
+                f"at least {w.sent} and at most {last} of its {self.n} requests: Redis "
+                f"stopped answering while requests {first}-{last} were being sent"
+            )
+        return f"{w.sent} of its {self.n} requests"
