@@ -33,7 +33,11 @@ BAD_LINES = [
     ("truncated-utf8", b'{"id": "a", "prompt": "\xe2\x82"}\n', "line 2 is not valid UTF-8"),
     ("deep-json", b"[" * 5000 + b"]" * 5000 + b"\n", "line 2 nests too deeply to read"),
     ("deep-object", b'{"a":' * 6000 + b"1" + b"}" * 6000 + b"\n", "line 2 nests too deeply"),
-    ("huge-integer", b'{"id": ' + b"9" * 5000 + b', "prompt": "x"}\n', "line 2 is not readable"),
+    (
+        "huge-integer",
+        b'{"id": ' + b"9" * 5000 + b', "prompt": "x"}\n',
+        "line 2 holds a number of more",
+    ),
     ("not-json", b"{'id': 'a'}\n", "line 2 is not JSON"),
     ("lone-surrogate", b'{"id": "a", "prompt": "x\\ud800y"}\n', "line 2: prompt holds a lone"),
     ("surrogate-id", b'{"id": "\\udfff", "prompt": "x"}\n', "line 2: id holds a lone surrogate"),
