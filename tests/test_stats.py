@@ -246,3 +246,30 @@ def test_inspect_shows_each_workers_share_of_a_burst_and_the_moves_totals(
     fleet = stats.snapshot(s, client=r)["fleet"]
     assert fleet["moves"] == {"steal": {"groups": 2, "requests": 5, "tokens": 0}}
     assert fleet["recent_moves"][0]["why"] == "steal"
+
+
+def test_inspect_shows_what_it_can_when_keys_hold_another_type(
+    settings: Settings, r: redis.Redis, fake_worker: Callable[..., Any]
+) -> None:
+    """Given a served burst and a live worker, when the shard's stats, dead letters, lane index
+    and the moves' keys hold strings (anything with write access may write one), then inspect
+    (the table and --json) still shows the shard, its worker and the burst, and names each part
+    it could not read (before: the whole command failed with WRONGTYPE)."""
+    s = settings.replace(heartbeat_s=60.0)
+    with fake_worker(s, name="w0"):
+        burst = Producer(s).submit([{"id": f"q{i}", "prompt": f"hi {i}"} for i in range(5)])
+        results.wait(burst, s, timeout=30)
+        bad = [s.keys.shard_stats, s.keys.dead(0), s.keys.lanes(0), s.keys.moves, s.keys.load]
+        for key in (*bad, s.keys.move_totals):
+            r.delete(key)
+            r.set(key, "garbage")
+        snap = stats.snapshot(s, client=r)
+        table = cli(s, "inspect")
+    (shard,) = snap["shards"]
+    assert shard["worker_names"] == ["w0"] and shard["dead_letters"] == 0
+    assert [b["burst"] for b in snap["bursts"]] == [burst] and snap["bursts"][0]["done"] == 5
+    problems = " ".join(snap["problems"])
+    for part in ("cached tokens", "shard 0's dead letters", "shard 0's queues", "moves"):
+        assert f"{part} not shown" in problems, snap["problems"]
+    assert table.returncode == 0, table.stderr
+    assert "not shown" in table.stdout and burst in table.stdout

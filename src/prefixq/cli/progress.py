@@ -121,7 +121,10 @@ def fleet_lines(fleet: dict[str, Any]) -> list[RenderableType]:
 
 def snapshot_renderables(snap: dict[str, Any]) -> list[RenderableType]:
     """What `render_snapshot` prints, in order (tables and markup strings)."""
-    out: list[RenderableType] = []
+    out: list[RenderableType] = [
+        f"[yellow]{escape(p)}[/]"
+        for p in snap.get("problems", ())  # ops/tolerant.py
+    ]
     t = Table(title=f"shards of {snap['namespace']}")
     cols = (
         "shard",

@@ -166,19 +166,22 @@ def mount(app: FastAPI, served: Served) -> None:
 
     @app.get("/api/shards")
     async def shards(request: Request) -> JSONResponse:
-        """``{namespace, at, shards, fleet, sharing}``: the objects of ``inspect --json``."""
+        """``{namespace, at, shards, fleet, sharing, problems}``: the objects of ``inspect
+        --json`` (``problems``: what a key of another type kept from view, ops/tolerant.py)."""
         s = access.settings_for(request)
 
         def read() -> dict[str, Any]:
             r = client()
             n = shard_count(r, s)
             lane_bursts: dict[tuple[str, str], set[str]] = {}
-            per_shard = stats.shard_stats(r, s, n, lane_bursts)
+            problems: list[str] = []
+            per_shard = stats.shard_stats(r, s, n, lane_bursts, problems)
             return {
                 "namespace": s.namespace,
                 "shards": per_shard,
-                "fleet": fleet_stats.fleet(r, s, n, time.time()),
+                "fleet": fleet_stats.fleet(r, s, n, time.time(), problems),
                 "sharing": stats.sharing(per_shard, lane_bursts),
+                "problems": problems,
                 "at": time.time(),
             }
 

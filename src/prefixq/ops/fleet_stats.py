@@ -13,6 +13,7 @@ from typing import Any
 import redis
 
 from prefixq.core.settings import Settings
+from prefixq.ops.tolerant import tolerant
 from prefixq.store.liveness import Liveness
 from prefixq.store.move_log import read_moves
 
@@ -29,7 +30,9 @@ def _float(v: bytes | None, default: float) -> float:
         return default
 
 
-def fleet(r: redis.Redis, settings: Settings, shards: int, now: float) -> dict[str, Any]:
+def fleet(
+    r: redis.Redis, settings: Settings, shards: int, now: float, problems: list[str] | None = None
+) -> dict[str, Any]:
     """Per shard: live, seconds without a live worker, orphaned, what it serves (generate or
     embed); the moves' totals by why
     (store/move_log.py) and the newest few."""
@@ -56,7 +59,9 @@ def fleet(r: redis.Redis, settings: Settings, shards: int, now: float) -> dict[s
                 "task": state.task(k),
             }
         )
-    totals, recent = read_moves(r, keys, _RECENT)
+    nothing: tuple[dict[str, dict[str, int]], list[dict[str, str]]] = ({}, [])
+    bad = problems if problems is not None else []
+    totals, recent = tolerant(bad, "moves", nothing, read_moves, r, keys, _RECENT)
     return {
         "shards": per_shard,
         "orphan_after_s": wait,

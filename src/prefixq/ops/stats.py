@@ -28,6 +28,8 @@ from prefixq.core.settings import Settings
 from prefixq.core.sharing import band
 from prefixq.ops import distributions, queues
 from prefixq.ops.fleet_stats import fleet, shares
+from prefixq.ops.queues import ShardQueues
+from prefixq.ops.tolerant import tolerant
 from prefixq.ops.worker_stats import gone_workers, live_workers
 from prefixq.store.deployment import resolve_shards
 from prefixq.store.liveness import load_of
@@ -68,6 +70,7 @@ def shard_stats(
     settings: Settings,
     shards: int,
     lane_bursts: dict[tuple[str, str], set[str]] | None = None,
+    problems: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """One dict per shard, over all its streams (intakes and lanes: prefixq.ops.queues): entries
     waiting (not yet delivered) and pending (in flight: delivered, not acked; from the consumer
@@ -76,21 +79,25 @@ def shard_stats(
     in-flight count of its last heartbeat), estimated outstanding prefill tokens, dead letters,
     predicted vs actual cached prompt tokens, and per priority and tenant the requests admitted
     and their queue waits summed (workers count them as they ack). ``lane_bursts`` gets the ids
-    of the bursts with a lane, per priority and tenant, over all shards."""
+    of the bursts with a lane, per priority and tenant, over all shards. A part held in a key of
+    another type is left out (zero, none) and named in ``problems`` (ops/tolerant.py)."""
     keys = settings.keys
     now = time.time()
-    load = load_of(r.hgetall(keys.load), range(shards))
-    sstats = {k.decode(): v for k, v in r.hgetall(keys.shard_stats).items()}
+    bad = problems if problems is not None else []
+    raw_load: dict[bytes, bytes] = tolerant(bad, "prefill backlog", {}, r.hgetall, keys.load)
+    load = load_of(raw_load, range(shards))
+    raw: dict[bytes, bytes] = tolerant(bad, "cached tokens", {}, r.hgetall, keys.shard_stats)
+    sstats = {k.decode(): v for k, v in raw.items()}
     out = []
     for k in range(shards):
-        q = queues.read(r, keys, k)
+        q = tolerant(bad, f"shard {k}'s queues", ShardQueues(), queues.read, r, keys, k)
         if lane_bursts is not None:
             for x in q.queues():
                 lane_bursts.setdefault((x.priority, x.tenant), set()).update(x.burst_ids)
-        pipe = r.pipeline(transaction=False)
-        pipe.xlen(keys.dead(k))
-        pipe.zrange(keys.workers(k), 0, -1)
-        dead, names = pipe.execute()
+        dead: int = tolerant(bad, f"shard {k}'s dead letters", 0, r.xlen, keys.dead(k))
+        names: list[bytes] = tolerant(
+            bad, f"shard {k}'s workers", [], r.zrange, keys.workers(k), 0, -1
+        )
         workers = live_workers(r, keys, k, [n.decode() for n in names], now)
         gone = (
             gone_workers(r, keys, k, {w["name"] for w in workers}, now)
@@ -301,13 +308,15 @@ def snapshot(
     shards = resolve_shards(r, settings)
     bursts = [burst] if burst else recent_bursts(r, settings.keys, recent)
     lane_bursts: dict[tuple[str, str], set[str]] = {}
-    per_shard = shard_stats(r, settings, shards, lane_bursts)
+    problems: list[str] = []
+    per_shard = shard_stats(r, settings, shards, lane_bursts, problems)
     now = time.time()
     return {
         "namespace": settings.namespace,
         "shards": per_shard,
-        "fleet": fleet(r, settings, shards, now),
+        "fleet": fleet(r, settings, shards, now, problems),
         "sharing": sharing(per_shard, lane_bursts),
         "bursts": [_burst_or_why(r, settings, b, b == burst) for b in bursts],
+        "problems": problems,
         "at": now,
     }

@@ -12,6 +12,7 @@ import redis
 
 from prefixq.core.keys import GROUP, Keys
 from prefixq.ops import queues
+from prefixq.ops.tolerant import tolerant
 
 __all__ = ["gone_workers", "live_workers"]
 
@@ -27,7 +28,9 @@ def live_workers(
     ``beat_age_s`` old)."""
     pending: dict[str, int] = {}
     if names:
-        streams = queues.QueueRead(keys, shard).set_index(r.hgetall(keys.lanes(shard)))
+        # a lane index of another type: the intakes alone (`queues.read` names the problem)
+        index: dict[bytes, bytes] = tolerant([], "lanes", {}, r.hgetall, keys.lanes(shard))
+        streams = queues.QueueRead(keys, shard).set_index(index)
         pipe = r.pipeline(transaction=False)
         for key in streams:
             pipe.xpending(key, GROUP)
