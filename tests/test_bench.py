@@ -93,7 +93,9 @@ def test_a_bench_killed_mid_run_keeps_the_cases_it_finished(
 ) -> None:
     """Given a --quick run on one CPU shard killed -9 once its first case is done (a GPU machine
     taken back mid-run), the report so far is beside --json's path (``.partial``): its
-    configuration, its environment and that case's paired runs; the report itself never came."""
+    configuration, its environment and that case's paired runs; the report itself never came.
+    While that case ran, the report so far held its runs as they finished (``unfinished_case``:
+    a GPU case of two pairs is minutes a machine may not last), gone once the case was done."""
     out = tmp_path / "bench.json"
     partial = Path(str(out) + ".partial")
     url = redis_server.url
@@ -110,6 +112,14 @@ def test_a_bench_killed_mid_run_keeps_the_cases_it_finished(
             placements = report["workloads"].get("no-reuse", {}).get("placements", {})
             return report if placements else None
 
+        def a_run() -> dict[str, object] | None:
+            if not partial.exists():
+                return None
+            report = json.loads(partial.read_text())
+            case = report.get("unfinished_case")
+            return case if case and case["runs"] else None
+
+        case = wait_until(a_run, 600, "a run of the first case in the report so far")
         report = wait_until(first_case, 600, "the first case in the report so far")
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -117,4 +127,8 @@ def test_a_bench_killed_mid_run_keeps_the_cases_it_finished(
     assert report["config"] and report["environment"]["engine_start_s"] > 0
     runs = report["workloads"]["no-reuse"]["placements"]["affinity"]["runs"]
     assert sorted(r["mode"] for r in runs) == ["pipeline", "standalone"]
+    assert (
+        case["case"] == "no-reuse / affinity / decode-first" and case["runs"][0]["throughput"] > 0
+    )
+    assert "unfinished_case" not in report or report["unfinished_case"]["case"] != case["case"]
     assert not out.exists()

@@ -57,6 +57,9 @@ class Env:
     #: called after each case with the report so far (`prefixq bench --json` keeps it beside
     #: the report's path: a run cut short keeps the cases it finished)
     saved: Callable[[], None] = lambda: None
+    #: called after each run of a case with its label and the runs so far (None: the case is
+    #: done), so that the report so far keeps the runs of a case a lost machine cut short
+    ran: Callable[[str, list[dict[str, Any]] | None], None] = lambda _label, _runs: None
 
     @property
     def keys(self) -> Keys:
@@ -129,6 +132,8 @@ async def run_case(
                     **run,
                 }
             )
+            env.ran(f"{b.wl.name} / {placement} / {order}", runs)
+    env.ran("", None)
     names = env.workers.names
     summary = summarise(runs, modes)
     summary["optimum_cached_tokens"] = optimum_cached(

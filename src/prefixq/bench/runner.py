@@ -146,6 +146,7 @@ async def run_bench(
             env = Env(s, r, engines, workers, producer, say, block)
             if checkpoint is not None:
                 env.saved = lambda: checkpoint(report)
+                env.ran = lambda label, runs: _unfinished(report, label, runs, checkpoint)
                 env.saved()
             into = report["workloads"]
             for wl in cfg.workloads:
@@ -292,6 +293,21 @@ async def _workload(
     if name in _GC_WORKLOADS:
         out["gc_unfrozen"] = await _gc_without_freeze(env, b)
     return out
+
+
+def _unfinished(
+    report: dict[str, Any],
+    label: str,
+    runs: list[dict[str, Any]] | None,
+    checkpoint: Callable[[dict[str, Any]], None],
+) -> None:
+    """Keep the runs of the case under way in the report so far (``unfinished_case``: a case of
+    two pairs on a GPU is several minutes a machine may not last); gone once the case is."""
+    if runs is None:
+        report.pop("unfinished_case", None)
+    else:
+        report["unfinished_case"] = {"case": label, "runs": runs}
+    checkpoint(report)
 
 
 def _order_view(case: dict[str, Any]) -> dict[str, Any]:
