@@ -276,6 +276,10 @@ def test_what_the_page_cannot_trust_comes_back_as_data_or_an_error(
     oai = get(srv, f"api/bursts/{burst}/results?format=openai")
     assert "attachment" in oai.headers["content-disposition"]
     assert [json.loads(x)["custom_id"] for x in oai.text.splitlines()] == [reqs[0]["id"], "ok"]
+    # a body Python cannot read (a number past 4,300 digits; too deep): a 400, not a 500
+    for body in (b'{"ids": ' + b"1" * 5000 + b"}", b"[" * 100_000 + b"]" * 100_000):
+        resp = httpx.post(srv.root + "api/dead/requeue", content=body, headers=ACT, timeout=30)
+        assert resp.status_code == 400 and resp.json()["error"]["message"], resp.text
 
 
 def test_redis_gone_is_a_503_in_the_error_shape(tmp_path: Path, serve: Any) -> None:

@@ -62,6 +62,26 @@ def test_a_create_body_with_a_lone_surrogate_is_a_400_not_a_500(
     assert client.batches.list().data == []
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"input_file_id": ' + b"1" * 5000 + b"}",  # past Python's 4,300 digits
+        b'{"metadata": {"k": ' + b"9" * 4301 + b"}}",
+        b"[" * 100_000 + b"]" * 100_000,  # deeper than the parser goes (within the body limit)
+    ],
+)
+def test_a_create_body_python_cannot_read_is_a_400_not_a_500(client: OpenAI, body: bytes) -> None:
+    """A number longer than Python reads (a ValueError from json.loads, not a JSONDecodeError)
+    was a 500 and a traceback in the server's log; now the unparseable-body 400 in OpenAI's
+    shape, and the next request on the same connection is answered."""
+    with httpx.Client(base_url=str(client.base_url)) as http:
+        r = http.post("batches", content=body)
+        assert r.status_code == 400, r.text
+        assert "could not parse the JSON body" in r.json()["error"]["message"]
+        assert http.get("batches").status_code == 200
+    assert client.batches.list().data == []
+
+
 @pytest.mark.parametrize("limit", [" 5", "+5", "1_0", "\u0665", "5\n", "99999999999999999999"])
 def test_a_limit_that_is_no_plain_number_is_a_400(client: OpenAI, limit: str) -> None:
     """``limit`` is ASCII digits only (Python's int() also reads spaces, a sign, underscores and

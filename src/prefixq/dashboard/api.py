@@ -295,7 +295,7 @@ def mount(app: FastAPI, served: Served) -> None:
                 raise bad_request("The request body is too large.")
         try:
             obj = json.loads(raw or b"{}")
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        except (ValueError, RecursionError):  # not UTF-8, not JSON, an int too long, too deep
             raise bad_request("The body is not JSON.") from None
         if not isinstance(obj, dict):
             raise bad_request("The body must be a JSON object.")

@@ -236,7 +236,7 @@ def _batch_routes(
             body = json.loads(raw or b"null")
             # a lone surrogate (``"\\ud800"``) is valid JSON but no text: Redis could not store it
             json.dumps(body, ensure_ascii=False).encode()
-        except (UnicodeError, json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):  # UnicodeError, JSONDecodeError, an int too long
             raise bad_request(
                 "We could not parse the JSON body of your request. (HINT: This likely means you "
                 "aren't using your HTTP library correctly.)"
