@@ -18,6 +18,7 @@ import pytest
 import redis
 from openai import OpenAI
 
+from helpers import cli
 from openai_server import Server, chat_line, completion_line, jsonl, wait_batch
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
@@ -232,6 +233,37 @@ def test_cancel_mid_way_keeps_finished_lines_and_cancels_the_rest(
     assert [x["custom_id"] for x in out] == ["q0", "q1"]
     assert [x["custom_id"] for x in err] == [f"s{i}" for i in range(10)]
     assert all(x["error"]["code"] == "batch_cancelled" and x["response"] is None for x in err)
+
+
+@pytest.mark.parametrize("how", ["cli", "dashboard"])
+def test_a_batch_whose_burst_is_cancelled_outside_the_batch_api_ends_cancelled(
+    settings: Settings, tmp_path: Path, fake_worker: Callable[..., Any], how: str
+) -> None:
+    """Given a batch of slow requests, when its burst is cancelled as a burst (`prefixq cancel`,
+    the dashboard's cancel), then the batch ends `cancelled` with cancelled_at (and
+    cancelling_at) set, every request a batch_cancelled line, as a cancel through the Batch API
+    ends (before: `completed`, 0 of 12 completed, with a batch.completed webhook)."""
+    slow = [completion_line(f"s{i}", "sleep:8 a b") for i in range(12)]
+    with Server(settings, tmp_path / "files") as srv, fake_worker(settings):
+        c = OpenAI(base_url=srv.url, api_key="k", max_retries=0)
+        f = c.files.create(file=("in.jsonl", jsonl(slow)), purpose="batch")
+        b = c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="1h")
+        b = wait_batch(c, b.id, {"in_progress"}, timeout=15)
+        if how == "cli":
+            p = cli(settings, "cancel", b.id)
+            assert p.returncode == 0, p.stderr
+        else:
+            resp = httpx.post(
+                f"{srv.root}api/bursts/{b.id}/cancel", headers={"X-Prefixq-Action": "1"}, timeout=30
+            )
+            assert resp.status_code == 200, resp.text
+        b = wait_batch(c, b.id, {"cancelled", "completed", "failed", "expired"}, timeout=15)
+        assert b.status == "cancelled", srv.tail()
+        assert b.cancelled_at is not None and b.cancelling_at is not None
+        assert b.completed_at is None and b.output_file_id is None
+        err = [json.loads(x) for x in c.files.content(b.error_file_id or "").text.splitlines()]
+    assert sorted(x["custom_id"] for x in err) == sorted(f"s{i}" for i in range(12))
+    assert all(x["error"]["code"] == "batch_cancelled" for x in err)
 
 
 def test_cancel_of_a_finished_batch_is_a_409(client: OpenAI) -> None:

@@ -208,6 +208,10 @@ class Sweeper:
             try:
                 await self._write(store, m, files)
                 final = "cancelled" if m["status"] == "cancelling" else "completed"
+                # its burst cancelled outside the Batch API (`prefixq cancel`, the dashboard):
+                # cancelled results come only from a cancel
+                if final == "completed" and files.kinds.get("cancelled"):
+                    final = "cancelled"
                 if final == "completed" and files.kinds.get("expired"):
                     final = "expired"
                 pending = {"publishing": files.pending()}
@@ -227,6 +231,8 @@ class Sweeper:
                 "usage": json.dumps(files.usage.to_json()),
                 "publishing": "",
             }
+            if final == "cancelled" and not m.get("cancelling_at"):
+                fields2["cancelling_at"] = fields2["cancelled_at"]  # cancelled as its burst
             moved = await store.move(batch_id, (m["status"],), final, fields2, token=token)
             if moved != 1:
                 for fid in ids.values():
