@@ -143,3 +143,38 @@ def test_requeue_of_an_id_that_is_no_dead_letter_says_so(
     p = cli(s, "dead", "--requeue", "--id", "2-0")
     assert p.returncode == 0 and "1 skipped" in p.stdout, p.stdout
     assert "skipped 2-0: no such dead letter" in p.stderr
+
+
+def test_requeue_leaves_the_dead_letters_of_a_batch_whose_files_are_written(
+    make_settings: Callable[..., Settings], fake_worker: MakeWorker, r: redis.Redis
+) -> None:
+    """Given a Batch API batch's request dead-lettered (its burst has the batch's id), when the
+    batch is final (its output and error files written from the burst's results), then `prefixq
+    dead --requeue` leaves the letter, saying why, and the failed result stays; while the batch is
+    in progress, the letter is requeued and its request runs again. (Before: a final batch's
+    request ran again, its burst finished a second time, and the batch's files and counts no
+    longer matched its results.)"""
+    s = make_settings(max_attempts=1)
+    keys = Keys(s.namespace)
+    r.hset(keys.config, "shards", 1)
+    r.xgroup_create(keys.stream(0), GROUP, id="0", mkstream=True)  # no worker has joined yet
+    for status, runs in (("completed", False), ("in_progress", True)):
+        burst = Producer(s).submit(requests(1), burst_id=f"batch_{status}")
+        r.hset(keys.oai_batch(burst), mapping={"status": status, "burst": burst})
+        assert r.xreadgroup(GROUP, "ghost", {keys.stream(0): ">"}, count=10)
+        (rep,) = Recovery(s).reclaim(idle_s=0)
+        assert rep.dead == 1
+        assert wait_burst(r, s, burst, 5)[0].error_code == "dead_lettered"
+        got = Recovery(s).requeue()
+        if runs:
+            assert (got.requeued, got.cleared, got.skipped) == (1, 1, [])
+            with fake_worker(s, name="rq0"):
+                wait_until(lambda: r.hget(keys.burst(burst), "done") == b"1", 20, "served")  # noqa: B023
+        else:
+            ((_, why),) = got.skipped
+            assert (
+                got.requeued == 0 and why == f"batch {burst!r} is completed: its files are written"
+            )
+            assert r.xlen(keys.dead(0)) == 1
+            assert wait_burst(r, s, burst, 5)[0].error_code == "dead_lettered"
+            r.delete(keys.dead(0))

@@ -57,6 +57,9 @@ _ENDED_EARLY = {
     b"expiring": "expired",
     b"expired": "expired",
 }
+#: a Batch API batch (its burst has the batch's id) in these statuses has written, or is
+#: writing, its output and error files from its burst's results (openai/batches.py FINAL)
+_BATCH_WRITTEN = frozenset({b"finalizing", b"completed", b"failed", b"expired", b"cancelled"})
 #: the error code of the failed result dead-lettering records (dead_letters.dead_lettered_result)
 DEAD_LETTERED = "dead_lettered"
 
@@ -293,6 +296,12 @@ class Recovery:
         ended = _ENDED_EARLY.get(status or b"")
         if ended is not None:
             rep.skipped.append((did, f"burst {entry.burst!r} was {ended}: it does not run again"))
+            return
+        batch = self.r.hget(self.keys.oai_batch(entry.burst), "status")
+        if batch in _BATCH_WRITTEN:  # a result taken back would differ from the batch's files
+            rep.skipped.append(
+                (did, f"batch {entry.burst!r} is {batch.decode()}: its files are written")
+            )
             return
         if raw is not None:
             burst_keys = [results, meta, self.keys.events(entry.burst), self.keys.ids(entry.burst)]
