@@ -12,7 +12,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from openai_server import chat_line, jsonl, wait_batch
+from openai_server import Server, chat_line, jsonl, wait_batch
 from prefixq.client.request_file import read_request_file
 from prefixq.core.errors import ValidationError
 from prefixq.core.inputs import read_requests
@@ -102,3 +102,25 @@ def test_an_unknown_long_after_is_a_short_400(client: OpenAI) -> None:
     assert r.status_code == 400, r.text[:300]
     assert r.json()["error"]["param"] == "after"
     assert len(r.text) < 1_000, len(r.text)
+
+
+@pytest.mark.parametrize("path", ["/v1/batches", "/v1/files", "/api/dead/requeue"])
+def test_a_client_that_leaves_mid_body_is_no_server_error(server: Server, path: str) -> None:
+    """A client that sends half its body and closes the connection got an "Exception in ASGI
+    application" traceback in the server's log (ClientDisconnect); now nothing at ERROR, and the
+    server answers the next request."""
+    import socket
+    import time
+
+    host, port = "127.0.0.1", server.port
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        "X-Prefixq-Action: 1\r\nContent-Length: 100000\r\n\r\n"
+    )
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.sendall(head.encode() + b'{"input_file_id": "file-')
+        time.sleep(0.3)
+    time.sleep(0.5)
+    assert httpx.get(f"{server.url}/batches", timeout=10).status_code == 200
+    log = server.tail(20_000)
+    assert "Traceback" not in log and "Exception in ASGI" not in log, log

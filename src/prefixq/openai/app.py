@@ -25,6 +25,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from prefixq.core.errors import PrefixqError, RedisUnavailable
 from prefixq.core.settings import Settings
@@ -143,6 +144,12 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         return _error(400, f"Invalid request: {e.errors()}")
+
+    @app.exception_handler(ClientDisconnect)
+    async def gone(request: Request, e: ClientDisconnect) -> JSONResponse:
+        """The client left mid-body: nobody reads the answer; not a server error."""
+        log.debug("%s %s: the client disconnected mid-body", request.method, request.url.path)
+        return _error(400, "The client disconnected before the request body was read.")
 
     @app.exception_handler(PrefixqError)
     async def prefixq_error(request: Request, e: PrefixqError) -> JSONResponse:
