@@ -13,6 +13,7 @@ the master -9, lets the replica take over and brings the killed node back as its
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -78,10 +79,13 @@ class FailoverBeforeFence:
                 await asyncio.to_thread(hook._failover)
                 # the worker's next command to that slot (its reader's, its heartbeat's: here
                 # the writer's own) finds the old connection dead and the slot map changed
-                for _ in range(50):
+                # (up to 30 s: on a loaded 2-core machine the client's new slot map took more
+                # than the 5 s this once allowed, and the probe read nothing though the fence
+                # then found the write lost and recorded it again, as the test wants)
+                deadline = time.monotonic() + 30
+                while hook.lost_before_fence is None and time.monotonic() < deadline:
                     try:
                         hook.lost_before_fence = await writer.stream.r.hlen(hook.key)
-                        break
                     except redis.RedisError:
                         await asyncio.sleep(0.1)
             return await real(writer, done, backoff)
