@@ -302,11 +302,12 @@ def _unfinished(
     checkpoint: Callable[[dict[str, Any]], None],
 ) -> None:
     """Keep the runs of the case under way in the report so far (``unfinished_case``: a case of
-    two pairs on a GPU is several minutes a machine may not last); gone once the case is."""
+    two pairs on a GPU is several minutes a machine may not last); gone once the case is (its
+    caller saves the report with the case right after: no write of its own then)."""
     if runs is None:
         report.pop("unfinished_case", None)
-    else:
-        report["unfinished_case"] = {"case": label, "runs": runs}
+        return
+    report["unfinished_case"] = {"case": label, "runs": runs}
     checkpoint(report)
 
 
