@@ -64,6 +64,14 @@ def _requests() -> list[dict[str, Any]]:
     ]
 
 
+def _submit(s: Settings) -> None:
+    """Queue N requests on SOURCE, the set-up of every test here: its fence waits up to 30 s
+    (under load a replica took more than the test's own 500 ms to confirm the submit, which
+    failed before the move the test is about began)."""
+    patient = s.replace(min_replicas_acked_timeout_ms=max(30_000, s.min_replicas_acked_timeout_ms))
+    Producer(patient).submit(_requests(), placement=OnShard(SOURCE))
+
+
 def _ids(cr: redis.Redis, s: Settings, shard: int) -> list[str]:
     return [Entry.from_wire(wire.decode(f[FIELD])).id for _, f in queued_entries(cr, s, shard)]
 
@@ -77,7 +85,7 @@ def _move_with_target_master_lost(
     fences confirm). Returns the
     move's error (None: it returned) and how many entries the put had written before the kill."""
     keys = Keys(s.namespace)
-    Producer(s).submit(_requests(), placement=OnShard(SOURCE))
+    _submit(s)
     assert len(_ids(cr, s, SOURCE)) == N
     cr.hset(keys.live, str(TARGET), repr(time.time()))
     master = cluster.master_of(keys.intake(TARGET, "normal"))
@@ -163,7 +171,7 @@ def test_a_failover_between_the_put_and_its_fence_keeps_the_plan(
     and the entries the put had written were gone from every shard."""
     s = cluster_settings(min_replicas_acked=1, min_replicas_acked_timeout_ms=1000)
     keys = Keys(s.namespace)
-    Producer(s).submit(_requests(), placement=OnShard(SOURCE))
+    _submit(s)
     cr.hset(keys.live, str(TARGET), repr(time.time()))
     intake = keys.intake(TARGET, "normal")
     master = cluster.master_of(intake)
