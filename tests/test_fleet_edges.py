@@ -264,3 +264,40 @@ def test_a_fleet_key_of_another_type_is_replaced_by_the_next_heartbeat(
         assert cli(s, "inspect", "--json").returncode == 0
         log = (tmp_path / "w0.log").read_text()
         assert "held a string, not a hash: replaced" in log and "Traceback" not in log
+
+
+def test_placement_hints_of_another_type_are_replaced_by_the_submit_and_the_fleet(
+    redis_server: Any, r: redis.Redis, tmp_path: Path
+) -> None:
+    """Given the load estimate and both generations of the prefix map written over with strings,
+    when a burst is submitted (no worker up yet), then the submit replaces them, says so, and
+    queues the burst; and when the load estimate is a string again while a worker serves, its
+    fleet looks go on (before: every submit failed with WRONGTYPE, and a worker's fleet looks were
+    skipped, so no orphaned shard's work moved, until a result happened to rewrite the key)."""
+    s = _settings(str(redis_server.url), 1)
+    keys = Keys(s.namespace)
+    hints = (keys.load, keys.prefix_map, keys.prefix_map_old)
+    for key in hints:
+        r.set(key, "garbage")
+    (tmp_path / "burst.jsonl").write_text(
+        "".join(
+            f'{{"id": "q{i}", "prefix": "{"document " * 40}", "prompt": "q{i}", "max_tokens": 4}}\n'
+            for i in range(6)
+        )
+    )
+    sub = cli(s, "submit", str(tmp_path / "burst.jsonl"), "--shards", "1")
+    assert sub.returncode == 0, sub.stderr
+    for key in hints:
+        assert f"{key} held a string, not a hash: replaced" in sub.stderr, sub.stderr
+        assert r.type(key) in (b"hash", b"none")
+    burst = sub.stdout.split()[-1]
+    log = tmp_path / "w0.log"
+    with _worker0(s, log):
+        _all_once(r, s, burst, 6, "placement hints of another type")
+        r.delete(keys.load)
+        r.set(keys.load, "garbage")
+        wait_until(lambda: r.type(keys.load) == b"none", 10, "the fleet look replaced the load")
+        again = Producer(s).submit(doc_burst(2, 3))
+        _all_once(r, s, again.id, 6, "the load estimate of another type, mid-serve")
+    text = log.read_text()
+    assert "fleet looks skipped" not in text and "Traceback" not in text, text

@@ -23,7 +23,7 @@ import redis.asyncio as aredis
 
 from prefixq.affinity.placement import Item, Placed
 from prefixq.core.settings import Settings
-from prefixq.store.liveness import alive_mask, load_of
+from prefixq.store.liveness import alive_mask, read_load
 from prefixq.store.move_log import add_moves
 from prefixq.store.prefix_claims import claim, read_map
 
@@ -91,7 +91,7 @@ class AffinityPlacer:
                     known[cp] = held
                 else:  # no live worker there, or not a shard: placed anew, the map entry moved
                     modes[cp] = "m"
-        by_shard = load_of(await r.hgetall(self.keys.load), range(shards))
+        by_shard = await read_load(r, self.keys, range(shards))
         load = [by_shard[k] for k in range(shards)]
 
         local: dict[bytes, int] = {}  # decided in this burst (claims and moves)

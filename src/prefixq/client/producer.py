@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import redis.asyncio as aredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from prefixq.affinity.placement import HashPlacer, Placed, Placer, RandomPlacer, RoundRobinPlacer
 from prefixq.affinity.prefix_map import AffinityPlacer
@@ -52,7 +52,7 @@ from prefixq.store.census import count_enqueued
 from prefixq.store.connection import async_client
 from prefixq.store.deployment import aresolve_shards
 from prefixq.store.fence import afence
-from prefixq.store.liveness import read_tasks
+from prefixq.store.liveness import placement_types, read_tasks, repaired
 from prefixq.store.redis_errors import TRANSIENT, adescribe
 from prefixq.store.webhook_outbox import watch_burst
 
@@ -234,6 +234,16 @@ class _Submission:
         )
         self.shards = 0
 
+    async def _place_head(
+        self, head: list[int], placer: Placer, shards: int
+    ) -> tuple[Placer, tuple[Encoded, list[Placed]]]:
+        """The burst's placer, on the shards that serve its kind of work (refused here when none
+        does), and its first requests placed and encoded."""
+        reqs = self.requests
+        tasks = await read_tasks(self.r, self.keys, shards)
+        placer = for_task(placer, reqs.task or "generate", tasks, self.s)
+        return placer, await reqs.encode(head, placer, shards, inline=True)
+
     async def run(self, placement: str | Placer, seed: int | None, order: str) -> str:
         shards = self.shards = await self.p.shards(self.r)
         placer = await self.p.placer(self.r, placement, seed)
@@ -248,10 +258,12 @@ class _Submission:
         del looks
         head, rest = perm[:HEAD], perm[HEAD:]
         reqs.validate(head)
-        # only the shards that serve the burst's kind of work (refused here when none does)
-        tasks = await read_tasks(self.r, self.keys, shards)
-        placer = for_task(placer, reqs.task or "generate", tasks, self.s)
-        head_chunk = await reqs.encode(head, placer, shards, inline=True)
+        try:
+            placer, head_chunk = await self._place_head(head, placer, shards)
+        except ResponseError as err:  # a hint's key of another type: replaced, placed again
+            if not await repaired(self.r, err, placement_types(self.keys)):
+                raise
+            placer, head_chunk = await self._place_head(head, placer, shards)
         if arrange is not None:
             arrange.placed(head, head_chunk[1])
         await self._create(shards, placement, order)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aredis
+from redis.exceptions import ResponseError
 
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
@@ -47,6 +48,10 @@ __all__ = [
 #: seconds ahead of a reader's clock past which a recorded time is not one (hosts' clocks differ
 #: by far less; a time further ahead would hold a shard live, or held, or not orphaned, for good)
 FUTURE_S = 3600.0
+
+#: what a replaced key of placement's hints (`placement_types`) is rebuilt by, as logged
+PLACEMENT_REBUILT = "a hint: heartbeats, submits and workers rebuild it"
+LOAD_REBUILT = "an estimate: submits and workers rebuild it"
 
 
 @dataclass(slots=True)
@@ -165,8 +170,16 @@ async def read_tasks(r: aredis.Redis, keys: Keys, shards: int) -> list[str]:
 
 
 async def read_load(r: aredis.Redis, keys: Keys, shards: Iterable[int]) -> dict[int, float]:
-    """The estimated outstanding prefill tokens of ``shards`` (`Keys.load`; 0 where none)."""
-    return load_of(await r.hgetall(keys.load), shards)
+    """The estimated outstanding prefill tokens of ``shards`` (`Keys.load`; 0 where none). A key
+    of another type is replaced (`repair_types`) and read as none: an estimate never stops a
+    submit, a move or a fleet look."""
+    try:
+        raw = await r.hgetall(keys.load)
+    except ResponseError as err:
+        if not await repaired(r, err, {keys.load: "hash"}, LOAD_REBUILT):
+            raise
+        raw = {}
+    return load_of(raw, shards)
 
 
 def add_load(pipe: Any, keys: Keys, shard: int, tokens: int) -> Any:
@@ -219,10 +232,31 @@ def beat_types(keys: Keys, shard: int, heartbeat: str) -> dict[str, str]:
     return {**dict.fromkeys(hashes, "hash"), keys.workers(shard): "zset"}
 
 
-async def repair_types(r: aredis.Redis, expected: dict[str, str]) -> list[str]:
+def placement_types(keys: Keys) -> dict[str, str]:
+    """The type of each key a producer reads to place a burst that holds hints rebuilt by use:
+    what each shard serves and whether it is live (heartbeats), the load estimate and the prefix
+    map (submits and workers). One of another type is replaced (`repaired`), not a failed
+    submit."""
+    hints = (keys.live, keys.tasks, keys.load, keys.prefix_map, keys.prefix_map_old)
+    return dict.fromkeys(hints, "hash")
+
+
+async def repaired(
+    r: aredis.Redis, err: Exception, expected: dict[str, str], rebuilt: str = PLACEMENT_REBUILT
+) -> bool:
+    """``err`` is Redis's WRONGTYPE and one of ``expected``'s keys held another type, now
+    replaced (`repair_types`): whether to try again."""
+    if not isinstance(err, ResponseError) or "WRONGTYPE" not in str(err):
+        return False
+    return bool(await repair_types(r, expected, rebuilt))
+
+
+async def repair_types(
+    r: aredis.Redis, expected: dict[str, str], rebuilt: str = "heartbeats rebuild it"
+) -> list[str]:
     """Delete each of ``expected``'s keys that holds another type than it names (a WRONGTYPE for
     every reader and writer until then: submits, inspect and every heartbeat failed for good);
-    the keys deleted, each logged once, for the next heartbeat to write anew."""
+    the keys deleted, each logged once (saying what ``rebuilt`` them), to be written anew."""
     pipe = r.pipeline(transaction=False)
     for key in expected:
         pipe.type(key)
@@ -231,7 +265,7 @@ async def repair_types(r: aredis.Redis, expected: dict[str, str]) -> list[str]:
     for (key, want), got in zip(expected.items(), found, strict=True):
         kind = got.decode() if isinstance(got, bytes) else str(got)
         if kind not in (want, "none"):
-            log.warning("%s held a %s, not a %s: replaced (heartbeats rebuild it)", key, kind, want)
+            log.warning("%s held a %s, not a %s: replaced (%s)", key, kind, want, rebuilt)
             wrong.append(key)
     if wrong:  # one DEL each: on a cluster they are in different slots
         pipe = r.pipeline(transaction=False)
