@@ -301,3 +301,56 @@ def test_placement_hints_of_another_type_are_replaced_by_the_submit_and_the_flee
         _all_once(r, s, again.id, 6, "the load estimate of another type, mid-serve")
     text = log.read_text()
     assert "fleet looks skipped" not in text and "Traceback" not in text, text
+
+
+def test_a_second_worker_under_a_name_in_use_on_the_shard_is_refused(
+    redis_server: Any, r: redis.Redis, tmp_path: Path
+) -> None:
+    """Given worker w0 serving shard 0, when a second process starts on shard 0 as w0, then it
+    exits 2 naming the name, the shard and the other process, and w0 goes on serving; a worker
+    killed -9 leaves a heartbeat that no longer beats, and its restart under the same name
+    starts (before: both served as one consumer, each resuming the other's pending entries)."""
+    s = _settings(redis_server.url, 1)
+    with _worker0(s, tmp_path / "w0.log") as w0:
+        _up(r, s, 0, "w0")
+        twin = _start(s, tmp_path / "twin.log", "--shard", "0", "--name", "w0")
+        assert twin.wait(30) == 2
+        text = (tmp_path / "twin.log").read_text()
+        assert f"worker name 'w0' is in use on shard 0: pid {w0.pid}" in text, text
+        assert "Traceback" not in text, text
+        burst = Producer(s).submit(doc_burst(2, 3))
+        _all_once(r, s, burst.id, 6, "the first of two workers under one name")
+        other = _start(s, tmp_path / "w1.log", "--shard", "0", "--name", "w1")
+        with _stopped_at_exit([other]):
+            _up(r, s, 0, "w1")  # another name on the same shard: several workers, allowed
+    dead = _start(s, tmp_path / "dead.log", "--shard", "0", "--name", "w9")
+    _up(r, s, 0, "w9")
+    dead.send_signal(signal.SIGKILL)
+    dead.wait(10)
+    assert r.exists(Keys(s.namespace).heartbeat(0, "w9"))  # it dies with its heartbeat there
+    again = _start(s, tmp_path / "again.log", "--shard", "0", "--name", "w9")
+    with _stopped_at_exit([again]):
+        _up(r, s, 0, "w9")
+        burst = Producer(s).submit(doc_burst(2, 3))
+        _all_once(r, s, burst.id, 6, "a restart under a dead worker's name")
+
+
+def test_two_workers_started_at_once_under_one_name_are_told(
+    redis_server: Any, r: redis.Redis, tmp_path: Path
+) -> None:
+    """Given two processes started at the same moment on shard 0 as w0 (neither beats yet when
+    the other checks the name), then within a few heartbeats one is refused or an ERROR line
+    names the other process (before: silence)."""
+    s = _settings(redis_server.url, 1)
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    procs = [_start(s, log, "--shard", "0", "--name", "w0") for log in logs]
+    with _stopped_at_exit(procs):
+
+        def told() -> bool:
+            texts = [log.read_text() for log in logs]
+            refused = any(p.poll() == 2 for p in procs) and any(
+                "worker name 'w0' is in use" in t for t in texts
+            )
+            return refused or any("another process beats as worker 'w0'" in t for t in texts)
+
+        wait_until(told, 20, "the second worker under one name refused or told")

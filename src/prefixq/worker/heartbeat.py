@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 #: worker set, where `inspect` and the dashboard show it as gone; live workers prune it after
 GONE_KEPT_S = 24 * 3600
 
+#: the heartbeat hash's fields that tell which process wrote it
+_WHO = ("pid", "host", "started")
+
 #: seconds with nothing in flight before the heap is collected and frozen again
 IDLE_FREEZE_S = 1.0
 
@@ -68,6 +71,8 @@ class Heartbeat:
         #: requests admitted and their queue waits per priority and tenant since the last beat
         self.tallies = tallies
         self._untold: list[tuple[str, str, int, float]] = []
+        #: the last other process found beating under this worker's name (`_twin`)
+        self._twin_seen: tuple[str, ...] = ()
         self.busy = busy
         #: whether the shard counts as live (store/liveness.py): not while the worker stops
         self.serving = serving
@@ -99,6 +104,7 @@ class Heartbeat:
         now = time.time()
         health = self.health(now)
         pipe = self.stream.r.pipeline(transaction=False)
+        pipe.hmget(hb, _WHO)  # who beat last under this name: this process, or a twin
         pipe.hset(hb, mapping={**health, "every_s": self.every_s})
         pipe.expire(hb, self.ttl_s)
         workers = self.stream.keys.workers(self.stream.shard)
@@ -108,18 +114,39 @@ class Heartbeat:
         if self.serving():
             beat_commands(pipe, self.stream.keys, self.stream.shard, now, self.stream.settings.task)
         try:
-            await pipe.execute()
+            last = (await pipe.execute())[0]
         except ResponseError as e:  # a key of another type, written by something else: replaced
             if "WRONGTYPE" not in str(e):
                 raise
             keys = self.stream.keys
             await repair_types(self.stream.r, beat_types(keys, self.stream.shard, hb))
             raise
+        self._twin(last, health)
         await self.stream.renew(self.holding())
         self._untold += self.tallies()
         await self.stream.tally(self._untold)  # kept for the next beat if Redis refused them
         self._untold = []
         await self.history.beat(now, health)
+
+    def _twin(self, last: list[bytes | None], health: dict[str, Any]) -> None:
+        """ERROR (once per other process) when the heartbeat hash was last written by another
+        process: two workers serve the shard under one name (started at the same moment, so the
+        start's check, worker/startup.py `name_free`, saw neither)."""
+        if last[0] is None:
+            return
+        who = tuple(v.decode(errors="replace") if v else "" for v in last)
+        if who == tuple(str(health.get(f, "")) for f in _WHO) or who == self._twin_seen:
+            return
+        self._twin_seen = who
+        log.error(
+            "another process beats as worker %r on shard %d (pid %s on host %s): two workers "
+            "share one name, and each serves the other's pending entries as its own after a "
+            "restart; give each its own --name",
+            self.stream.consumer,
+            self.stream.shard,
+            who[0],
+            who[1],
+        )
 
     async def collect_when_idle(self) -> None:
         """Collect (worker/gc_policy.py) after a burst, in idle time only, in steps that stop

@@ -5,6 +5,7 @@ a worker started too early waits instead of dying); refused credentials or permi
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -25,7 +26,7 @@ async def register(stream: ShardStream, settings: Settings) -> None:
     count is recorded, and join the shard's group. A worker without ``--shards`` on a Redis that
     has none, with a ``--shards`` above the recorded count, or for a shard outside it is a
     ConfigError (producers would never send it work, or send work no worker serves)."""
-    r, keys = stream.r, stream.keys
+    r, keys, s = stream.r, stream.keys, settings
     await retry(
         "reading the eviction policy", lambda: acheck_policy(r, settings), settings=settings
     )
@@ -62,10 +63,38 @@ async def register(stream: ShardStream, settings: Settings) -> None:
         await r.hset(keys.tasks, str(stream.shard), settings.task)  # place by it at once
 
     await retry("recording what the shard serves", task, settings=settings)
+    await retry("checking the worker's name", lambda: name_free(stream, settings), settings=s)
     if is_cluster(r):
         for line in await alayout_lines(r, keys, count):
             log.info("%s", line)
     await stream.join()
+
+
+async def name_free(stream: ShardStream, settings: Settings) -> None:
+    """A ConfigError when another process serves the shard under this worker's name (its
+    heartbeat hash is there and beats again while this one waits for one interval of its): two
+    workers under one consumer name read each other's pending entries as their own (both serve
+    the backlog a restart resumes) and show as one worker. A heartbeat that does not move is a
+    predecessor that died (kill -9, within ``heartbeat_ttl_s``): its name is this worker's."""
+    hb = stream.keys.heartbeat(stream.shard, stream.consumer)
+    fields = ("beat", "pid", "host", "every_s")
+    first = await stream.r.hmget(hb, fields)
+    if first[0] is None:
+        return
+    try:
+        every = float(first[3] or settings.heartbeat_s)
+    except ValueError:
+        every = settings.heartbeat_s
+    await asyncio.sleep(min(settings.heartbeat_ttl_s, max(0.2, 1.5 * every + 0.1)))
+    again = await stream.r.hmget(hb, fields)
+    if again[0] is None or again[0] == first[0]:
+        return
+    pid, host = (v.decode(errors="replace") if v else "?" for v in again[1:3])
+    raise ConfigError(
+        f"worker name {stream.consumer!r} is in use on shard {stream.shard}: pid {pid} on host "
+        f"{host} serves under it (its heartbeat beats); give each worker of a shard its own "
+        "--name (or PREFIXQ_NAME), or stop the other one first"
+    )
 
 
 async def record_engine(stream: ShardStream, settings: Settings, engine: Engine) -> None:
