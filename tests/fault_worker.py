@@ -11,8 +11,9 @@ blocks the start for S seconds before the worker is built, as vLLM's engine buil
 thread (SIGTERM/SIGINT are handled from the first line, as `prefixq worker` does:
 prefixq.cli.worker_signals). ``--join`` and ``--hand-over`` are `prefixq worker`'s: the shard a
 joining worker takes (it logs "joins the deployment as shard K"), and its queue handed over as it
-stops; ``--hold-join S`` blocks S seconds after the join (an engine's build), ``--fail-start``
-then fails the start (an engine that does not come up: exit 1).
+stops; ``--hold-join S`` blocks S seconds after the join, or after a ``--shard K`` worker's hold
+on its shard (an engine's build), ``--fail-start`` then fails the start (an engine that does not
+come up: exit 1).
 
 ``python tests/fault_worker.py workers --cpu N [settings]`` runs the real supervisor
 (`prefixq.cli.worker_process.supervise`, as `prefixq workers` does) over such worker processes.
@@ -31,7 +32,7 @@ import time
 from typing import Any
 
 from fake_engine import serve
-from prefixq.cli.fleet_commands import joined
+from prefixq.cli.fleet_commands import holding, joined
 from prefixq.cli.main import _settings_parser, settings_from
 from prefixq.cli.worker_process import supervise
 from prefixq.cli.worker_signals import WorkerSignals
@@ -80,6 +81,8 @@ def worker(argv: list[str]) -> int:
             if args.join:
                 args.shard = stack.enter_context(joined(s))
                 log.info("worker joins the deployment as shard %d", args.shard)
+            else:  # as `prefixq worker --shard K` does: no joiner takes it while it starts
+                stack.enter_context(holding(s, args.shard))
             if args.hold_join:  # an engine start after the join, blocking the thread
                 time.sleep(args.hold_join)
             if args.fail_start:

@@ -354,3 +354,27 @@ def test_two_workers_started_at_once_under_one_name_are_told(
             return refused or any("another process beats as worker 'w0'" in t for t in texts)
 
         wait_until(told, 20, "the second worker under one name refused or told")
+
+
+def test_a_joiner_does_not_take_a_shard_whose_worker_is_starting(
+    redis_server: Any, r: redis.Redis, tmp_path: Path
+) -> None:
+    """Given a 2-shard deployment, shard 0 served, shard 1's worker starting (no heartbeat yet:
+    a restart whose last beat expired, its engine still loading), when a worker starts with
+    --join, then it takes shard 2 (a new one), not shard 1 (before: both served shard 1, the
+    joiner under the same default name)."""
+    s = _settings(redis_server.url, 2)
+    w0 = _start(s, tmp_path / "w0.log", "--shard", "0", "--name", "w0")
+    slow = _start(s, tmp_path / "s1.log", "--shard", "1", "--name", "s1", "--hold-join", "20")
+    with _stopped_at_exit([w0, slow]) as procs:
+        _up(r, s, 0, "w0")
+        wait_until(lambda: r.hexists(Keys(s.namespace).joins, "1"), 10, "shard 1 held")
+        joiner = _start(s, tmp_path / "j.log", "--join", "--hold-join", "20")
+        procs.append(joiner)
+        wait_until(
+            lambda: "joins the deployment as shard" in (tmp_path / "j.log").read_text(),
+            10,
+            "the joiner's shard",
+        )
+        assert "as shard 2" in (tmp_path / "j.log").read_text()
+        assert r.hget(Keys(s.namespace).config, "shards") == b"3"

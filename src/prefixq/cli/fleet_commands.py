@@ -35,8 +35,7 @@ def joined(settings: Settings) -> Iterator[int]:
     count; one killed (-9, an OOM kill while the model loads) renews it no more, and it lapses
     within ``join_hold_s``."""
     from prefixq.store.connection import async_client
-    from prefixq.store.deployment import ajoin, arelease_join
-    from prefixq.worker.aio import within
+    from prefixq.store.deployment import ajoin
 
     async def pick() -> Joined:
         r = async_client(settings)
@@ -45,6 +44,43 @@ def joined(settings: Settings) -> Iterator[int]:
         finally:
             await r.aclose()
 
+    with _held(settings, asyncio.run(pick())) as shard:
+        yield shard
+
+
+@contextlib.contextmanager
+def holding(settings: Settings, shard: int) -> Iterator[None]:
+    """A worker started on ``shard`` (``--shard K``) holds it as a joiner does while its engine
+    starts, so that a ``--join`` meanwhile takes another shard rather than this one (its last
+    heartbeat may have expired during a restart). Best effort: with Redis not answering at once
+    the worker starts without a hold (its start waits for Redis anyway)."""
+    from prefixq.store.connection import async_client
+    from prefixq.store.deployment import ahold
+
+    async def hold() -> Joined:
+        r = async_client(settings)
+        try:
+            return await asyncio.wait_for(ahold(r, settings, shard), RELEASE_S)
+        finally:
+            await r.aclose()
+
+    try:
+        j = asyncio.run(hold())
+    except Exception as err:  # never a reason not to start
+        log.debug("shard %d not held while the worker starts: %r", shard, err)
+        yield
+        return
+    with _held(settings, j):
+        yield
+
+
+@contextlib.contextmanager
+def _held(settings: Settings, j: Joined) -> Iterator[int]:
+    """``j``'s hold renewed while inside, released at the exit if no heartbeat ended it."""
+    from prefixq.store.connection import async_client
+    from prefixq.store.deployment import arelease_join
+    from prefixq.worker.aio import within
+
     async def release(j: Joined) -> None:
         r = async_client(settings)
         try:
@@ -52,7 +88,6 @@ def joined(settings: Settings) -> Iterator[int]:
         finally:
             await r.aclose()
 
-    j = asyncio.run(pick())
     renewal = _Renewal(settings, j)
     renewal.start()
     try:

@@ -28,6 +28,10 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
 
             args.shard = stack.enter_context(joined(settings))  # released as the worker exits
             log.info("worker joins the deployment as shard %d", args.shard)
+        else:
+            from prefixq.cli.fleet_commands import holding
+
+            stack.enter_context(holding(settings, args.shard))  # no joiner takes it meanwhile
         log.info("worker shard=%d starting (pid %d)", args.shard, os.getpid())
         from prefixq.cli.worker_process import run_worker
         from prefixq.engine.embedded_model import default_cache_dir, resolve_model

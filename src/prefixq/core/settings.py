@@ -159,10 +159,10 @@ class Settings:
     #: shards, whole prefix groups at a time (worker/handover.py); 0 = never (work waits for a
     #: worker of its own shard)
     orphan_after_s: float = 45.0
-    #: a worker started with --join holds its shard this long while its engine starts, renewing
-    #: the hold every quarter of it until its first heartbeat: one killed meanwhile (an OOM kill
-    #: while the model loads) leaves the shard to the next joiner after at most this long
-    #: (store/deployment.py)
+    #: a worker started with --join (or --shard K) holds its shard this long while its engine
+    #: starts, renewing the hold every quarter of it until its first heartbeat: one killed
+    #: meanwhile (an OOM kill while the model loads) leaves the shard to the next joiner after
+    #: at most this long (store/deployment.py)
     join_hold_s: float = 60.0
     #: an idle worker takes whole prefix groups from the tail of the most backlogged live shard
     #: when that one's outstanding prompt tokens exceed its own by this many (worker/fleet.py);

@@ -23,6 +23,7 @@ from prefixq.store.liveness import FUTURE_S
 
 __all__ = [
     "Joined",
+    "ahold",
     "ajoin",
     "arelease_join",
     "aresolve_shards",
@@ -101,6 +102,14 @@ async def ajoin(r: aredis.Redis, settings: Settings) -> Joined:
         if k >= 0:
             return Joined(k, held)
         n = int(await grow(keys=[keys.config], args=[n]))
+
+
+async def ahold(r: aredis.Redis, settings: Settings, shard: int) -> Joined:
+    """Hold ``shard`` for a worker started on it (``--shard K``) while its engine starts, as a
+    joiner's hold (`ajoin`): joiners skip it; the worker's first heartbeat ends it."""
+    held = repr(time.time() + settings.join_hold_s)
+    await r.hset(settings.keys.joins, str(shard), held)
+    return Joined(shard, held)
 
 
 async def arelease_join(r: aredis.Redis, settings: Settings, joined: Joined) -> bool:
