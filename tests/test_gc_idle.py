@@ -52,6 +52,7 @@ def test_an_idle_collection_stops_between_steps_once_work_arrives(
     """Given a whole-heap collection due, when work is read after the first step, then no
     further step runs (the frozen cycle is still there) and it counts as postponed; the next idle
     moment finishes it."""
+    monkeypatch.setattr(GcPolicy, "_grown", lambda self: 0)  # due, grown or not
     monkeypatch.setattr(heap_mod, "WHOLE_HEAP_AFTER", 1)
     node = Node()
     gone = weakref.ref(node)
@@ -76,6 +77,7 @@ def test_the_whole_heap_waits_for_a_longer_idle_moment(
 ) -> None:
     """A worker idle for less than WHOLE_HEAP_IDLE_S collects only what is not frozen, and says
     the whole heap is still owed; idle long enough, it collects the whole heap."""
+    monkeypatch.setattr(GcPolicy, "_grown", lambda self: 0)  # due, grown or not
     monkeypatch.setattr(heap_mod, "WHOLE_HEAP_AFTER", 1)
     node = Node()
     gone = weakref.ref(node)
@@ -128,6 +130,7 @@ def test_a_burst_arriving_as_the_idle_collection_starts_is_not_held_by_the_whole
     then that burst is admitted about as fast as the first (into an idle worker) and much faster
     than a whole collection; the collection is postponed and runs once the worker is idle again
     (before: it ran first, and the burst waited for all of it)."""
+    monkeypatch.setattr(GcPolicy, "_grown", lambda self: 0)  # due, grown or not
     monkeypatch.setattr(heap_mod, "WHOLE_HEAP_AFTER", 1)
     monkeypatch.setattr(heap_mod, "WHOLE_HEAP_IDLE_S", 0.0, raising=False)
     monkeypatch.setattr(heartbeat_mod, "IDLE_FREEZE_S", 0.2)
@@ -172,7 +175,9 @@ def test_whole_heap_collections_are_spaced_by_the_garbage_they_free(
     `WHOLE_HEAP_AFTER`; given requests that leave none, the collection frees nothing and the
     next one waits for the most requests (`WHOLE_HEAP_MAX_AFTER`), freezing going on past
     `FREEZE_BUDGET` meanwhile (before: every `WHOLE_HEAP_AFTER` requests, whatever it freed: a
-    670 ms call on a vLLM CPU worker that freed 0 objects)."""
+    670 ms call on a vLLM CPU worker that freed 0 objects); and a whole collection due when the
+    heap has not grown by `GARBAGE_BUDGET` blocks since the last is skipped (it could free
+    fewer objects than the budget lets wait)."""
     monkeypatch.setattr(heap_mod, "WHOLE_HEAP_AFTER", 10)
     monkeypatch.setattr(heap_mod, "WHOLE_HEAP_MAX_AFTER", 1_000)
     monkeypatch.setattr(heap_mod, "GARBAGE_BUDGET", 10_000)
@@ -190,12 +195,22 @@ def test_whole_heap_collections_are_spaced_by_the_garbage_they_free(
     assert gone() is None and policy.whole_freed >= 10_000, policy.whole_freed
     # >= 500 objects per request: the next after 10,000 / 500 = 20 requests at most
     assert 10 <= policy.due_after() <= 20 and policy.frozen_requests == 0
-    # 20 requests that leave nothing: the whole heap frees only the test process's leftovers
+    # 20 requests that leave nothing and a heap no larger: the whole heap is due and skipped
+    freed = policy.whole_freed
+    for _ in range(20):
+        policy.admitted(1)
+    assert asyncio.run(policy.idle(20, lambda: True, idle_s=long_idle))
+    assert policy.whole_skipped == 1 and policy.whole_freed == freed
+    assert policy.frozen_requests == 0
+    # 20 requests that leave nothing, the heap grown by as much (live objects, no garbage): the
+    # whole heap is collected and frees only the test process's leftovers
+    kept = [Node() for _ in range(10_000)]
     for _ in range(20):
         policy.admitted(1)
     assert asyncio.run(policy.idle(20, lambda: True, idle_s=long_idle))
     assert 0 <= policy.whole_freed < 500, policy.whole_freed
     assert policy.due_after() == 1_000 and policy.frozen_requests == 0
+    assert len(kept) == 10_000 and policy.whole_skipped == 1
     for _ in range(50):  # freezing goes on past FREEZE_BUDGET: the budget is the spacing now
         policy.admitted(1)
     assert policy.frozen_requests == 50

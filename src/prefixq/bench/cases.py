@@ -322,6 +322,7 @@ def by_gen(stats: dict[str, dict[str, Any]], names: list[str]) -> list[dict[str,
             # what the last whole-heap collection freed (-1: none yet), and the requests frozen
             # before the next one (spaced by the garbage found)
             "whole_heap_freed": stats[n].get("gc_whole_heap_freed"),
+            "whole_heap_skipped": stats[n].get("gc_whole_heap_skipped"),
             "whole_heap_after": stats[n].get("gc_whole_heap_after"),
         }
         for n in names
