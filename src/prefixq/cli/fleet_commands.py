@@ -76,10 +76,12 @@ def holding(settings: Settings, shard: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _held(settings: Settings, j: Joined) -> Iterator[int]:
-    """``j``'s hold renewed while inside, released at the exit if no heartbeat ended it."""
+    """``j``'s hold renewed while inside, released at the exit if no heartbeat ended it (one
+    that did needs no Redis at the exit: a stop with Redis down keeps its bound)."""
     from prefixq.store.connection import async_client
     from prefixq.store.deployment import arelease_join
     from prefixq.worker.aio import within
+    from prefixq.worker.heartbeat import BEATEN
 
     async def release(j: Joined) -> None:
         r = async_client(settings)
@@ -95,7 +97,8 @@ def _held(settings: Settings, j: Joined) -> Iterator[int]:
     finally:
         j = renewal.stop()
         try:
-            asyncio.run(release(j))
+            if not BEATEN.is_set():  # else the first heartbeat ended the hold
+                asyncio.run(release(j))
         except Exception as err:  # never an error of the exit: the hold lapses by itself
             log.warning("the join's hold on shard %d was not released: %s", j.shard, err)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,10 @@ log = logging.getLogger(__name__)
 #: seconds a worker that stopped beating without unregistering (kill -9) stays in its shard's
 #: worker set, where `inspect` and the dashboard show it as gone; live workers prune it after
 GONE_KEPT_S = 24 * 3600
+
+#: set once a heartbeat of this process's worker went through: its first beat ended the hold a
+#: starting worker keeps on its shard (cli/fleet_commands.py), which its exit need not release
+BEATEN = threading.Event()
 
 #: the heartbeat hash's fields that tell which process wrote it
 _WHO = ("pid", "host", "started")
@@ -121,6 +126,7 @@ class Heartbeat:
             keys = self.stream.keys
             await repair_types(self.stream.r, beat_types(keys, self.stream.shard, hb))
             raise
+        BEATEN.set()
         self._twin(last, health)
         await self.stream.renew(self.holding())
         self._untold += self.tallies()
