@@ -4,6 +4,7 @@ redis-server: several bursts and tenants on one shard at once, every request ans
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -47,3 +48,29 @@ def test_whole_groups_with_several_bursts_and_tenants_on_one_shard(
             got = results.collect(burst, s)
             assert len({x.index for x in got}) == 12 and all(x.error is None for x in got)
         assert fw.running and fw.error is None
+
+
+def test_a_tenant_capped_below_its_groups_or_its_stock_is_served_whole(
+    make_settings: Callable[..., Settings], r: redis.Redis, fake_worker: Callable[..., Any]
+) -> None:
+    """Given a worker whose only tenant is capped (at 1, below its stock of read-ahead; at 2, below
+    its documents' groups of 5, with whole-group admission), when a burst of that tenant is
+    submitted, then every request is answered once, the cap holds, and the worker stays up
+    (before: a cap filled by the stock asked Redis for COUNT 0, and XREADGROUP's DataError ended
+    the worker; a group larger than the cap waited for room that nothing in flight would free,
+    and the shard stalled for good)."""
+    for cap, whole, per_doc in ((1, False, 1), (2, True, 5)):
+        s = make_settings(group_admission=whole, tenant_caps=f"t1={cap}", prefix_store_min_chars=16)
+        with fake_worker(s) as fw:
+            assert fw.worker is not None
+            sched, most = fw.worker.sched, [0]
+            burst = Producer(s).submit(_burst(f"c{cap}", 40 // per_doc, per_doc), tenant="t1").id
+
+            t0 = time.monotonic()
+            while results.status(burst, s).done < 40 and time.monotonic() - t0 < 60:
+                most[0] = max(most[0], sched.inflight["t1"])  # as the scheduler counts them
+                time.sleep(0.002)
+            got = results.collect(burst, s)
+            assert len({x.index for x in got}) == 40 and all(x.error is None for x in got), cap
+            assert 1 <= most[0] <= cap, (cap, most[0])
+            assert fw.running and fw.error is None

@@ -86,8 +86,13 @@ def test_a_bad_priority_or_tenant_is_refused_before_anything_is_enqueued(
     [
         ("priority", "urgent", "priority must be one of"),
         ("tenant", "a:b", "tenant must be"),
-        ("tenant_weights", "a=0", "weight of 'a' must be > 0"),
+        ("tenant_weights", "a=0", "weight of 'a' must be a number from 1e-06 to 1e\\+06"),
+        ("tenant_weights", "a=1e-308", "weight of 'a' must be a number from"),
+        ("tenant_weights", "a=1e300", "weight of 'a' must be a number from"),
+        ("tenant_weights", "a=nan", "weight of 'a' must be a number from"),
         ("tenant_weights", "a", "not TENANT=VALUE"),
+        ("tenant_weights", "a=2,a=0.5", "tenant 'a' is listed twice"),
+        ("tenant_caps", "a=1,a=5", "tenant 'a' is listed twice"),
         ("tenant_caps", "a=1.5", "cap of 'a' must be an integer"),
     ],
 )

@@ -126,7 +126,8 @@ class Settings:
     priority: str = "normal"
     #: tenant of the bursts this process submits (1-64 of A-Z a-z 0-9 _ . -)
     tenant: str = "default"
-    #: workers: each tenant's share of a shard within a priority, TENANT=WEIGHT,... (unlisted: 1)
+    #: workers: each tenant's share of a shard within a priority, TENANT=WEIGHT,... (weights
+    #: from 1e-6 to 1e6; unlisted: 1)
     tenant_weights: str = ""
     #: workers: at most N requests of a tenant in one worker's engine, TENANT=N,... (unlisted: none)
     tenant_caps: str = ""

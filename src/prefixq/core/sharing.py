@@ -71,20 +71,31 @@ def _pairs(text: str, what: str) -> dict[str, str]:
         name, value = name.strip(), value.strip()
         if not eq or not _NAME.fullmatch(name):
             raise ValidationError(f"{what}: {part.strip()!r} is not TENANT=VALUE")
+        if name in out:
+            raise ValidationError(f"{what}: tenant {name!r} is listed twice")
         out[name] = value
     return out
 
 
+#: the range of a tenant's weight: shares are ratios of weights, and virtual times grow by
+#: 1/weight per admission (a weight of 1e-308 made them infinite and the worker exit)
+WEIGHT_MIN, WEIGHT_MAX = 1e-6, 1e6
+
+
 def parse_weights(text: str) -> dict[str, float]:
-    """``"teamA=3,teamB=1"`` -> {tenant: weight}; weights are positive numbers (unlisted: 1)."""
+    """``"teamA=3,teamB=1"`` -> {tenant: weight}; weights are numbers from `WEIGHT_MIN` to
+    `WEIGHT_MAX` (unlisted: 1)."""
     out: dict[str, float] = {}
     for name, value in _pairs(text, "tenant_weights").items():
         try:
             w = float(value)
         except ValueError:
             w = 0.0
-        if not 0 < w < float("inf"):
-            raise ValidationError(f"tenant_weights: the weight of {name!r} must be > 0")
+        if not WEIGHT_MIN <= w <= WEIGHT_MAX:
+            raise ValidationError(
+                f"tenant_weights: the weight of {name!r} must be a number from {WEIGHT_MIN:g} "
+                f"to {WEIGHT_MAX:g}, not {value!r}"
+            )
         out[name] = w
     return out
 

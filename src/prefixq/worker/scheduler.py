@@ -186,7 +186,8 @@ class Scheduler(Lanes):
         if not live:
             return {}
         if len(live) == 1 and len(live[0].remote) == 1:  # the default path: one burst
-            return {live[0].remote[0].key: self._room_of(live[0], need, held_back)}
+            room = self._room_of(live[0], need, held_back)  # 0: at its cap with what it holds
+            return {live[0].remote[0].key: room} if room else {}
         out: Counter[str] = Counter()
         vt = {id(t): t.vtime for t in live}
         left = {id(t): self._room_of(t, need, held_back) for t in live}
@@ -257,7 +258,9 @@ class Scheduler(Lanes):
                     k = max(1, min(k, cap - self.inflight[t.name]))
             if self.whole_groups:
                 single = len(tenants) == 1 and len(t.ready) == 1
-                fit = take_whole(lane, k if single else n - len(out), self.window or n)
+                cap = self.caps.get(t.name)  # a group beyond the cap is admitted as it fits
+                window = self.window or n if cap is None else min(self.window or n, cap)
+                fit = take_whole(lane, k if single else n - len(out), window)
                 if not fit:  # its next group waits for room; the other tenants may go
                     self.holding = True
                     tenants.remove(t)
