@@ -117,6 +117,25 @@ def test_a_group_larger_than_the_budget_goes_alone_and_no_group_means_the_reques
     asyncio.run(go())
 
 
+def test_the_smallest_share_is_the_strictest_budget_not_none() -> None:
+    """A share whose tokens round down to 0 (1e-5 of 4,000) holds one group at a time; before,
+    its capacity was 0, which means no budget, and every group went in at once."""
+
+    async def go() -> None:
+        b = KvBudget(1e-5, 4000)
+        assert b.capacity == 1
+        run = _Run(b)
+        run.start("g1", _e(1, tokens=100))
+        run.start("g2", _e(2, tokens=100, rid="g2"))
+        await asyncio.sleep(0)
+        assert run.inside == ["g1"]
+        await run.done("g1")
+        assert run.inside == ["g1", "g2"]
+        await run.done("g2")
+
+    asyncio.run(go())
+
+
 def test_a_waiting_request_cancelled_leaves_nothing_behind_and_the_next_goes() -> None:
     async def go() -> None:
         b = KvBudget(0.5, 200)

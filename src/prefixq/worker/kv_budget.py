@@ -92,7 +92,8 @@ class KvBudget:
         self.share = share
         if kv_tokens is not None:
             self.kv_tokens = kv_tokens
-        self.capacity = int(share * self.kv_tokens) if share > 0 and self.kv_tokens > 0 else 0
+        on = share > 0 and self.kv_tokens > 0  # at least 1 token: 0 is no budget at all
+        self.capacity = max(1, int(share * self.kv_tokens)) if on else 0
         self._wake()
 
     def stats(self) -> dict[str, int | float]:
