@@ -4,9 +4,11 @@ partial: nothing reads as finished that is not."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +16,7 @@ from typing import Any
 import pytest
 import redis
 
-from helpers import FakeWorker, cli, wait_settled, wait_until
+from helpers import FakeWorker, cli, cli_argv, wait_settled, wait_until
 from prefixq.client import Producer, results
 from prefixq.core.errors import BurstNotFound, BurstRecordLost, BurstTimeout, ValidationError
 from prefixq.core.settings import Settings
@@ -184,3 +186,53 @@ def test_iterate_blocks_no_longer_than_its_timeout_leaves(
     with pytest.raises(BurstTimeout):
         list(results.iterate(burst, settings, timeout=0.2))
     assert waits and max(waits) <= 200
+
+
+def test_a_read_in_order_that_waits_learns_the_record_is_gone(
+    settings: Settings, r: redis.Redis
+) -> None:
+    """Given a burst with no worker and readers in input order waiting for its first result
+    (`iterate`, `aiterate`, `prefixq results` without a timeout), when Redis loses its record
+    (restarted empty, evicted), then each stops within seconds with BurstNotFound, `prefixq
+    results` exiting 1 (before: they waited forever, or until their timeout)."""
+    r.hset(settings.keys.config, "shards", 1)
+    burst = Producer(settings).submit([{"id": f"q{i}", "prompt": "hi"} for i in range(3)]).id
+    errors: dict[str, BaseException] = {}
+
+    def sync() -> None:
+        try:
+            list(results.iterate(burst, settings))
+        except BaseException as e:
+            errors["iterate"] = e
+
+    def aio() -> None:
+        async def go() -> None:
+            async for _ in results.aiterate(burst, settings):
+                pass
+
+        try:
+            asyncio.run(go())
+        except BaseException as e:
+            errors["aiterate"] = e
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (sync, aio)]
+    for t in threads:
+        t.start()
+    proc = subprocess.Popen(
+        cli_argv(settings, "results", burst),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(1.5)  # each is waiting now
+    assert not errors and proc.poll() is None
+    for key in r.scan_iter(match=f"{settings.namespace}:*"):
+        r.delete(key)
+    for t in threads:
+        t.join(10)
+    assert {k: type(e) for k, e in errors.items()} == {
+        "iterate": BurstNotFound,
+        "aiterate": BurstNotFound,
+    }, errors
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1 and "never submitted, or its record expired" in err, err

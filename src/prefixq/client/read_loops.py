@@ -16,6 +16,8 @@ from prefixq.core.records import Result
 
 #: results one read (HMGET) asks for
 FETCH = 512
+#: seconds between two reads of the record by a read in input order that waits
+RECHECK_S = 1.0
 
 
 def deadline_of(timeout: float | None) -> float | None:
@@ -48,6 +50,8 @@ class Waits:
         self.deadline = deadline_of(timeout)
         #: the events stream's entry the next blocking read waits after
         self.last = "0-0"
+        #: when the record was last read (`check_due`)
+        self.checked = time.monotonic()
 
     def until_finished(
         self, st: BurstStatus, progress: Callable[[BurstStatus], None] | None
@@ -65,6 +69,16 @@ class Waits:
                 f"{self.timeout:.0f}s"
             )
         return ms
+
+    def check_due(self) -> bool:
+        """Whether a read in input order should read the burst's record again (at most once a
+        second while it waits): a record Redis lost (restarted empty, evicted) is BurstNotFound
+        then, not a wait for results that will never come."""
+        now = time.monotonic()
+        if now - self.checked < RECHECK_S:
+            return False
+        self.checked = now
+        return True
 
     def until_next(self, nxt: int, total: int) -> int:
         """How long to block for result ``nxt`` in input order (of ``total``)."""

@@ -201,6 +201,8 @@ def iterate(
         nxt += len(ready)
         if len(ready) < len(got):
             waits.last = ses.block(waits.last, waits.until_next(nxt, total))
+            if waits.check_due():
+                ses.status()  # BurstNotFound once Redis lost the record
 
 
 def collect(
@@ -260,6 +262,8 @@ async def aiterate(
             nxt += len(ready)
             if len(ready) < len(got):
                 waits.last = await ses.block(waits.last, waits.until_next(nxt, total))
+                if waits.check_due():
+                    await ses.status()  # BurstNotFound once Redis lost the record
 
 
 async def acollect(
