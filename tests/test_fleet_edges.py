@@ -333,6 +333,7 @@ def test_a_second_worker_under_a_name_in_use_on_the_shard_is_refused(
         _up(r, s, 0, "w9")
         burst = Producer(s).submit(doc_burst(2, 3))
         _all_once(r, s, burst.id, 6, "a restart under a dead worker's name")
+    assert "another process beats" not in (tmp_path / "again.log").read_text()  # no twin
 
 
 def test_two_workers_started_at_once_under_one_name_are_told(
@@ -378,3 +379,44 @@ def test_a_joiner_does_not_take_a_shard_whose_worker_is_starting(
         )
         assert "as shard 2" in (tmp_path / "j.log").read_text()
         assert r.hget(Keys(s.namespace).config, "shards") == b"3"
+
+
+def test_a_joiner_started_right_after_a_kill_takes_the_dead_workers_shard(
+    redis_server: Any, r: redis.Redis, tmp_path: Path
+) -> None:
+    """Given shards 0 and 1 served, when shard 1's worker is killed -9 and a --join worker
+    starts at once (a pod restarted by its kubelet), then the joiner waits for the dead worker's
+    heartbeat to lapse and takes shard 1: the count stays 2 (before: it grew to 3, and shard 1
+    waited for orphan_after_s, `check` failing meanwhile)."""
+    s = _settings(redis_server.url, 2)
+    keys = Keys(s.namespace)
+    w0 = _start(s, tmp_path / "w0.log", "--shard", "0", "--name", "w0")
+    w1 = _start(s, tmp_path / "w1.log", "--shard", "1", "--name", "w1")
+    with _stopped_at_exit([w0, w1]) as procs:
+        _up(r, s, 0, "w0")
+        _up(r, s, 1, "w1")
+        w1.send_signal(signal.SIGKILL)
+        w1.wait(10)
+        joiner = _start(s, tmp_path / "j.log", "--join", "--name", "j")
+        procs.append(joiner)
+        _up(r, s, 1, "j")
+        text = (tmp_path / "j.log").read_text()
+        assert "joins the deployment as shard 1" in text, text
+        assert r.hget(keys.config, "shards") == b"2"
+
+
+def test_a_joins_hash_of_another_type_does_not_stop_a_join(
+    redis_server: Any, r: redis.Redis, tmp_path: Path
+) -> None:
+    """Given no live worker (scaled to zero: no heartbeat repairs anything) and a string written
+    over the joins hash, when a worker starts with --join, then it replaces the key, says so,
+    and serves shard 0 (before: every join failed with WRONGTYPE, for good)."""
+    s = _settings(redis_server.url, 1)
+    r.hset(Keys(s.namespace).config, "shards", 1)
+    r.set(Keys(s.namespace).joins, "garbage")
+    joiner = _start(s, tmp_path / "j.log", "--join", "--name", "j")
+    with _stopped_at_exit([joiner]):
+        _up(r, s, 0, "j")
+    text = (tmp_path / "j.log").read_text()
+    assert "joins the deployment as shard 0" in text, text
+    assert "held a string, not a hash: replaced" in text and "Traceback" not in text

@@ -10,16 +10,21 @@ releases its hold (`arelease_join`), so the next one takes the shard instead of 
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
 import redis
 import redis.asyncio as aredis
+from redis.exceptions import ResponseError
 
 from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
 from prefixq.store.connection import lua
-from prefixq.store.liveness import FUTURE_S
+from prefixq.store.liveness import FUTURE_S, repaired, times_of
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "Joined",
@@ -75,6 +80,11 @@ def resolve_shards(r: redis.Redis, settings: Settings) -> int:
     return n
 
 
+#: seconds between two looks of a joiner watching the shards' heartbeats before it grows the
+#: count (`_Quiet`)
+QUIET_POLL_S = 0.25
+
+
 @dataclass(frozen=True, slots=True)
 class Joined:
     """The shard a joining worker took, and the hold it wrote there (`Keys.joins`)."""
@@ -94,14 +104,54 @@ async def ajoin(r: aredis.Redis, settings: Settings) -> Joined:
     join = r.register_script(lua("join_shard"))
     grow = r.register_script(lua("grow_shards"))
     n = await aresolve_shards(r, settings)
+    wait = _Quiet(settings)
     while True:
         now = time.time()
         held = repr(now + settings.join_hold_s)
         args = [repr(now), settings.heartbeat_ttl_s, n, held, FUTURE_S]
-        k = int(await join(keys=[keys.live, keys.joins], args=args))
+        try:
+            k = int(await join(keys=[keys.live, keys.joins], args=args))
+        except ResponseError as err:  # a key of another type: replaced, as heartbeats do
+            types = {keys.live: "hash", keys.joins: "hash"}
+            if not await repaired(r, err, types, "heartbeats and joiners rebuild it"):
+                raise
+            continue
         if k >= 0:
             return Joined(k, held)
+        if await wait.for_quiet(r, n):  # a worker killed moments ago: its shard, not a new one
+            continue
         n = int(await grow(keys=[keys.config], args=[n]))
+        wait = _Quiet(settings)
+
+
+class _Quiet:
+    """A joiner that found every shard served or held: before it grows the count, it watches the
+    live hash for up to ``heartbeat_ttl_s`` + 1 s. While some shard that no joiner holds has not
+    beaten since the first look (its worker may have been killed moments ago: a replacement
+    started at once), it waits for that beat to lapse, and takes that shard; once every such
+    shard has beaten again, it grows the count."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.s = settings
+        self.first: dict[int, float] | None = None
+        self.until = time.monotonic() + settings.heartbeat_ttl_s + 1.0
+
+    async def for_quiet(self, r: aredis.Redis, n: int) -> bool:
+        """Whether to try the join again (after a pause) rather than grow."""
+        if time.monotonic() >= self.until:
+            return False
+        keys, now, ttl = self.s.keys, time.time(), self.s.heartbeat_ttl_s
+        live, joins = await r.hgetall(keys.live), await r.hgetall(keys.joins)
+        beats = {k: v for k, v in times_of(live, n, now).items() if now - v <= ttl}
+        held = {k for k, v in times_of(joins, n, now).items() if v >= now}
+        if self.first is None:
+            self.first = beats
+            log.info("every shard is served or held: watching their heartbeats before growing")
+        quiet = [k for k, v in self.first.items() if k not in held and beats.get(k, v) <= v]
+        if not quiet:
+            return False
+        await asyncio.sleep(QUIET_POLL_S)
+        return True
 
 
 async def ahold(r: aredis.Redis, settings: Settings, shard: int) -> Joined:

@@ -81,8 +81,8 @@ class Liveness:
         """From a read of the live and orphans hashes (any client: `read_liveness` is the
         asyncio one's), and of the tasks hash when given."""
         return cls(
-            _times(live, shards, now),
-            _times(orphans, shards, now),
+            times_of(live, shards, now),
+            times_of(orphans, shards, now),
             shards,
             settings.heartbeat_ttl_s,
             now,
@@ -132,7 +132,7 @@ def _numbers(raw: dict[Any, Any]) -> dict[int, float]:
     return out
 
 
-def _times(raw: dict[Any, Any], shards: int, now: float) -> dict[int, float]:
+def times_of(raw: dict[Any, Any], shards: int, now: float) -> dict[int, float]:
     """Shard -> time of a read of a hash of times (live, orphans); a value that is not a time
     (not a number, not finite, more than `FUTURE_S` ahead of ``now``: a hand edit, a restore)
     is none, so no such value holds a shard live, or keeps it from being orphaned, for good."""
@@ -207,7 +207,7 @@ def alive_mask(
     is (no worker is up yet: work waits for the first one, wherever it goes). With ``among``,
     only those shards count (the ones that serve the burst's task), and all of them when none
     of them is live."""
-    last = _times(raw, shards, now)
+    last = times_of(raw, shards, now)
     pool = set(range(shards) if among is None else among)
     mask = [k in pool and now - last.get(k, float("-inf")) <= ttl for k in range(shards)]
     return mask if any(mask) else [k in pool for k in range(shards)]

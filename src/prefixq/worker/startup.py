@@ -87,7 +87,10 @@ async def name_free(stream: ShardStream, settings: Settings) -> None:
         every = settings.heartbeat_s
     await asyncio.sleep(min(settings.heartbeat_ttl_s, max(0.2, 1.5 * every + 0.1)))
     again = await stream.r.hmget(hb, fields)
-    if again[0] is None or again[0] == first[0]:
+    if again[0] is None:
+        return
+    if again[0] == first[0]:  # a predecessor's: its beats (the twin check's) are over
+        await stream.r.delete(hb)
         return
     pid, host = (v.decode(errors="replace") if v else "?" for v in again[1:3])
     raise ConfigError(
