@@ -158,3 +158,26 @@ def test_a_worker_that_starts_after_its_burst_was_sent_admits_it_in_enqueue_orde
     wait_burst(r, s, burst)
     got = [int(x.split(":")[1]) for x in engine.seen if x.startswith(f"{burst}:")]
     assert got == [q * 100 + d for d in range(100) for q in range(2)], got
+
+
+def test_a_worker_restarted_mid_burst_reads_on_without_idle_rounds(
+    make_settings: Callable[..., Settings],
+    fake_worker: Callable[..., FakeWorker],
+    r: redis.Redis,
+) -> None:
+    """Given a 6,000-request burst half served by a worker that then stops, when a worker starts
+    under the same name, then it serves the rest, every request once, without rounds that find
+    nothing to read nor to pick (its lanes' entries wait for intake entries the first worker
+    consumed; the pick finds that only after the round's plan: before, each such round slept
+    50 ms, at nearly every batch: the rest of the burst went ~12 times slower)."""
+    s = make_settings(max_inflight=8)
+    burst = Producer(s).submit([{"id": f"q{i}", "prompt": f"w {i}"} for i in range(6000)])
+    first = fake_worker(s, name="rs")
+    wait_until(lambda: r.hlen(s.keys.results(burst)) >= 1500, 60, "a quarter of the burst")
+    first.stop()
+    again = fake_worker(s, name="rs")
+    wait_burst(r, s, burst, 120)
+    assert again.worker is not None
+    idle = again.worker.reader.idle_rounds
+    assert r.hlen(s.keys.results(burst)) == 6000
+    assert idle <= 5, f"{idle} idle rounds of 50 ms"
