@@ -52,6 +52,13 @@ def test_cli_refuses_a_namespace_with_a_colon_as_a_usage_error() -> None:
         ({"PREFIXQ_GUARD_FACTOR": "-1"}, "guard_factor must be a positive number"),
         ({"PREFIXQ_CODEC_LEVEL": "99"}, "codec_level for zlib must be -1"),
         ({"PREFIXQ_CODEC": "zstd", "PREFIXQ_CODEC_LEVEL": "0"}, "codec_level for zstd"),
+        ({"PREFIXQ_READ_COUNT": "99999999999999999999999"}, "read_count must be at most"),
+        ({"PREFIXQ_HEARTBEAT_TTL_S": "1e23"}, "heartbeat_ttl_s must be at most"),
+        ({"PREFIXQ_SHARDS": "10000000"}, "shards must be at most 4,096"),
+        ({"PREFIXQ_MIN_REPLICAS_ACKED_TIMEOUT_MS": "1e23"}, "is not a valid int"),
+        ({"PREFIXQ_MIN_REPLICAS_ACKED_TIMEOUT_MS": "99999999999"}, "must be at most 3,600,000"),
+        ({"PREFIXQ_RESULT_TTL_S": "99999999999999"}, "result_ttl_s must be at most"),
+        ({"PREFIXQ_HEARTBEAT_S": "30"}, r"heartbeat_s \(30.0\) must be below heartbeat_ttl_s"),
     ],
 )
 def test_numbers_out_of_range_are_config_errors(env: dict[str, str], says: str) -> None:

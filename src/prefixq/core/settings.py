@@ -40,6 +40,25 @@ _CODEC_LEVELS = {"zlib": (0, 9), "zstd": (1, 22)}
 _NAMESPACE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
+#: the most any whole-number setting may be (`Settings._check_bounds`), and a number of seconds
+_MAX_INT = 2**53
+_MAX_SECONDS = 10 * 365 * 86_400
+#: ... and these: what Redis takes (COUNT, EXPIRE, WAIT) and what a deployment can use
+_MAX: dict[str, int] = {
+    "shards": 4096,
+    "read_count": 100_000,
+    "write_batch": 100_000,
+    "max_inflight": 1_000_000,
+    "max_attempts": 1_000_000,
+    "min_replicas_acked": 1_000,
+    "min_replicas_acked_timeout_ms": 3_600_000,
+    "map_max_entries": 1 << 32,
+    "prefix_cache_entries": 1 << 32,
+    "webhook_concurrency": 10_000,
+    "metrics_port": 65_535,
+}
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     """Configuration shared by producers, workers and tools; every field documented in README."""
@@ -316,6 +335,7 @@ class Settings:
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ConfigError(f"{name} must be a number >= 0, not {v}")
+        self._check_bounds()
         if not 0 < self.pass_window <= 1:
             raise ConfigError(f"pass_window must be a share in (0, 1], not {self.pass_window}")
         if not 0 <= self.kv_inflight_share < 1:
@@ -332,6 +352,24 @@ class Settings:
             raise ConfigError(
                 f"codec_level for {self.codec} must be -1 (its default) or "
                 f"{levels[0]}..{levels[1]}, not {self.codec_level}"
+            )
+
+    def _check_bounds(self) -> None:
+        """Upper bounds: counts, TTLs and timeouts go to Redis (COUNT, EXPIRE, WAIT), which
+        refuses what does not fit its integers, or a value past any use stalls a worker (a
+        heartbeat that never expires, a read of 10^23 entries); and a heartbeat must come
+        before its TTL ends, or a live worker reads as dead."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                continue
+            top = _MAX.get(f.name, _MAX_SECONDS if f.name.endswith("_s") else _MAX_INT)
+            if v > top:
+                raise ConfigError(f"{f.name} must be at most {top:,}, not {v:,}")
+        if self.heartbeat_s >= self.heartbeat_ttl_s:
+            raise ConfigError(
+                f"heartbeat_s ({self.heartbeat_s}) must be below heartbeat_ttl_s "
+                f"({self.heartbeat_ttl_s}): a live worker's heartbeat would expire between beats"
             )
 
     @classmethod
