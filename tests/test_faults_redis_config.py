@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import signal
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -310,3 +312,23 @@ def test_check_exits_2_when_the_acl_refuses_the_namespace(
     print(f"  prefixq check: exit {p.returncode}: {p.stderr.strip()}")
     assert p.returncode == 2
     assert "refused the credentials or command" in p.stderr and PASSWORD not in p.stderr
+
+
+def test_commands_fail_in_bounded_time_on_a_redis_that_never_answers(tmp_path: Path) -> None:
+    """Given a redis-server stopped with SIGSTOP (it accepts connections and never answers),
+    when `check`, `inspect` and `results` run against it, then each fails with an error naming
+    the timeout within a minute (before: each waited for ever, `check` included, the documented
+    health check)."""
+    with RedisServer() as srv:
+        s = Settings(redis_url=srv.url, namespace="hung", shards=1)
+        assert srv.proc is not None
+        srv.proc.send_signal(signal.SIGSTOP)
+        try:
+            for args in (("check",), ("inspect", "--json"), ("results", "20261205T000000Z-0")):
+                t0 = time.monotonic()
+                p = cli(s, *args, timeout=120)
+                took = time.monotonic() - t0
+                assert p.returncode != 0 and "Timeout reading" in p.stdout + p.stderr, p
+                assert took < 60, (args, took)
+        finally:
+            srv.proc.send_signal(signal.SIGCONT)

@@ -33,7 +33,6 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from prefixq.core.errors import ConfigError
@@ -80,16 +79,31 @@ class _AsyncRetry(AsyncRetry):  # type: ignore[misc]
 
 
 def _options(settings: Settings) -> dict[str, Any]:
+    # a reply may take as long as the longest blocking call prefixq makes (WAIT, for the fence)
+    # and a little more; a server that accepts connections and never answers (stopped, hung)
+    # is then a TimeoutError, not a wait for ever
+    wait_s = settings.min_replicas_acked_timeout_ms / 1000
     options: dict[str, Any] = {
+        "socket_timeout": max(SOCKET_TIMEOUT_S, wait_s + 5.0),
         "socket_connect_timeout": 5.0,
         "health_check_interval": 30,
-        "retry_on_error": [RedisConnectionError, RedisTimeoutError],
+        # a timeout is not tried again here: a server that does not answer in socket_timeout
+        # would hold every command for as many more (the callers' own loops wait for Redis)
+        "retry_on_error": [RedisConnectionError],
         "client_name": f"prefixq-{settings.namespace}",
     }
     if urlsplit(settings.redis_url).scheme != "unix":  # TCP only: a unix socket has no keepalive
         options["socket_keepalive"] = True
     return options
 
+
+#: seconds a command's reply may take before the server counts as not answering (every blocking
+#: read prefixq makes blocks for 1 s at most)
+SOCKET_TIMEOUT_S = 10.0
+
+#: what redis-py's retries try again: a lost or refused connection (a failover, a restart); not a
+#: timeout (redis-py's default), which a server that never answers would repeat for each retry
+_RETRIED = (RedisConnectionError,)
 
 #: `cluster_mode`'s answers, per REDIS_URL (a process asks each URL once)
 _MODES: dict[str, bool] = {}
@@ -164,7 +178,7 @@ def async_client(settings: Settings) -> aredis.Redis:
     """An asyncio client (hiredis parser and command packing) with retries: a cluster client
     when REDIS_URL names a Redis Cluster (`cluster_mode`)."""
     check_url(settings.redis_url)
-    retry = _AsyncRetry(ExponentialBackoff(cap=2.0, base=0.05), 8)
+    retry = _AsyncRetry(ExponentialBackoff(cap=2.0, base=0.05), 8, supported_errors=_RETRIED)
     if cluster_mode(settings.redis_url):
         nodes = [acluster.ClusterNode(h, p) for h, p in seeds(settings.redis_url)]
         try:
@@ -186,7 +200,7 @@ def sync_client(settings: Settings) -> redis.Redis:
     """A blocking client with retries, for the CLI, waiters and RQ jobs: a cluster client when
     REDIS_URL names a Redis Cluster (`cluster_mode`)."""
     check_url(settings.redis_url)
-    retry = _Retry(ExponentialBackoff(cap=2.0, base=0.05), 8)
+    retry = _Retry(ExponentialBackoff(cap=2.0, base=0.05), 8, supported_errors=_RETRIED)
     if cluster_mode(settings.redis_url):
         nodes = [scluster.ClusterNode(h, p) for h, p in seeds(settings.redis_url)]
         try:
