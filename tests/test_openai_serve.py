@@ -177,3 +177,33 @@ def test_the_sweeper_stops_when_a_redis_call_swallowed_its_cancel(settings: Sett
         return stopped
 
     assert asyncio.run(go())
+
+
+def test_a_webhooks_file_or_files_dir_that_cannot_be_used_is_one_line_and_exit_2(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """`serve --webhooks @missing` and `--webhooks @file-of-not-json`, and a `--files-dir` that is
+    a regular file, exit 2 with one line naming the problem (before: the webhooks file failed in
+    the app's start-up, a uvicorn traceback and exit 1; the folder a bare 'File exists', exit 1)."""
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    plain = tmp_path / "plain"
+    plain.write_text("")
+    for extra, says in (
+        (("--webhooks", f"@{tmp_path / 'missing.json'}"), "webhooks: cannot read"),
+        (("--webhooks", f"@{bad}"), "webhooks: not JSON"),
+        (("--files-dir", str(plain)), f"files_dir {plain}: cannot be a folder here"),
+    ):
+        p = subprocess.run(
+            [
+                *(sys.executable, "-m", "prefixq", "serve", "--port", "0"),
+                *("--redis-url", settings.redis_url, "--files-dir", str(tmp_path / "files")),
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert p.returncode == 2 and says in p.stderr, (extra, p.stderr)
+        assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from prefixq.core.errors import ConfigError
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
+from prefixq.core.webhooks import WebhookConfig
 from prefixq.openai.auth import KeyRing, is_loopback
 from prefixq.openai.files import files_root
 from prefixq.openai.files_volume import claim_volume
@@ -53,9 +54,13 @@ def serve(
         )
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port must be 0 to 65535, not {port}")
+    WebhookConfig.parse(settings.webhooks)  # a file that cannot be read: one line, exit 2
     root = files_root(settings)
     if batch_api:
-        root.mkdir(parents=True, exist_ok=True)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"files_dir {root}: cannot be a folder here: {e.strerror}") from None
     r = sync_client(settings)
     try:
         r.ping()
