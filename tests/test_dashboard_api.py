@@ -232,6 +232,8 @@ def test_requeue_of_one_dead_letter_runs_its_request_again(
     ((letter,),) = [dead["dead"]]
     assert (letter["burst"], letter["index"], dead["per_shard"]) == (burst, 0, [1])
     assert post(srv, "api/dead/requeue", body={"ids": []}, **ACT).status_code == 400
+    huge = post(srv, "api/dead/requeue", body={"ids": ["18446744073709551616-0"]}, **ACT)
+    assert huge.status_code == 400 and "is not a dead letter id" in huge.text, huge.text
     fake_worker(s, name="rq0")
     resp = post(srv, "api/dead/requeue", body={"ids": [letter["id"]]}, **ACT)
     assert resp.status_code == 200, resp.text

@@ -243,7 +243,7 @@ class Recovery:
         """Re-submit dead letters (all of the shards', or those with the given ids)."""
         rep = RequeueReport()
         for i in ids or ():
-            if not _STREAM_ID.fullmatch(i):
+            if not _STREAM_ID.fullmatch(i) or any(int(p) >= 2**64 for p in i.split("-")):
                 raise ConfigError(f"{i!r} is not a dead letter id (like 1712345678901-0)")
         found: set[str] = set()
         for k in self.shards(shard):
