@@ -143,3 +143,25 @@ def test_submit_from_stdin_reads_a_copy_of_it(
     p = cli(s, "submit", "-", "--shards", "1", stdin=text)
     assert p.returncode == 0, p.stderr
     assert len(queued_entries(r, s)) == 40
+
+
+def test_a_line_longer_than_any_request_is_refused_without_reading_it_whole(
+    tmp_path: Path,
+) -> None:
+    """Given a file whose second line has no end (10 MB of one byte, no newline) and settings
+    whose longest line is 2.4 MB, when it is read, then ValidationError names line 2 and the
+    bound, and the read never held the line whole (before: `prefixq submit /dev/zero` grew to
+    10 GB in 20 s)."""
+    s = Settings(max_decoded_bytes=1 << 20, max_prompt_chars=20_000, max_entry_bytes=1 << 20)
+    f = tmp_path / "endless.jsonl"
+    with open(f, "wb") as out:
+        out.write(b'{"id": "a", "prompt": "hi"}\n')
+        out.write(b"x" * (10 << 20))
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValidationError, match=r"line 2 is longer than 2,337,152 bytes"):
+            read_request_file(str(f), s)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 5 << 20, peak

@@ -127,6 +127,12 @@ class RequestFile(Sequence[Request]):
         self.close()
 
 
+def line_limit(s: Settings) -> int:
+    """The longest line a request file may hold: twice the largest decoded entry, plus the
+    longest prompt with every character written as a JSON surrogate pair (12 bytes)."""
+    return 2 * s.max_decoded_bytes + 12 * s.max_prompt_chars
+
+
 def read_request_file(path: str, settings: Settings | None = None) -> RequestFile:
     """The requests of a JSONL file ('-': stdin, copied to a temporary file first), checked as
     `prefixq.core.inputs.read_requests` checks them: ValidationError names the first bad line."""
@@ -157,8 +163,13 @@ def _from_stdin(s: Settings) -> RequestFile:
 def _check(f: IO[bytes], path: str, name: str, s: Settings, *, keep_open: bool) -> RequestFile:
     out = RequestFile(path, s, name=name)
     ids = IdCheck(lambda i: f"line {out.line(i)}", f"{name}: ")
-    offset = 0
-    for n, raw in enumerate(f, 1):
+    offset, limit = 0, line_limit(s)
+    for n, raw in enumerate(iter(lambda: f.readline(limit + 1), b""), 1):
+        if len(raw) > limit:  # no request this deployment takes is that long: not read whole
+            raise ValidationError(
+                f"{name}: line {n} is longer than {limit:,} bytes, more than any request "
+                "can take (max_decoded_bytes, max_prompt_chars): not a file of request lines?"
+            )
         obj = read_json_line(raw, n, name)
         if obj is not BLANK:
             try:
