@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -261,3 +262,19 @@ def test_a_burst_id_no_burst_can_have_is_a_usage_error(
     p = cli(settings, *args, stdin='{"prompt": "x"}\n')
     assert p.returncode == 2, p.stderr
     assert "must be 1-200 characters" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_the_log_flags_environment_twins_are_read(settings: Settings) -> None:
+    """`PREFIXQ_LOG_LEVEL` and `PREFIXQ_LOG_FORMAT` set what `--log-level` and `--log-format`
+    set (the help lists them among the settings, each also an env var), and a bad value is a
+    usage error (before: both were ignored with a warning that they are not settings)."""
+    env = {**os.environ, "PREFIXQ_LOG_LEVEL": "debug", "PREFIXQ_LOG_FORMAT": "json"}
+    argv = cli_argv(settings, "inspect", "--json", "--shards", "1")
+    p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert p.returncode == 0, p.stderr
+    lines = [json.loads(x) for x in p.stderr.splitlines() if x.startswith("{")]
+    assert any(x["level"] == "DEBUG" for x in lines), p.stderr
+    assert "not a prefixq setting" not in p.stderr
+    env["PREFIXQ_LOG_LEVEL"] = "loud"
+    p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert p.returncode == 2 and "PREFIXQ_LOG_LEVEL='loud' must be one of" in p.stderr

@@ -57,15 +57,16 @@ def _settings_parser() -> argparse.ArgumentParser:
         "--log-level",
         default=None,
         type=str.upper,
-        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
-        help="DEBUG, INFO, WARNING, ERROR (default INFO for worker, workers, demo, serve; "
-        "else WARNING)",
+        choices=LEVELS,
+        help="DEBUG, INFO, WARNING, ERROR (env PREFIXQ_LOG_LEVEL; default INFO for worker, "
+        "workers, demo, serve, dashboard; else WARNING)",
     )
     g.add_argument(
         "--log-format",
         choices=("text", "json"),
-        default="text",
-        help="text (default) or json: one object per line with ts, level, logger, msg",
+        default=None,
+        help="text (default) or json (env PREFIXQ_LOG_FORMAT): one object per line with ts, "
+        "level, logger, msg",
     )
     return p
 
@@ -259,13 +260,34 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return Settings.from_env(**{k: v for k, v in vars(args).items() if k in names})
 
 
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+FORMATS = ("text", "json")
+
+
+def _log_env(var: str, choices: Sequence[str]) -> str | None:
+    """``var``'s value when set (the flag's env twin), checked as the flag's choices are."""
+    raw = os.environ.get(var, "").strip()
+    if not raw:
+        return None
+    value = raw.upper() if choices is LEVELS else raw.lower()
+    if value not in choices:
+        raise ConfigError(f"{var}={raw!r} must be one of {', '.join(choices)}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     default_level = (
         "INFO" if args.command in ("worker", "workers", "demo", "serve", "dashboard") else "WARNING"
     )
-    configure_logging(args.log_level or default_level, args.log_format)
+    try:
+        level = args.log_level or _log_env("PREFIXQ_LOG_LEVEL", LEVELS) or default_level
+        fmt = args.log_format or _log_env("PREFIXQ_LOG_FORMAT", FORMATS) or "text"
+        configure_logging(level, fmt)
+    except ConfigError as e:
+        print(f"prefixq: error: {e}", file=sys.stderr)
+        return 2
     try:
         settings = settings_from(args)
         if args.command == "workers":

@@ -31,7 +31,7 @@ ORDERS = ("input", "leaders-first", "grouped", "depth-first", "decode-first")
 #: the enqueue order of a burst that names none (client/order.py says why)
 DEFAULT_ORDER = "decode-first"
 #: PREFIXQ_* variables that are not settings (the dev script's)
-_NOT_SETTINGS = frozenset({"PREFIXQ_VENV"})
+_NOT_SETTINGS = frozenset({"PREFIXQ_VENV", "PREFIXQ_LOG_LEVEL", "PREFIXQ_LOG_FORMAT"})
 _WARNED: set[str] = set()
 #: codec levels allowed besides -1 (the codec's default for prefixq); codec none has none
 _CODEC_LEVELS = {"zlib": (0, 9), "zstd": (1, 22)}
