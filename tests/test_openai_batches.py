@@ -275,3 +275,26 @@ def test_cancel_of_a_finished_batch_is_a_409(client: OpenAI) -> None:
     with pytest.raises(openai.ConflictError) as e:
         client.batches.cancel(b.id)
     assert "failed" in e.value.message
+
+
+def test_a_batch_in_a_namespace_with_no_shard_count_waits_without_tracebacks(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """Given `serve` on a namespace no worker or producer has recorded a shard count in, when a
+    batch is created, then it stays `validating` (a worker's start will let it run) and the
+    server logs why in one WARNING line per try (before: a traceback at every retry)."""
+    from openai import OpenAI
+
+    with Server(settings.replace(shards=0), tmp_path / "files") as srv:
+        c = OpenAI(base_url=srv.url, api_key="anything", max_retries=0)
+        line = json.dumps(chat_line("a", "hi")).encode()
+        f = c.files.create(file=("a.jsonl", line), purpose="batch")
+        b = c.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        deadline = time.monotonic() + 30
+        while "no shard count" not in srv.tail() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert c.batches.retrieve(b.id).status == "validating"
+        log = srv.tail(20_000)
+        assert "WARNING" in log and "no shard count" in log and "Traceback" not in log, log

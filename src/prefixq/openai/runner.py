@@ -85,10 +85,14 @@ class Sweeper:
             try:
                 await coro
                 self.retry.pop(key, None)
-            except Exception:
+            except Exception as err:
                 delay = min(60.0, 2 * self.retry.get(key, (0.0, 0.5))[1])
                 self.retry[key] = (time.monotonic() + delay, delay)
-                log.exception("batch %s: step failed; retried in %.0f s", batch_id, delay)
+                if isinstance(err, PrefixqError):  # the deployment's state (no shard count
+                    # yet, Redis away): one line, retried until it changes or the window ends
+                    log.warning("batch %s: %s; retried in %.0f s", batch_id, err, delay)
+                else:
+                    log.exception("batch %s: step failed; retried in %.0f s", batch_id, delay)
             finally:
                 self.busy.discard(key)
 
