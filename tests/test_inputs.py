@@ -273,3 +273,30 @@ def test_a_shared_sampling_object_is_not_changed_by_the_requests_using_it() -> N
     second = Request.from_json({"id": "b", "prompt": "y", "sampling": shared}, index=1)
     assert shared == {"temperature": 0.0}
     assert first.sampling.get("max_tokens") == 5 and "max_tokens" not in second.sampling
+
+
+def test_chat_content_given_as_text_parts_is_taken_and_other_parts_are_refused(
+    tmp_path: Path,
+) -> None:
+    """A plain line and an OpenAI /v1/chat/completions line whose message content is a list of
+    text parts (OpenAI's chat shape) are read, the parts joined by newlines; an image part is
+    refused by its line, naming the part (before: 'content must be a string', for both)."""
+    parts = [{"type": "text", "text": "Read this."}, {"type": "text", "text": "Then answer."}]
+    lines = [
+        {"id": "p", "messages": [{"role": "user", "content": parts}]},
+        {
+            "custom_id": "o",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": [{"role": "user", "content": parts}]},
+        },
+    ]
+    f = tmp_path / "parts.jsonl"
+    f.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    got = read_requests(str(f))
+    joined = [{"role": "user", "content": "Read this.\nThen answer."}]
+    assert [q.messages for q in got] == [joined, joined]
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    f.write_text(json.dumps({"id": "i", "messages": [{"role": "user", "content": [image]}]}) + "\n")
+    with pytest.raises(ValidationError, match="line 1: message 0 content part 0 is 'image_url'"):
+        read_requests(str(f))

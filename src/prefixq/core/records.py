@@ -276,5 +276,24 @@ def _check_messages(messages: Any, max_messages: int, w: str) -> None:
             raise ValidationError(w + f"message {i} needs a string 'role'")
         if m["role"] not in _ROLES:
             raise ValidationError(w + f"message {i} has unknown role {m['role']!r}")
+        if isinstance(m.get("content"), list):  # OpenAI's content parts: text ones are joined
+            m["content"] = _joined_text(m["content"], f"{w}message {i} ")
         if not isinstance(m.get("content"), str):
-            raise ValidationError(w + f"message {i} content must be a string")
+            raise ValidationError(w + f"message {i} content must be a string or text parts")
+
+
+def _joined_text(parts: list[Any], w: str) -> str:
+    """A message's content given as parts (``[{"type": "text", "text": ...}, ...]``, as OpenAI's
+    chat API takes it) as one string, the parts joined by newlines (as vLLM's chat parser joins
+    them); a part of another type (an image) is refused: the engine runs a text model."""
+    texts = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValidationError(w + f"content part {j} is {kind!r}: only text parts are taken")
+        if not isinstance(part.get("text"), str):
+            raise ValidationError(w + f"content part {j} needs a string 'text'")
+        texts.append(part["text"])
+    if not texts:
+        raise ValidationError(w + "content is an empty list of parts")
+    return "\n".join(texts)
