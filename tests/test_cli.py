@@ -176,6 +176,14 @@ def test_results_into_a_pipe_closed_early_stops_quietly(settings: Settings) -> N
         (("workers", "--gpus", ""), "--gpus needs at least one GPU index"),
         (("workers", "--gpus", " , "), "--gpus needs at least one GPU index"),
         (
+            ("workers", "--gpus", "abc"),
+            "--gpus: 'abc' is not a GPU index (0, 1, ...) or a GPU-/MIG- UUID",
+        ),
+        (
+            ("workers", "--gpus", "0,-1"),
+            "--gpus: '-1' is not a GPU index (0, 1, ...) or a GPU-/MIG- UUID",
+        ),
+        (
             ("inspect", "--watch", "--interval", "nan"),
             "--interval must be > 0 and --watch-count >= 0",
         ),

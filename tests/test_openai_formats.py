@@ -284,7 +284,12 @@ def test_bad_api_keys_are_config_errors(spec: str) -> None:
 def test_open_keyring_lets_anyone_in_and_loopback_hosts_are_recognised() -> None:
     ring = KeyRing.from_settings(Settings(namespace="n"))
     assert ring.open and ring.namespace_for(None) == "n"
-    assert all(map(is_loopback, ["127.0.0.1", "localhost", "::1", "[::1]", "127.1.2.3"]))
+    assert all(
+        map(
+            is_loopback,
+            ["127.0.0.1", "localhost", "LocalHost", "localhost.", "::1", "[::1]", "127.1.2.3"],
+        )
+    )
     assert not any(map(is_loopback, ["0.0.0.0", "10.0.0.1", "example.com", "::"]))
 
 

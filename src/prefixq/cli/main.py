@@ -119,7 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     ws = sub.add_parser("workers", parents=[common], help="one supervised worker per GPU")
     grp = ws.add_mutually_exclusive_group(required=True)
-    grp.add_argument("--gpus", help="comma-separated GPU indexes: shard i runs on the i-th")
+    grp.add_argument(
+        "--gpus",
+        help="comma-separated GPU indexes (or GPU-/MIG- UUIDs): shard i runs on the i-th listed",
+    )
     grp.add_argument("--cpu", type=int, metavar="N", help="N CPU workers (shards 0..N-1)")
     ws.add_argument("--model", default="")
     ws.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE")

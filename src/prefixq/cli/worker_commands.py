@@ -62,6 +62,9 @@ def cmd_workers(args: argparse.Namespace, settings: Settings, argv: Sequence[str
     )
     if not gpus:
         raise ConfigError("--gpus needs at least one GPU index")
+    for g in gpus:  # what CUDA_VISIBLE_DEVICES takes: an index or a device's UUID
+        if g is not None and not (g.isdigit() or g.startswith(("GPU-", "MIG-"))):
+            raise ConfigError(f"--gpus: {g!r} is not a GPU index (0, 1, ...) or a GPU-/MIG- UUID")
     if settings.shards and settings.shards != len(gpus):
         raise ConfigError(f"--shards {settings.shards} but {len(gpus)} workers")
     drop = {"--gpus", "--cpu", "--shards", "--metrics-port", "--hand-over", "--no-hand-over"}

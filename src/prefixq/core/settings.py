@@ -76,7 +76,7 @@ class Settings:
     #: number of shards (one per GPU); 0 = read it from Redis, where the first deployment wrote it
     shards: int = 0
     #: the plain Redis (not a cluster: RQ cannot use one) that holds RQ's own queues for
-    #: `prefixq rq` jobs and completion callbacks; empty = redis_url (docs/rq.md)
+    #: prefixq's RQ jobs and completion callbacks; empty = redis_url (docs/rq.md)
     rq_redis_url: str = ""
     #: with replicas (Redis Cluster, or one Redis with replicas): the producer confirms a burst's
     #: entries and record, the worker a group's results before acking, with WAIT on this many

@@ -117,8 +117,9 @@ def host_name(host: str) -> str:
 
 
 def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
-    if host == "localhost":
+    """True for ``localhost`` (any case, with or without the root's dot: host names are not
+    case-sensitive) and loopback addresses (127.0.0.0/8, ::1)."""
+    if host.lower().rstrip(".") == "localhost":
         return True
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback

@@ -26,7 +26,7 @@ from redis.exceptions import ResponseError
 from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
 from prefixq.store.connection import is_cluster
-from prefixq.store.redis_errors import error_text
+from prefixq.store.redis_errors import error_text, no_such_db
 from prefixq.store.redis_url import redact
 
 __all__ = ["REQUIRED", "acheck_policy", "check_policy", "verdict"]
@@ -82,10 +82,14 @@ def _read(r: redis.Redis, where: dict[str, Any]) -> str | None:
     try:
         return _from_config(r.config_get("maxmemory-policy", **where))
     except ResponseError as e:
+        if no_such_db(e):  # not a refused command: the caller says what it is
+            raise
         log.debug("CONFIG GET refused (%s); reading INFO memory", error_text(e))
         try:
             return _from_info(r.info("memory", **where))
         except ResponseError as e2:
+            if no_such_db(e2):
+                raise
             log.debug("INFO memory refused too (%s)", error_text(e2))
             return None
 
@@ -105,6 +109,8 @@ async def _aread(r: aredis.Redis, where: dict[str, Any]) -> str | None:
     try:
         return _from_config(await r.config_get("maxmemory-policy", **where))
     except ResponseError as e:
+        if no_such_db(e):  # not a refused command: the caller says what it is
+            raise
         log.debug("CONFIG GET refused (%s); reading INFO memory", error_text(e))
         try:
             return _from_info(await r.info("memory", **where))

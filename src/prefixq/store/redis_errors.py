@@ -93,12 +93,19 @@ def inside_redis_py(err: BaseException) -> bool:
 
 def refused(err: BaseException) -> bool:
     """True for errors that retrying cannot fix: wrong or missing credentials, an ACL that denies
-    a command or key, a server certificate that does not verify."""
+    a command or key, a server certificate that does not verify, a database the server lacks."""
     if isinstance(err, AuthenticationError | NoPermissionError):
         return True
     if isinstance(err, ResponseError) and str(err).startswith(("NOPERM", "WRONGPASS", "NOAUTH")):
         return True
-    return isinstance(err, RedisConnectionError) and "CERTIFICATE_VERIFY_FAILED" in str(err)
+    if isinstance(err, RedisConnectionError) and "CERTIFICATE_VERIFY_FAILED" in str(err):
+        return True
+    return no_such_db(err)
+
+
+def no_such_db(err: BaseException) -> bool:
+    """REDIS_URL names a database the server does not have (its ``databases`` setting)."""
+    return isinstance(err, ResponseError) and "DB index is out of range" in str(err)
 
 
 def describe(
