@@ -169,8 +169,13 @@ def test_results_into_a_pipe_closed_early_stops_quietly(settings: Settings) -> N
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        (("dead", "--limit", "0"), "--limit must be >= 1, not 0"),
-        (("reclaim", "--idle-s", "-5"), "--idle-s must be >= 0, not -5.0"),
+        (("dead", "--limit", "0"), "--limit must be 1 to 1,000,000, not 0"),
+        (("reclaim", "--idle-s", "-5"), "--idle-s must be 0 to 31,536,000.0, not -5.0"),
+        (("reclaim", "--idle-s", "1e30"), "--idle-s must be 0 to 31,536,000.0, not 1e+30"),
+        (
+            ("inspect", "--recent", "99999999999999999999"),
+            "--recent must be 0 to 1,000,000, not 99999999999999999999",
+        ),
         (("workers", "--cpu", "0"), "--cpu needs at least 1 worker, not 0"),
         # an empty --gpus started one CPU worker (read as "no --gpus")
         (("workers", "--gpus", ""), "--gpus needs at least one GPU index"),

@@ -11,13 +11,18 @@ import sys
 from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
 
+#: the most bursts (`inspect --recent`) or dead letters (`dead --limit`) one listing shows
+MOST_LISTED = 1_000_000
+#: the longest `reclaim --idle-s` (a year; Redis's idle times are milliseconds in 64 bits)
+MOST_IDLE_S = 365 * 86_400.0
+
 
 def cmd_inspect(args: argparse.Namespace, settings: Settings) -> int:
     from prefixq.cli.progress import render_snapshot
     from prefixq.ops.stats import snapshot
 
-    if args.recent < 0:
-        raise ConfigError(f"--recent must be >= 0, not {args.recent}")
+    if not 0 <= args.recent <= MOST_LISTED:
+        raise ConfigError(f"--recent must be 0 to {MOST_LISTED:,}, not {args.recent}")
     if args.watch:
         return _watch(args, settings)
     snap = snapshot(settings, burst=args.burst, recent=args.recent)
@@ -66,8 +71,8 @@ def cmd_reclaim(args: argparse.Namespace, settings: Settings) -> int:
     from prefixq.integrations.rq_callbacks import enqueue_on_complete
     from prefixq.ops.recovery import Recovery
 
-    if args.idle_s is not None and not args.idle_s >= 0:
-        raise ConfigError(f"--idle-s must be >= 0, not {args.idle_s}")
+    if args.idle_s is not None and not 0 <= args.idle_s <= MOST_IDLE_S:
+        raise ConfigError(f"--idle-s must be 0 to {MOST_IDLE_S:,}, not {args.idle_s}")
     reports = Recovery(settings, on_burst_done=enqueue_on_complete).reclaim(args.shard, args.idle_s)
     if args.json:
         print(json.dumps([r.to_json() for r in reports], indent=2))
@@ -102,8 +107,8 @@ def cmd_dead(args: argparse.Namespace, settings: Settings) -> int:
         return 0
     if args.id:
         raise ConfigError("--id goes with --requeue")
-    if args.limit < 1:
-        raise ConfigError(f"--limit must be >= 1, not {args.limit}")
+    if not 1 <= args.limit <= MOST_LISTED:
+        raise ConfigError(f"--limit must be 1 to {MOST_LISTED:,}, not {args.limit}")
     letters = rec.letters(args.shard, limit=args.limit)
     if args.json:
         print(json.dumps([d.to_json() for d in letters], indent=2))
