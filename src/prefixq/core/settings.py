@@ -208,7 +208,7 @@ class Settings:
     files_dir: str = ""
     #: largest uploaded file, bytes
     max_file_bytes: int = 200 << 20
-    #: most lines (requests) in an uploaded file
+    #: most lines in an uploaded file (blank lines count: the limit is checked as it streams in)
     max_file_lines: int = 50_000
     #: the dashboard (prefixq serve, prefixq dashboard) only shows: cancel and requeue are hidden
     #: on the page and refused by its /api/ (docs/dashboard.md)
