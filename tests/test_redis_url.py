@@ -100,9 +100,21 @@ def test_a_database_the_server_does_not_have_is_a_config_error(
     s = base.replace(redis_url=base.redis_url.rsplit("/", 1)[0] + "/99")
     with pytest.raises(ConfigError, match="has no such database"):
         Producer(s).submit([{"id": "a", "prompt": "hi"}])
-    for args in (("inspect",), ("results", "nope")):
+    for args in (("inspect",), ("results", "nope"), ("check",)):
         p = cli(s, *args, timeout=60)
         assert p.returncode == 2 and "has no such database" in p.stderr, (args, p.stderr)
+        assert "maxmemory-policy" not in p.stderr, p.stderr  # not a refused CONFIG GET
+
+
+def test_several_seeds_of_a_redis_that_is_not_a_cluster_are_a_config_error(
+    settings: Settings,
+) -> None:
+    """`redis://h:p,h:p/0` on a plain redis-server: the CLI exits 2 saying the Redis there is
+    not a cluster (before: redis-py's 'Port could not be cast to integer value as ...')."""
+    host = settings.redis_url.split("//", 1)[1].rsplit("/", 1)[0]
+    s = settings.replace(redis_url=f"redis://{host},{host}/0")
+    p = cli(s, "check", timeout=60)
+    assert p.returncode == 2 and "names 2 seeds, but the Redis there is not a" in p.stderr, p
 
 
 @pytest.mark.parametrize(

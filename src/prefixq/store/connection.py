@@ -189,9 +189,9 @@ def async_client(settings: Settings) -> aredis.Redis:
             raise ConfigError(f"bad REDIS_URL {redact(settings.redis_url)}: {e}") from None
         return aio_connections.install_cluster(cluster)
     try:
-        client = aredis.Redis.from_url(settings.redis_url, retry=retry, **_options(settings))
+        client = aredis.Redis.from_url(_plain_url(settings), retry=retry, **_options(settings))
     except ValueError as e:
-        raise ConfigError(f"bad REDIS_URL {settings.redis_url!r}: {e}") from None
+        raise ConfigError(f"bad REDIS_URL {redact(settings.redis_url)}: {e}") from None
     packing.install(client)  # commands packed by hiredis, as the blocking client does
     return aio_connections.install(client)  # forced closes abort; a torn write is a lost connection
 
@@ -210,9 +210,21 @@ def sync_client(settings: Settings) -> redis.Redis:
         except (TypeError, RedisClusterException) as e:
             raise ConfigError(f"bad REDIS_URL {redact(settings.redis_url)}: {e}") from None
     try:
-        return redis.Redis.from_url(settings.redis_url, retry=retry, **_options(settings))
+        return redis.Redis.from_url(_plain_url(settings), retry=retry, **_options(settings))
     except ValueError as e:
-        raise ConfigError(f"bad REDIS_URL {settings.redis_url!r}: {e}") from None
+        raise ConfigError(f"bad REDIS_URL {redact(settings.redis_url)}: {e}") from None
+
+
+def _plain_url(settings: Settings) -> str:
+    """REDIS_URL for a client of one server: a URL of several seeds whose first answering one is
+    not a cluster node is a ConfigError saying so (redis-py read the seed list as a port)."""
+    url = settings.redis_url
+    if len(seeds(url)) > 1:
+        raise ConfigError(
+            f"REDIS_URL {redact(url)} names {len(seeds(url))} seeds, but the Redis there is not a "
+            "Redis Cluster (INFO cluster: cluster_enabled:0): give one host:port"
+        )
+    return url
 
 
 @cache
