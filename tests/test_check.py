@@ -289,4 +289,5 @@ def test_log_format_flag_is_on_every_command(fmt: str) -> None:
 
     for argv in (["check"], ["inspect"], ["worker", "--shard", "0"]):
         assert build_parser().parse_args([*argv, "--log-format", fmt]).log_format == fmt
-    assert build_parser().parse_args(["check"]).log_format == "text"
+    # unset: text, unless PREFIXQ_LOG_FORMAT says otherwise (cli/main.py)
+    assert build_parser().parse_args(["check"]).log_format is None

@@ -364,7 +364,7 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any] | list[dict[str, Any]], str]] = [
     (
         "content-part-text-a-number",
         {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
-        "message 0 content must be a string",
+        "message 0 content part 0 needs a string 'text'",
     ),
     (
         "prefix-message-content-a-number",

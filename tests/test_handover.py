@@ -350,14 +350,36 @@ def test_a_joining_worker_takes_the_lowest_shard_without_a_worker_then_grows_the
     s = make_settings(shards=3)
     keys = Keys(s.namespace)
     r.hset(keys.config, "shards", 3)
-    _mark_live(r, s, 0, 2)
-    assert _join(s) == 1  # the gap
-    assert _join(s) == 3  # 1 is held for the first joiner: every shard served, the count grows
-    assert r.hget(keys.config, "shards") == b"4"
-    # two joiners at once never take the same shard
-    _mark_live(r, s, 1, 3)
-    got = sorted(asyncio.run(_two_joins(s)))
+    beating = {0, 2}  # live workers beat (a joiner waits for a shard whose beats stopped)
+    with _beating(r, s, beating):
+        assert _join(s) == 1  # the gap
+        assert _join(s) == 3  # 1 is held for the first joiner: every shard served, it grows
+        assert r.hget(keys.config, "shards") == b"4"
+        # two joiners at once never take the same shard
+        beating.update({1, 3})
+        got = sorted(asyncio.run(_two_joins(s)))
     assert got == [4, 5] and r.hget(keys.config, "shards") == b"6"
+
+
+@contextlib.contextmanager
+def _beating(r: redis.Redis, s: Settings, shards: set[int]) -> Any:
+    """``shards`` (a set the test may grow) beat every 0.1 s while inside, as live workers do."""
+    import threading
+
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.is_set():
+            _mark_live(r, s, *sorted(shards))
+            done.wait(0.1)
+
+    t = threading.Thread(target=beat, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        done.set()
+        t.join(5)
 
 
 async def _two_joins(s: Settings) -> list[int]:

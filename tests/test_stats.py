@@ -126,7 +126,7 @@ def test_inspect_in_flight_is_the_consumer_groups_pending_not_a_stale_heartbeat(
     """Once a burst is done, inspect shows nothing in flight or pending for the shard, although
     the worker's last heartbeat still says 3 requests were in its engine; that figure appears
     only in the worker's own row."""
-    s = settings.replace(heartbeat_s=60.0)
+    s = settings.replace(heartbeat_s=60.0, heartbeat_ttl_s=120.0)
     with fake_worker(s, name="beat0"):
         burst = Producer(s).submit([{"id": f"q{i}", "prompt": f"hi {i}"} for i in range(20)])
         results.wait(burst, s, timeout=30)
@@ -255,7 +255,7 @@ def test_inspect_shows_what_it_can_when_keys_hold_another_type(
     and the moves' keys hold strings (anything with write access may write one), then inspect
     (the table and --json) still shows the shard, its worker and the burst, and names each part
     it could not read (before: the whole command failed with WRONGTYPE)."""
-    s = settings.replace(heartbeat_s=60.0)
+    s = settings.replace(heartbeat_s=60.0, heartbeat_ttl_s=120.0)
     with fake_worker(s, name="w0"):
         burst = Producer(s).submit([{"id": f"q{i}", "prompt": f"hi {i}"} for i in range(5)])
         results.wait(burst, s, timeout=30)

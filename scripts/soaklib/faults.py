@@ -218,8 +218,10 @@ class DuplicateWorker(Fault):
         primary = soak.workers.primary(k)
         if primary is None:
             return []
-        same = soak.rng.random() < 0.5
-        dup = soak.workers.start(k, primary.name if same else "", role="extra")
+        if soak.rng.random() < 0.5 and primary.warm:
+            return self._same_name(soak, k, primary)
+        same = False
+        dup = soak.workers.start(k, "", role="extra")
         deadline = time.monotonic() + 30
         while not dup.warm:
             if time.monotonic() > deadline or not dup.alive:
@@ -235,6 +237,23 @@ class DuplicateWorker(Fault):
             return []
         how = "under the primary's name" if same else f"as {dup.name} beside {primary.name}"
         return [Landed(self.kind, f"a second worker served shard {k} {how}")]
+
+    @staticmethod
+    def _same_name(soak: SoakRun, k: int, primary: Any) -> list[Landed]:
+        """A second process under a serving primary's name is refused (exit 2, naming the
+        name in use: worker/startup.py), and the primary serves on."""
+        dup = soak.workers.start(k, primary.name, role="extra")
+        try:
+            rc = dup.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            soak.workers.stop(dup, timeout=stop_bound_s(soak.settings) + 30)
+            soak.problem(f"a second worker under {primary.name}'s name was not refused")
+            return []
+        text = dup.log.read_text(errors="replace")
+        if rc != 2 or f"worker name {primary.name!r} is in use on shard {k}" not in text:
+            soak.problem(f"a second worker under {primary.name}'s name: exit {rc}, {text[-300:]}")
+            return []
+        return [Landed("duplicate_worker", f"a second worker under {primary.name}'s name refused")]
 
 
 def unfinished(soak: SoakRun) -> list[str]:

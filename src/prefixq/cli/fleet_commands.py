@@ -95,9 +95,10 @@ def _held(settings: Settings, j: Joined) -> Iterator[int]:
     try:
         yield j.shard
     finally:
-        j = renewal.stop()
+        beaten = BEATEN.is_set()  # the first heartbeat ended the hold: nothing to release
+        j = renewal.stop(wait=not beaten)
         try:
-            if not BEATEN.is_set():  # else the first heartbeat ended the hold
+            if not beaten:
                 asyncio.run(release(j))
         except Exception as err:  # never an error of the exit: the hold lapses by itself
             log.warning("the join's hold on shard %d was not released: %s", j.shard, err)
@@ -118,12 +119,13 @@ class _Renewal(threading.Thread):
     def run(self) -> None:
         from prefixq.store.connection import sync_client
         from prefixq.store.deployment import renew_join
+        from prefixq.worker.heartbeat import BEATEN
 
         r = sync_client(self.settings)
         try:
             while not self._done.wait(max(0.05, self.settings.join_hold_s / 4)):
                 with self._lock:
-                    if self._done.is_set():
+                    if self._done.is_set() or BEATEN.is_set():  # the first heartbeat ended it
                         return
                     try:
                         renewed = renew_join(r, self.settings, self.joined)
@@ -136,9 +138,12 @@ class _Renewal(threading.Thread):
         finally:
             r.close()
 
-    def stop(self) -> Joined:
-        """Renew no more; the hold as last written (what the exit releases)."""
+    def stop(self, *, wait: bool = True) -> Joined:
+        """Renew no more; the hold as last written (what the exit releases). Without ``wait``,
+        a renewal under way (stuck on a Redis that is down) is not waited for."""
         self._done.set()
+        if not wait:
+            return self.joined
         if not self._lock.acquire(timeout=RELEASE_S):  # a renewal stuck on Redis: it lapses
             return self.joined
         try:
