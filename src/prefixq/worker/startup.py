@@ -96,7 +96,7 @@ async def name_free(stream: ShardStream, settings: Settings) -> None:
     raise ConfigError(
         f"worker name {stream.consumer!r} is in use on shard {stream.shard}: pid {pid} on host "
         f"{host} serves under it (its heartbeat beats); give each worker of a shard its own "
-        "--name (or PREFIXQ_NAME), or stop the other one first"
+        "--name, or stop the other one first"
     )
 
 
