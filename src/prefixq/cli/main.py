@@ -63,7 +63,7 @@ def _settings_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--log-format",
-        choices=("text", "json"),
+        choices=FORMATS,
         default=None,
         help="text (default) or json (env PREFIXQ_LOG_FORMAT): one object per line with ts, "
         "level, logger, msg",

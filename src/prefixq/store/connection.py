@@ -87,9 +87,7 @@ def _options(settings: Settings) -> dict[str, Any]:
         "socket_timeout": max(SOCKET_TIMEOUT_S, wait_s + 5.0),
         "socket_connect_timeout": 5.0,
         "health_check_interval": 30,
-        # a timeout is not tried again here: a server that does not answer in socket_timeout
-        # would hold every command for as many more (the callers' own loops wait for Redis)
-        "retry_on_error": [RedisConnectionError],
+        "retry_on_error": list(_RETRIED),  # not a timeout (see _RETRIED)
         "client_name": f"prefixq-{settings.namespace}",
     }
     if urlsplit(settings.redis_url).scheme != "unix":  # TCP only: a unix socket has no keepalive

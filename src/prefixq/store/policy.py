@@ -115,6 +115,8 @@ async def _aread(r: aredis.Redis, where: dict[str, Any]) -> str | None:
         try:
             return _from_info(await r.info("memory", **where))
         except ResponseError as e2:
+            if no_such_db(e2):
+                raise
             log.debug("INFO memory refused too (%s)", error_text(e2))
             return None
 

@@ -132,7 +132,7 @@ def _describe(settings: Settings, err: BaseException, figures: str | None) -> Pr
             f"the TLS certificate of Redis at {url} does not verify: {text} (give the CA that "
             "signed it as ?ssl_ca_certs=/path/ca.crt in REDIS_URL)"
         )
-    if "DB index is out of range" in text:
+    if no_such_db(err):
         return ConfigError(
             f"REDIS_URL {url}: Redis has no such database ({text}; see its `databases` setting)"
         )
