@@ -212,6 +212,8 @@ def test_bad_option_values_are_usage_errors(
         (("--wait", "--out", "OUT", "--token-ids"), "--token-ids goes with the prefixq format"),
         (("--wait", "--out", "NODIR"), "not a file in an existing folder"),
         (("--wait", "--out", "DIR"), "not a file in an existing folder"),
+        (("--on-complete-url", "notaurl"), "--on-complete-url must be an http:// or https://"),
+        (("--on-complete-url", "http://h:0/x"), "--on-complete-url must be an http://"),
     ],
 )
 def test_submit_refuses_options_it_would_ignore_before_submitting(

@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 
-from prefixq.core.errors import ConfigError
+from prefixq.core.errors import ConfigError, ValidationError
 from prefixq.core.settings import Settings
 
 
@@ -16,6 +16,7 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     from prefixq.cli.progress import BurstProgress, EnqueueProgress
     from prefixq.client import Producer, results
     from prefixq.client.request_file import read_request_file
+    from prefixq.core.webhooks import check_url
     from prefixq.integrations.rq_callbacks import RQ_ON_COMPLETE
     from prefixq.openai.outputs import input_metadata, write_results
 
@@ -24,6 +25,11 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
         raise ConfigError("--out and --timeout go with --wait")
     if not args.out and (args.format or args.token_ids):
         raise ConfigError("--format and --token-ids go with --out")
+    if args.on_complete_url is not None:  # a usage error, before the file is read
+        try:
+            check_url(args.on_complete_url, "--on-complete-url")
+        except ValidationError as e:
+            raise ConfigError(str(e)) from None
     why = results.out_path_problem(args.out) if args.out else None
     if why:
         raise ConfigError(f"--out {args.out}: not a file in an existing folder (it {why})")
