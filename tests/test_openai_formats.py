@@ -327,3 +327,26 @@ def test_a_results_own_endpoint_and_model_win_over_the_batchs() -> None:
     res = ok_result(endpoint=COMPLETIONS, model="own")
     body = json.loads(format_result(res, burst="b", model="batch").dumps())["response"]["body"]
     assert body["object"] == "text_completion" and body["model"] == "own"
+
+
+def test_input_check_does_not_read_a_line_longer_than_any_request_whole(tmp_path: Path) -> None:
+    """A line longer than any request this deployment takes (`line_limit`, as `prefixq submit`
+    refuses it) is an error of its line, read past in chunks (a 150 MB line used to be held whole
+    and parsed, ~490 MB), and the lines after it keep their numbers; also as the last line with no
+    newline."""
+    from prefixq.client.request_file import line_limit
+
+    s = Settings(max_decoded_bytes=2000, max_prompt_chars=100)
+    long = '{"custom_id": "z", "pad": "' + "x" * (3 * line_limit(s)) + '"}'
+    p = _write(tmp_path, [_chat("a"), long, "{not json", _chat("b"), long])
+    p.write_bytes(p.read_bytes().rstrip(b"\n"))
+    got = check_input(p, "/v1/chat/completions", s)
+    assert [(e["line"], e["code"]) for e in got.errors] == [
+        (2, "line_too_long"),
+        (3, "invalid_json_line"),
+        (5, "line_too_long"),
+    ]
+    assert f"{line_limit(s):,} bytes" in got.errors[0]["message"]
+    near = '{"custom_id": "n", "pad": "' + "x" * (line_limit(s) - 40) + '"}'
+    got = check_input(_write(tmp_path, [_chat("a"), near]), "/v1/chat/completions", s)
+    assert [e["code"] for e in got.errors] != ["line_too_long"]

@@ -18,9 +18,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from prefixq.client.request_file import RequestFile
+from prefixq.client.request_file import RequestFile, line_limit
 from prefixq.core.entries import check_size
 from prefixq.core.errors import ValidationError
 from prefixq.core.inputs import BLANK, read_json_line
@@ -132,6 +132,16 @@ def _check_line(
         return None
 
 
+def _skip_line(f: IO[bytes]) -> int:
+    """Read past the rest of a line, a chunk at a time; the bytes skipped."""
+    n = 0
+    while True:
+        chunk = f.readline(1 << 20)
+        n += len(chunk)
+        if not chunk or chunk.endswith(b"\n"):
+            return n
+
+
 def check_input(path: Path, endpoint: str, settings: Settings) -> Checked:
     """Read and check the input file at ``path`` for a batch on ``endpoint``."""
     out = Checked()
@@ -139,9 +149,18 @@ def check_input(path: Path, endpoint: str, settings: Settings) -> Checked:
     index.open()  # the file deleted meanwhile (DELETE /v1/files) stays readable through it
     seen: set[str] = set()
     offset = 0
+    limit = line_limit(settings)
     with open(path, "rb") as f:
-        for n, raw in enumerate(f, start=1):
+        for n, raw in enumerate(iter(lambda: f.readline(limit + 1), b""), start=1):
             at, offset = offset, offset + len(raw)
+            if len(raw) > limit:  # not read whole: no request this deployment takes is that long
+                offset += 0 if raw.endswith(b"\n") else _skip_line(f)
+                out.add(
+                    n,
+                    "line_too_long",
+                    f"This line is longer than {limit:,} bytes, more than any request can take.",
+                )
+                continue
             # a BOM on line 1 is skipped; bytes that are not UTF-8, text that is not JSON, JSON
             # nested too deep or an integer too long to read are the line's error, not the batch's
             try:
