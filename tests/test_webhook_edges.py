@@ -26,6 +26,7 @@ from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from prefixq.store.webhook_outbox import Delivery
 from test_webhooks import _config, _flags, _secret
+from webhook_receiver import Receiver
 
 BAD_URLS = ["http://h:abc/x", "http://h:99999/x", "http://[::1/x", "http://a\nb/x", "http://h/\x00"]
 
@@ -71,6 +72,69 @@ class Trickler:
     def close(self) -> None:
         self._stop = True
         self._sock.close()
+
+
+class Flooder(Trickler):
+    """A receiver that answers ``200 OK`` with a 4 GiB body and sends it as fast as the sender
+    takes it; counts the bytes it got rid of."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        super().__init__(every=0.0, for_s=20.0)
+
+    def _one(self, conn: socket.socket) -> None:
+        t0, chunk = time.monotonic(), b"x" * (1 << 20)
+        try:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 4294967296\r\n\r\n")
+            while time.monotonic() - t0 < self.for_s:
+                conn.sendall(chunk)
+                self.sent += len(chunk)
+        except OSError:
+            pass
+        finally:
+            self.held.append(time.monotonic() - t0)
+            conn.close()
+
+
+def test_a_receiver_answering_gigabytes_is_delivered_by_its_status_without_reading_them(
+    settings: Settings, tmp_path: Path, r: redis.Redis
+) -> None:
+    """The answer's body was read whole: a receiver answering 4 GiB took the server from 85 MB
+    to 2 GB (and the worker's memory too, for on_complete_url), never given back. The status
+    decides; the body is never read, so the event is delivered at the first attempt."""
+    rx = Flooder()
+    flags = _flags(_config(settings.namespace, _secret(), rx.url), webhook_timeout_s=5.0)
+    keys = Keys(settings.namespace)
+    try:
+        with Server(settings, tmp_path / "files", extra=flags) as srv:
+            c = OpenAI(base_url=srv.url, api_key="k", max_retries=0)
+            f = c.files.create(file=("e.jsonl", b"\n"), purpose="batch")  # empty: fails
+            c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="1h")
+            wait_until(lambda: r.hget(keys.hooks_stats, "delivered") == b"1", 20, "delivered")
+            wait_until(lambda: len(rx.held) == 1, 10, "the receiver's connection closed")
+    finally:
+        rx.close()
+    assert rx.sent < 64 << 20, rx.sent  # what the sockets' buffers took, not the body
+    assert r.hget(keys.hooks_stats, "retried") is None
+
+
+def test_a_webhook_urls_password_and_query_are_in_no_log_line(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """httpx's own INFO line ("HTTP Request: POST <url>") wrote the URL whole into the server's
+    (and a worker's) log: a receiver's password and query token in cleartext."""
+    with Receiver() as rx:
+        url = rx.url.replace("http://", "http://alice:PASSW0RD@") + "?token=SUPERSECRET123"
+        flags = _flags(_config(settings.namespace, _secret(), url))
+        with Server(settings, tmp_path / "files", extra=flags) as srv:
+            c = OpenAI(base_url=srv.url, api_key="k", max_retries=0)
+            f = c.files.create(file=("e.jsonl", b"\n"), purpose="batch")  # empty: fails
+            c.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="1h")
+            wait_until(lambda: rx.ok(), 20, "the batch's event")
+            wait_until(lambda: "delivered" in srv.tail(20_000), 10, "the delivery's log line")
+            log = srv.tail(100_000)
+    assert "PASSW0RD" not in log and "SUPERSECRET123" not in log
 
 
 def test_a_receiver_that_trickles_its_answer_is_cut_off_at_the_timeout(

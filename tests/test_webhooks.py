@@ -260,6 +260,9 @@ def test_on_complete_url_must_be_http_and_a_bad_one_queues_nothing(
         ('{"ns": {"endpoints": [{"url": "http://h/x"}]}}', "no secret"),
         ('{"ns": {"secret": "%s", "endpoints": [{"url": "h"}]}}', "http"),
         ('{"ns": {"secret": "%s", "endpoints": [{"url": "http://h", "events": ["x"]}]}}', "events"),
+        # a TypeError (unhashable list) and a RecursionError, as tracebacks
+        ('{"ns": {"secret": "%s", "endpoints": [{"url": "http://h", "events": [[1]]}]}}', "events"),
+        ('{"ns": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deep"),
     ],
 )
 def test_a_bad_webhooks_setting_is_refused_without_showing_a_secret(spec: str, why: str) -> None:
@@ -338,7 +341,7 @@ def test_prefixq_submit_takes_on_complete_url_and_a_worker_sends_it(
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in requests(2)))
     bad = cli(settings, "submit", str(path), "--on-complete-url", "mailto:x@example.com")
-    assert bad.returncode != 0 and "on_complete_url" in bad.stderr
+    assert bad.returncode == 2 and "--on-complete-url must be an http" in bad.stderr
     with Receiver() as rx, fake_worker(s):
         done = cli(settings, "submit", str(path), "--wait", "--on-complete-url", rx.url)
         assert done.returncode == 0, done.stderr

@@ -18,6 +18,11 @@ from prefixq.core.errors import ConfigError
 FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
+#: libraries whose INFO and DEBUG lines are kept out at any level: httpx logs every request with
+#: its whole URL (a webhook URL's user, password and query token; prefixq's own lines show it
+#: without them: ops/webhook_delivery.py)
+QUIET = ("httpx", "httpcore")
+
 #: attributes every LogRecord has; anything else on a record came from ``extra=``
 _STANDARD = frozenset(
     vars(logging.LogRecord("", 0, "", 0, "", None, None)).keys() | {"message", "asctime"}
@@ -55,3 +60,5 @@ def configure(level: str, fmt: str = "text", stream: IO[str] | None = None) -> N
     handler = logging.StreamHandler(stream)
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    for name in QUIET:
+        logging.getLogger(name).setLevel(logging.WARNING)

@@ -136,10 +136,14 @@ class WebhookConfig:
                 spec = path.read_text(encoding="utf-8")
             except OSError as e:
                 raise ConfigError(f"webhooks: cannot read {path}: {e.strerror}") from None
+            except UnicodeDecodeError:
+                raise ConfigError(f"webhooks: {path} is not UTF-8 text") from None
         try:
             raw = json.loads(spec)
         except json.JSONDecodeError as e:
             raise ConfigError(f"webhooks: not JSON ({e.msg}, line {e.lineno})") from None
+        except RecursionError:
+            raise ConfigError("webhooks: not JSON (nested too deep)") from None
         if not isinstance(raw, dict):
             raise ConfigError("webhooks: expected a JSON object of namespace -> settings")
         return cls({ns: _namespace(ns, v) for ns, v in raw.items()})
@@ -171,7 +175,11 @@ def _namespace(ns: str, raw: Any) -> NamespaceHooks:
         if ekey is None:
             raise ConfigError(f"webhooks: {where}: no secret (its own, or the namespace's)")
         events = e.get("events", list(EVENTS))
-        if not isinstance(events, list) or not events or set(events) - set(EVENTS):
+        if (
+            not isinstance(events, list)
+            or not events
+            or not all(isinstance(x, str) and x in EVENTS for x in events)
+        ):
             raise ConfigError(f"webhooks: {where}: 'events' must list some of {', '.join(EVENTS)}")
         out.append(Endpoint(url, ekey, frozenset(events)))
     return NamespaceHooks(key, tuple(out))

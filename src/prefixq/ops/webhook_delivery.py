@@ -55,6 +55,13 @@ def _where(url: str) -> str:
         return "<malformed URL>"
 
 
+async def _post(http: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str]) -> int:
+    """POST ``body``; the answer's status. Its body is never read: the status says whether the
+    event was taken, and a receiver that answers with gigabytes must not fill this process."""
+    async with http.stream("POST", url, content=body, headers=headers) as resp:
+        return resp.status_code
+
+
 class Deliverer:
     """Sends the due webhook deliveries of ``namespaces`` until cancelled (`run`)."""
 
@@ -140,16 +147,14 @@ class Deliverer:
         try:
             # httpx's timeout bounds each read and write, not the attempt: a receiver that
             # trickles its answer would hold the attempt past its claim (and be sent it again)
-            resp = await asyncio.wait_for(
-                http.post(d.url, content=d.body.encode(), headers=headers), limit
-            )
+            status = await asyncio.wait_for(_post(http, d.url, d.body.encode(), headers), limit)
         except TimeoutError:
             return f"no answer within webhook_timeout_s ({limit:g} s)"
         except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:  # a URL no attempt can reach
             return f"{type(e).__name__}: {e}"[:300]
-        if 200 <= resp.status_code < 300:
+        if 200 <= status < 300:
             return ""
-        return f"HTTP {resp.status_code}"
+        return f"HTTP {status}"
 
     async def _settle(self, keys: Keys, d: Delivery, error: str) -> None:
         s = self.settings
