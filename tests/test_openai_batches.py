@@ -18,7 +18,7 @@ import pytest
 import redis
 from openai import OpenAI
 
-from helpers import cli
+from helpers import cli, wait_until
 from openai_server import Server, chat_line, completion_line, jsonl, wait_batch
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
@@ -30,6 +30,7 @@ from prefixq.core.settings import Settings
         ({"endpoint": "/v1/moderations"}, "endpoint"),
         ({"completion_window": "1 day"}, "completion_window"),
         ({"completion_window": "0h"}, "completion_window"),
+        ({"completion_window": "9" * 5000 + "s"}, "completion_window"),  # was a plain-text 500
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
         ({"metadata": {"k": "v" * 513}}, "metadata"),
         ({"input_file_id": "file-missing"}, "input_file_id"),
@@ -298,3 +299,38 @@ def test_a_batch_in_a_namespace_with_no_shard_count_waits_without_tracebacks(
         assert c.batches.retrieve(b.id).status == "validating"
         log = srv.tail(20_000)
         assert "WARNING" in log and "no shard count" in log and "Traceback" not in log, log
+
+
+def test_a_batch_that_cannot_be_queued_expires_at_its_window_and_cancels_at_once(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """Given `serve` on a namespace with no shard count (its batches cannot be queued; each try
+    backs off up to a minute): a batch with a 3 s window ends `expired` soon after its window
+    (it stayed `validating` for ever), and a batch cancelled while its try backs off is
+    `cancelled` within seconds (it waited out the backoff), with 20 cancels at once all
+    answered 200 (a cancel that lost the race to another got a 409)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+
+    with Server(settings.replace(shards=0), tmp_path / "files") as srv:
+        c = OpenAI(base_url=srv.url, api_key="anything", max_retries=0)
+        line = json.dumps(chat_line("a", "hi")).encode()
+        f = c.files.create(file=("a.jsonl", line), purpose="batch")
+        short = c.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="3s"
+        )
+        long = c.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        wait_until(lambda: f"batch {long.id}: " in srv.tail(20_000), 30, "a failed try")
+        b = wait_batch(c, short.id, {"expired", "failed", "cancelled", "completed"}, timeout=20)
+        assert b.status == "expired" and b.expired_at is not None
+        assert b.expired_at >= b.expires_at  # type: ignore[operator]
+        wait_until(lambda: "retried in 8 s" in srv.tail(20_000), 30, "a backoff of 8 s")
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(20) as pool:
+            got = list(pool.map(lambda _: c.batches.cancel(long.id).status, range(20)))
+        assert set(got) <= {"cancelling", "cancelled"}, got
+        assert wait_batch(c, long.id, {"cancelled"}, timeout=20).status == "cancelled"
+        assert time.monotonic() - t0 < 5.0

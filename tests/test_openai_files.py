@@ -153,6 +153,34 @@ def test_malformed_multipart_and_missing_fields_are_400(server: Server) -> None:
     assert list(httpx.get(f"{server.url}/files").json()["data"]) == []
 
 
+def test_a_boundary_too_long_for_the_parser_is_a_400_not_a_500(server: Server) -> None:
+    """python-multipart refuses a boundary over 256 bytes in its constructor, which was outside
+    the error handling: a plain-text 500 and a reset connection."""
+    r = httpx.post(
+        f"{server.url}/files",
+        content=b"--" + b"a" * 5000 + b"--\r\n",
+        headers={"content-type": "multipart/form-data; boundary=" + "a" * 5000},
+    )
+    assert r.status_code == 400 and "Malformed multipart body" in r.json()["error"]["message"]
+
+
+def test_a_file_named_with_filename_star_is_taken_with_its_name(server: Server) -> None:
+    """RFC 7578's ``filename*=UTF-8''...`` (what some clients send for a name that is not ASCII)
+    was taken for no file at all: 400 "Missing required parameter: 'file'"."""
+    body = (
+        b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--b\r\n'
+        b"Content-Disposition: form-data; name=\"file\"; filename*=UTF-8''%e2%82%ac.jsonl\r\n"
+        b"\r\n" + jsonl([chat_line("a", "hi")]) + b"\r\n--b--\r\n"
+    )
+    r = httpx.post(
+        f"{server.url}/files",
+        content=body,
+        headers={"content-type": "multipart/form-data; boundary=b"},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["filename"] == "\u20ac.jsonl" and r.json()["bytes"] > 0
+
+
 def test_a_started_server_removes_partial_uploads_a_killed_one_left(
     settings: Settings, tmp_path: Path
 ) -> None:

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 #: statuses a batch never leaves
 FINAL = frozenset({"failed", "completed", "expired", "cancelled"})
-_WINDOW = re.compile(r"^([1-9][0-9]*)([smhd])$")
+_WINDOW = re.compile(r"^([1-9][0-9]{0,8})([smhd])$")  # 9 digits: past 30 days in any unit
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 #: longest completion window accepted (30 days)
 MAX_WINDOW_S = 30 * 86400
@@ -326,6 +326,8 @@ class BatchStore:
         )
         if moved != 1:
             m = await self.record(batch_id)
+            if m["status"] in ("cancelling", "cancelled"):  # another cancel moved it meanwhile
+                return batch_object(m, await self.live(m))
             raise ApiError(
                 409,
                 f"Cannot cancel a batch with status {m['status']!r}.",

@@ -54,6 +54,14 @@ def _decode(h: dict[bytes, bytes]) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in h.items()}
 
 
+def _expires(m: dict[str, str]) -> float:
+    """When the batch's completion window ends (its record's ``expires_at``)."""
+    try:
+        return float(m["expires_at"])
+    except (KeyError, ValueError):
+        return float("inf")  # a record without one: no window to end
+
+
 def _failed(errors: list[dict[str, Any]]) -> dict[str, Any]:
     return {"failed_at": time.time(), "errors": json.dumps(errors, ensure_ascii=False)}
 
@@ -180,6 +188,18 @@ class Sweeper:
             store, batch_id, burst, len(checked.requests), checked.model or "", token
         )
 
+    async def expire(self, store: BatchStore, batch_id: str, token: str) -> None:
+        """End a batch that was never queued and whose window is over: ``expired``, nothing
+        run (OpenAI's batches expire at the window whatever they were doing)."""
+        async with lease.held(self.r, store.keys.oai_lease(batch_id), token):
+            m = await store.record(batch_id)
+            burst = await self.r.exists(store.keys.burst(m["burst"]))
+            if m["status"] != "validating" or burst or time.time() < _expires(m):
+                return  # queued meanwhile: its burst expires at the same deadline
+            fields = {"expired_at": time.time(), "total": 0, "completed": 0, "failed": 0}
+            if await store.move(batch_id, ("validating",), "expired", fields, token=token):
+                log.warning("batch %s: expired before it could be queued", batch_id)
+
     async def _queued(
         self, store: BatchStore, batch_id: str, burst: str, total: int, model: str, token: str
     ) -> None:
@@ -284,12 +304,9 @@ class Sweeper:
             open_ids = {x.decode() for x in await self.r.smembers(store.keys.oai_open)}
             for key in [k for k in self.retry if k[0] == ns and k[1] not in open_ids]:
                 del self.retry[key]  # finished elsewhere meanwhile
-            now = time.monotonic()
-            ids = sorted(
-                i
-                for i in open_ids
-                if (ns, i) not in self.busy and self.retry.get((ns, i), (0.0, 0.0))[0] <= now
-            )
+            # batches waiting out a failed step's backoff are read too: a cancel, or a window
+            # that ends, goes at once (neither needs what the step waits for)
+            ids = sorted(i for i in open_ids if (ns, i) not in self.busy)
             if not ids:
                 continue
             pipe = self.r.pipeline(transaction=False)
@@ -300,17 +317,28 @@ class Sweeper:
             for m in records:
                 pipe.hmget(store.keys.burst(m.get("burst") or "-"), ["total", "done", "failed"])
             counters = await pipe.execute()
+            now = time.monotonic()
             for batch_id, m, st in zip(ids, records, counters, strict=True):
-                await self._visit(store, batch_id, m, st)
+                backoff = self.retry.get((ns, batch_id), (0.0, 0.0))[0] > now
+                await self._visit(store, batch_id, m, st, backoff)
 
     async def _visit(
-        self, store: BatchStore, batch_id: str, m: dict[str, str], st: list[bytes | None]
+        self,
+        store: BatchStore,
+        batch_id: str,
+        m: dict[str, str],
+        st: list[bytes | None],
+        backoff: bool = False,
     ) -> None:
         status = m.get("status")
         if status is None or status in FINAL:
             await self.r.srem(store.keys.oai_open, batch_id)
             return
-        if status == "validating" or (status == "cancelling" and "total" not in m):
+        if status == "validating" and st[0] is None and time.time() >= _expires(m):
+            step = self.expire  # never queued (no shard count, a step failing): its window ended
+        elif backoff and status != "cancelling":
+            return
+        elif status == "validating" or (status == "cancelling" and "total" not in m):
             step = self.start
         elif st[0] is None:
             err = {

@@ -5,13 +5,15 @@ without Starlette's unbounded spooling of file parts)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 import anyio
-from python_multipart.exceptions import MultipartParseError
+from python_multipart.exceptions import FormParserError, MultipartParseError
 from python_multipart.multipart import MultipartParser, MultipartState, parse_options_header
 
 from prefixq.openai.apierror import ApiError, bad_request
@@ -21,6 +23,25 @@ __all__ = ["Upload", "receive"]
 #: form fields other than the file: bytes each, and how many
 _MAX_FIELD_BYTES = 4096
 _MAX_FIELDS = 16
+
+
+#: RFC 7578 / 5987: ``filename*=charset'lang'percent-encoded`` (what some clients send for a
+#: name that is not ASCII); python-multipart drops it
+_EXT_FILENAME = re.compile(rb"""filename\*\s*=\s*([^;'"]*)'[^']*'([^;\s]*)""", re.IGNORECASE)
+
+
+def _filename(opts: dict[bytes, bytes], disposition: bytes) -> str | None:
+    """The part's file name: ``filename*`` first (RFC 7578), then ``filename``; None if neither."""
+    m = _EXT_FILENAME.search(disposition)
+    if m:
+        charset = m.group(1).decode("latin-1") or "utf-8"
+        try:
+            return unquote_to_bytes(m.group(2)).decode(charset, "replace")
+        except LookupError:  # a charset Python does not know
+            return unquote_to_bytes(m.group(2)).decode("utf-8", "replace")
+    if b"filename" in opts:
+        return opts[b"filename"].decode("utf-8", "replace")
+    return None
 
 
 @dataclass(slots=True)
@@ -69,14 +90,16 @@ class _State:
         self.field, self.value = b"", b""
 
     def on_headers_finished(self) -> None:
-        _, opts = parse_options_header(self.part.headers.get(b"content-disposition", b""))
+        disposition = self.part.headers.get(b"content-disposition", b"")
+        _, opts = parse_options_header(disposition)
         self.part.name = opts.get(b"name", b"").decode("latin-1")
-        self.part.is_file = b"filename" in opts and self.part.name == "file"
+        filename = _filename(opts, disposition)
+        self.part.is_file = filename is not None and self.part.name == "file"
         if self.part.is_file:
             if self.up.got_file:
                 self.error = bad_request("Only one file may be uploaded.", param="file")
             self.up.got_file = True
-            self.up.filename = opts[b"filename"].decode("utf-8", "replace")
+            self.up.filename = filename or ""
 
     def on_part_data(self, data: bytes, start: int, end: int) -> None:
         chunk = data[start:end]
@@ -140,7 +163,10 @@ async def receive(
         raise bad_request("Expected a multipart/form-data body with a boundary.")
     up = Upload(path=path)
     state = _State(up, max_bytes, max_lines)
-    parser = MultipartParser(params[b"boundary"], state.callbacks())  # type: ignore[arg-type]
+    try:
+        parser = MultipartParser(params[b"boundary"], state.callbacks())  # type: ignore[arg-type]
+    except FormParserError as e:  # a boundary over 256 bytes (RFC 2046 allows 70)
+        raise bad_request(f"Malformed multipart body: {e}") from None
     try:
         async with await anyio.open_file(path, "wb") as f:
             async for chunk in chunks:
