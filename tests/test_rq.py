@@ -281,6 +281,27 @@ def test_a_burst_an_earlier_attempt_left_half_submitted_is_cancelled_and_submitt
     assert job.get_meta(refresh=True)["prefixq_run_burst"] == new.pop()
 
 
+def test_a_new_job_under_a_used_job_id_submits_its_own_requests(
+    s: Settings, r: redis.Redis, fake_worker: MakeWorker
+) -> None:
+    """RQ keeps an old job's meta when a new job is enqueued under the same ``job_id``: the new
+    job took the old one's burst for an earlier attempt of its own and returned its results,
+    and its own requests never ran. A retry or requeue of the same job still reattaches
+    (test_a_run_burst_job_whose_rq_worker_was_killed_reattaches_when_retried)."""
+    q = queue(r, s)
+    other = [{"id": "n0", "prompt": "x y", "max_tokens": 8}, {"id": "n1", "prompt": "z"}]
+    with fake_worker(s):
+        first = enqueue_run_burst(q, s, THREE, timeout=60, job_id="fixed-job")
+        rq_worker(s.redis_url, q.name)
+        one = first.return_value(refresh=True)
+        second = enqueue_run_burst(q, s, other, timeout=60, job_id="fixed-job")
+        rq_worker(s.redis_url, q.name)
+        two = second.return_value(refresh=True)
+    assert one is not None and two is not None, failure(second)
+    assert one["burst"] != two["burst"] and (two["total"], two["done"]) == (2, 2)
+    assert r.zcard(Keys(s.namespace).bursts) == 2
+
+
 def test_run_burst_does_not_reattach_to_a_burst_of_another_job(s: Settings, r: redis.Redis) -> None:
     """A burst_id that is already taken fails the job (and its retry) as taken: it is not a
     burst this job submitted, so no attempt waits on it."""

@@ -130,6 +130,9 @@ def run_burst(
 
 #: the RQ job's meta fields that name the burst an attempt of it submits (kept across retries)
 META_BURST, META_NAMESPACE = "prefixq_run_burst", "prefixq_run_namespace"
+#: the job's ``created_at`` when it noted the burst: a new job enqueued under the same id (RQ
+#: keeps the old one's meta) is another job, whose own requests are submitted
+META_CREATED = "prefixq_run_job_created"
 #: the burst record's ``metadata`` field that names the RQ job that submitted it
 META_RQ_JOB = "rq_job"
 
@@ -144,6 +147,9 @@ def _earlier_attempt(
     as a whole (nothing of it is left for a worker to run), and this attempt submits anew."""
     if job is None or job.meta.get(META_NAMESPACE) != settings.namespace:
         return None
+    noted = job.meta.get(META_CREATED)  # None: noted before it was kept (an upgrade)
+    if noted is not None and noted != _created(job):
+        return None  # noted by an earlier job under the same id, not by an attempt of this one
     prior = job.meta.get(META_BURST)
     if not isinstance(prior, str):
         return None
@@ -170,6 +176,11 @@ def _earlier_attempt(
     return None
 
 
+def _created(job: Job) -> str:
+    """When the job was created (kept by its retries and requeues, new for a new job)."""
+    return job.created_at.isoformat() if job.created_at is not None else ""
+
+
 def _rq_job_of(metadata: bytes | None) -> str | None:
     """The RQ job id a burst record's ``metadata`` names as the one that submitted it."""
     try:
@@ -188,7 +199,9 @@ def _submit(
     for attempt in range(_NEW_ID_ATTEMPTS):
         burst = new_burst_id() if burst_id is None else check_burst_id(burst_id)
         if job is not None:
-            job.meta.update({META_BURST: burst, META_NAMESPACE: settings.namespace})
+            job.meta.update(
+                {META_BURST: burst, META_NAMESPACE: settings.namespace, META_CREATED: _created(job)}
+            )
             job.save_meta()  # type: ignore[no-untyped-call]
         try:
             Producer(settings, on_burst_done=RQ_ON_COMPLETE).submit(
