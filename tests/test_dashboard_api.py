@@ -330,3 +330,35 @@ def test_a_quiet_worker_and_a_gone_one_stand_out(
     assert quiet == {"alive": False, "hung": True}
     ((gone,),) = [shard["workers_gone"]]
     assert gone["name"] == "killed" and 119 < gone["last_beat_age_s"] < 200
+
+
+def test_a_bursts_results_or_events_of_another_type_leave_the_rest_shown(
+    settings: Settings, fake_worker: Callable[..., FakeWorker], r: redis.Redis, serve: Any
+) -> None:
+    """Given a finished burst whose results hash and events stream hold strings (anything with
+    write access may write one), inspect and the dashboard show the rest and name what they
+    could not read; the results download is a 404 saying why before any line. Before: inspect
+    failed as a whole (WRONGTYPE), /api/snapshot, /api/bursts/ID and /failed were 500s, and the
+    download a 200 with an empty body cut short."""
+    fake_worker(settings, name="wt0")
+    burst = Producer(settings).submit(requests(4))
+    wait_burst(r, settings, burst, 20)
+    keys = Keys(settings.namespace)
+    for key in (keys.results(burst), keys.events(burst)):
+        r.delete(key)
+        r.set(key, "garbage")
+    srv = serve(settings)
+    snap = inspect_json(settings)
+    (b,) = [x for x in snap["bursts"] if x["burst"] == burst]
+    assert b["done"] == 4 and b["results"] == 0
+    assert any(f"burst {burst}'s results not shown" in p for p in snap["problems"])
+    got = get(srv, "api/snapshot")
+    assert got.status_code == 200 and got.json()["problems"]
+    one = get(srv, f"api/bursts/{burst}")
+    assert one.status_code == 200 and one.json()["burst"]["done"] == 4
+    assert len(one.json()["problems"]) == 2, one.json()["problems"]
+    failed = get(srv, f"api/bursts/{burst}/failed")
+    assert failed.status_code == 200 and not failed.json()["complete"]
+    assert failed.json()["problems"]
+    dl = get(srv, f"api/bursts/{burst}/results")
+    assert dl.status_code == 404 and "not a hash" in dl.json()["error"]["message"]

@@ -33,6 +33,7 @@ from prefixq.openai.apierror import ApiError, bad_request
 from prefixq.openai.app import Served
 from prefixq.ops import burst_list, fleet_stats, history, stats
 from prefixq.ops.recovery import Recovery
+from prefixq.ops.tolerant import tolerant
 from prefixq.store.burst_end import acancel
 from prefixq.store.deployment import resolve_shards
 
@@ -222,11 +223,14 @@ def mount(app: FastAPI, served: Served) -> None:
 
         def read() -> dict[str, Any]:
             r = client()
-            detail = stats.burst_stats(r, s, b)
+            problems: list[str] = []  # keys of another type (ops/tolerant.py)
+            detail = stats.burst_stats(r, s, b, problems)
             st = results_api.status(b, s, client=r)
             since = int((time.time() - burst_list.RATE_WINDOW_S) * 1000)
-            recent = r.xrevrange(s.keys.events(b), "+", since, count=burst_list.RATE_EVENTS)
-            return {"burst": detail, "summary": burst_list.summary(st, recent, time.time())}
+            recent: list[Any] = tolerant(problems, f"burst {b}'s events", [], r.xrevrange,
+                              s.keys.events(b), "+", since, burst_list.RATE_EVENTS)  # fmt: skip
+            summary = burst_list.summary(st, recent, time.time())
+            return {"burst": detail, "summary": summary, "problems": problems}
 
         try:
             return _json(await call(read))

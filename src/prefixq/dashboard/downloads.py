@@ -13,7 +13,7 @@ import redis
 
 from prefixq.client import results
 from prefixq.core import wire
-from prefixq.core.errors import ConfigError
+from prefixq.core.errors import BurstRecordLost, ConfigError
 from prefixq.core.records import Result
 from prefixq.core.settings import Settings
 from prefixq.openai.formats import CHAT, format_result
@@ -35,6 +35,9 @@ def result_lines(r: redis.Redis, settings: Settings, burst: str, fmt: str) -> It
     endpoint, model = meta.get("endpoint", CHAT), meta.get("model", "")
     limits = wire.Limits.from_settings(settings)
     key = settings.keys.results(burst)
+    kind = r.type(key)
+    if kind not in (b"hash", b"none", "hash", "none"):  # checked before the first line is sent
+        raise BurstRecordLost(f"burst {burst}: its results key holds a {kind!r}, not a hash")
 
     def line(res: Result) -> str:
         if fmt == "openai":

@@ -22,6 +22,7 @@ from prefixq.core import wire
 from prefixq.core.errors import BurstRecordLost
 from prefixq.core.settings import Settings
 from prefixq.ops.stats import shown_status
+from prefixq.ops.tolerant import tolerant
 
 __all__ = ["FAILURE_SCAN", "SCAN", "failures", "listing", "summary"]
 
@@ -163,8 +164,12 @@ def failures(r: redis.Redis, settings: Settings, burst: str, *, limit: int = 100
     limits = wire.Limits.from_settings(settings)
     found: list[dict[str, Any]] = []
     scanned, cursor = 0, 0
+    problems: list[str] = []
+    none: tuple[int, dict[bytes, bytes]] = (0, {})
     while True:
-        cursor, chunk = r.hscan(key, cursor, count=1000)
+        cursor, chunk = tolerant(
+            problems, f"burst {burst}'s results", none, r.hscan, key, cursor, None, 1000
+        )
         for field, raw in chunk.items():
             scanned += 1
             index = int(field) if field.isdigit() else -1
@@ -189,5 +194,6 @@ def failures(r: redis.Redis, settings: Settings, burst: str, *, limit: int = 100
         "failed": found[:limit],
         "found": len(found),
         "scanned": scanned,
-        "complete": cursor == 0,
+        "complete": cursor == 0 and not problems,
+        "problems": problems,
     }

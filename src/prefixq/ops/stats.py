@@ -199,14 +199,24 @@ def shown_status(st: results_api.BurstStatus) -> str:
     return st.status
 
 
-def burst_stats(r: redis.Redis, settings: Settings, burst: str) -> dict[str, Any]:
+def burst_stats(
+    r: redis.Redis, settings: Settings, burst: str, problems: list[str] | None = None
+) -> dict[str, Any]:
     """Progress, byte counts and token counters of one burst (its record), and latency
-    percentiles from at most `SAMPLE` of its results, read at random."""
+    percentiles from at most `SAMPLE` of its results, read at random; results held in a key of
+    another type are left out and named in ``problems``."""
     st = results_api.status(burst, settings, client=r)
-    pipe = r.pipeline(transaction=False)
-    pipe.hlen(settings.keys.results(burst))
-    pipe.hrandfield(settings.keys.results(burst), SAMPLE, withvalues=True)
-    n, flat = pipe.execute()
+
+    def sample_results() -> tuple[int, list[bytes]]:
+        pipe = r.pipeline(transaction=False)
+        pipe.hlen(settings.keys.results(burst))
+        pipe.hrandfield(settings.keys.results(burst), SAMPLE, withvalues=True)
+        n, flat = pipe.execute()
+        return n, flat
+
+    bad = problems if problems is not None else []
+    nothing: tuple[int, list[bytes]] = (0, [])
+    n, flat = tolerant(bad, f"burst {burst}'s results", nothing, sample_results)
     limits = wire.Limits.from_settings(settings)
     pairs = zip((flat or [])[::2], (flat or [])[1::2], strict=True)
     sample = [
@@ -283,11 +293,13 @@ def recent_bursts(r: redis.Redis, keys: Keys, recent: int) -> list[str]:
     return [b for b in newest if alive[b]][:recent]
 
 
-def _burst_or_why(r: redis.Redis, settings: Settings, burst: str, asked: bool) -> dict[str, Any]:
+def _burst_or_why(
+    r: redis.Redis, settings: Settings, burst: str, asked: bool, problems: list[str]
+) -> dict[str, Any]:
     """`burst_stats`; for a recent burst whose record is incomplete or went away meanwhile, what
     happened (``{"burst", "status": "lost", "error"}``) instead of failing the whole snapshot."""
     try:
-        return burst_stats(r, settings, burst)
+        return burst_stats(r, settings, burst, problems)
     except BurstNotFound as e:  # BurstRecordLost too
         if asked:
             raise
@@ -316,7 +328,7 @@ def snapshot(
         "shards": per_shard,
         "fleet": fleet(r, settings, shards, now, problems),
         "sharing": sharing(per_shard, lane_bursts),
-        "bursts": [_burst_or_why(r, settings, b, b == burst) for b in bursts],
+        "bursts": [_burst_or_why(r, settings, b, b == burst, problems) for b in bursts],
         "problems": problems,
         "at": now,
     }
