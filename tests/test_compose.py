@@ -218,3 +218,18 @@ def test_compose_cluster_init_creates_the_cluster_from_the_nodes_addresses_once(
     )
     assert p.returncode == 0, p.stderr
     assert [c.split()[2:] for c in calls.read_text().splitlines()] == [["cluster", "info"]]
+
+
+def test_every_prefixq_check_healthcheck_outlasts_the_checks_own_timeout() -> None:
+    """`prefixq check` against a Redis that accepts connections but does not answer says so after
+    about 15 s (docs/operations.md, "Health check"); a healthcheck timeout of 10 s cut it off, and
+    Docker showed "timed out" instead of the reason."""
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    checks = {
+        name: svc["healthcheck"]
+        for name, svc in services.items()
+        if "check" in (svc.get("healthcheck") or {}).get("test", [])
+    }
+    assert checks
+    for name, hc in checks.items():
+        assert int(str(hc["timeout"]).rstrip("s")) >= 20, (name, hc)
