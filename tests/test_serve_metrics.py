@@ -4,6 +4,7 @@ A real server process on a real Redis, bursts from the real Producer, a FakeEngi
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.request
 from collections.abc import Callable
@@ -13,7 +14,7 @@ from typing import Any
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import wait_burst
+from helpers import cli, wait_burst
 from openai_server import Server
 from prefixq.client import Producer
 from prefixq.core.settings import Settings
@@ -88,3 +89,27 @@ def test_a_namespace_without_workers_yet_reads_as_zero(settings: Settings, tmp_p
         m = scrape(srv)
     assert m[("prefixq_shards", fresh.namespace)] == 0
     assert m[("prefixq_outstanding_requests", fresh.namespace)] == 0
+
+
+def test_a_cancelled_bursts_queued_entries_are_no_outstanding_work(
+    make_settings: Callable[..., Settings], tmp_path: Path, r: redis.Redis
+) -> None:
+    """Given no worker, a cancelled burst (its heads in the intakes, the rest in its lanes, over
+    2 shards) beside a live one: the figures count the live burst's requests only (before: the
+    cancelled burst's entries too, until a worker skipped them, so a cancel of a large burst
+    scaled a fleet at zero up to its maximum for nothing); inspect shows them as ended_waiting."""
+    from prefixq.store import burst_end
+
+    s = make_settings(shards=2, placement="round-robin")
+    cancelled = Producer(s).submit([{"id": f"c{i}", "prompt": f"x {i}"} for i in range(40)])
+    Producer(s).submit([{"id": f"l{i}", "prompt": f"y {i}"} for i in range(3)])
+    burst_end.cancel(cancelled, s, client=r)
+    with Server(s, tmp_path / "files") as srv:
+        m = scrape(srv)
+    assert m[("prefixq_outstanding_requests", s.namespace)] == 3
+    assert m[("prefixq_queued_requests", s.namespace)] == 3
+    p = cli(s, "inspect", "--json")
+    assert p.returncode == 0, p.stderr
+    shards = json.loads(p.stdout)["shards"]
+    assert sum(x["ended_waiting"] for x in shards) == 40
+    assert sum(x["waiting"] for x in shards) == 3

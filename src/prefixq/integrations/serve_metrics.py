@@ -7,8 +7,9 @@ gauges (prefixq.integrations.metrics) describe its shard only and vanish with it
 to zero would export nothing to scale up on; the server runs whether or not any worker does, and
 its figure covers every stream of every shard (intakes and per-burst lanes), which no single-stream
 trigger can read. Computed at scrape time in the thread pool, by the same code as ``prefixq
-inspect`` (prefixq.ops.queues: three round trips per shard). Like ``/health`` it needs no API key
-(it says how much work waits, never whose or what).
+inspect`` (prefixq.ops.queues: three or four round trips per shard; a cancelled or expired
+burst's queued entries are no work and not counted). Like ``/health`` it needs no API key (it
+says how much work waits, never whose or what).
 """
 
 from __future__ import annotations

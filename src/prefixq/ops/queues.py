@@ -6,9 +6,11 @@ lane index says its priority and tenant). Acked entries are deleted, so a stream
 its waiting entries (not yet delivered: after its group's last-delivered id) and its pending ones
 (delivered, not acked: in flight). Lanes are counted whole; intake entries (heads, doorbells,
 requeued entries: few) are attributed to their tenant from their payload, at most `INTAKE_SCAN`
-per intake (the rest under tenant ``?``). Three round trips per shard whatever the number of
-bursts: the lane index, then XLEN + XINFO GROUPS per stream, then the oldest waiting entry of
-each stream that has one (and the intakes' entries).
+per intake (the rest under tenant ``?``). Three or four round trips per shard whatever the number
+of bursts: the lane index, then XLEN + XINFO GROUPS per stream (and each lane's burst's status),
+then the oldest waiting entry of each stream that has one (and the intakes' entries); a fourth
+reads the status of the intake entries' other bursts, when there are any. The waiting entries of
+a burst that ended (cancelled, expired) are no work: counted apart (``ended``), not as waiting.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ __all__ = ["INTAKE_SCAN", "Queue", "QueueRead", "ShardQueues", "aread", "entry_a
 
 #: intake entries read per intake to attribute them to tenants
 INTAKE_SCAN = 1000
+#: a burst record's statuses after which its lanes' waiting entries are no work
+ENDED = frozenset({b"cancelled", b"expired", "cancelled", "expired"})
 
 
 def entry_age(entry_id: bytes | str | None, now: float) -> float:
@@ -82,6 +86,9 @@ class ShardQueues:
     #: age of the oldest entry of any stream (waiting or pending)
     oldest_entry_age_s: float = 0.0
     lanes: int = 0
+    #: waiting entries of bursts that ended (cancelled, expired): no work, left for a worker to
+    #: skip and ack; not in ``waiting`` (nor in the metrics that scale the workers)
+    ended: int = 0
     #: (priority, tenant) -> its queue, highest priority first
     by_tenant: dict[tuple[str, str], Queue] = field(default_factory=dict)
 
@@ -100,6 +107,11 @@ class QueueRead:
         self.lane_burst: dict[str, str] = {}
         self.streams: list[str] = []
         self._groups: dict[str, tuple[int, int, bytes | None]] = {}
+        #: lanes whose burst's record says it ended (cancelled, expired)
+        self._ended: set[str] = set()
+        #: burst -> its record's status (lanes' bursts, then intake entries' bursts)
+        self._status: dict[str, Any] = {}
+        self._asked: list[str] = []
 
     def index(self, pipe: Any) -> None:
         pipe.hgetall(self.keys.lanes(self.shard))
@@ -117,14 +129,22 @@ class QueueRead:
         return self.streams
 
     def stats(self, index: Mapping[bytes, bytes], pipe: Any) -> None:
-        """Step 2, given the lane index: XLEN and XINFO GROUPS of every stream."""
+        """Step 2, given the lane index: XLEN and XINFO GROUPS of every stream, then the status
+        of each lane's burst."""
         for key in self.set_index(index):
             pipe.xlen(key)
             pipe.xinfo_groups(key)
+        for burst in self.lane_burst.values():
+            pipe.hget(self.keys.burst(burst), "status")
 
     def details(self, replies: list[Any], pipe: Any) -> None:
         """Step 3, given step 2's replies: the oldest waiting entry of each stream with waiting
         entries, the first entry of every stream, and the intakes' entries."""
+        statuses = replies[2 * len(self.streams) :]
+        for (key, burst), status in zip(self.lane_burst.items(), statuses, strict=False):
+            self._status[burst] = status
+            if status in ENDED:
+                self._ended.add(key)
         for i, key in enumerate(self.streams):
             length, groups = replies[2 * i], replies[2 * i + 1]
             length = length if isinstance(length, int) else 0
@@ -138,12 +158,32 @@ class QueueRead:
             pipe.xrange(key, min=start, count=1)
             pipe.xrange(key, count=INTAKE_SCAN if key in self.intakes else 1)
 
-    def result(self, replies: list[Any]) -> ShardQueues:
+    def intake_bursts(self, replies: list[Any], pipe: Any) -> bool:
+        """Step 4, given step 3's replies: the status of the bursts of the intakes' entries
+        whose status step 2 did not read; False when there are none (no round trip)."""
+        for i, key in enumerate(self.streams):
+            rows = replies[2 * i + 1]
+            if key not in self.intakes or isinstance(rows, Exception):
+                continue
+            for _, fields in rows:
+                burst = _burst_of(fields)
+                if burst is not None and burst not in self._status:
+                    self._status[burst] = None
+                    self._asked.append(burst)
+                    pipe.hget(self.keys.burst(burst), "status")
+        return bool(self._asked)
+
+    def result(self, replies: list[Any], statuses: list[Any] | None = None) -> ShardQueues:
+        for burst, status in zip(self._asked, statuses or [], strict=False):
+            self._status[burst] = status
         out = ShardQueues(lanes=len(self.lanes))
         for i, key in enumerate(self.streams):
             first_waiting, head = replies[2 * i], replies[2 * i + 1]
             length, pending, last = self._groups[key]
             waiting = max(0, length - pending)
+            if key in self._ended:  # no work: a worker skips and acks them
+                out.ended += waiting
+                waiting = 0
             out.waiting += waiting
             out.pending += pending
             if not isinstance(head, Exception) and head:
@@ -153,7 +193,6 @@ class QueueRead:
             oldest = 0.0
             if waiting and not isinstance(first_waiting, Exception) and first_waiting:
                 oldest = entry_age(first_waiting[0][0], self.now)
-            out.oldest_waiting_s = max(out.oldest_waiting_s, oldest)
             info = self.lanes.get(key)
             if info is not None:
                 q = self._queue(out, info.priority, info.tenant)
@@ -164,7 +203,12 @@ class QueueRead:
                 q.oldest_waiting_s = max(q.oldest_waiting_s, oldest)
             elif length:
                 rows = [] if isinstance(head, Exception) else head
-                self._intake(out, self.intakes[key], rows, length, pending, last)
+                ended, oldest = self._intake(
+                    out, self.intakes[key], rows, (length, pending, last), oldest
+                )
+                out.waiting -= ended
+                out.ended += ended
+            out.oldest_waiting_s = max(out.oldest_waiting_s, oldest)
         return out
 
     def _intake(
@@ -172,12 +216,15 @@ class QueueRead:
         out: ShardQueues,
         priority: str,
         rows: list[Any],
-        length: int,
-        pending: int,
-        last: bytes | None,
-    ) -> None:
+        group: tuple[int, int, bytes | None],
+        first_waiting_s: float,
+    ) -> tuple[int, float]:
+        """Count an intake's scanned ``rows`` by tenant (the rest under ``?``); its waiting
+        entries of ended bursts, and the age of its oldest waiting entry of a live one."""
+        length, pending, last = group
         delivered = _id(last) if last is not None else (-1, -1)
-        seen_w = seen_p = 0
+        seen_w = seen_p = ended = 0
+        oldest = 0.0
         for entry_id, fields in rows:
             try:
                 tenant = wire.decode(fields[FIELD]).get("tn") or "default"
@@ -187,14 +234,22 @@ class QueueRead:
             if _id(entry_id) <= delivered:
                 q.pending += 1
                 seen_p += 1
+            elif self._status.get(_burst_of(fields) or "") in ENDED:
+                ended += 1  # no work: a worker skips and acks it
+                seen_w += 1
             else:
                 q.waiting += 1
                 seen_w += 1
-                q.oldest_waiting_s = max(q.oldest_waiting_s, entry_age(entry_id, self.now))
+                age = entry_age(entry_id, self.now)
+                q.oldest_waiting_s = max(q.oldest_waiting_s, age)
+                oldest = max(oldest, age)
         rest = self._queue(out, priority, "?") if length > len(rows) else None
         if rest is not None:  # beyond the scan
             rest.waiting += max(0, length - pending - seen_w)
             rest.pending += max(0, pending - seen_p)
+            if rest.waiting:
+                oldest = max(oldest, first_waiting_s)
+        return ended, oldest
 
     @staticmethod
     def _queue(out: ShardQueues, priority: str, tenant: str) -> Queue:
@@ -204,12 +259,21 @@ class QueueRead:
         return q
 
 
+def _burst_of(fields: Any) -> str | None:
+    """The burst an intake entry belongs to (None for one that does not decode)."""
+    try:
+        burst = wire.decode(fields[FIELD]).get("b")
+    except Exception:
+        return None
+    return burst if isinstance(burst, str) else None
+
+
 def _text(x: Any) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
 
 
 def read(r: redis.Redis, keys: Keys, shard: int) -> ShardQueues:
-    """A shard's queues over a blocking client (three round trips)."""
+    """A shard's queues over a blocking client (three or four round trips)."""
     q = QueueRead(keys, shard)
     pipe = r.pipeline(transaction=False)
     q.index(pipe)
@@ -219,7 +283,10 @@ def read(r: redis.Redis, keys: Keys, shard: int) -> ShardQueues:
     stats = pipe.execute(raise_on_error=False)
     pipe = r.pipeline(transaction=False)
     q.details(stats, pipe)
-    return q.result(pipe.execute(raise_on_error=False))
+    details = pipe.execute(raise_on_error=False)
+    pipe = r.pipeline(transaction=False)
+    statuses = pipe.execute(raise_on_error=False) if q.intake_bursts(details, pipe) else []
+    return q.result(details, statuses)
 
 
 async def aread(r: aredis.Redis, keys: Keys, shard: int) -> ShardQueues:
@@ -233,4 +300,7 @@ async def aread(r: aredis.Redis, keys: Keys, shard: int) -> ShardQueues:
     stats = await pipe.execute(raise_on_error=False)
     pipe = r.pipeline(transaction=False)
     q.details(stats, pipe)
-    return q.result(await pipe.execute(raise_on_error=False))
+    details = await pipe.execute(raise_on_error=False)
+    pipe = r.pipeline(transaction=False)
+    statuses = await pipe.execute(raise_on_error=False) if q.intake_bursts(details, pipe) else []
+    return q.result(details, statuses)

@@ -107,8 +107,10 @@ def shard_stats(
         out.append(
             {
                 "shard": k,
-                "stream_length": q.waiting + q.pending,
+                "stream_length": q.waiting + q.pending + q.ended,
                 "waiting": q.waiting,
+                # entries of cancelled or expired bursts that no worker has skipped yet
+                "ended_waiting": q.ended,
                 "pending": q.pending,
                 "oldest_waiting_s": q.oldest_waiting_s,
                 "oldest_entry_age_s": q.oldest_entry_age_s,
