@@ -123,7 +123,9 @@ def test_worker_started_while_redis_is_out_of_memory_waits_then_serves(
     log = tmp_path / "w.log"
     w = fault_worker(s, log, "--name", "w0")
     try:
-        time.sleep(3)
+        # a worker's start (imports) takes seconds on a loaded machine: wait for its first retry
+        wait_until(lambda: "retrying in" in log.read_text() or w.poll() is not None, 60, "a retry")
+        time.sleep(1)  # and one more try
         assert w.poll() is None, f"worker exited {w.returncode}:\n{log.read_text()[-2000:]}"
         text = log.read_text()
         assert "failed (OOM command not allowed" in text and "retrying in" in text, text
