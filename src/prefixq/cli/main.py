@@ -197,7 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--watch", action="store_true", help="refresh a live view until Ctrl-C")
     i.add_argument("--interval", type=float, default=2.0, help="with --watch: seconds (default 2)")
     i.add_argument(
-        "--watch-count", type=int, default=0, metavar="N", help="with --watch: stop after N views"
+        "--watch-count",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --watch: stop after N views (default 0: until Ctrl-C)",
     )
 
     c = sub.add_parser(
