@@ -336,8 +336,8 @@ class Sweeper:
             return
         if status == "validating" and st[0] is None and time.time() >= _expires(m):
             step = self.expire  # never queued (no shard count, a step failing): its window ended
-        elif backoff and status != "cancelling":
-            return
+        elif backoff and not (status == "cancelling" and "total" not in m):
+            return  # a cancel before queueing needs nothing a failed step waits for
         elif status == "validating" or (status == "cancelling" and "total" not in m):
             step = self.start
         elif st[0] is None:
