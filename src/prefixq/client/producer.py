@@ -102,6 +102,10 @@ class Producer:
         try:
             asyncio.get_running_loop()
         except RuntimeError:
+            running = False
+        else:
+            running = True
+        if not running:  # outside the except: its errors do not chain "no running event loop"
             return asyncio.run(self.asubmit(requests, **options))
         with ThreadPoolExecutor(1, thread_name_prefix="prefixq-submit") as pool:
             return pool.submit(asyncio.run, self.asubmit(requests, **options)).result()
