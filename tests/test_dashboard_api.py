@@ -311,6 +311,7 @@ def test_prefixq_dashboard_serves_the_page_and_api_without_the_batch_api(
     assert get(srv, "api/session").json()["namespace"] == settings.namespace
     assert get(srv, "v1/files").status_code == 404
     assert get(srv, "health").status_code == 200
+    assert httpx.head(srv.root, timeout=30).status_code == 200  # was a 405
 
 
 def test_a_quiet_worker_and_a_gone_one_stand_out(

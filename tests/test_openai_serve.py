@@ -84,6 +84,9 @@ def test_a_key_sees_only_its_namespaces_objects(keyed: Server, r: redis.Redis) -
 def test_health_answers_without_a_key(keyed: Server) -> None:
     r = httpx.get(keyed.url.removesuffix("/v1") + "/health")
     assert r.status_code == 200 and r.json() == {"status": "ok"}
+    # HEAD too (load balancers' and uptime checkers' probes; it was a 405)
+    r = httpx.head(keyed.url.removesuffix("/v1") + "/health")
+    assert r.status_code == 200 and r.content == b""
 
 
 def test_without_keys_the_server_refuses_a_non_loopback_host(

@@ -112,7 +112,7 @@ def mount(app: FastAPI, served: Served) -> None:
             return 0
 
     # ---- the page ------------------------------------------------------------------------
-    @app.get("/", include_in_schema=False)
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def page(request: Request) -> Response:
         access.guard_host(request)
         return Response(_static("index.html"), media_type="text/html; charset=utf-8",

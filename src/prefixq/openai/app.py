@@ -165,7 +165,7 @@ def create_app(
         msg = str(e if isinstance(e, RedisUnavailable) else describe(settings, e))
         return _error(503, msg, "server_error")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         """200 while Redis answers (no API key needed: for health checks)."""
         await holder["r"].ping()
