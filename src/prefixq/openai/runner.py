@@ -334,11 +334,12 @@ class Sweeper:
         if status is None or status in FINAL:
             await self.r.srem(store.keys.oai_open, batch_id)
             return
+        cancelled_unqueued = status == "cancelling" and "total" not in m
         if status == "validating" and st[0] is None and time.time() >= _expires(m):
             step = self.expire  # never queued (no shard count, a step failing): its window ended
-        elif backoff and not (status == "cancelling" and "total" not in m):
+        elif backoff and not cancelled_unqueued:
             return  # a cancel before queueing needs nothing a failed step waits for
-        elif status == "validating" or (status == "cancelling" and "total" not in m):
+        elif status == "validating" or cancelled_unqueued:
             step = self.start
         elif st[0] is None:
             err = {

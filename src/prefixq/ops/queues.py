@@ -112,6 +112,8 @@ class QueueRead:
         #: burst -> its record's status (lanes' bursts, then intake entries' bursts)
         self._status: dict[str, Any] = {}
         self._asked: list[str] = []
+        #: intake entry id -> its tenant and burst (each entry decoded once)
+        self._payloads: dict[Any, tuple[str, str | None]] = {}
 
     def index(self, pipe: Any) -> None:
         pipe.hgetall(self.keys.lanes(self.shard))
@@ -165,8 +167,8 @@ class QueueRead:
             rows = replies[2 * i + 1]
             if key not in self.intakes or isinstance(rows, Exception):
                 continue
-            for _, fields in rows:
-                burst = _burst_of(fields)
+            for entry_id, fields in rows:
+                _, burst = self._payloads[entry_id] = _payload(fields)
                 if burst is not None and burst not in self._status:
                     self._status[burst] = None
                     self._asked.append(burst)
@@ -226,15 +228,12 @@ class QueueRead:
         seen_w = seen_p = ended = 0
         oldest = 0.0
         for entry_id, fields in rows:
-            try:
-                tenant = wire.decode(fields[FIELD]).get("tn") or "default"
-            except Exception:  # anything in an intake: an undecodable entry is a dead letter soon
-                tenant = "?"
-            q = self._queue(out, priority, str(tenant)[:64])
+            tenant, burst = self._payloads.get(entry_id) or _payload(fields)
+            q = self._queue(out, priority, tenant)
             if _id(entry_id) <= delivered:
                 q.pending += 1
                 seen_p += 1
-            elif self._status.get(_burst_of(fields) or "") in ENDED:
+            elif self._status.get(burst or "") in ENDED:
                 ended += 1  # no work: a worker skips and acks it
                 seen_w += 1
             else:
@@ -259,13 +258,14 @@ class QueueRead:
         return q
 
 
-def _burst_of(fields: Any) -> str | None:
-    """The burst an intake entry belongs to (None for one that does not decode)."""
+def _payload(fields: Any) -> tuple[str, str | None]:
+    """An intake entry's tenant and burst (``?`` and None for one that does not decode)."""
     try:
-        burst = wire.decode(fields[FIELD]).get("b")
-    except Exception:
-        return None
-    return burst if isinstance(burst, str) else None
+        payload = wire.decode(fields[FIELD])
+        tenant, burst = payload.get("tn") or "default", payload.get("b")
+    except Exception:  # anything in an intake: an undecodable entry is a dead letter soon
+        return "?", None
+    return str(tenant)[:64], burst if isinstance(burst, str) else None
 
 
 def _text(x: Any) -> str:
