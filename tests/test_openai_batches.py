@@ -17,6 +17,7 @@ import openai
 import pytest
 import redis
 from openai import OpenAI
+from openai.types import FileObject
 
 from helpers import cli, wait_until
 from openai_server import Server, chat_line, completion_line, jsonl, wait_batch
@@ -278,18 +279,21 @@ def test_cancel_of_a_finished_batch_is_a_409(client: OpenAI) -> None:
     assert "failed" in e.value.message
 
 
+def _client_and_file(srv: Server) -> tuple[OpenAI, FileObject]:
+    """A client of ``srv`` and an uploaded batch file of one chat request."""
+    c = OpenAI(base_url=srv.url, api_key="anything", max_retries=0)
+    line = json.dumps(chat_line("a", "hi")).encode()
+    return c, c.files.create(file=("a.jsonl", line), purpose="batch")
+
+
 def test_a_batch_in_a_namespace_with_no_shard_count_waits_without_tracebacks(
     settings: Settings, tmp_path: Path
 ) -> None:
     """Given `serve` on a namespace no worker or producer has recorded a shard count in, when a
     batch is created, then it stays `validating` (a worker's start will let it run) and the
     server logs why in one WARNING line per try (before: a traceback at every retry)."""
-    from openai import OpenAI
-
     with Server(settings.replace(shards=0), tmp_path / "files") as srv:
-        c = OpenAI(base_url=srv.url, api_key="anything", max_retries=0)
-        line = json.dumps(chat_line("a", "hi")).encode()
-        f = c.files.create(file=("a.jsonl", line), purpose="batch")
+        c, f = _client_and_file(srv)
         b = c.batches.create(
             input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
@@ -311,12 +315,8 @@ def test_a_batch_that_cannot_be_queued_expires_at_its_window_and_cancels_at_once
     answered 200 (a cancel that lost the race to another got a 409)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from openai import OpenAI
-
     with Server(settings.replace(shards=0), tmp_path / "files") as srv:
-        c = OpenAI(base_url=srv.url, api_key="anything", max_retries=0)
-        line = json.dumps(chat_line("a", "hi")).encode()
-        f = c.files.create(file=("a.jsonl", line), purpose="batch")
+        c, f = _client_and_file(srv)
         short = c.batches.create(
             input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="3s"
         )
