@@ -20,6 +20,7 @@ from openai import OpenAI
 from helpers import wait_until
 from openai_server import Server, chat_line, jsonl
 from prefixq.core.errors import PrefixqError
+from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 
 
@@ -199,3 +200,37 @@ def test_a_started_server_removes_partial_uploads_a_killed_one_left(
     with Server(settings, tmp_path / "files"):
         wait_until(lambda: not stale.exists(), 30, "the stale partial upload removed")
         assert fresh.exists() and kept.exists()
+
+
+@pytest.mark.parametrize("order", ["desc", "asc"])
+def test_deleting_each_listed_file_pages_through_all_of_them(client: OpenAI, order: str) -> None:
+    """Given 7 files listed 2 a page by the client's auto-pagination, deleting each one as it
+    comes asks for every next page after a file already deleted: all 7 come exactly once, in
+    order, and all are deleted (the cursor goes on from where the deleted file was)."""
+    made = [client.files.create(file=(f"{i}.jsonl", b"{}\n"), purpose="batch").id for i in range(7)]
+    seen = []
+    for f in client.files.list(limit=2, order=order):  # type: ignore[arg-type]
+        seen.append(f.id)
+        client.files.delete(f.id)
+    assert seen == (made[::-1] if order == "desc" else made)
+    assert client.files.list().data == []
+
+
+def test_a_cursor_of_a_removed_file_keeps_its_place_among_files_of_the_same_millisecond(
+    server: Server,
+) -> None:
+    """Given files listed under one score (created in the same millisecond: ordered by id), a
+    page after one of them that was then deleted starts right after where it stood, both ways;
+    an id that never existed is still a 400."""
+    r = redis.Redis.from_url(server.settings.redis_url)
+    keys = Keys(server.settings.namespace)
+    c = OpenAI(base_url=server.url, api_key="k", max_retries=0)
+    ids = [c.files.create(file=(f"{i}.jsonl", b"{}\n"), purpose="batch").id for i in range(5)]
+    r.zadd(keys.oai_files, dict.fromkeys(ids, 1_000))  # one millisecond for all: ids' order
+    ordered = sorted(ids)
+    c.files.delete(ordered[2])
+    assert [f.id for f in c.files.list(order="asc", after=ordered[2]).data] == ordered[3:]
+    assert [f.id for f in c.files.list(order="desc", after=ordered[2]).data] == ordered[1::-1]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.files.list(after="file-" + "0" * 24)
+    assert e.value.body["param"] == "after"  # type: ignore[index]

@@ -259,6 +259,11 @@ class Keys:
         """Sorted set: file id -> created (epoch ms), for listing files."""
         return f"{self.ns}:{{oai}}:files"
 
+    def oai_file_gone(self, file_id: str) -> str:
+        """String with TTL: a removed file's created (epoch ms), so that a list's ``after`` cursor
+        naming it still pages (openai/pages.py; a client deleting what it lists)."""
+        return f"{self.ns}:{{oai}}:file-gone:{file_id}"
+
     @property
     def oai_files_volume(self) -> str:
         """String: the token of the files directory the namespace's servers share (its

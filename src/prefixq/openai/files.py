@@ -40,6 +40,8 @@ UPLOAD_PURPOSES = frozenset({"batch"})
 _ID = re.compile(r"file-[0-9a-f]{24}")
 #: an upload's partial content untouched this long is one a killed server left behind
 STALE_UPLOAD_S = 3600.0
+#: how long a removed file's place in the listing is kept for a cursor naming it
+GONE_TTL_S = 7 * 24 * 3600
 
 
 def new_file_id() -> str:
@@ -208,11 +210,14 @@ class FileStore:
     async def remove(self, file_id: str) -> bool:
         """Delete the object and its content, whichever exists; True if there was an object."""
         path = self.path(file_id)
+        created = await self.r.zscore(self.keys.oai_files, file_id)
         pipe = self.r.pipeline(transaction=True)
         pipe.delete(self.keys.oai_file(file_id))
         pipe.zrem(self.keys.oai_files, file_id)
         pipe.zrem(self.keys.oai_expiring, file_id)
-        deleted, _, _ = await pipe.execute()
+        if created is not None:  # a list's cursor may name it (openai/pages.py)
+            pipe.set(self.keys.oai_file_gone(file_id), int(created), ex=GONE_TTL_S)
+        deleted = (await pipe.execute())[0]
         path.unlink(missing_ok=True)
         return bool(deleted)
 
@@ -232,5 +237,12 @@ class FileStore:
             return live and (purpose is None or o["purpose"] == purpose)
 
         return await page(
-            self.r, self.keys.oai_files, fetch, after=after, limit=limit, order=order, keep=keep
+            self.r,
+            self.keys.oai_files,
+            fetch,
+            after=after,
+            limit=limit,
+            order=order,
+            keep=keep,
+            gone=self.keys.oai_file_gone,
         )

@@ -63,10 +63,13 @@ async def page(
     limit: int,
     order: str = "desc",
     keep: Callable[[dict[str, Any]], bool] | None = None,
+    gone: Callable[[str], str] | None = None,
 ) -> Page:
     """Up to ``limit`` objects after the id ``after`` (newest first for ``order="desc"``), and
     whether more follow. ``fetch`` turns ids into objects (dropping vanished ones); ``keep``
-    filters them. An ``after`` that is not in the set is a 400."""
+    filters them. An ``after`` no longer in the set pages on from where it was when ``gone``
+    names the key that kept its score (a client deleting each object of the page it listed asks
+    for the next page after one it deleted); one never seen is a 400."""
     if order not in ("asc", "desc"):
         raise bad_request(
             f"Invalid 'order': {_short(order)}; expected 'asc' or 'desc'.", param="order"
@@ -74,10 +77,7 @@ async def page(
     desc = order == "desc"
     start = 0
     if after:
-        rank = await (r.zrevrank(zkey, after) if desc else r.zrank(zkey, after))
-        if rank is None:
-            raise bad_request(f"Invalid 'after': no object with id {_short(after)}.", param="after")
-        start = int(rank) + 1
+        start = await _start(r, zkey, after, desc, gone)
     out: list[dict[str, Any]] = []
     chunk = min(_CHUNK, limit + 1)
     while True:
@@ -93,3 +93,27 @@ async def page(
             out.append(obj)
         start += len(raw)
         chunk = _CHUNK
+
+
+async def _start(
+    r: aredis.Redis, zkey: str, after: str, desc: bool, gone: Callable[[str], str] | None
+) -> int:
+    """The rank of the first id after ``after``: its own rank + 1, or for an id removed from the
+    set, where it would be (ids of one score in the set's order: by their bytes)."""
+    rank = await (r.zrevrank(zkey, after) if desc else r.zrank(zkey, after))
+    if rank is not None:
+        return int(rank) + 1
+    raw = await r.get(gone(after)) if gone is not None else None
+    try:
+        score = int(raw) if raw is not None else None
+    except ValueError:
+        score = None
+    if score is None:
+        raise bad_request(f"Invalid 'after': no object with id {_short(after)}.", param="after")
+    me = after.encode()
+    ties: list[bytes] = await r.zrangebyscore(zkey, score, score)
+    if desc:
+        before = int(await r.zcount(zkey, f"({score}", "+inf"))
+        return before + sum(m > me for m in ties)
+    before = int(await r.zcount(zkey, "-inf", f"({score}"))
+    return before + sum(m < me for m in ties)
