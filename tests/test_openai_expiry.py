@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import redis
@@ -139,3 +140,36 @@ def test_a_batch_cannot_start_from_an_expired_input_file(
             input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
     assert e.value.body["param"] == "input_file_id"  # type: ignore[index]
+
+
+def test_expires_after_as_one_json_form_field_is_taken_and_a_stray_one_refused(
+    shifted: ShiftedServer, settings: Settings, tmp_path: Path
+) -> None:
+    """Given a multipart upload (as curl -F sends it) with ``expires_after`` as one field
+    holding its JSON object, the file expires as with the client's bracketed fields; a field the
+    policy has not (``expires_after[when]``), not JSON, or both forms at once are 400s that store
+    nothing: no upload is kept that silently never expires."""
+    url = f"{shifted.srv.url}/files"
+    body = jsonl([chat_line("a", "hi")])
+
+    def post(fields: dict[str, str]) -> httpx.Response:
+        files = {"file": ("in.jsonl", body)}
+        return httpx.post(url, data={"purpose": "batch", **fields}, files=files, timeout=10)
+
+    ok = post({"expires_after": '{"anchor": "created_at", "seconds": 7200}'})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["expires_at"] == ok.json()["created_at"] + 7200
+    for fields in (
+        {"expires_after[when]": "created_at", "expires_after[seconds]": "7200"},
+        {"expires_after": "7200"},
+        {"expires_after": "{not json"},
+        {
+            "expires_after": '{"anchor": "created_at", "seconds": 7200}',
+            "expires_after[anchor]": "created_at",
+        },
+    ):
+        bad = post(fields)
+        assert bad.status_code == 400, (fields, bad.text)
+        assert bad.json()["error"]["param"] == "expires_after"
+    names = sorted(p.name for p in (tmp_path / "files" / settings.namespace).iterdir())
+    assert names == [ok.json()["id"]]

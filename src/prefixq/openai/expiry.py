@@ -13,6 +13,7 @@ docs/openai.md, "Expiry".
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -73,10 +74,28 @@ def expires_after(value: Any, param: str) -> int | None:
 
 def form_expires_after(fields: dict[str, str]) -> int | None:
     """``expires_after`` of a multipart upload: ``expires_after[anchor]`` and
-    ``expires_after[seconds]``, as the openai client sends it (None when neither is there)."""
-    anchor, seconds = fields.get("expires_after[anchor]"), fields.get("expires_after[seconds]")
-    if anchor is None and seconds is None:
+    ``expires_after[seconds]``, as the openai client sends it, or one field ``expires_after``
+    holding the JSON object (as ``curl -F`` sends it); None when none of them is there, a 400
+    for both forms at once or another ``expires_after[...]`` field (never a file that silently
+    does not expire)."""
+    names = sorted(k for k in fields if k == "expires_after" or k.startswith("expires_after["))
+    if not names:
         return None
+    if names == ["expires_after"]:
+        try:
+            value = json.loads(fields["expires_after"])
+        except ValueError:
+            value = fields["expires_after"]  # not JSON: expires_after() names what it takes
+        return expires_after(value, "expires_after")
+    if not set(names) <= {"expires_after[anchor]", "expires_after[seconds]"}:
+        raise bad_request(
+            "Invalid 'expires_after': expected the fields expires_after[anchor] and "
+            "expires_after[seconds], or one field expires_after holding its JSON object; "
+            f"got {', '.join(names)}.",
+            param="expires_after",
+            code="invalid_value",
+        )
+    anchor, seconds = fields.get("expires_after[anchor]"), fields.get("expires_after[seconds]")
     value: dict[str, Any] = {"anchor": anchor, "seconds": seconds}
     if seconds is not None and seconds.isascii() and seconds.isdigit():
         value["seconds"] = int(seconds)
