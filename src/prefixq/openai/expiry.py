@@ -13,6 +13,7 @@ docs/openai.md, "Expiry".
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -82,11 +83,10 @@ def form_expires_after(fields: dict[str, str]) -> int | None:
     if not names:
         return None
     if names == ["expires_after"]:
-        try:
-            value = json.loads(fields["expires_after"])
-        except ValueError:
-            value = fields["expires_after"]  # not JSON: expires_after() names what it takes
-        return expires_after(value, "expires_after")
+        raw: Any = fields["expires_after"]
+        with contextlib.suppress(ValueError):  # not JSON: expires_after() names what it takes
+            raw = json.loads(raw)
+        return expires_after(raw, "expires_after")
     if not set(names) <= {"expires_after[anchor]", "expires_after[seconds]"}:
         raise bad_request(
             "Invalid 'expires_after': expected the fields expires_after[anchor] and "
