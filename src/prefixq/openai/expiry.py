@@ -84,7 +84,7 @@ def form_expires_after(fields: dict[str, str]) -> int | None:
         return None
     if names == ["expires_after"]:
         raw: Any = fields["expires_after"]
-        with contextlib.suppress(ValueError):  # not JSON: expires_after() names what it takes
+        with contextlib.suppress(ValueError, RecursionError):  # not JSON: a 400 below
             raw = json.loads(raw)
         return expires_after(raw, "expires_after")
     if not set(names) <= {"expires_after[anchor]", "expires_after[seconds]"}:
