@@ -15,6 +15,7 @@ from prefixq.core.settings import Settings
 def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     from prefixq.cli.progress import BurstProgress, EnqueueProgress
     from prefixq.client import Producer, results
+    from prefixq.client.out_file import out_path_problem
     from prefixq.client.request_file import read_request_file
     from prefixq.core.webhooks import check_url
     from prefixq.integrations.rq_callbacks import RQ_ON_COMPLETE
@@ -30,9 +31,9 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
             check_url(args.on_complete_url, "--on-complete-url")
         except ValidationError as e:
             raise ConfigError(str(e)) from None
-    why = results.out_path_problem(args.out) if args.out else None
+    why = out_path_problem(args.out) if args.out else None
     if why:
-        raise ConfigError(f"--out {args.out}: not a file in an existing folder (it {why})")
+        raise ConfigError(f"--out {args.out}: the results cannot be written there (it {why})")
     reqs = read_request_file(args.file, settings)  # checked whole, read again as it is sent
     meta = input_metadata(args.file)
     fmt = args.format or ("openai" if meta and meta.get("input_format") == "openai" else None)
@@ -69,9 +70,13 @@ def _check_timeout(timeout: float | None) -> None:
 
 def cmd_results(args: argparse.Namespace, settings: Settings) -> int:
     from prefixq.client import results
+    from prefixq.client.out_file import out_path_problem
     from prefixq.openai.outputs import write_results
 
     _check_timeout(args.timeout)
+    why = out_path_problem(args.out) if args.out else None
+    if why:  # before waiting for the results, not after
+        raise ConfigError(f"--out {args.out}: the results cannot be written there (it {why})")
 
     out = args.out or sys.stdout
     n = write_results(

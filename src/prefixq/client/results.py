@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -22,6 +21,7 @@ import redis
 import redis.asyncio as aredis
 from redis.exceptions import RedisError
 
+from prefixq.client.out_file import writing
 from prefixq.client.read_loops import Waits, chunk, chunks, leading
 from prefixq.client.stored import BurstStatus, decoded, read_stored, status_of, unreadable
 from prefixq.core import wire
@@ -45,17 +45,6 @@ __all__ = [
     "write_jsonl",
     "write_lines",
 ]
-
-
-def out_path_problem(path: str | os.PathLike[str]) -> str | None:
-    """Why a burst's results could not be written to ``path`` (checked before the burst is
-    submitted, not after it ran), as a phrase whose subject is the path; None when they can."""
-    if os.path.isdir(path):
-        return "is a folder, not a file path"
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        return f"is in a folder that does not exist ({folder!r})"
-    return None
 
 
 class _Session:
@@ -312,6 +301,6 @@ def write_lines(
         return n
 
     if isinstance(out, str | Path):
-        with open(out, "w", encoding="utf-8") as f:
+        with writing(out) as f:  # whole or not at all (client/out_file.py)
             return dump(f)
     return dump(out)

@@ -25,6 +25,7 @@ from rq import get_current_job
 from rq.job import Job
 
 from prefixq.client import results
+from prefixq.client.out_file import out_path_problem
 from prefixq.client.producer import Producer
 from prefixq.client.submit_args import check_burst_id, new_burst_id
 from prefixq.core.errors import (
@@ -251,7 +252,7 @@ def _check_out(out: object, token_ids: object) -> None:
         return
     if not isinstance(out, str | os.PathLike) or not os.fspath(out):
         raise ConfigError(f"out must be a file path on the RQ worker's host, not {out!r}")
-    why = results.out_path_problem(out)
+    why = out_path_problem(out)
     if why:
         raise ConfigError(
             f"out {os.fspath(out)!r} {why} on the RQ worker's host ({socket.gethostname()})"
