@@ -53,6 +53,26 @@ def test_check_exits_0_with_a_live_worker_and_1_once_it_stopped(
     assert down.stderr.strip() == "shard 0: no healthy worker (no worker registered)"
 
 
+def test_a_fractional_heartbeat_ttl_never_lets_a_live_workers_heartbeat_lapse(
+    settings: Settings, fake_worker: MakeWorker
+) -> None:
+    """With heartbeat_s 1.5 and heartbeat_ttl_s 1.9 (valid: the beat comes before the TTL), the
+    health key's TTL was cut to 1 s, so a live worker's key was gone a third of the time and
+    `check` (a pod's health probe) failed on it. Polled for 4 s, the check passes every time
+    and the key's TTL is never above the setting."""
+    s = settings.replace(heartbeat_s=1.5, heartbeat_ttl_s=1.9)
+    fake_worker(s, name="frac0")
+    r = redis.Redis.from_url(s.redis_url)
+    hb = s.keys.heartbeat(0, "frac0")
+    end, polls = time.monotonic() + 4.0, 0
+    while time.monotonic() < end:
+        assert check(s, client=r).ok, f"check failed after {polls} polls"
+        assert 0 < r.pttl(hb) <= 1900
+        polls += 1
+        time.sleep(0.05)
+    r.close()
+
+
 def test_check_of_one_shard_ignores_the_others(
     make_settings: Callable[..., Settings], fake_worker: MakeWorker
 ) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -69,7 +70,9 @@ class Heartbeat:
     ) -> None:
         self.stream = stream
         self.every_s = every_s
-        self.ttl_s = max(1, int(ttl_s))
+        #: the health key's TTL in ms, never below the setting (a fractional TTL cut to whole
+        #: seconds expired between beats: a live worker read as dead)
+        self.ttl_ms = max(1, math.ceil(ttl_s * 1000))
         #: the health hash's fields at a given time (read by inspect and check)
         self.health = health
         self.holding = holding
@@ -111,7 +114,7 @@ class Heartbeat:
         pipe = self.stream.r.pipeline(transaction=False)
         pipe.hmget(hb, _WHO)  # who beat last under this name: this process, or a twin
         pipe.hset(hb, mapping={**health, "every_s": self.every_s})
-        pipe.expire(hb, self.ttl_s)
+        pipe.pexpire(hb, self.ttl_ms)
         workers = self.stream.keys.workers(self.stream.shard)
         pipe.zadd(workers, {self.stream.consumer: now})
         # workers killed without unregistering: shown as gone for a while, then forgotten
