@@ -15,6 +15,7 @@ Every failure is a `WireError` (`LimitExceeded` for a cap).
 from __future__ import annotations
 
 import re
+import threading
 import zlib
 from dataclasses import dataclass
 from types import ModuleType
@@ -47,11 +48,20 @@ _LEN_FIELDS = {
     "array": ("max_array_len", "items"),
 }
 
-# Codec state reused on the hot path. The Packer and zstd (de)compressors are not thread-safe:
-# a process uses this module from one thread only (its event loop).
-_PACKER = msgpack.Packer(use_bin_type=True)
-_ZSTD_COMPRESSORS: dict[int, zstandard.ZstdCompressor] = {}
-_ZSTD_D = zstandard.ZstdDecompressor()
+
+
+class _Codecs(threading.local):
+    """Codec state reused on the hot path, one set per thread: the Packer and zstd's
+    (de)compressors are not thread-safe (zstd's release the GIL: two threads sharing one
+    crashed the process), and the producer and result readers run on callers' threads too."""
+
+    def __init__(self) -> None:
+        self.packer = msgpack.Packer(use_bin_type=True)
+        self.zstd_c: dict[int, zstandard.ZstdCompressor] = {}
+        self.zstd_d = zstandard.ZstdDecompressor()
+
+
+_CODECS = _Codecs()
 #: what decompressing a corrupt entry raises (ISA-L's error is not a subclass of zlib's)
 _CORRUPT: tuple[type[BaseException], ...] = (
     _inflater.error,
@@ -88,7 +98,7 @@ DEFAULT_LIMITS = Limits()
 def pack(obj: object) -> bytes:
     """msgpack bytes of `obj` (bin type for bytes); WireError if it holds an unpackable value."""
     try:
-        return _PACKER.pack(obj)
+        return _CODECS.packer.pack(obj)
     except (TypeError, ValueError, OverflowError) as e:
         raise WireError(f"cannot pack {type(obj).__name__}: {e}") from e
 
@@ -182,9 +192,9 @@ def compress(raw: bytes, codec: str = "zlib", level: int = -1) -> bytes:
             return _TAG_BYTES["zlib"] + zlib.compress(raw, 1 if level == -1 else level)
         if codec == "zstd":
             level = 3 if level == -1 else level
-            c = _ZSTD_COMPRESSORS.get(level)
+            c = _CODECS.zstd_c.get(level)
             if c is None:
-                c = _ZSTD_COMPRESSORS[level] = zstandard.ZstdCompressor(
+                c = _CODECS.zstd_c[level] = zstandard.ZstdCompressor(
                     level=level, write_checksum=True
                 )
             return _TAG_BYTES["zstd"] + c.compress(raw)
@@ -239,7 +249,7 @@ def _unzstd(payload: bytes, cap: int) -> bytes:
     if declared > cap:
         raise LimitExceeded(f"zstd entry declares {declared} bytes, past {cap} (max_decoded_bytes)")
     # decompress(max_output_size=) trusts a declared size, so read through a bounded stream.
-    reader = _ZSTD_D.stream_reader(payload)
+    reader = _CODECS.zstd_d.stream_reader(payload)
     if declared >= 0:
         out = reader.read(declared + 1)
         if len(out) != declared:
