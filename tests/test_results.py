@@ -236,3 +236,39 @@ def test_a_read_in_order_that_waits_learns_the_record_is_gone(
     }, errors
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 1 and "never submitted, or its record expired" in err, err
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        [1, 2],
+        5,
+        "hello",
+        {"id": "q0", "i": 0, "x": 5},
+        {"id": "q0", "i": 0, "x": "t", "ti": "abc"},
+        {"id": "q0", "i": 0, "x": "t", "t": [1.0, "x", 0, 0]},
+        {"id": "q0", "i": 0, "x": "t", "ch": [[0, None, None, "stop", [[1]]]]},
+        {"i": 0, "x": "t"},
+    ],
+    ids=["list", "int", "str", "text-int", "token-ids-str", "timings-str", "choices", "no-id"],
+)
+def test_a_recorded_result_of_another_shape_costs_its_own_line_only(
+    settings: Settings, r: redis.Redis, value: Any
+) -> None:
+    """Given a burst of 10 whose result 0 is overwritten in Redis with msgpack of another shape
+    (not a map, or a map whose fields have other types), every reader returns the other 9 as
+    they were and result 0 as a failed internal_error result that says it does not decode: it
+    used to raise AttributeError out of collect(), or read a text of 5 as a success."""
+    from prefixq.core import wire
+
+    burst = served_burst(settings)
+    r.hset(settings.keys.results(burst), "0", wire.encode(value))
+    got = results.collect(burst, settings)
+    assert len(got) == 10 and [x.error for x in got[1:]] == [None] * 9
+    assert got[0].error_code == "internal_error" and "does not decode" in (got[0].error or "")
+    assert got[0].id == "q0"
+    first = next(iter(results.iterate(burst, settings, timeout=5)))
+    assert first.error_code == "internal_error"
+    p = prefixq_results(settings, burst)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout.splitlines()[0])["error_code"] == "internal_error"

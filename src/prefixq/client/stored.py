@@ -19,7 +19,7 @@ def read_stored(raw: bytes, index: int, rid: str, limits: wire.Limits) -> Result
     line, never the burst's other results."""
     try:
         return Result.from_wire(wire.decode(raw, limits))
-    except (WireError, KeyError, TypeError, ValueError, IndexError) as e:
+    except (WireError, KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
         return Result(
             id=rid,
             index=index,

@@ -19,6 +19,33 @@ from prefixq.core.errors import (
     WireError,
 )
 
+#: the type each field of a recorded result must have when present (`Result.from_wire`)
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "x": str,
+    "f": str,
+    "e": str,
+    "k": int,
+    "pt": int,
+    "ct": int,
+    "ot": int,
+    "pc": int,
+    "ti": (list, tuple),
+    "t": (list, tuple),
+    "w": str,
+    "ec": str,
+    "u": str,
+    "md": str,
+    "ef": str,
+    "em": (list, tuple),
+    "ch": (list, tuple),
+}
+
+
+def _int(x: Any) -> int:
+    if not isinstance(x, int) or isinstance(x, bool):
+        raise TypeError(f"{type(x).__name__} where an int belongs")
+    return x
+
 
 @dataclass(slots=True)
 class Timings:
@@ -158,9 +185,25 @@ class Result:
         ]
 
     @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> Result:
+    def from_wire(cls, d: Any) -> Result:
         """Inverse of `to_wire` (results written before a field existed decode with its
-        default)."""
+        default). A value of another shape (a map written over in Redis, a field of another
+        type) is a WireError saying which: never a result that reads as a success."""
+        if not isinstance(d, Mapping):
+            raise WireError(f"a recorded result is a {type(d).__name__}, not a map")
+        for key, types in _FIELD_TYPES.items():
+            v = d.get(key)
+            if v is not None and (not isinstance(v, types) or isinstance(v, bool)):
+                raise WireError(f"a recorded result's field {key!r} is a {type(v).__name__}")
+        if not isinstance(d.get("id"), str) or not isinstance(d.get("i"), int):
+            raise WireError("a recorded result has no id or index")
+        try:
+            return cls._from_checked(d)
+        except (TypeError, ValueError, IndexError, KeyError, AttributeError) as e:
+            raise WireError(f"a recorded result is malformed: {type(e).__name__}: {e}") from None
+
+    @classmethod
+    def _from_checked(cls, d: Mapping[str, Any]) -> Result:
         t = d.get("t") or [0.0, 0.0, 0.0, 0.0]
         res = cls(
             id=d["id"],
@@ -173,8 +216,8 @@ class Result:
             cached_tokens=d.get("ct", 0),
             output_tokens=d.get("ot", 0),
             predicted_cached_tokens=d.get("pc", 0),
-            token_ids=list(d.get("ti") or ()),
-            timings=Timings(*t),
+            token_ids=[_int(x) for x in d.get("ti") or ()],
+            timings=Timings(*(float(x) for x in t)),
             worker=d.get("w", ""),
             error_code=d.get("ec"),
             endpoint=d.get("u"),
@@ -187,9 +230,9 @@ class Result:
         for c in d.get("ch") or ():
             res.choices.append(
                 Choice(
-                    index=c[0],
-                    text=res.text if c[1] is None else c[1],
-                    token_ids=list(res.token_ids if c[2] is None else c[2]),
+                    index=_int(c[0]),
+                    text=res.text if c[1] is None else str(c[1]),
+                    token_ids=[_int(x) for x in (res.token_ids if c[2] is None else c[2])],
                     finish_reason=c[3],
                     logprobs=None if c[4] is None else [TokenLogprob.from_wire(x) for x in c[4]],
                 )
