@@ -403,3 +403,58 @@ def test_a_chunk_sent_again_through_a_failover_adds_each_entry_once(
     skipped = [x.getMessage() for x in caplog.records if "enqueued already, skipped" in x.message]
     assert skipped == ["burst over: requests 21-84 sent again: 64 of them had been enqueued "
                        "already, skipped (64 in this submit)"]  # fmt: skip
+
+
+def test_the_census_counts_a_request_that_finishes_while_it_reads_the_streams(
+    settings: Settings, r: redis.Redis
+) -> None:
+    """Given a burst of 5 queued requests, when one of them finishes while the census reads the
+    streams (its result recorded, then its entry deleted, as a worker does), it is still counted:
+    5 of 5. Reading the results first counted it nowhere, and a refused submit said "0 of its 10
+    requests had been enqueued" while 4 had run."""
+    import asyncio
+
+    from helpers import queue_keys
+    from prefixq.core import wire
+    from prefixq.core.entries import Entry
+    from prefixq.store.census import count_enqueued
+
+    s = settings.replace(shards=1)
+    burst = Producer(s).submit([{"id": f"q{i}", "prompt": f"hi {i}"} for i in range(5)]).id
+
+    def finish_index_0() -> None:
+        for key in queue_keys(r, s):
+            for eid, f in r.xrange(key):
+                if b"d" in f and Entry.from_wire(wire.decode(f[b"d"])).index == 0:
+                    r.hset(s.keys.results(burst), "0", b"x")
+                    r.xdel(key, eid)
+                    return
+        raise AssertionError("no entry of index 0")
+
+    class FinishingOnFirstRead:
+        def __init__(self, c: Any) -> None:
+            self.c, self.done = c, False
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.c, name)
+
+        async def xrange(self, *a: Any, **kw: Any) -> Any:
+            if not self.done:
+                self.done = True
+                finish_index_0()
+            return await self.c.xrange(*a, **kw)
+
+    async def census() -> int:
+        c = async_client(s)
+        try:
+            return await count_enqueued(
+                FinishingOnFirstRead(c),  # type: ignore[arg-type]
+                s,
+                burst,
+                shards=1,
+                priority="normal",
+            )
+        finally:
+            await c.aclose()
+
+    assert asyncio.run(census()) == 5
