@@ -93,7 +93,8 @@ def _d(data: bytes) -> dict[bytes, bytes]:
 
 # (id, fields to XADD given the burst id, expected outcome, what the outcome must say)
 #   dead: a dead letter with that reason, and no result (the entry names no request)
-#   dead+failed: a dead letter and a failed result for its request (burst and index decode)
+#   dead+failed: a dead letter and a failed result for its request (burst and index decode, or
+#     an entry over a limit names them in its first bytes)
 #   failed: a failed result with that error
 #   ok: served (unknown keys in an entry are ignored)
 #   ignored: acked, nothing recorded (the index is outside its burst)
@@ -118,10 +119,10 @@ BAD_ENTRIES: list[tuple[str, Callable[[str], dict[bytes, bytes]], str, str]] = [
     ("pickle-is-never-unpickled", lambda b: _d(pickle.dumps(_entry(b))), "dead", "codec tag 0x80"),
     ("empty-entry", lambda b: _d(b""), "dead", "empty entry"),
     ("malformed-msgpack", lambda b: _d(b"\x00\xc1"), "dead", "invalid msgpack"),
-    (
+    (  # over a limit but well-formed: identified from its first bytes (dead_letters.envelope)
         "deeply-nested-msgpack",
         lambda b: _d(_packed(_entry(b, s=_nested(200)))),
-        "dead",
+        "dead+failed",
         "nested past 32 levels",
     ),
     ("not-a-map", lambda b: _d(_packed([1, 2, 3])), "dead", "not a map"),
@@ -136,7 +137,7 @@ BAD_ENTRIES: list[tuple[str, Callable[[str], dict[bytes, bytes]], str, str]] = [
     (
         "oversized-entry",
         lambda b: _d(_packed(_entry(b, p="a" * (5 << 20)))),
-        "dead",
+        "dead+failed",
         "(max_entry_bytes)",
     ),
     ("index-wrong-type", lambda b: _d(_packed(_entry(b, i="0"))), "dead", "'i' must be int"),

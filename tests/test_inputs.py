@@ -141,6 +141,59 @@ def test_python_api_names_both_positions_of_a_duplicate_id(settings: Settings) -
         Producer(settings).submit(reqs)
 
 
+def test_python_api_refusals_name_the_request_as_requests_i_and_stay_in_the_error_root(
+    make_settings: Callable[..., Settings], r: redis.Redis
+) -> None:
+    """A bad field of item 7 of a Python list is refused as ``requests[7]`` (it said "line 8", a
+    file's numbering); an integer id of 5,000 digits is "id longer than 512 characters" (it
+    raised CPython's ValueError); burst metadata holding a lone surrogate, and a tokenizer
+    setting naming no tokenizer folder, are PrefixqErrors saying so (they raised
+    UnicodeEncodeError and transformers' OSError)."""
+    from prefixq.core.errors import ConfigError, PrefixqError
+
+    s = make_settings()
+    reqs: list[dict[str, Any]] = [{"id": f"q{i}", "prompt": "x"} for i in range(10)]
+    reqs[7]["temperature"] = -1
+    with pytest.raises(ValidationError, match=re.escape("requests[7]: ")):
+        Producer(s).submit(reqs)
+    for k in (0, 6):  # in the head, and after it
+        big = [{"id": f"q{i}", "prompt": "x"} for i in range(8)]
+        big[k]["id"] = 10**5000
+        with pytest.raises(ValidationError, match=re.escape(f"requests[{k}]: id longer than 512")):
+            Producer(s).submit(big)
+    with pytest.raises(ValidationError, match="metadata holds a lone surrogate"):
+        Producer(s).submit([{"id": "a", "prompt": "x"}], metadata={"note": "caf\udce9"})
+    for folder in ("/nonexistent/tokenizer", tempfile.mkdtemp()):
+        with pytest.raises(ConfigError, match="is not a folder holding a tokenizer") as e:
+            Producer(make_settings(tokenizer=folder)).submit([{"id": "a", "prompt": "x"}])
+        assert isinstance(e.value, PrefixqError)
+
+
+@pytest.mark.parametrize("sampling", [[], 0, False, ""])
+def test_a_sampling_that_is_no_object_is_refused_even_when_falsy(sampling: Any) -> None:
+    """``"sampling": []`` (or 0, false, "") was taken as no sampling at all, while ``"abc"`` was
+    refused: every value that is not an object (or null) is refused the same way."""
+    with pytest.raises(ValidationError, match="'sampling' must be an object"):
+        Request.from_json({"id": "a", "prompt": "x", "sampling": sampling})
+    assert Request.from_json({"id": "a", "prompt": "x", "sampling": None}).sampling == {}
+
+
+def test_content_parts_are_joined_without_changing_the_callers_messages(
+    settings: Settings,
+) -> None:
+    """A message whose content is text parts is joined for the request, but the caller's own
+    dict (and list) keep the parts, also when the submit is then refused."""
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    msgs = [{"role": "user", "content": parts}]
+    line = {"id": "q", "messages": msgs}
+    req = Request.from_json(line)
+    assert req.messages == [{"role": "user", "content": "a\nb"}]
+    assert msgs == [{"role": "user", "content": parts}] and line["messages"] is msgs
+    with pytest.raises(ValidationError):
+        Producer(settings).submit([line, {"id": "q", "prompt": "dup"}])
+    assert msgs[0]["content"] is parts
+
+
 def test_a_shared_prefix_is_checked_once_not_once_per_request(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

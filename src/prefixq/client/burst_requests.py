@@ -20,7 +20,7 @@ from prefixq.core.entries import split_prefix
 from prefixq.core.errors import ValidationError
 from prefixq.core.inputs import IdCheck, normalize_one
 from prefixq.core.openai_lines import is_openai_line
-from prefixq.core.records import Request
+from prefixq.core.records import Request, id_text
 from prefixq.core.settings import Settings
 
 
@@ -30,7 +30,9 @@ def raw_id(raw: Request | Mapping[str, Any], index: int) -> str:
     if isinstance(raw, Request):
         return raw.id
     rid = raw.get("custom_id") if is_openai_line(raw) else raw.get("id")
-    return str(index) if rid is None else str(rid)
+    if rid is None:
+        return str(index)
+    return str(rid) if isinstance(rid, str) else id_text(rid, f"requests[{index}]")
 
 
 class BurstRequests:
@@ -75,8 +77,9 @@ class BurstRequests:
             if self.task is None:
                 self.task = q.task
             elif q.task != self.task:
+                where = f"line {self.file.line(i)}" if self.file is not None else f"requests[{i}]"
                 raise ValidationError(
-                    f"request {i + 1}: a burst holds one kind of work ({self.task} before it, "
+                    f"{where}: a burst holds one kind of work ({self.task} before it, "
                     f"{q.task} here): submit embeddings and generation requests apart"
                 )
             self.reqs[i], self.parts[i] = q, split_prefix(q)

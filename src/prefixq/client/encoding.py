@@ -131,7 +131,8 @@ class EntryEncoder:
         compressed (the head: sent before uses are counted, read within milliseconds and deleted
         once acked, so compressing it would only delay the engines' start); an entry that packs
         into fewer than `wire.COMPRESS_FROM` bytes is never compressed. ValidationError for
-        an entry over ``max_entry_bytes`` (naming its 1-based position in the burst)."""
+        an entry over ``max_entry_bytes``, or over ``max_decoded_bytes`` before compression
+        (naming its 1-based position in the burst)."""
         s, out = self.s, Encoded()
         codec = "none" if inline else s.codec
         for k, (q, (prefix, own), pl) in enumerate(zip(reqs, parts, placed, strict=True)):
@@ -146,7 +147,7 @@ class EntryEncoder:
                     if packed is None:
                         packed = wire.pack(prefix)
                     value = wire.compress(packed, s.codec, s.codec_level)
-                    self._check(len(value), i, q, "its shared prefix")
+                    self._check(len(value), i, q, "its shared prefix", size)
                     out.new_prefixes[ref] = value
                 extra = self._inline_key + size - self._ref_key - len(wire.pack(ref))
             entry = to_wire(
@@ -171,7 +172,7 @@ class EntryEncoder:
             data = wire.compress(packed_entry, "none" if small else codec, s.codec_level)
             if len(data) > s.max_entry_bytes and codec != s.codec:  # too big unless compressed
                 data = wire.compress(packed_entry, s.codec, s.codec_level)
-            self._check(len(data), i, q, "it")
+            self._check(len(data), i, q, "it", len(packed_entry))
             self.sizes.raw += len(packed_entry) + extra
             self.sizes.entries += len(data)
             out.by_shard.setdefault(pl.shard, []).append((data, pl.work))
@@ -186,9 +187,16 @@ class EntryEncoder:
             else:
                 self.sizes.prefixes_reused += len(value)
 
-    def _check(self, n: int, i: int, q: Request, what: str) -> None:
+    def _check(self, n: int, i: int, q: Request, what: str, packed: int) -> None:
+        """ValidationError unless a worker can decode what encodes to ``n`` bytes, ``packed``
+        bytes of msgpack (`entries.check_size` refused such a request already, as a rule)."""
         if n > self.s.max_entry_bytes:
             raise ValidationError(
                 f"request {i + 1} ({q.id!r}): {what} encodes to {n} bytes, over "
                 f"max_entry_bytes={self.s.max_entry_bytes}"
+            )
+        if packed > self.s.max_decoded_bytes:
+            raise ValidationError(
+                f"request {i + 1} ({q.id!r}): {what} packs into {packed} bytes of msgpack, over "
+                f"max_decoded_bytes={self.s.max_decoded_bytes}"
             )

@@ -17,6 +17,7 @@ import xxhash
 
 from prefixq.affinity.blocks import chain, chat_text, seed_of, token_blocks
 from prefixq.affinity.placement import Item
+from prefixq.core.errors import ConfigError
 from prefixq.core.records import Request
 from prefixq.core.settings import Settings
 
@@ -28,10 +29,17 @@ _MEMO_ENTRIES = 1024
 
 
 def load_tokenizer(path: str) -> Any:
-    """An HF fast tokenizer from a local folder (no network)."""
+    """An HF fast tokenizer from a local folder (no network); ConfigError naming the setting
+    when the folder holds none (transformers' own OSError or ValueError said nothing of it)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(
+            f"tokenizer {path!r} (PREFIXQ_TOKENIZER, --tokenizer) is not a folder holding a "
+            f"tokenizer: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from e
 
 
 class ItemBuilder:

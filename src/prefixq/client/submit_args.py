@@ -131,4 +131,12 @@ def check_options(
         meta["rq_queue"] = rq_queue or "default"
     if on_complete_url:
         meta["on_complete_url"] = on_complete_url
+    for name, v in meta.items():  # a lone surrogate (os.fsdecode's) cannot be written to Redis
+        if isinstance(v, str) and not v.isascii():
+            try:
+                v.encode()
+            except UnicodeEncodeError:
+                raise ValidationError(
+                    f"{name} holds a lone surrogate, which is not valid Unicode text"
+                ) from None
     return meta

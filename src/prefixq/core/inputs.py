@@ -103,7 +103,7 @@ def normalize_one(r: Request | Mapping[str, Any], i: int, settings: Settings) ->
         r.validate(where=where, **limits)
     else:
         where = f"requests[{i}]"
-        r = Request.from_json(r, index=i, **limits)  # parsed and validated once
+        r = Request.from_json(r, index=i, where=where, **limits)  # parsed and validated once
     check_size(r, settings, where)
     return r
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixq.core import openai_lines
-from prefixq.core.checks import check_nested, check_text
+from prefixq.core.checks import check_nested, check_text, too_long
 from prefixq.core.choices import MIN_LOGPROB, Choice, TokenLogprob
 from prefixq.core.embeddings import EMBEDDINGS, check_inputs, check_pooling, normalize_input
 from prefixq.core.errors import ValidationError
@@ -27,6 +27,7 @@ from prefixq.core.sampling import (
     check_sampling,
     normalize_sampling,
 )
+from prefixq.core.wire import MAX_ARRAY_LEN
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
@@ -37,12 +38,27 @@ __all__ = [
     "Result",
     "Timings",
     "TokenLogprob",
+    "id_text",
 ]
 
 #: defaults of `Request.validate` (the settings' max_prompt_chars and max_messages)
 DEFAULT_MAX_CHARS = 4_000_000
 DEFAULT_MAX_MESSAGES = 1024
 _ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+
+
+def id_text(rid: Any, where: str) -> str:
+    """A request's id as text: a string, or an integer in decimal (one of more than 512 digits is
+    refused as too long before it is written out: CPython refuses past 4,300)."""
+    if not isinstance(rid, str | int) or isinstance(rid, bool):
+        raise ValidationError(f"{where}: id must be a string or integer")
+    if isinstance(rid, int) and rid.bit_length() > _ID_BITS:
+        raise ValidationError(f"{where}: id longer than 512 characters")
+    return str(rid)
+
+
+#: an integer id of more bits has more than 512 digits
+_ID_BITS = 1710
 
 
 @dataclass(slots=True)
@@ -94,10 +110,12 @@ class Request:
         index: int = 0,
         max_chars: int = DEFAULT_MAX_CHARS,
         max_messages: int = DEFAULT_MAX_MESSAGES,
+        where: str | None = None,
     ) -> Request:
         """Build from a plain or OpenAI batch line and validate it against the given limits
-        (the settings' ``max_prompt_chars`` / ``max_messages``); ValidationError names the line."""
-        where = f"line {index + 1}"
+        (the settings' ``max_prompt_chars`` / ``max_messages``); ValidationError names it as
+        ``where`` (default: its line, ``index`` + 1)."""
+        where = where or f"line {index + 1}"
         limits = {"max_chars": max_chars, "max_messages": max_messages}
         if not isinstance(obj, Mapping):
             raise ValidationError(f"{where}: expected a JSON object, got {type(obj).__name__}")
@@ -115,12 +133,10 @@ class Request:
 
     @classmethod
     def _from_body(cls, rid: Any, body: dict[str, Any], where: str) -> Request:
-        if not isinstance(rid, str | int) or isinstance(rid, bool):
-            raise ValidationError(f"{where}: id must be a string or integer")
         req = cls(
-            id=str(rid),
+            id=id_text(rid, where),
             prompt=body.pop("prompt", None),
-            messages=body.pop("messages", None),
+            messages=_own_list(body.pop("messages", None)),
             prompt_token_ids=body.pop("prompt_token_ids", None),
             prefix=body.pop("prefix", None),
         )
@@ -128,8 +144,10 @@ class Request:
             req.inputs = normalize_input(body.pop("input"), where + ": ")
             options = {k: body.pop(k) for k in ("dimensions", "encoding_format") if k in body}
             req.pooling = {k: v for k, v in options.items() if v is not None}
-        sampling = body.pop("sampling", None) or {}
-        if not isinstance(sampling, dict):
+        sampling = body.pop("sampling", None)
+        if sampling is None:
+            sampling = {}
+        if not isinstance(sampling, dict):  # [], 0, "" and false too: never taken as none
             raise ValidationError(f"{where}: 'sampling' must be an object")
         top = {k: body.pop(k) for k in list(body) if k in SAMPLING_FIELDS}
         both = sorted(k for k in top if k in sampling and sampling[k] != top[k])
@@ -204,6 +222,7 @@ class Request:
         if not isinstance(self.sampling, dict):
             raise ValidationError(w + "sampling must be a dict")
         check_sampling(self.sampling, w)
+        self._check_lists(w)
         self._check_texts(w)
 
     def _check_embed(self, w: str) -> None:
@@ -217,9 +236,26 @@ class Request:
                 w + f"an embeddings request takes no sampling fields: {', '.join(self.sampling)}"
             )
 
+    def _check_lists(self, w: str) -> None:
+        """No list a worker could not decode (over `wire.MAX_ARRAY_LEN` items): token ids, a
+        token-id prefix, messages, an input's token ids (lists inside values: `check_nested`)."""
+        lists = [("prompt_token_ids", self.prompt_token_ids), ("messages", self.messages)]
+        lists.append(("prefix", self.prefix if isinstance(self.prefix, list) else None))
+        for i, x in enumerate(self.inputs or ()):
+            lists.append((f"input[{i}]", x if isinstance(x, list) else None))
+        for name, value in lists:
+            if value is not None and len(value) > MAX_ARRAY_LEN:
+                raise ValidationError(
+                    w + too_long(name, len(value), "items", MAX_ARRAY_LEN, "list")
+                )
+
     def _check_texts(self, w: str) -> None:
-        """Every string is valid Unicode (core/checks.py); messages nest boundedly."""
+        """Every string is valid Unicode and within the wire's string cap (core/checks.py), and
+        every value inside a message, a sampling field or the echo is of a JSON type, nests
+        boundedly and holds no list or map a worker could not decode."""
         check_text(self.id, "id", w)
+        if isinstance(self.model, str):
+            check_text(self.model, "model", w)
         if isinstance(self.prompt, str):
             check_text(self.prompt, "prompt", w)
         if isinstance(self.prefix, str):
@@ -266,6 +302,11 @@ def _token_ids(ids: Any) -> bool:
     )
 
 
+def _own_list(x: Any) -> Any:
+    """A list of the caller's as a list of the request's own (validation may replace items)."""
+    return list(x) if isinstance(x, list) else x
+
+
 def _check_messages(messages: Any, max_messages: int, w: str) -> None:
     if not isinstance(messages, list) or not messages:
         raise ValidationError(w + "messages must be a non-empty list")
@@ -277,7 +318,8 @@ def _check_messages(messages: Any, max_messages: int, w: str) -> None:
         if m["role"] not in _ROLES:
             raise ValidationError(w + f"message {i} has unknown role {m['role']!r}")
         if isinstance(m.get("content"), list):  # OpenAI's content parts: text ones are joined
-            m["content"] = _joined_text(m["content"], f"{w}message {i} ")
+            # in a copy of the message: the caller's own dict stays as it gave it
+            messages[i] = m = {**m, "content": _joined_text(m["content"], f"{w}message {i} ")}
         if not isinstance(m.get("content"), str):
             raise ValidationError(w + f"message {i} content must be a string or text parts")
 

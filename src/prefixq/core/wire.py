@@ -41,13 +41,16 @@ CODEC_TAGS: dict[str, int] = {"none": 0x00, "zlib": 0x01, "zstd": 0x02}
 _TAG_BYTES = {name: bytes((tag,)) for name, tag in CODEC_TAGS.items()}
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _LEN_ERROR = re.compile(r"(\d+) exceeds max_(\w+)_len")
-_STR_LEN = 16 << 20
+#: the fixed caps of `Limits`: a producer checks every value it accepts against them
+#: (core/checks.py), so that a worker can decode whatever it enqueues
+MAX_STR_BYTES = 16 << 20
+MAX_ARRAY_LEN = 1 << 20
+MAX_MAP_LEN = 4096
 _LEN_FIELDS = {
     "str": ("max_str_len", "bytes"),
     "bin": ("max_str_len", "bytes"),
     "array": ("max_array_len", "items"),
 }
-
 
 
 class _Codecs(threading.local):
@@ -77,9 +80,9 @@ class Limits:
 
     max_entry_bytes: int = 4 << 20  # encoded (tag + compressed) size
     max_decoded_bytes: int = 32 << 20  # decompressed msgpack size
-    max_str_len: int = _STR_LEN  # msgpack max_str_len / max_bin_len
-    max_array_len: int = 1 << 20
-    max_map_len: int = 4096
+    max_str_len: int = MAX_STR_BYTES  # msgpack max_str_len / max_bin_len
+    max_array_len: int = MAX_ARRAY_LEN
+    max_map_len: int = MAX_MAP_LEN
     max_depth: int = 32  # nesting depth of maps/arrays
 
     @classmethod
@@ -88,7 +91,7 @@ class Limits:
         return cls(
             max_entry_bytes=settings.max_entry_bytes,
             max_decoded_bytes=settings.max_decoded_bytes,
-            max_str_len=min(settings.max_decoded_bytes, _STR_LEN),
+            max_str_len=min(settings.max_decoded_bytes, MAX_STR_BYTES),
         )
 
 
@@ -225,6 +228,32 @@ def decompress(data: bytes, limits: Limits = DEFAULT_LIMITS) -> bytes:
         if len(payload) > cap:
             raise LimitExceeded(f"entry is {len(payload)} bytes, past {cap} (max_decoded_bytes)")
         return payload
+    raise WireError(f"unknown codec tag 0x{tag:02x}")
+
+
+def decompress_head(data: bytes, n: int) -> bytes:
+    """At most the first ``n`` bytes of the msgpack inside an entry, however large or broken the
+    rest (a dead letter's leading fields: store/dead_letters.py); WireError if not even they
+    come out. Entry size and decoded size are not checked: only ``n`` bytes are made."""
+    if not data:
+        raise WireError("empty entry")
+    tag, payload = data[0], memoryview(data)[1:]
+    try:
+        if tag == 0x00:
+            return bytes(payload[:n])
+        if tag == 0x01:
+            out: bytes = _inflater.decompressobj().decompress(payload, n)
+            return out
+        if tag == 0x02:  # a reader of its own: the shared one may be mid-stream
+            reader = zstandard.ZstdDecompressor().stream_reader(payload)
+            chunks: list[bytes] = []
+            got = 0
+            while got < n and (chunk := reader.read(n - got)):
+                chunks.append(chunk)
+                got += len(chunk)
+            return b"".join(chunks)
+    except _CORRUPT as e:
+        raise WireError(f"corrupt entry: {e}") from None
     raise WireError(f"unknown codec tag 0x{tag:02x}")
 
 

@@ -14,16 +14,28 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import msgpack
+
 from prefixq.core import wire
 from prefixq.core.entries import VERSION, Entry
-from prefixq.core.errors import PrefixqError, WireError
+from prefixq.core.errors import LimitExceeded, PrefixqError, WireError
 from prefixq.core.keys import CARRIED, FIELD
 from prefixq.core.records import Result
 
-__all__ = ["DeadLetter", "carried", "dead_letter_record", "dead_lettered_result", "identify"]
+__all__ = [
+    "DeadLetter",
+    "carried",
+    "dead_letter_record",
+    "dead_lettered_result",
+    "envelope",
+    "identify",
+]
 
 #: dead letters a shard keeps (the stream is capped, oldest first)
 DEAD_MAXLEN = 100_000
+#: msgpack bytes of an entry over a limit read to identify it (`envelope`): its leading fields
+#: take a few hundred (an id is at most 512 characters)
+ENVELOPE_BYTES = 4096
 
 
 def carried(fields: dict[bytes, bytes] | None) -> int:
@@ -37,18 +49,23 @@ def carried(fields: dict[bytes, bytes] | None) -> int:
 
 def identify(data: bytes | None, limits: wire.Limits) -> Entry | None:
     """The request an entry's payload belongs to, as far as it can be told: the full `Entry`, or
-    one with only burst, index and id when the rest is malformed (so that its request still gets
-    a failed result and its burst can finish); None when not even that decodes."""
+    one with only burst, index, id (and enqueue time) when the rest is malformed, or when the
+    entry is over a decoding limit and those fields are read from its first bytes (`envelope`);
+    so that its request still gets a failed result and its burst can finish. None when not even
+    they decode (a corrupt payload is never read in part)."""
     if data is None:
         return None
     try:
         obj = wire.decode(data, limits)
+    except LimitExceeded:  # well-formed but too large, too long or too deep: its start tells
+        obj = envelope(data)
     except PrefixqError:
         return None
-    try:
-        return Entry.from_wire(obj)
-    except WireError:
-        pass
+    else:
+        try:
+            return Entry.from_wire(obj)
+        except WireError:
+            pass
     if not isinstance(obj, dict) or obj.get("v") != VERSION:  # another version: not ours to fail
         return None
     burst, index, rid = obj.get("b"), obj.get("i"), obj.get("id")
@@ -60,6 +77,10 @@ def identify(data: bytes | None, limits: wire.Limits) -> Entry | None:
         and 0 <= index < 1 << 40
     ):
         return None
+    e = obj.get("e")  # the burst's incarnation (record_result.lua); 0: not checked
+    if not (isinstance(e, int | float) and not isinstance(e, bool)):
+        e = 0.0
+    ok = math.isfinite(e) and e >= 0
     return Entry(
         burst=burst,
         index=index,
@@ -68,11 +89,33 @@ def identify(data: bytes | None, limits: wire.Limits) -> Entry | None:
         prefix=None,
         prefix_ref=None,
         sampling={},
-        enqueued=0.0,
+        enqueued=float(e) if ok else 0.0,
         shard=0,
         work=0,
         predicted_cached=0,
     )
+
+
+def envelope(data: bytes) -> dict[str, Any]:
+    """The leading pairs of an entry's map read from its first `ENVELOPE_BYTES` of msgpack alone
+    (entries.to_wire puts version, burst, index, id and enqueue time first), up to the first
+    value that does not fit there; empty if those bytes do not start a map."""
+    try:
+        head = wire.decompress_head(data, ENVELOPE_BYTES)
+    except WireError:
+        return {}
+    u = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=ENVELOPE_BYTES)
+    u.feed(head)
+    out: dict[str, Any] = {}
+    try:
+        for _ in range(u.read_map_header()):
+            key = u.unpack()
+            if not isinstance(key, str):
+                break
+            out[key] = u.unpack()
+    except (msgpack.UnpackException, ValueError, TypeError):
+        pass  # the rest is the part over the limit (or garbage): what came before stands
+    return out
 
 
 def dead_letter_record(
