@@ -243,6 +243,24 @@ BAD_ENTRIES: list[tuple[str, Callable[[str], dict[bytes, bytes]], str, str]] = [
         "failed",
         "not found (expired or never stored)",
     ),
+    (  # served without its prefix, silently: the prefix kind must be the prompt's
+        "text-prompt-after-a-token-id-prefix",
+        lambda b: _d(_packed(_entry(b, x={"t": [1, 2, 3]}))),
+        "failed",
+        "entry field 'p' cannot follow a prefix of 't'",
+    ),
+    (
+        "token-ids-after-a-text-prefix",
+        lambda b: _d(_packed(_entry(b, p=_DROP, t=[5], x={"x": "a document"}))),
+        "failed",
+        "entry field 't' cannot follow a prefix of 'x'",
+    ),
+    (
+        "pooling-on-a-generation-entry",
+        lambda b: _d(_packed(_entry(b, po={"dimensions": 4}))),
+        "failed",
+        "pooling options but no embeddings input",
+    ),
     (
         "unknown-field-naming-a-function",
         lambda b: _d(_packed(_entry(b, call="os:system", args=["rm -rf /"]))),

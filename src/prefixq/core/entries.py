@@ -211,6 +211,10 @@ class Entry:
                 f"entry field {key!r} must be {'a string' if key == 'p' else 'a list'}, "
                 f"not {type(value).__name__}"
             )
+        if prefix is not None and {"t": "t", "m": "m", "p": "x"}.get(key) not in prefix:  # its kind
+            raise WireError(f"entry field {key!r} cannot follow a prefix of {next(iter(prefix))!r}")
+        if self.pooling is not None and key != "n":
+            raise WireError("entry has pooling options but no embeddings input")
         if "n" in self.own:
             req.inputs, req.pooling = list(self.own["n"]), dict(self.pooling or {})
         elif "t" in self.own:
