@@ -38,6 +38,7 @@ __all__ = [
     "Liveness",
     "alive_mask",
     "beat_commands",
+    "consumer_gone",
     "read_liveness",
     "read_load",
     "read_tasks",
@@ -152,6 +153,13 @@ async def read_liveness(r: aredis.Redis, settings: Settings, shards: int) -> Liv
     pipe.hgetall(keys.tasks)
     live, orphans, tasks = await pipe.execute()
     return Liveness.of(live, orphans, settings, shards, time.time(), tasks)
+
+
+async def consumer_gone(r: aredis.Redis, keys: Keys, shard: int, consumer: bytes) -> bool:
+    """Whether the worker of ``shard`` named ``consumer`` (its consumer name) has no heartbeat
+    key: it died (the key lapsed ``heartbeat_ttl_s`` after its last beat) or stopped. The entries
+    pending on it are free to take (worker/queued.py for a move, worker/reclaim.py for a claim)."""
+    return not await r.exists(keys.heartbeat(shard, consumer.decode(errors="replace")))
 
 
 def tasks_of(raw: dict[Any, Any], shards: int) -> list[str]:

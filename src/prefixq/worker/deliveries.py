@@ -100,6 +100,8 @@ class Pending:
     #: deliveries so far (the stream's count plus any carried over a move)
     deliveries: int
     fields: dict[bytes, bytes] = field(default_factory=dict)
+    #: ms since it was last delivered or its lease renewed, when it was listed
+    idle_ms: int = 0
 
     @property
     def ref(self) -> Ref:

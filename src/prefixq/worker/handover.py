@@ -17,7 +17,12 @@ failover) is store/entry_moves.py's; this module decides what moves where:
   shard with the least estimated outstanding prefill work (the placement rule for a new prefix,
   counting what this move already gave each shard). The prefix map follows (the group's anchor
   names its new shard), the load estimate moves with the work, and the moves stream records
-  each group (``why``, from, to, requests, prompt tokens).
+  each group (``why``, from, to, requests, prompt tokens);
+- **after**: a shard without a worker has no reader to close its bursts' lanes, so a move of its
+  queue (not a steal) closes the drained ones itself (`close_lanes`, at every move: a lane sealed
+  later closes at the next), as the shard's own worker would: lua/close_lane.lua, only a lane
+  that holds no entry and that no producer can add to (sealed; or of a burst that ended, whose
+  record is gone included, with nothing added for a minute: `ENDED_IDLE_MS`).
 """
 
 from __future__ import annotations
@@ -34,11 +39,13 @@ import redis.asyncio as aredis
 from prefixq.core import wire
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
+from prefixq.core.sharing import LaneInfo
 from prefixq.store.connection import lua
 from prefixq.store.entry_moves import EntryMoves
 from prefixq.store.liveness import add_load, read_liveness, read_load
 from prefixq.store.move_log import add_moves
 from prefixq.store.prefix_claims import claim, read_map
+from prefixq.worker.lane_scripts import LaneScripts
 from prefixq.worker.queued import Found, Group, groups, scan
 
 __all__ = ["LEASE_HELD", "LEASE_MS", "Handover", "MoveReport"]
@@ -49,6 +56,8 @@ log = logging.getLogger(__name__)
 LEASE_MS = 30_000
 #: `MoveReport.skipped` when another mover holds the shard's lease
 LEASE_HELD = "another mover holds the lease"
+#: a burst record's statuses after which its producer adds nothing (`close_lanes`)
+_ENDED = (b"finished", b"cancelled", b"expired")
 
 
 @dataclass(slots=True)
@@ -67,6 +76,8 @@ class MoveReport:
     raced: int = 0
     #: no live shard to move to, or another mover holds the lease
     skipped: str = ""
+    #: drained lanes of the source shard closed (a move of its queue, not a steal)
+    lanes_closed: int = 0
 
     @property
     def requests(self) -> int:
@@ -87,6 +98,7 @@ class Handover:
         self.limits = wire.Limits.from_settings(settings)
         self.moves = EntryMoves(r, settings)
         self._lease = r.register_script(lua("batch_lease"))
+        self._lanes: dict[int, LaneScripts] = {}
 
     # ---- the lease --------------------------------------------------------------------------
     async def _acquire(self, source: int) -> str | None:
@@ -129,6 +141,7 @@ class Handover:
             rep.skipped = "no live shard to move to"
             rep.skipped += f" (that serves {task})" if task != "generate" else ""
             return rep
+        # no worker serves the shard: what is pending on gone workers moves, drained lanes close
         return await self._run(rep, targets, dead_pending=True, steal=None)
 
     async def steal(
@@ -167,6 +180,8 @@ class Handover:
                 queued.reverse()  # the tail first
             if queued:
                 await self._move_groups(rep, queued, targets, token, steal)
+            if dead_pending:
+                rep.lanes_closed = await self.close_lanes(source)
         finally:
             await self._release(source, token)
         if rep.requests or rep.raced:
@@ -182,6 +197,41 @@ class Handover:
                 rep.raced,
             )
         return rep
+
+    async def close_lanes(self, source: int) -> int:
+        """Close shard ``source``'s drained lanes, each with its lane index field
+        (lua/close_lane.lua, which decides atomically: no entry left in it, and sealed, or its
+        burst ended and nothing was added for `ENDED_IDLE_MS`); returns how many closed. A
+        burst whose record is gone (expired after it ended) counts as ended."""
+        index: dict[bytes, bytes] = await self.r.hgetall(self.keys.lanes(source))
+        lanes: list[tuple[str, str, bool]] = []
+        unsealed: list[str] = []
+        for raw_burst, raw in index.items():
+            info = LaneInfo.decode(raw)
+            if info is None:  # not written by a producer: left alone, as workers do
+                continue
+            burst = raw_burst.decode(errors="replace")
+            if info.sealed:
+                lanes.append((self.keys.lane(source, burst), burst, False))
+            else:
+                unsealed.append(burst)
+        if unsealed:
+            pipe = self.r.pipeline(transaction=False)
+            for burst in unsealed:
+                pipe.hget(self.keys.burst(burst), "status")
+            for burst, status in zip(unsealed, await pipe.execute(), strict=True):
+                if status is None or status in _ENDED:
+                    lanes.append((self.keys.lane(source, burst), burst, True))
+        if not lanes:
+            return 0
+        scripts = self._lanes.get(source)
+        if scripts is None:
+            scripts = LaneScripts(self.r, index=self.keys.lanes(source), consumer=self.name)
+            self._lanes[source] = scripts
+        closed = sum(1 for reply in await scripts.close(lanes) if reply == 1)
+        if closed:
+            log.info("shard %d: closed %d drained lanes", source, closed)
+        return closed
 
     async def _mapped(self, queued: list[Group], targets: list[int]) -> dict[bytes, int]:
         anchors = [g.anchor for g in queued if g.anchor is not None]

@@ -25,6 +25,7 @@ from prefixq.core import wire
 from prefixq.core.entries import Entry
 from prefixq.core.keys import FIELD, GROUP, Keys
 from prefixq.store.dead_letters import identify
+from prefixq.store.liveness import consumer_gone
 
 __all__ = ["RECENT", "Found", "Group", "group_key", "groups", "scan"]
 
@@ -119,8 +120,7 @@ async def _dead_pending(
         for p in page:
             consumer: bytes = p["consumer"]
             if consumer not in alive:
-                hb = keys.heartbeat(shard, consumer.decode(errors="replace"))
-                alive[consumer] = bool(await r.exists(hb))
+                alive[consumer] = not await consumer_gone(r, keys, shard, consumer)
             if alive[consumer]:
                 continue
             eid = p["message_id"]

@@ -181,7 +181,7 @@ class ShardStream:
         *,
         count: int,
         start: str = "-",
-        consumer: str | None = None,
+        consumer: str | bytes | None = None,
         min_idle_ms: int | None = None,
     ) -> list[Pending]:
         """One page (up to ``count`` per key) of pending entries of ``keys`` (of ``consumer``,
@@ -223,8 +223,28 @@ class ShardStream:
                     consumer=p["consumer"],
                     deliveries=p["times_delivered"] + carried(fields),
                     fields=fields,
+                    idle_ms=int(p["time_since_delivered"]),
                 )
             )
+        return out
+
+    async def holders(self, keys: Sequence[str]) -> dict[bytes, list[str]]:
+        """The consumers with entries pending in ``keys``, each with the keys where it has some
+        (one summary XPENDING per key, in one round trip); streams or groups that are gone have
+        none."""
+        if not keys:
+            return {}
+        pipe = self.r.pipeline(transaction=False)
+        for key in keys:
+            pipe.xpending(key, GROUP)
+        out: dict[bytes, list[str]] = {}
+        for key, reply in zip(keys, await pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(reply, Exception):
+                if isinstance(reply, ResponseError) and group_lost(reply):
+                    continue
+                raise reply
+            for c in reply.get("consumers") or ():
+                out.setdefault(c["name"], []).append(key)
         return out
 
     async def tally(self, rows: Sequence[tuple[str, str, int, float]]) -> None:
