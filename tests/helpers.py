@@ -300,12 +300,13 @@ def requests(n: int, prompt: Callable[[int], str] = lambda i: f"hello {i}") -> l
 
 def doc_burst(docs: int, per_doc: int) -> list[dict[str, Any]]:
     """``per_doc`` questions about each of ``docs`` documents (prefix groups), each 0.05 s in the
-    FakeEngine: a burst whose groups a fleet moves, steals and hands over."""
+    FakeEngine (its ``sleep:`` starts the prefix: the engine reads it at the prompt's start, and
+    the prefix comes first): a burst whose groups a fleet moves, steals and hands over."""
     return [
         {
             "id": f"d{d}q{q}",
-            "prefix": f"document {d} " + "lorem ipsum " * 200,
-            "prompt": f"sleep:0.05 question {q}",
+            "prefix": f"sleep:0.05 document {d} " + "lorem ipsum " * 200,
+            "prompt": f"question {q}",
             "max_tokens": 4,
         }
         for d in range(docs)
