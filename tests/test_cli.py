@@ -143,11 +143,15 @@ def _cancelled_burst(settings: Settings, n: int) -> str:
 def test_results_to_a_directory_is_one_line_not_a_traceback(
     settings: Settings, tmp_path: Path
 ) -> None:
-    """`results B --out DIR` (and a file that cannot be opened) exits 1 naming the path."""
+    """`results B --out DIR` is a usage error (exit 2) in one line naming the path, before the
+    results are read (it was an OSError's one line, exit 1, after)."""
     burst = _cancelled_burst(settings, 3)
     p = cli(settings, "results", burst, "--out", str(tmp_path))
-    assert p.returncode == 1, p.stderr
-    assert p.stderr.strip() == f"prefixq: error: {tmp_path}: Is a directory"
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip() == (
+        f"prefixq: error: --out {tmp_path}: the results cannot be written there "
+        "(it is a folder, not a file path)"
+    )
 
 
 def test_results_into_a_pipe_closed_early_stops_quietly(settings: Settings) -> None:

@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
 import threading
 from pathlib import Path
 
 import pytest
 import redis
 
-from helpers import FakeWorker, cli
+from helpers import FakeWorker, cli, cli_argv
 from prefixq.client import Producer, results
 from prefixq.client.out_file import out_path_problem
 from prefixq.core.records import Result
@@ -87,3 +88,73 @@ def test_results_out_in_a_missing_folder_is_refused_before_waiting(
     assert p.returncode == 2 and "is a folder, not a file path" in p.stderr, p.stderr
     assert out_path_problem(tmp_path / "fine.jsonl") is None
     assert out_path_problem("/dev/null") is None
+
+
+def test_out_dev_stdout_appends_through_the_processs_own_output(
+    settings: Settings, burst: str, tmp_path: Path
+) -> None:
+    """`results B --out /dev/stdout >> log` keeps what the log held (a rename replaced the file
+    the redirection named), and `submit --wait --out /dev/stdout > res` keeps the burst id that
+    submit prints after the lines (a second file position wrote over it)."""
+    log = tmp_path / "all.jsonl"
+    log.write_text("earlier\n")
+    with open(log, "a") as out:
+        p = subprocess.run(
+            cli_argv(settings, "results", burst, "--out", "/dev/stdout"),
+            stdout=out,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    assert p.returncode == 0, p.stderr
+    lines = log.read_text().splitlines()
+    assert lines[0] == "earlier" and len(lines) == 7
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": "a", "prompt": "hello"}\n')
+    res = tmp_path / "res.txt"
+    with FakeWorker(settings, name="out1"), open(res, "w") as out:
+        p = subprocess.run(
+            cli_argv(settings, "submit", str(src), "--wait", "--out", "/dev/stdout"),
+            stdout=out,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    assert p.returncode == 0, p.stderr
+    first, last = res.read_text().splitlines()
+    assert json.loads(first)["id"] == "a" and last.strip() and "{" not in last
+
+
+def test_two_writers_of_one_path_never_share_a_temporary_file(
+    settings: Settings, burst: str, tmp_path: Path
+) -> None:
+    """Given 4 threads writing the same burst's results to one path at once, each write is
+    whole: the file ends as one complete copy and nothing is left beside it (one temporary name
+    per process was written by all of them)."""
+    out = tmp_path / "out.jsonl"
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            for _ in range(5):
+                results.write_jsonl(burst, out, settings, timeout=10)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=write) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == [
+        f"q{i}" for i in range(6)
+    ]
+    assert os.listdir(tmp_path) == ["out.jsonl"]
+
+
+def test_a_loop_of_symbolic_links_is_refused_before_the_burst(tmp_path: Path) -> None:
+    """An --out that is a loop of links was let through and failed after the burst ran."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    assert out_path_problem(loop) == "is a loop of symbolic links"
