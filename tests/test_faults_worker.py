@@ -258,7 +258,7 @@ def test_poison_entry_is_dead_lettered_after_max_attempts_and_the_rest_complete(
         reqs[5]["prompt"] = "die:poison"
         burst = Producer(s).submit(reqs)
         wait_burst(r, s, burst, 90)
-        restarts = log.read_text().count("; restarting (")
+        restarts = log.read_text().count("; restarting in ")
         out = account(r, s, burst, 12)
         dead = r.xrange(Keys(s.namespace).dead(0))
     finally:

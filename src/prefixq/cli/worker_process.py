@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -115,6 +116,37 @@ def run_worker(
         stop_reaper(reaper)
 
 
+#: signals that stop the supervisor and its workers (a closed terminal's SIGHUP and SIGQUIT too:
+#: left to their default they killed it and orphaned the workers); the workers get SIGTERM for
+#: the last two (they handle SIGTERM and SIGINT)
+SUPERVISOR_STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+#: a worker that served this long before it exited starts its restart count (and delay) afresh
+HEALTHY_RUN_S = 60.0
+#: the longest wait before a restart (the delay doubles from ``restart_delay`` per quick exit)
+MAX_RESTART_DELAY_S = 60.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _dies_with(parent: int) -> Any:
+    """A ``preexec_fn``: the worker gets SIGTERM when the supervisor dies (kill -9 included: it
+    drains and exits instead of serving on with no parent), or exits at once if it already has."""
+
+    def run() -> None:
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+        if os.getppid() != parent:
+            os._exit(0)
+
+    return run
+
+
+def exit_status(rc: int) -> int:
+    """A child's return code as a shell reports it: killed by signal N is 128 + N, not -N."""
+    return 128 - rc if rc < 0 else rc
+
+
 def supervise(
     settings_args: Sequence[str],
     gpus: Sequence[str | None],
@@ -124,12 +156,17 @@ def supervise(
     metrics_port: int = 0,
 ) -> int:
     """Start ``prefixq worker`` for each GPU (shard i on gpus[i]) and restart any that exits
-    non-zero (engine death, crash; not 2, a configuration error). SIGTERM/SIGINT are passed on;
-    returns when all have exited.
+    non-zero (engine death, crash; not 2, a configuration error), after ``restart_delay`` doubled
+    per quick exit up to `MAX_RESTART_DELAY_S`, at most ``max_restarts`` times in a row (a worker
+    that served `HEALTHY_RUN_S` starts afresh). A stop (`SUPERVISOR_STOPS`) is passed on, and no
+    worker is started or restarted after it, even one waiting for its restart; returns when all
+    have exited: the worst exit status (128 + N for one killed by signal N).
     With ``metrics_port`` N > 0, shard i serves its metrics on port N + i."""
     procs: dict[int, subprocess.Popen[bytes]] = {}
+    started: dict[int, float] = {}
     restarts = dict.fromkeys(range(len(gpus)), 0)
     stopping = False
+    me = os.getpid()
 
     def spawn(i: int) -> None:
         cmd = [sys.executable, "-m", "prefixq", "worker", "--shard", str(i), *settings_args]
@@ -137,41 +174,62 @@ def supervise(
             cmd += ["--gpu", str(gpus[i])]
         if metrics_port > 0:
             cmd += ["--metrics-port", str(metrics_port + i)]
-        procs[i] = start_worker(cmd)  # a stop sent right away waits for its handlers
+        # a stop sent right away waits for its handlers; the worker dies with this process
+        procs[i] = start_worker(cmd, preexec_fn=_dies_with(me))
+        started[i] = time.monotonic()
         log.info("started worker shard=%d gpu=%s pid=%d", i, gpus[i], procs[i].pid)
 
     def on_signal(signum: int, _frame: Any) -> None:
         nonlocal stopping
         stopping = True
+        passed = signum if signum in (signal.SIGTERM, signal.SIGINT) else signal.SIGTERM
         for p in procs.values():
             if p.poll() is None:
-                p.send_signal(signum)
+                p.send_signal(passed)
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    for sig in SUPERVISOR_STOPS:
+        signal.signal(sig, on_signal)
     for i in range(len(gpus)):
-        spawn(i)
+        if not stopping:
+            spawn(i)
+    due: dict[int, float] = {}  # shard -> when its restart is due
+    failed: dict[int, int] = {}  # shard -> the exit status it is restarted after
     worst = 0
-    while procs:
-        time.sleep(0.5)
+    while procs or due:
+        time.sleep(0.2)
+        now = time.monotonic()
+        for i, when in list(due.items()):
+            if stopping:  # its restart is off: it ended with its last exit
+                worst = max(worst, failed[i])
+                del due[i]
+            elif now >= when:
+                del due[i]
+                spawn(i)
         for i, p in list(procs.items()):
             rc = p.poll()
             if rc is None:
                 continue
             del procs[i]
+            status = exit_status(rc)
+            if rc < 0:
+                log.error("worker shard=%d was killed by signal %d", i, -rc)
             if stopping or rc == 0:
-                worst = max(worst, rc)
+                worst = max(worst, status)
                 continue
             if rc == EXIT_CONFIG:
                 log.error("worker shard=%d: configuration error (exit 2); not restarting", i)
-                worst = max(worst, rc)
+                worst = max(worst, status)
                 continue
+            if now - started[i] >= HEALTHY_RUN_S:
+                restarts[i] = 0
             if restarts[i] >= max_restarts:
-                log.error("worker shard=%d exited %d; restart limit reached", i, rc)
-                worst = max(worst, rc)
+                log.error("worker shard=%d exited %d; restart limit reached", i, status)
+                worst = max(worst, status)
                 continue
             restarts[i] += 1
-            log.warning("worker shard=%d exited %d; restarting (%d)", i, rc, restarts[i])
-            time.sleep(restart_delay)
-            spawn(i)
+            delay = min(restart_delay * 2 ** (restarts[i] - 1), MAX_RESTART_DELAY_S)
+            log.warning(
+                "worker shard=%d exited %d; restarting in %.1fs (%d)", i, status, delay, restarts[i]
+            )
+            due[i], failed[i] = now + delay, status
     return worst
