@@ -67,3 +67,13 @@ def test_every_dotted_prefixq_name_in_the_docs_exists() -> None:
                     break
                 obj = getattr(obj, attr)
     assert not missing, missing
+
+
+def test_dev_help_is_exit_0_and_an_unknown_command_says_so_exit_2() -> None:
+    """`./dev --help` printed the help and exited 1; `./dev bogus` printed it with no word of
+    what was wrong, exit 1. Help is 0 now, and an unknown command a usage error (2) naming it."""
+    for arg in ("help", "-h", "--help"):
+        p = subprocess.run(["bash", "dev", arg], cwd=ROOT, capture_output=True, text=True)
+        assert p.returncode == 0 and "./dev test" in p.stdout, (arg, p.stderr)
+    p = subprocess.run(["bash", "dev", "bogus"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 2 and "dev: unknown command 'bogus'" in p.stderr
