@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 
-from helpers import fault_worker, pending_on, requests, wait_until
+from helpers import doc_burst, fault_worker, pending_on, requests, wait_until
 from ledger import LEDGER, account
 from prefixq.client import Producer
 from prefixq.core.keys import Keys
@@ -119,21 +119,6 @@ def test_a_joiner_that_takes_a_killed_workers_shard_serves_its_in_flight_entries
         _stop(procs)
 
 
-def _slow_docs(docs: int, per_doc: int) -> list[dict[str, Any]]:
-    """Prefix groups whose requests take 0.05 s each (the FakeEngine sleeps on a prompt that
-    starts with ``sleep:``, and the prefix goes first)."""
-    return [
-        {
-            "id": f"d{d}q{q}",
-            "prefix": f"sleep:0.05 document {d} " + "lorem ipsum " * 200,
-            "prompt": f" question {q}",
-            "max_tokens": 4,
-        }
-        for d in range(docs)
-        for q in range(per_doc)
-    ]
-
-
 def test_a_handed_over_shards_drained_lanes_close_with_its_queue_moved(
     redis_server: Any, r: redis.Redis, tmp_path: Path
 ) -> None:
@@ -149,7 +134,7 @@ def test_a_handed_over_shards_drained_lanes_close_with_its_queue_moved(
         _up(r, s, 0, "w0")
         _up(r, s, 1, "w1")
         n_req = 8 * 6
-        burst = Producer(s).submit(_slow_docs(8, 6))
+        burst = Producer(s).submit(doc_burst(8, 6))
         lane = keys.lane(1, burst.id)
         assert r.exists(lane) and r.hexists(keys.lanes(1), burst.id)
         w1.send_signal(signal.SIGTERM)
