@@ -244,8 +244,8 @@ def decompress_head(data: bytes, n: int) -> bytes:
         if tag == 0x01:
             out: bytes = _inflater.decompressobj().decompress(payload, n)
             return out
-        if tag == 0x02:  # a reader of its own: the shared one may be mid-stream
-            reader = zstandard.ZstdDecompressor().stream_reader(payload)
+        if tag == 0x02:  # a stream reader of its own, from this thread's decompressor
+            reader = _CODECS.zstd_d.stream_reader(payload)
             chunks: list[bytes] = []
             got = 0
             while got < n and (chunk := reader.read(n - got)):
