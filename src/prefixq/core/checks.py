@@ -85,9 +85,14 @@ def check_nested(value: Any, what: str, w: str, depth: int = 0) -> None:
             raise ValidationError(w + f"{what} is out of range (at most 64 bits)")
     elif isinstance(value, float) or value is None:
         return
+    elif not isinstance(value, dict | list | tuple):
+        raise ValidationError(
+            w + f"{what} is a {type(value).__name__}: a value must be a string, number, "
+            "boolean, null, list or object (as in JSON)"
+        )
+    elif depth >= MAX_DEPTH:
+        raise ValidationError(w + f"{what} is nested more than {MAX_DEPTH} levels deep")
     elif isinstance(value, dict):
-        if depth >= MAX_DEPTH:
-            raise ValidationError(w + f"{what} is nested more than {MAX_DEPTH} levels deep")
         if len(value) > MAX_MAP_LEN:
             raise ValidationError(w + too_long(what, len(value), "keys", MAX_MAP_LEN, "map"))
         for k, v in value.items():
@@ -102,18 +107,11 @@ def check_nested(value: Any, what: str, w: str, depth: int = 0) -> None:
                 )
             check_nested(k, f"{what} key {k!r}", w, depth + 1)
             check_nested(v, f"{what}[{k!r}]", w, depth + 1)
-    elif isinstance(value, list | tuple):
-        if depth >= MAX_DEPTH:
-            raise ValidationError(w + f"{what} is nested more than {MAX_DEPTH} levels deep")
+    else:
         if len(value) > MAX_ARRAY_LEN:
             raise ValidationError(w + too_long(what, len(value), "items", MAX_ARRAY_LEN, "list"))
         for i, v in enumerate(value):
             check_nested(v, f"{what}[{i}]", w, depth + 1)
-    else:
-        raise ValidationError(
-            w + f"{what} is a {type(value).__name__}: a value must be a string, number, "
-            "boolean, null, list or object (as in JSON)"
-        )
 
 
 def too_long(what: str, n: int, unit: str, cap: int, kind: str) -> str:
