@@ -162,6 +162,13 @@ def test_the_bench_switches_a_live_workers_admission_order_and_back(
     assert budget.capacity == 500
     asyncio.run(send("admission:fair"))
     assert budget.share == 0 and budget.capacity == 0 and marks.window == s.pass_window
+    # the other shares the bench measures: the budget and the window follow the share
+    asyncio.run(send("admission:kv-history-70"))
+    assert budget.share == 0.7 and budget.capacity == 700 and abs(marks.window - 0.24) < 1e-9
+    asyncio.run(send("admission:kv-history-30"))
+    assert budget.share == 0.3 and budget.capacity == 300 and abs(marks.window - 0.56) < 1e-9
+    asyncio.run(send("admission:fair"))
+    assert budget.share == 0 and budget.capacity == 0 and marks.window == s.pass_window
 
 
 def _multi_burst(s: Settings, worker: str, sizes: Any, **config: Any) -> dict[str, Any]:
@@ -242,3 +249,38 @@ def test_a_high_priority_burst_arriving_mid_pass_is_submitted_and_reported_with_
     console = Console(record=True, width=200)
     table({"config": {}, "environment": {}, "workloads": {"multi-burst": got}}, console)
     assert "each burst's arrival to its last result" in console.export_text()
+
+
+def test_an_admission_case_keeps_the_workers_gc_figures_and_takes_every_budget_share(
+    make_settings: Callable[..., Settings], fake_worker: Callable[..., FakeWorker]
+) -> None:
+    """``--admissions multi-burst:kv-history-70`` runs a case of its own with the worker's budget
+    at 0.7, back to fair after it; the case keeps the workers' GC figures (issue 32's whole-heap
+    step falls due between cases and shows in the next case's figures: they were dropped from
+    every case but the default's). An unknown share's name is a clear error."""
+    import pytest
+
+    from prefixq.bench.command import _admissions
+    from prefixq.bench.workloads import Sizes
+    from prefixq.core.errors import ConfigError
+
+    assert _admissions("multi-burst:kv-history-30,kv-history-70") == [
+        "multi-burst:kv-history-30",
+        "kv-history-70",
+    ]
+    with pytest.raises(ConfigError, match="--admissions: unknown 'kv-history-50'"):
+        _admissions("kv-history-50")
+    s = make_settings(prefix_store_min_chars=16)
+    engine = FakeEngine()
+    engine.kv_tokens = 1000  # type: ignore[attr-defined]
+    fw = fake_worker(s, name="bench-s0", engine=engine)
+    assert fw.worker is not None
+    sizes = Sizes(documents=4, burst_questions=1, burst_gap=0.2, bursts=2)
+    got = _multi_burst(s, fw.name, sizes, admissions=["multi-burst:kv-history-70"])
+    assert set(got["admissions"]) == {"fair", "kv-history-70"}
+    for view in got["admissions"].values():
+        assert view["pipeline"]["median_throughput"] > 0
+        (by_gen,) = view["gc_frozen_by_gen"]
+        assert {"idle_max_step_ms", "whole_heap_freed", "whole_heap_skipped"} <= set(by_gen)
+        assert len(view["gc_max_pause_ms_frozen"]) == 1
+    assert fw.worker.admission.budget.share == 0  # fair again after the case

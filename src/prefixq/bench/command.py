@@ -76,7 +76,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         default="",
         help="the workers' admission orders to measure beside fair shares, switched on for a "
         "case of their own: whole-groups, resident-first, kv-history (half the engine's cache for "
-        "the prefixes inside it: kv_inflight_share 0.5); WORKLOAD:NAME for one workload",
+        "the prefixes inside it: kv_inflight_share 0.5), kv-history-30 and kv-history-70 (0.3, "
+        "0.7); WORKLOAD:NAME for one workload",
     )
     b.add_argument(
         "--standalone",

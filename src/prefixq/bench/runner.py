@@ -325,6 +325,11 @@ def _order_view(case: dict[str, Any]) -> dict[str, Any]:
         "optimum_cached_tokens",
         "max_share_ratio",
         "shares",
+        # the workers' GC figures as of the case's last pipeline run (the idle collections' and
+        # whole-heap figures count from the worker's start: issue 32's whole-heap step shows in
+        # whichever case it fell due before)
+        "gc_max_pause_ms_frozen",
+        "gc_frozen_by_gen",
     )
     return {k: case[k] for k in keep if k in case}
 

@@ -38,6 +38,8 @@ COMMANDS = (
     "admission:whole-groups",
     "admission:resident-first",
     "admission:kv-history",
+    "admission:kv-history-30",
+    "admission:kv-history-70",
     # worker/fleet.py's tail stealing, for `prefixq bench --fleet`
     "steal:off",
     "steal:on",

@@ -49,8 +49,11 @@ ADMISSIONS = {
     "fair": (False, False),
     "whole-groups": (True, False),
     "resident-first": (False, True),
-    # fair shares, with the engine's in-flight prefixes held to half its cache (kv_budget.py)
+    # fair shares, with the engine's in-flight prefixes held to a share of its cache
+    # (kv_budget.py `KV_HISTORY_SHARES`: half, or 30% and 70%)
     "kv-history": (False, False),
+    "kv-history-30": (False, False),
+    "kv-history-70": (False, False),
 }
 
 #: virtual time (admissions of weight 1) within which tenants count as having an equal turn

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "HISTORY_TRUST",
     "KV_HISTORY_SHARE",
+    "KV_HISTORY_SHARES",
     "KvBudget",
     "apply",
     "commands",
@@ -50,6 +51,8 @@ HISTORY_TRUST = 0.8
 
 #: the budget `prefixq bench --admissions kv-history` switches a worker to
 KV_HISTORY_SHARE = 0.5
+#: every budget the bench's admissions switch to (``admission:<name>``), to measure the share
+KV_HISTORY_SHARES = {"kv-history": KV_HISTORY_SHARE, "kv-history-30": 0.3, "kv-history-70": 0.7}
 
 #: what `KvBudget.holding` gives while the budget is off
 _OFF: contextlib.AbstractAsyncContextManager[None] = contextlib.nullcontext()
@@ -217,10 +220,12 @@ def commands(
     settings: Settings,
 ) -> dict[str, Callable[[], Awaitable[None]]]:
     """worker/groups.py's admission commands (``switches``), each setting the budget too:
-    ``admission:kv-history`` to `KV_HISTORY_SHARE`, every other to the settings' share."""
+    ``admission:kv-history`` (and the others of `KV_HISTORY_SHARES`) to its share, every other
+    to the settings' share."""
 
     def with_budget(name: str, run: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
-        share = KV_HISTORY_SHARE if name == "admission:kv-history" else settings.kv_inflight_share
+        adm = name.removeprefix("admission:")
+        share = KV_HISTORY_SHARES.get(adm, settings.kv_inflight_share)
 
         async def go() -> None:
             await run()
