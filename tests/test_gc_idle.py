@@ -181,6 +181,7 @@ def test_whole_heap_collections_are_spaced_by_the_garbage_they_free(
     monkeypatch.setattr(heap_mod, "WHOLE_HEAP_AFTER", 10)
     monkeypatch.setattr(heap_mod, "WHOLE_HEAP_MAX_AFTER", 1_000)
     monkeypatch.setattr(heap_mod, "GARBAGE_BUDGET", 10_000)
+    monkeypatch.setattr(heap_mod, "GROWTH_SHARE", 0.0)  # the budget alone (the test's heap)
     monkeypatch.setattr(heap_mod, "FREEZE_BUDGET", 20)
     long_idle = heap_mod.WHOLE_HEAP_IDLE_S
     # 20 requests leaving 10,000 nodes in cycles, frozen with them; not yet measured: the whole
@@ -220,3 +221,38 @@ def test_whole_heap_collections_are_spaced_by_the_garbage_they_free(
     st = policy.stats()
     assert st["gc_whole_heap_freed"] == policy.whole_freed
     assert st["gc_whole_heap_after"] == policy.due_after() == 1_000
+
+
+def test_a_whole_collection_waits_until_the_heap_grew_by_a_quarter_of_itself(
+    policy: GcPolicy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A due whole-heap collection runs only once the heap grew by `GROWTH_SHARE` of the blocks
+    it held after the last one (or the freeze), not by `GARBAGE_BUDGET` alone: on an H200 worker
+    the heap grew past the budget (caches filling) and its whole collection held the loop for
+    352 ms to free 74 objects. Growth below the share is skipped (the longest idle step stays a
+    young one); past it the whole heap is collected and the baseline moves; the stats say why."""
+    monkeypatch.setattr(heap_mod, "WHOLE_HEAP_AFTER", 10)
+    monkeypatch.setattr(heap_mod, "GARBAGE_BUDGET", 1_000)
+    long_idle = heap_mod.WHOLE_HEAP_IDLE_S
+    base = policy.blocks_after
+    needed = policy.growth_needed()
+    assert needed == int(heap_mod.GROWTH_SHARE * base) > 1_000  # the share, not the budget
+    # grown well past the budget, short of a quarter of the heap: due, skipped
+    kept = [object() for _ in range(needed // 2)]
+    for _ in range(10):
+        policy.admitted(1)
+    assert asyncio.run(policy.idle(10, lambda: True, idle_s=long_idle))
+    assert policy.whole_skipped == 1 and policy.whole_freed == -1
+    assert 1_000 < policy.blocks_growth < needed and policy.blocks_after == base
+    # past a quarter: collected, the baseline moved to the grown heap
+    kept += [object() for _ in range(needed)]
+    for _ in range(10):
+        policy.admitted(1)
+    assert asyncio.run(policy.idle(10, lambda: True, idle_s=long_idle))
+    assert policy.whole_skipped == 1 and policy.whole_freed >= 0
+    assert policy.blocks_growth >= needed and policy.blocks_after >= base + needed
+    st = policy.stats()
+    assert st["gc_heap_blocks"] == policy.blocks_after
+    assert st["gc_heap_growth_needed"] == int(heap_mod.GROWTH_SHARE * policy.blocks_after)
+    assert st["gc_heap_growth"] == policy.blocks_growth
+    assert len(kept) == needed // 2 + needed

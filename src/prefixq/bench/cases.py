@@ -324,6 +324,9 @@ def by_gen(stats: dict[str, dict[str, Any]], names: list[str]) -> list[dict[str,
             "whole_heap_freed": stats[n].get("gc_whole_heap_freed"),
             "whole_heap_skipped": stats[n].get("gc_whole_heap_skipped"),
             "whole_heap_after": stats[n].get("gc_whole_heap_after"),
+            "heap_blocks": stats[n].get("gc_heap_blocks"),
+            "heap_growth_needed": stats[n].get("gc_heap_growth_needed"),
+            "heap_growth": stats[n].get("gc_heap_growth"),
         }
         for n in names
     ]

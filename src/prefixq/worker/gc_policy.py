@@ -13,9 +13,12 @@ Cycles among frozen objects wait for an idle moment (`GcPolicy.idle`), which col
 heap once enough requests were frozen: `WHOLE_HEAP_AFTER` at first, then as many as leave
 `GARBAGE_BUDGET` objects of cyclic garbage at the rate the last whole collection found, up to
 `WHOLE_HEAP_MAX_AFTER` (a vLLM worker's requests leave none: its whole collections, 670 ms on
-the CPU, freed 0 objects, so they are now 50 times rarer); one that comes due is skipped when
-the heap has not grown by `GARBAGE_BUDGET` memory blocks since the last (`_grown`: such a heap
-cannot hold more garbage than the budget). A worker never idle stops freezing
+the CPU, freed 0 objects, so they are now 50 times rarer); one that comes due is skipped unless
+the heap has grown since the last by `GARBAGE_BUDGET` memory blocks and by `GROWTH_SHARE` of
+what it held then (`_grown`: a heap that has not cannot hold more garbage than that, and the
+whole collection's cost, proportional to the heap, stays proportional to the growth it follows,
+as with CPython's own rule for full collections, which freezing takes out of play: on an H200
+worker the whole heap took 352 ms and freed 74 objects). A worker never idle stops freezing
 after that many (at least `FREEZE_BUDGET`), so what can wait stays bounded. `admitted`
 runs at every admission and must stay O(1); `idle` runs only when nothing is in flight.
 
@@ -50,6 +53,10 @@ WHOLE_HEAP_AFTER = 1_000
 WHOLE_HEAP_MAX_AFTER = 50_000
 #: objects of cyclic garbage that may wait in the frozen heap, at the rate last measured
 GARBAGE_BUDGET = 100_000
+#: and the share of the heap's memory blocks it must have grown by for a whole collection (a
+#: quarter: CPython's own bound for a full collection, `long_lived_pending > long_lived_total / 4`
+#: in Modules/gcmodule.c, which keeps the cost of full collections linear in the allocations)
+GROWTH_SHARE = 0.25
 #: requests admitted (and frozen) between whole-heap collections, at least
 FREEZE_BUDGET = 20_000
 #: seconds the event loop runs between two steps of an idle collection (it reads what arrived)
@@ -88,6 +95,8 @@ class GcPolicy:
         self.blocks_after = 0
         #: whole collections due and skipped: the heap had not grown (`_grown`)
         self.whole_skipped = 0
+        #: the growth `_grown` found the last time it ran (-1: not yet)
+        self.blocks_growth = -1
 
     def due_after(self) -> int:
         """Requests frozen before the whole heap is collected (at the next long idle moment)."""
@@ -199,13 +208,19 @@ class GcPolicy:
         return whole or skipped or not due
 
     def _grown(self) -> int:
-        """A step before the whole heap: -1 (skip it) when the heap holds fewer than
-        `GARBAGE_BUDGET` blocks more than after the last whole collection (or the freeze after
-        warm-up), else 0. Cycles among frozen objects hold memory blocks, so a heap that has
-        not grown by that many holds fewer objects of such garbage than the budget allows
-        (`sys.getallocatedblocks`: one walk of the allocator's pools, ~1 ms per 5 million
-        blocks, where the whole heap's collection takes hundreds of ms)."""
-        return 0 if sys.getallocatedblocks() - self.blocks_after >= GARBAGE_BUDGET else -1
+        """A step before the whole heap: -1 (skip it) when the heap has grown since the last
+        whole collection (or the freeze after warm-up) by fewer memory blocks than
+        `growth_needed`, else 0. Cycles among frozen objects hold memory blocks, so a heap that
+        has not grown that much holds less such garbage than that, and a whole collection
+        (hundreds of ms on a GPU worker, proportional to the heap) is worth its pause only
+        after the heap grew by a share of itself (`sys.getallocatedblocks`: one walk of the
+        allocator's pools, ~1 ms per 5 million blocks)."""
+        self.blocks_growth = sys.getallocatedblocks() - self.blocks_after
+        return 0 if self.blocks_growth >= self.growth_needed() else -1
+
+    def growth_needed(self) -> int:
+        """Memory blocks the heap must have grown by for a whole collection that is due."""
+        return max(GARBAGE_BUDGET, int(GROWTH_SHARE * self.blocks_after))
 
     def _unchanged(self) -> None:
         """The whole heap was due and `_grown` found the heap no larger: counted as collected
@@ -239,5 +254,10 @@ class GcPolicy:
             "gc_whole_heap_after": self.due_after(),
             "gc_whole_heap_freed": self.whole_freed,
             "gc_whole_heap_skipped": self.whole_skipped,
+            # why a due whole collection ran or not: the heap's blocks after the last one (or
+            # the freeze), the growth needed and the growth last found (-1: never checked)
+            "gc_heap_blocks": self.blocks_after,
+            "gc_heap_growth_needed": self.growth_needed(),
+            "gc_heap_growth": self.blocks_growth,
             "frozen": self.frozen_objects,
         }
