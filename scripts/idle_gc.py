@@ -60,7 +60,7 @@ def main() -> int:
             m = _IDLE.search(line)
             if m and "gc_policy" in line:
                 print("  " + m.group(1))
-    for k in sorted(k for k in stats if k.startswith(("gc_idle", "gc_whole"))):
+    for k in sorted(k for k in stats if k.startswith(("gc_idle", "gc_whole", "gc_heap"))):
         print(f"{k} = {stats[k]}")
     return 0
 

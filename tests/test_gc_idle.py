@@ -256,3 +256,69 @@ def test_a_whole_collection_waits_until_the_heap_grew_by_a_quarter_of_itself(
     assert st["gc_heap_growth_needed"] == int(heap_mod.GROWTH_SHARE * policy.blocks_after)
     assert st["gc_heap_growth"] == policy.blocks_growth
     assert len(kept) == needed // 2 + needed
+
+
+def test_a_prefix_cache_filling_is_not_growth_that_calls_for_the_whole_heap(
+    policy: GcPolicy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Token ids the worker's prefix cache took since the baseline (``known``: live ints, never
+    in a cycle) do not count as growth: on an H100 worker the reuse burst's 64 documents grew the
+    heap by 259,145 blocks, nearly all of them the cached documents' 256,000 token ids. Growth
+    past the quarter in other objects still collects the whole heap."""
+    monkeypatch.setattr(heap_mod, "WHOLE_HEAP_AFTER", 10)
+    monkeypatch.setattr(heap_mod, "GARBAGE_BUDGET", 1_000)
+    long_idle = heap_mod.WHOLE_HEAP_IDLE_S
+    needed = policy.growth_needed()
+    ids: list[int] = []
+    policy.known = lambda: len(ids)
+    policy.known_after = 0
+    ids += [1_000_000 + i for i in range(needed * 2)]  # a cache of token ids, twice the quarter
+    for _ in range(10):
+        policy.admitted(1)
+    assert asyncio.run(policy.idle(10, lambda: True, idle_s=long_idle))
+    assert policy.whole_skipped == 1 and policy.whole_freed == -1
+    assert policy.blocks_growth < needed and policy.stats()["gc_heap_known"] == needed * 2
+    other = [object() for _ in range(needed * 2)]  # live objects the worker does not know of
+    for _ in range(10):
+        policy.admitted(1)
+    assert asyncio.run(policy.idle(10, lambda: True, idle_s=long_idle))
+    assert policy.whole_skipped == 1 and policy.whole_freed >= 0
+    assert policy.known_after == len(ids)  # the new baseline counts the cache as it is
+    assert len(other) == needed * 2
+
+
+def test_the_prefix_cache_counts_the_token_ids_it_holds(
+    make_settings: Callable[..., Settings],
+) -> None:
+    """`PrefixCache.held_ids`: the token ids of the prefixes it holds, added as they are decoded
+    and taken off as the LRU drops them (what the GC policy discounts from the heap's growth)."""
+    from prefixq.core import wire
+    from prefixq.store.connection import async_client, sync_client
+    from prefixq.worker.prefixes import PrefixCache
+
+    s = make_settings()
+    r = sync_client(s)
+    refs = [f"{k:032x}" for k in range(3)]
+    for k, ref in enumerate(refs):
+        body = {"prompt_token_ids": list(range(1_000, 1_000 + 100 * (k + 1))), "n": 1}
+        r.set(s.keys.prefix(ref), wire.encode(body, s.codec))
+    r.set(s.keys.prefix("e" * 32), wire.encode({"prompt": "text, no ids"}, s.codec))
+
+    class Ref:
+        def __init__(self, ref: str) -> None:
+            self.prefix_ref = ref
+
+    async def go() -> list[int]:
+        ar = async_client(s)
+        try:
+            cache = PrefixCache(ar, s.keys, wire.Limits.from_settings(s), 2)
+            held = []
+            for ref in [*refs, "e" * 32]:
+                await cache.resolve([Ref(ref)])  # type: ignore[list-item]
+                held.append(cache.held_ids())
+            return held
+        finally:
+            await ar.aclose()
+
+    # 100, then 100 + 200, then 200 + 300 (the first dropped), then 300 + 0 (text)
+    assert asyncio.run(go()) == [100, 300, 500, 300]

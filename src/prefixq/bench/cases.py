@@ -327,6 +327,7 @@ def by_gen(stats: dict[str, dict[str, Any]], names: list[str]) -> list[dict[str,
             "heap_blocks": stats[n].get("gc_heap_blocks"),
             "heap_growth_needed": stats[n].get("gc_heap_growth_needed"),
             "heap_growth": stats[n].get("gc_heap_growth"),
+            "heap_known": stats[n].get("gc_heap_known"),
         }
         for n in names
     ]

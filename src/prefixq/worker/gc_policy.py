@@ -18,7 +18,9 @@ the heap has grown since the last by `GARBAGE_BUDGET` memory blocks and by `GROW
 what it held then (`_grown`: a heap that has not cannot hold more garbage than that, and the
 whole collection's cost, proportional to the heap, stays proportional to the growth it follows,
 as with CPython's own rule for full collections, which freezing takes out of play: on an H200
-worker the whole heap took 352 ms and freed 74 objects). A worker never idle stops freezing
+worker the whole heap took 352 ms and freed 74 objects), not counting the token ids the worker's
+prefix cache took meanwhile (``known``: live ints, never in a cycle; on that worker they were
+nearly all of the growth). A worker never idle stops freezing
 after that many (at least `FREEZE_BUDGET`), so what can wait stays bounded. `admitted`
 runs at every admission and must stay O(1); `idle` runs only when nothing is in flight.
 
@@ -97,6 +99,11 @@ class GcPolicy:
         self.whole_skipped = 0
         #: the growth `_grown` found the last time it ran (-1: not yet)
         self.blocks_growth = -1
+        #: memory blocks the worker knows it holds in live data that cannot form cycles (its
+        #: prefix cache's token ids: worker/prefixes.py), discounted from the growth; and their
+        #: count when ``blocks_after`` was taken
+        self.known: Callable[[], int] = lambda: 0
+        self.known_after = 0
 
     def due_after(self) -> int:
         """Requests frozen before the whole heap is collected (at the next long idle moment)."""
@@ -113,7 +120,10 @@ class GcPolicy:
         gc.freeze()
         self.frozen_requests = 0
         self.frozen_objects = gc.get_freeze_count()
-        self.blocks_after = sys.getallocatedblocks()
+        self._baseline()
+
+    def _baseline(self) -> None:
+        self.blocks_after, self.known_after = sys.getallocatedblocks(), self.known()
 
     def unfreeze(self) -> None:
         """Back to ordinary collection of the whole heap (to measure what freezing avoids)."""
@@ -210,12 +220,15 @@ class GcPolicy:
     def _grown(self) -> int:
         """A step before the whole heap: -1 (skip it) when the heap has grown since the last
         whole collection (or the freeze after warm-up) by fewer memory blocks than
-        `growth_needed`, else 0. Cycles among frozen objects hold memory blocks, so a heap that
-        has not grown that much holds less such garbage than that, and a whole collection
-        (hundreds of ms on a GPU worker, proportional to the heap) is worth its pause only
-        after the heap grew by a share of itself (`sys.getallocatedblocks`: one walk of the
-        allocator's pools, ~1 ms per 5 million blocks)."""
-        self.blocks_growth = sys.getallocatedblocks() - self.blocks_after
+        `growth_needed`, not counting what ``known`` says the worker added in live data that
+        cannot form cycles (its prefix cache filling), else 0. Cycles among frozen objects hold
+        memory blocks, so a heap that has not grown that much holds less such garbage than
+        that, and a whole collection (hundreds of ms on a GPU worker, proportional to the heap)
+        is worth its pause only after the heap grew by a share of itself
+        (`sys.getallocatedblocks`: one walk of the allocator's pools, ~1 ms per 5 million
+        blocks)."""
+        known = self.known() - self.known_after  # a cache filling: live, acyclic
+        self.blocks_growth = sys.getallocatedblocks() - self.blocks_after - known
         return 0 if self.blocks_growth >= self.growth_needed() else -1
 
     def growth_needed(self) -> int:
@@ -236,7 +249,7 @@ class GcPolicy:
         self.whole_after = int(min(WHOLE_HEAP_MAX_AFTER, max(WHOLE_HEAP_AFTER, spacing)))
         self.whole_freed = freed
         self.frozen_requests = 0
-        self.blocks_after = sys.getallocatedblocks()
+        self._baseline()
 
     @staticmethod
     def _whole() -> int:
@@ -259,5 +272,6 @@ class GcPolicy:
             "gc_heap_blocks": self.blocks_after,
             "gc_heap_growth_needed": self.growth_needed(),
             "gc_heap_growth": self.blocks_growth,
+            "gc_heap_known": self.known(),
             "frozen": self.frozen_objects,
         }

@@ -28,9 +28,17 @@ class PrefixCache:
     def __init__(self, r: aredis.Redis, keys: Keys, limits: wire.Limits, entries: int) -> None:
         self.r, self.keys, self.limits, self.entries = r, keys, limits, entries
         self._lru: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        #: token ids held in the cached prefixes (`held_ids`)
+        self._ids = 0
 
     def __len__(self) -> int:
         return len(self._lru)
+
+    def held_ids(self) -> int:
+        """Token ids the cached prefixes hold: about as many memory blocks of int objects, live
+        and never part of a reference cycle (worker/gc_policy.py discounts them from the heap's
+        growth: a corpus filling this cache is not garbage to collect)."""
+        return self._ids
 
     async def resolve(self, batch: list[Entry]) -> dict[str, Resolved]:
         """digest -> prefix object (or the reason it is unavailable) for every reference."""
@@ -66,6 +74,12 @@ class PrefixCache:
         if not isinstance(obj, dict):
             return f"stored prefix {ref} is not a map"
         self._lru[ref] = obj
+        self._ids += _token_ids(obj)
         while len(self._lru) > self.entries:
-            self._lru.popitem(last=False)
+            self._ids -= _token_ids(self._lru.popitem(last=False)[1])
         return obj
+
+
+def _token_ids(obj: dict[str, Any]) -> int:
+    """The items of ``obj``'s lists of ints (a prefix's token ids; O(fields))."""
+    return sum(len(v) for v in obj.values() if isinstance(v, list) and v and type(v[0]) is int)

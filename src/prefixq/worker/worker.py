@@ -108,10 +108,10 @@ class Worker:
         self._gate = SoloGate()
         self._dead: str | None = None
         #: bursts cancelled or expired: their queued entries are not run (worker/ends.py)
-        self.ends = BurstEnds(
-            self.r, settings, on_burst_done=lambda _r, _s, burst: self._burst_done(burst)
-        )
+        done = self._burst_done
+        self.ends = BurstEnds(self.r, settings, on_burst_done=lambda _r, _s, b: done(b))
         self.prefixes = PrefixCache(self.r, self.keys, self.limits, settings.prefix_cache_entries)
+        self.gc_policy.known = self.prefixes.held_ids  # live, acyclic: not growth to collect
         self.writer = ResultWriter(
             self.stream,
             write_batch=settings.write_batch,
