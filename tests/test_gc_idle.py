@@ -322,3 +322,45 @@ def test_the_prefix_cache_counts_the_token_ids_it_holds(
 
     # 100, then 100 + 200, then 200 + 300 (the first dropped), then 300 + 0 (text)
     assert asyncio.run(go()) == [100, 300, 500, 300]
+
+
+def test_a_worker_filling_its_prefix_cache_with_documents_does_not_collect_its_heap_whole(
+    make_settings: Callable[..., Settings],
+    fake_worker: Callable[..., FakeWorker],
+    r: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A real worker serving a burst over documents of token ids stored once (a reuse corpus)
+    grows its heap by the documents' ints, more than a quarter of the heap here; the whole heap
+    comes due in idle time and is skipped, because the growth is the prefix cache's (the policy
+    reads the worker's `PrefixCache.held_ids`)."""
+    from prefixq.core.records import Request
+
+    monkeypatch.setattr(heap_mod, "WHOLE_HEAP_AFTER", 10)
+    monkeypatch.setattr(heap_mod, "GARBAGE_BUDGET", 1_000)
+    monkeypatch.setattr(heap_mod, "WHOLE_HEAP_IDLE_S", 0.0, raising=False)
+    monkeypatch.setattr(heartbeat_mod, "IDLE_FREEZE_S", 0.2)
+    s = make_settings(gc_freeze=True, heartbeat_s=0.1, prefix_store_min_chars=64)
+    fw = fake_worker(s)
+    assert fw.worker is not None
+    policy, prefixes = fw.worker.gc_policy, fw.worker.prefixes
+    wait_until(lambda: policy.blocks_after > 0, 30, "the worker's freeze after warm-up")
+    length = 4_000
+    docs = policy.growth_needed() * 2 // length + 1  # two quarters of the heap in ids
+
+    def burst() -> Iterator[Request]:  # made as sent: the test holds no copy of the ids
+        for d in range(docs):
+            doc = list(range(1_000 + d, 1_000 + d + length))
+            for q in range(2):
+                yield Request(id=f"{d}-{q}", prompt_token_ids=[500 + q, 501], prefix=doc)
+
+    sent = Producer(s).submit(burst()).id
+    wait_burst(r, s, sent, 120, n=docs * 2)
+    held = prefixes.held_ids()  # the documents read by reference (a few go inline)
+    assert held % length == 0 and held >= 0.8 * docs * length, (held, docs)
+    wait_until(lambda: policy.whole_skipped + (policy.whole_freed >= 0) > 0, 30, "the check")
+    st = policy.stats()
+    print(f"  {docs} documents of {length} ids: {st}")
+    assert policy.whole_skipped == 1 and policy.whole_freed == -1, st
+    assert st["gc_heap_known"] == held >= st["gc_heap_growth_needed"]
+    assert 0 <= st["gc_heap_growth"] < st["gc_heap_growth_needed"]
