@@ -314,6 +314,10 @@ def test_the_prefix_cache_counts_the_token_ids_it_holds(
         ar = async_client(s)
         try:
             cache = PrefixCache(ar, s.keys, wire.Limits.from_settings(s), 2)
+            # two resolves at once decode the same prefix: it is held (and counted) once
+            await asyncio.gather(*(cache.resolve([Ref(refs[1])]) for _ in range(2)))
+            assert len(cache) == 1 and cache.held_ids() == 200
+            cache = PrefixCache(ar, s.keys, wire.Limits.from_settings(s), 2)
             held = []
             for ref in [*refs, "e" * 32, "f" * 32]:
                 await cache.resolve([Ref(ref)])  # type: ignore[list-item]

@@ -73,6 +73,9 @@ class PrefixCache:
             return f"stored prefix {ref} undecodable: {err}"
         if not isinstance(obj, dict):
             return f"stored prefix {ref} is not a map"
+        old = self._lru.pop(ref, None)  # decoded meanwhile by a resolve beside this one
+        if old is not None:
+            self._ids -= _token_ids(old)
         self._lru[ref] = obj
         self._ids += _token_ids(obj)
         while len(self._lru) > self.entries:
