@@ -178,6 +178,8 @@ class GcPolicy:
         collected, spent, freed, skipped = 0, 0.0, 0, False
         for step in steps:
             await asyncio.sleep(STEP_GAP_S)  # the loop runs: a burst that arrived is read
+            if not self.enabled:  # turned off meanwhile (``gc_unfreeze``): freeze nothing again
+                return True
             if not quiet():
                 self.idle_postponed += 1
                 log.debug("idle collection stopped: work arrived (%.1f ms spent)", spent)
