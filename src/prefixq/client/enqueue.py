@@ -25,6 +25,7 @@ from prefixq.core.errors import BurstIdTaken, WritesLost
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from prefixq.store.connection import is_cluster, lua
+from prefixq.store.fence import afence
 from prefixq.store.liveness import add_load
 from prefixq.store.redis_errors import transient
 from prefixq.store.retry import Backoff
@@ -68,6 +69,8 @@ class BurstWriter:
         #: entries a pipeline sent again found already added, and skipped
         self.skipped = 0
         self.created = False
+        #: the stored prefixes this submission's entries refer to (the fence reads them back)
+        self.prefix_refs: list[str] = []
         #: tells this submission's create apart from another producer's of the same burst id
         self.token = secrets.token_hex(8)
 
@@ -111,6 +114,16 @@ class BurstWriter:
         if not created:
             raise BurstIdTaken(f"burst {self.burst!r} already exists")
         self.created = True
+        if "deadline" in self.meta and isinstance(writes[-1], Exception):
+            # the index's master refused or could not be reached while the record's took it (on
+            # a cluster they are two masters): index it again, riding through a failover, or fail
+            # the submit (its burst cancelled): a record left unindexed would never expire
+            def index(pipe: Any) -> None:
+                pipe.zadd(keys.deadlines, {self.burst: self.meta["deadline"]}, lt=True)
+
+            for x in await self.execute(index, 0):
+                if isinstance(x, Exception):
+                    raise x
 
     async def send(
         self, count: int, chunk: tuple[Encoded, list[Placed]], *, first: bool = False
@@ -152,6 +165,7 @@ class BurstWriter:
         at = 2 * len(encoded.new_prefixes)
         fresh = [bool(x) for x in replies[:at:2]]
         self.enc.stored(encoded.new_prefixes, fresh)
+        self.prefix_refs += encoded.new_prefixes
         self._lost(encoded.by_shard, replies[at::2])
         await self._skipped(count, encoded.by_shard, replies[at::2])
         self.per_shard.update(p.shard for p in placed)
@@ -170,10 +184,35 @@ class BurstWriter:
                 + " (a Redis failover lost them after their master had answered)"
             )
 
-    def proofs(self) -> tuple[dict[str, list[str]], dict[str, int]]:
-        """What the submit's fence reads back (store/fence.py): the burst record's ``total``, and
-        each shard's count of this submission's entries (lua/enqueue.lua's guard)."""
-        return {self.keys.burst(self.burst): ["total"]}, self.layout.counts(self.token)
+    async def fence(self) -> None:
+        """``min_replicas_acked``: the replicas hold every write of the submit before it returns
+        (store/fence.py), read back on the masters that serve them now, so that a failover since
+        they were answered fails the submit (`WritesLost`): the burst record's ``total``, each
+        shard's count of this submission's entries (lua/enqueue.lua's guard), the burst's
+        listing and deadline index entries and the stored prefixes its entries refer to. An
+        error a failover elsewhere leaves (a stale connection, a moved slot) fences again, for
+        up to `RIDE_THROUGH_S`, as a pipeline is sent again."""
+        keys = self.keys
+        scored = {keys.bursts: [self.burst]}
+        if "deadline" in self.meta:
+            scored[keys.deadlines] = [self.burst]
+        backoff = Backoff(0.05, 1.0)
+        give_up = time.monotonic() + RIDE_THROUGH_S
+        while True:
+            try:
+                await afence(
+                    self.r,
+                    self.s,
+                    present={keys.burst(self.burst): ["total"]},
+                    counted=self.layout.counts(self.token),
+                    scored=scored,
+                    keys=[keys.prefix(ref) for ref in self.prefix_refs],
+                )
+                return
+            except Exception as e:
+                if not transient(e) or time.monotonic() >= give_up:
+                    raise
+                await backoff.wait(f"burst {self.burst}: confirming its writes on the replicas", e)
 
     async def _skipped(
         self, count: int, by_shard: dict[int, list[tuple[bytes, int]]], replies: list[Any]

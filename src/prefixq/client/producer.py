@@ -51,7 +51,6 @@ from prefixq.store.burst_end import OnBurstDone, acancel
 from prefixq.store.census import count_enqueued
 from prefixq.store.connection import async_client
 from prefixq.store.deployment import aresolve_shards
-from prefixq.store.fence import afence
 from prefixq.store.liveness import placement_types, read_tasks, repaired
 from prefixq.store.redis_errors import TRANSIENT, adescribe
 from prefixq.store.webhook_outbox import watch_burst
@@ -270,8 +269,10 @@ class _Submission:
             placer, head_chunk = await self._place_head(head, placer, shards)
         if arrange is not None:
             arrange.placed(head, head_chunk[1])
-        await self._create(shards, placement, order)
         try:
+            # a create that raises after the record was written (its deadline's index refused)
+            # leaves a burst to cancel like any other
+            await self._create(shards, placement, order)
             await self._send(head, head_chunk, first=True)
             if reqs.file is None:  # a file was checked whole before anything was sent
                 reqs.validate(rest)
@@ -285,12 +286,7 @@ class _Submission:
                     arrange.placed(chunk, encoded[1])
                 await self._send(chunk, encoded)
                 start, size = start + len(chunk), min(4 * size, _CHUNK)
-            # min_replicas_acked: the replicas hold every entry and the record before submit
-            # returns (the writes go to every master: entries, prefixes, record, indexes); the
-            # record and each shard's count of entries are read back on the masters that serve
-            # them now, so a failover since they were answered fails the submit (WritesLost)
-            present, counted = self.writer.proofs()
-            await afence(self.r, self.s, present=present, counted=counted)
+            await self.writer.fence()  # min_replicas_acked: every write, read back
         except Exception as e:  # ours, Redis's, or a bug: never a created burst left half sent
             await self._abandon(e)
             raise

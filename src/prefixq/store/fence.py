@@ -17,14 +17,17 @@ by trying i = 0, 1, ... (a few tries: 3 masters split the 16384 slots).
 
 **A fence proves the writes it guards** (``present``: hash fields that must exist; ``counted``:
 counters that must be at least so high, such as a submission's count of entries on a shard;
-``members``: set members that must exist, such as the entries moved onto a shard). WAIT confirms
+``members``: set members that must exist, such as the entries moved onto a shard; ``scored``:
+sorted-set members, such as a burst's deadline and listing entries; ``keys``: keys that must
+exist, such as the stored prefixes a burst's entries refer to). WAIT confirms
 what the master it runs on holds, not what an earlier command wrote: if the slot map changes
 between the write and the fence (the master dies, its replica, which never got the write, is
 promoted, and the client's map follows), a bare fence runs on the new master, its replicas confirm
 it, and the caller acks writes that are gone. So the fence's pipeline first reads the writes back
-(``HMGET``, ``GET``, ``SMISMEMBER``) on the same connection, then ``SET`` + ``WAIT``: writes all
-there and n replicas confirming means the replicas hold them (the SET comes after the read on that
-master's one replication stream, so WAIT covers what the read saw), whichever node wrote them; a
+(``HMGET``, ``GET``, ``SMISMEMBER``, ``ZMSCORE``, ``EXISTS``) on the same connection, then
+``SET`` + ``WAIT``: writes all there and n replicas confirming means the replicas hold them (the
+SET comes after the read on that master's one replication stream, so WAIT covers what the read
+saw), whichever node wrote them; a
 write missing is `WritesLost` and the caller writes again (a producer's submit fails); a node that
 no longer serves the slot answers MOVED (transient: the caller retries). It costs no round trip
 more: the read rides in the fence's pipeline. docs/delivery.md, "Redis Cluster and failover".
@@ -68,14 +71,15 @@ def fence_key(r: Any, keys: Keys, node: Any) -> str:
 Present = Mapping[str, Collection[int | str]]
 #: counters a fence must find at least this high: {string key: least value}
 Counted = Mapping[str, int]
-#: set members a fence must find: {set key: members}
+#: set (or sorted-set) members a fence must find: {set key: members}
 Members = Mapping[str, Collection[bytes | str]]
 
 
 @dataclass(frozen=True, slots=True)
 class _Proof:
     """One read a fence's pipeline makes before its SET and WAIT, and what it must find: a hash's
-    fields (``hash``), a counter at least ``least`` (``count``), a set's members (``set``)."""
+    fields (``hash``), a counter at least ``least`` (``count``), a set's members (``set``), a
+    sorted set's members (``zset``), a key (``key``)."""
 
     kind: str
     key: str
@@ -87,6 +91,10 @@ class _Proof:
             return ("HMGET", self.key, *self.items)
         if self.kind == "count":
             return ("GET", self.key)
+        if self.kind == "zset":
+            return ("ZMSCORE", self.key, *self.items)
+        if self.kind == "key":
+            return ("EXISTS", self.key)
         return ("SMISMEMBER", self.key, *self.items)
 
     def missing(self, got: Any) -> list[str]:
@@ -94,15 +102,21 @@ class _Proof:
         if self.kind == "count":
             have = int(got or 0)
             return [] if have >= self.least else [f"{self.key} ({have} of {self.least})"]
+        if self.kind == "key":
+            return [] if got else [self.key]
         lost = (it for it, v in zip(self.items, got, strict=True) if v is None or v == 0)
         return [f"{self.key} {it.decode() if isinstance(it, bytes) else it}" for it in lost]
 
 
-def _proofs(present: Present, counted: Counted, members: Members) -> list[_Proof]:
+def _proofs(
+    present: Present, counted: Counted, members: Members, scored: Members, keys: Collection[str]
+) -> list[_Proof]:
     return [
         *(_Proof("hash", k, tuple(f)) for k, f in present.items() if f),
         *(_Proof("count", k, least=n) for k, n in counted.items() if n > 0),
         *(_Proof("set", k, tuple(m)) for k, m in members.items() if m),
+        *(_Proof("zset", k, tuple(m)) for k, m in scored.items() if m),
+        *(_Proof("key", k) for k in keys),
     ]
 
 
@@ -162,14 +176,17 @@ async def afence(
     present: Present | None = None,
     counted: Counted | None = None,
     members: Members | None = None,
+    scored: Members | None = None,
+    keys: Collection[str] = (),
 ) -> int:
     """Fence (asyncio client) the masters of the keys ``written`` (None: every master), after
-    reading back on each ``present``'s hash fields, ``counted``'s counters and ``members``'s set
-    members (`WritesLost` when one is missing or a counter is short); nothing when
-    ``min_replicas_acked`` is 0. Returns the number of masters fenced."""
+    reading back on each ``present``'s hash fields, ``counted``'s counters, ``members``'s set
+    members, ``scored``'s sorted-set members and the ``keys`` (`WritesLost` when one is missing
+    or a counter is short); nothing when ``min_replicas_acked`` is 0. Returns the number of
+    masters fenced."""
     if settings.min_replicas_acked <= 0:
         return 0
-    proofs = _proofs(present or {}, counted or {}, members or {})
+    proofs = _proofs(present or {}, counted or {}, members or {}, scored or {}, keys)
     if not is_cluster(r):
         pipe = r.pipeline(transaction=False)  # one connection: WAIT follows its SET
         for cmd in _commands(settings.keys.fence(0), settings, proofs):
