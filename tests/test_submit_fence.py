@@ -43,8 +43,8 @@ def test_the_submits_fence_rides_through_a_transient_error(
 ) -> None:
     """A fence that meets a stale connection (a master not involved in the burst failed over and
     came back while the submit ran) fences again instead of failing and cancelling the burst;
-    what it reads back is the submit's writes: the record, the listing and deadline index
-    entries, and the stored prefix its entries refer to."""
+    what it reads back is the submit's writes: the record, the deadline index entry and the
+    stored prefix its entries refer to."""
     s = make_settings(min_replicas_acked=1, prefix_store_min_chars=16)
     calls: list[dict[str, Any]] = []
 
@@ -63,7 +63,28 @@ def test_the_submits_fence_rides_through_a_transient_error(
     keys = Keys(s.namespace)
     assert r.hget(keys.burst("fence-again"), "status") == b"queued"
     proofs = calls[-1]
-    assert set(proofs["scored"]) == {keys.bursts, keys.deadlines}
+    assert set(proofs["scored"]) == {keys.deadlines}
     assert proofs["keys"] and all(k.startswith(keys.prefix("")) for k in proofs["keys"])
     assert all(r.exists(k) for k in proofs["keys"])
     assert "confirming its writes on the replicas" in caplog.text
+
+
+def test_a_deadline_that_passes_during_the_submit_is_not_a_lost_write(
+    make_settings: Callable[..., Settings], r: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker may expire a burst whose deadline passed while it was being submitted, and drop
+    its index entry: the fence does not read that entry back (it would fail a healthy submit
+    as writes lost); a later deadline it does."""
+    s = make_settings(min_replicas_acked=1)
+    seen: list[dict[str, Any]] = []
+
+    async def afence(r: Any, settings: Settings, **proofs: Any) -> int:
+        seen.append(proofs)
+        return 1
+
+    monkeypatch.setattr(enqueue_mod, "afence", afence)
+    reqs = [{"id": "q", "prompt": "hi", "max_tokens": 4}]
+    Producer(s).submit(reqs, burst_id="soon", deadline=time.time() + 1)
+    Producer(s).submit(reqs, burst_id="later", deadline=time.time() + 600)
+    keys = Keys(s.namespace)
+    assert [p["scored"] for p in seen] == [{}, {keys.deadlines: ["later"]}]

@@ -37,6 +37,8 @@ _PRUNE = 32
 #: seconds a submit on a Redis Cluster keeps sending a chunk through a failover (`execute`):
 #: a replica is promoted within about twice ``cluster-node-timeout``
 RIDE_THROUGH_S = 30.0
+#: a deadline this close (seconds) when the submit fences may have expired the burst meanwhile
+_DEADLINE_MARGIN_S = 5.0
 #: request ids per RPUSH of the burst's id list
 _IDS_CHUNK = 10_000
 #: seconds a staged id list lives if its producer dies before the create call (Keys.staged_ids)
@@ -189,12 +191,14 @@ class BurstWriter:
         (store/fence.py), read back on the masters that serve them now, so that a failover since
         they were answered fails the submit (`WritesLost`): the burst record's ``total``, each
         shard's count of this submission's entries (lua/enqueue.lua's guard), the burst's
-        listing and deadline index entries and the stored prefixes its entries refer to. An
+        deadline index entry and the stored prefixes its entries refer to. An
         error a failover elsewhere leaves (a stale connection, a moved slot) fences again, for
         up to `RIDE_THROUGH_S`, as a pipeline is sent again."""
         keys = self.keys
-        scored = {keys.bursts: [self.burst]}
-        if "deadline" in self.meta:
+        scored: dict[str, list[str]] = {}
+        if float(self.meta.get("deadline", 0)) > time.time() + _DEADLINE_MARGIN_S:
+            # a deadline that passes during the submit is expired, and its entry dropped, by
+            # any worker (store/burst_end.py): only a later one must still be there
             scored[keys.deadlines] = [self.burst]
         backoff = Backoff(0.05, 1.0)
         give_up = time.monotonic() + RIDE_THROUGH_S
