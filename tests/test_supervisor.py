@@ -1,7 +1,7 @@
 """`prefixq workers`, the supervisor (cli/worker_process.py `supervise`), as a process over
 fake-engine worker processes (tests/fault_worker.py ``workers``): a stop that comes while a
-worker waits for its restart, the signals a terminal or an operator sends (SIGHUP, SIGQUIT, the
-supervisor killed -9), and the exit status of a worker killed by a signal."""
+worker starts or waits for its restart, the signals a terminal or an operator sends (SIGHUP,
+SIGQUIT, the supervisor killed -9), and the exit status of a worker killed by a signal."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from helpers import fault_worker, wait_until
+from helpers import PY, TESTS, fault_worker, settings_flags, wait_until
 from prefixq.core.settings import Settings
 
 
@@ -56,6 +56,51 @@ def test_a_stop_while_a_worker_waits_for_its_restart_starts_nothing_more(
         _stop(sup)
     assert rc == 1, log.read_text()[-3000:]
     assert len(_pids(log)) == started and all(_gone(p) for p in _pids(log))
+
+
+#: the supervisor of tests/fault_worker.py ``workers``, with SIGTERM sent to itself from inside
+#: the first worker's Popen (in `start_worker`, where the supervisor's stops are blocked: it is
+#: handled as they are unblocked)
+STOP_IN_SPAWN = f"""
+import os, signal, subprocess, sys
+sys.path.insert(0, {str(TESTS)!r})
+import fault_worker
+
+real = subprocess.Popen
+spawned = []
+
+def popen(*a, **kw):
+    p = real(*a, **kw)
+    spawned.append(p)
+    if len(spawned) == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return p
+
+subprocess.Popen = popen
+sys.exit(fault_worker.workers(sys.argv[1:]))
+"""
+
+
+def test_a_stop_while_a_worker_is_spawned_reaches_it(settings: Settings, tmp_path: Path) -> None:
+    """SIGTERM that reaches the supervisor while it starts a worker (inside `start_worker`) stops
+    that worker too: the supervisor exits 0 and no worker is left. It was handled before the new
+    worker was recorded, so that worker never got it, and the supervisor waited for it for good
+    while it served."""
+    script = tmp_path / "stop_in_spawn.py"
+    script.write_text(STOP_IN_SPAWN)
+    log = tmp_path / "sup.log"
+    with open(log, "wb") as out:
+        cmd = [PY, str(script), "--cpu", "1", *settings_flags(settings)]
+        sup = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=TESTS.parent)
+    try:
+        wait_until(lambda: _pids(log), 30, "the worker's start")
+        rc = sup.wait(20)
+    finally:
+        _stop(sup)
+    assert rc == 0, log.read_text()[-3000:]
+    (pid,) = _pids(log)
+    wait_until(lambda: _gone(pid), 10, "the worker's exit")
+    assert "warm in" not in log.read_text(), log.read_text()[-3000:]  # it never served
 
 
 def test_sighup_and_sigquit_stop_the_workers_gracefully(settings: Settings, tmp_path: Path) -> None:

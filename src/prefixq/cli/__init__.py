@@ -9,7 +9,8 @@ Such a stop unwinds the start by raising ``SystemExit(0)`` where the main thread
 inside an import: raised there, in a C extension's initialisation (numpy's, torch's, under
 vLLM's), it can abort the process (pybind11 terminates on it) or leave the module half-built, to
 fail again as the start unwinds ("CPU dispatcher tracer already initialized"); a worker that is
-still importing holds nothing, so it leaves at once (`leave_now`: logs flushed, exit 0). Whatever
+still importing serves nothing, so it leaves at once (`leave_now`: its shard's hold released,
+logs flushed, exit 0). Whatever
 else the unwinding raises, a worker stopped during its start exits 0 (`STOPPING`). This module
 imports nothing that takes time.
 """
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _exit_during_start(signum: int, frame: FrameType | None) -> None:
-    """A stop while the worker imports its command: it holds nothing yet; exit 0."""
+    """A stop while the worker imports its command: it serves nothing yet; exit 0."""
     if inside_import(frame):  # before anything imports: the module being imported is half-built
         leave_now()
     unwinding()

@@ -7,10 +7,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prefixq.core.errors import ConfigError
@@ -77,7 +78,10 @@ def holding(settings: Settings, shard: int) -> Iterator[None]:
 @contextlib.contextmanager
 def _held(settings: Settings, j: Joined) -> Iterator[int]:
     """``j``'s hold renewed while inside, released at the exit if no heartbeat ended it (one
-    that did needs no Redis at the exit: a stop with Redis down keeps its bound)."""
+    that did needs no Redis at the exit: a stop with Redis down keeps its bound). A stop that
+    leaves the process at once (inside an import: `start_stop.leave_now`) releases it too,
+    within ``2 * RELEASE_S`` (`_early_release`)."""
+    from prefixq.cli.start_stop import off_leave, on_leave
     from prefixq.store.connection import async_client
     from prefixq.store.deployment import arelease_join
     from prefixq.worker.aio import within
@@ -86,22 +90,43 @@ def _held(settings: Settings, j: Joined) -> Iterator[int]:
     async def release(j: Joined) -> None:
         r = async_client(settings)
         try:
-            await within(arelease_join(r, settings, j), RELEASE_S)
+            if await within(arelease_join(r, settings, j), RELEASE_S):
+                log.info("released the hold on shard %d", j.shard)
         finally:
             await r.aclose()
 
+    once = threading.Lock()
+
+    def finish() -> None:
+        if not once.acquire(blocking=False):  # released already (the exit, or an early stop)
+            return
+        beaten = BEATEN.is_set()  # the first heartbeat ended the hold: nothing to release
+        last = renewal.stop(wait=not beaten)
+        try:
+            if not beaten:
+                asyncio.run(release(last))
+        except Exception as err:  # never an error of the exit: the hold lapses by itself
+            log.warning("the join's hold on shard %d was not released: %s", last.shard, err)
+
+    early = functools.partial(_early_release, finish)
     renewal = _Renewal(settings, j)
     renewal.start()
+    on_leave(early)
     try:
         yield j.shard
     finally:
-        beaten = BEATEN.is_set()  # the first heartbeat ended the hold: nothing to release
-        j = renewal.stop(wait=not beaten)
-        try:
-            if not beaten:
-                asyncio.run(release(j))
-        except Exception as err:  # never an error of the exit: the hold lapses by itself
-            log.warning("the join's hold on shard %d was not released: %s", j.shard, err)
+        off_leave(early)
+        finish()
+
+
+def _early_release(finish: Callable[[], None]) -> None:
+    """``finish`` (a hold's release) for a stop that leaves at once (`start_stop.on_leave`): on
+    a thread of its own, since the main thread is inside an import there (what ``finish`` loads
+    would find the module being imported half-built), waited for ``2 * RELEASE_S`` at most (its
+    renewal stuck on Redis, then the release: both bounded by ``RELEASE_S``)."""
+    t = threading.Thread(target=finish, name="prefixq-join-release", daemon=True)
+    t.start()
+    t.join(2 * RELEASE_S + 0.5)
 
 
 class _Renewal(threading.Thread):

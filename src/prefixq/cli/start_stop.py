@@ -1,5 +1,6 @@
-"""A worker stopped while it starts (prefixq.cli, prefixq.cli.worker_signals): it holds nothing
-yet, so it exits 0, at once where unwinding is not safe (`inside_import`, `leave_now`), and
+"""A worker stopped while it starts (prefixq.cli, prefixq.cli.worker_signals): it serves nothing
+yet, so it exits 0, at once where unwinding is not safe (`inside_import`, `leave_now`: what it
+holds meanwhile, its shard's hold, is released first: `on_leave`), and
 whatever the unwinding raises (`STOPPING`), quietly, and at once where Python swallows the stop
 (`unwinding`). Standard library only: imported at the process's
 first line.
@@ -9,12 +10,29 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
 
-__all__ = ["STOPPING", "inside_import", "leave_now", "unwinding"]
+__all__ = ["STOPPING", "inside_import", "leave_now", "off_leave", "on_leave", "unwinding"]
 
 #: set by a stop signal that came while a worker started (prefixq.cli, or its worker_signals)
 STOPPING = threading.Event()
+#: what `leave_now` runs before the exit (`on_leave`)
+_ON_LEAVE: list[Callable[[], None]] = []
+
+
+def on_leave(release: Callable[[], None]) -> None:
+    """Run ``release`` in `leave_now`, before the process exits (it skips the unwinding that
+    would have released what the worker holds: the hold on its shard, cli/fleet_commands.py).
+    ``release`` runs in the handler of a stop inside an import: it must import nothing on the
+    calling thread, and return within a bounded time (a Redis that is down included)."""
+    _ON_LEAVE.append(release)
+
+
+def off_leave(release: Callable[[], None]) -> None:
+    """Forget ``release`` (`on_leave`): what it releases was released otherwise."""
+    if release in _ON_LEAVE:
+        _ON_LEAVE.remove(release)
 
 
 def inside_import(frame: FrameType | None) -> bool:
@@ -28,12 +46,18 @@ def inside_import(frame: FrameType | None) -> bool:
 
 def leave_now() -> None:
     """Exit 0 at once, the log flushed: for a stop that cannot unwind safely (inside an import),
-    at a moment the process holds nothing; an engine it started dies with it (the reaper).
+    before the worker serves; what it holds meanwhile is released first (`on_leave`: its shard's
+    hold); an engine it started dies with it (the reaper).
     It imports nothing: called inside an import, a module this one loads could find the module
     being imported half-built (``logging`` imports ``re``: a stop inside ``import re`` made
     ``import logging`` fail with "partially initialized module 're'", and the process exit 1)."""
     import os  # loaded before any Python code runs: no import happens here
 
+    while _ON_LEAVE:  # what the worker holds (`on_leave`), released first
+        try:
+            _ON_LEAVE.pop()()
+        except BaseException:  # never a reason not to exit 0
+            continue
     shutdown = getattr(sys.modules.get("logging"), "shutdown", None)  # only a logging in use
     if shutdown is not None:
         shutdown()

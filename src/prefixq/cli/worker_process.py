@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -174,8 +175,13 @@ def supervise(
             cmd += ["--gpu", str(gpus[i])]
         if metrics_port > 0:
             cmd += ["--metrics-port", str(metrics_port + i)]
-        # a stop sent right away waits for its handlers; the worker dies with this process
-        procs[i] = start_worker(cmd, preexec_fn=_dies_with(me))
+        # a stop sent right away waits for its handlers; the worker dies with this process. The
+        # worker is in procs before this process's own stops are unblocked: one that came during
+        # the start (handled at the unblock) reaches it too, rather than leaving it serving
+        # while this process waits for it for good
+        start_worker(
+            cmd, started=functools.partial(procs.__setitem__, i), preexec_fn=_dies_with(me)
+        )
         started[i] = time.monotonic()
         log.info("started worker shard=%d gpu=%s pid=%d", i, gpus[i], procs[i].pid)
 

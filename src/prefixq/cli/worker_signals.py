@@ -1,14 +1,16 @@
 """SIGTERM and SIGINT for a worker process, handled from its first line.
 
-Until the worker serves (its engine up and warm: `Worker.engine_up`) it holds nothing: no entry
-is read, no heartbeat written. A stop then ends the process at once with exit code 0: the
-signal raises ``SystemExit(0)`` wherever the main thread is — preparing the model, importing
-vLLM, building the engine (which blocks the event loop for a minute or more), waiting for Redis —
-so the start unwinds (inside an import it exits at once instead: `start_stop.leave_now`, as
-raising there can abort the process); the engine's processes end with it (their exit handlers,
-and the reaper: prefixq.engine.reaper), and if unwinding hangs, the process exits after `EXIT_S`
-anyway. Once the worker serves, a signal calls `Worker.stop()` on the worker's event loop: it
-stops reading and drains within ``grace_s`` (docs/delivery.md, "SIGTERM and SIGINT").
+Until the worker serves (its engine up and warm: `Worker.engine_up`) it holds no work: no entry
+is read, no heartbeat written; only the hold on its shard (cli/fleet_commands.py), which its exit
+releases. A stop then ends the process at once with exit code 0: the signal raises
+``SystemExit(0)`` wherever the main thread is — preparing the model, importing vLLM, building
+the engine (which blocks the event loop for a minute or more), waiting for Redis — so the start
+unwinds (inside an import it exits at once instead: `start_stop.leave_now`, as raising there can
+abort the process; the shard's hold is released first: `start_stop.on_leave`); the engine's
+processes end with it (their exit handlers, and the reaper: prefixq.engine.reaper), and if
+unwinding hangs, the process exits after `EXIT_S` anyway. Once the worker serves, a signal calls
+`Worker.stop()` on the worker's event loop: it stops reading and drains within ``grace_s``
+(docs/delivery.md, "SIGTERM and SIGINT").
 
 The first handler comes before this module's (`prefixq.cli`, before any slow import);
 `start_worker` starts a worker with both signals blocked until then, so that not even its
@@ -22,7 +24,7 @@ import os
 import signal
 import subprocess
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -41,14 +43,24 @@ EXIT_S = 5.0
 STOPS = frozenset({signal.SIGTERM, signal.SIGINT})
 
 
-def start_worker(cmd: Sequence[str], **popen: Any) -> subprocess.Popen[bytes]:
+def start_worker(
+    cmd: Sequence[str],
+    *,
+    started: Callable[[subprocess.Popen[bytes]], None] | None = None,
+    **popen: Any,
+) -> subprocess.Popen[bytes]:
     """Start the ``prefixq worker`` command ``cmd`` (`subprocess.Popen` with ``popen``) with
     SIGTERM and SIGINT blocked: one sent while its interpreter starts (~30 ms before any prefixq
     code runs) then waits for its first handlers (prefixq.cli, which unblocks them) instead of
-    killing it (-15). The caller's own signal mask is restored at once."""
+    killing it (-15). The caller's own signal mask is restored at once, after ``started`` got the
+    new process: a stop the caller got meanwhile (blocked until then: its handler runs as the mask
+    is restored) finds the process where ``started`` recorded it, and passes it on."""
     before = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
     try:
-        return subprocess.Popen(cmd, **popen)
+        proc = subprocess.Popen(cmd, **popen)
+        if started is not None:
+            started(proc)
+        return proc
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
@@ -93,7 +105,7 @@ class WorkerSignals:
         # the default action, and a second SIGTERM then would end the process with -15, not 0
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
-        log.info("%s during start-up: exiting (nothing is held yet)", signal.Signals(signum).name)
+        log.info("%s during start-up: exiting (serving nothing yet)", signal.Signals(signum).name)
         if inside_import(frame):  # raising there can abort the process (prefixq.cli)
             leave_now()
         unwinding()  # whatever the unwinding raises, the process exits 0 (prefixq.cli), quietly
