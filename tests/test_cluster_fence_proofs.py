@@ -1,13 +1,15 @@
-"""The producer's fence proves every write the submit promises (store/fence.py): a failover of a
-real Redis Cluster (tests/redis_cluster.py) between a write and the submit's fence, on the
-master of a stored prefix or of the deadline index, fails the submit.
+"""The producer's fence proves every write the submit promises (store/fence.py), on a real Redis
+Cluster (tests/redis_cluster.py): a stored prefix lost with its master between its write and the
+submit's fence fails the submit, and a deadline is on its index's replica before the record is
+written.
 
-The fence read back the burst record and the shards' counts only: a stored prefix, or the
-deadline's index entry, lost with its master (its replica cut off, then promoted) went
-unnoticed, and submit returned with min_replicas_acked=1 while the entries referred to a prefix
-that was gone (their requests failed "stored prefix not found") or the burst could never expire.
-The window is opened on purpose: the replica is cut off before the write, and the failover runs
-right after the write is answered (an adversarial probe's scenarios, 5 December).
+The fence read back the burst record and the shards' counts only: a stored prefix lost with its
+master (its replica cut off, then promoted) went unnoticed, and submit returned with
+min_replicas_acked=1 while the entries referred to a prefix that was gone (their requests failed
+"stored prefix not found"); and a deadline's index entry could be lost the same way, leaving a
+burst that never expires. The window is opened on purpose: the replica is cut off before the
+write, and the failover runs right after the write is answered (an adversarial probe's
+scenarios, 5 December).
 """
 
 from __future__ import annotations
@@ -100,33 +102,39 @@ def test_a_stored_prefix_lost_before_the_fence_fails_the_submit(
     assert cr.hget(keys.burst(burst), "status") == b"cancelled"
 
 
-def test_a_deadline_index_entry_lost_before_the_fence_fails_the_submit(
+class _Died(BaseException):
+    """The producer's process ends here (as a kill -9 would)."""
+
+
+def test_with_min_replicas_acked_no_record_exists_whose_deadline_is_not_on_a_replica(
     cluster: RedisCluster,
     cluster_settings: Callable[..., Settings],
     cr: redis.Redis,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    s = cluster_settings(min_replicas_acked=1, min_replicas_acked_timeout_ms=1000)
+    """Two faults at once: a producer dies between its burst's record and its head (so it never
+    fences), and the deadline index's master fails over before its replica got the entry. With
+    min_replicas_acked=1 the entry is confirmed on the replica before the record is written: the
+    index's replica cut off, the submit fails (ReplicasBehind) before any record exists. Before:
+    the record was written, the entry lost with its master, and the burst never expired."""
+    from prefixq.client import producer as producer_mod
+    from prefixq.core.errors import ReplicasBehind
+
+    s = cluster_settings(min_replicas_acked=1, min_replicas_acked_timeout_ms=500)
     keys = Keys(s.namespace)
     dmaster = cluster.master_of(keys.deadlines)
-    shard = next(k for k in range(4) if cluster.master_of(keys.intake(k, "normal")) is not dmaster)
     burst = _burst_off(cluster, keys, dmaster)
     replica = cluster.replica_of(dmaster)
-    real = BurstWriter.create
-    state: dict[str, Any] = {}
 
-    async def create(writer: BurstWriter, *a: Any, **kw: Any) -> None:
-        cluster.isolate(replica, dmaster)
-        await real(writer, *a, **kw)
-        await asyncio.to_thread(_fail_over, cluster, keys.deadlines, dmaster, replica)
-        await _follow(writer.r, keys.deadlines)
-        state["after"] = await writer.r.zscore(keys.deadlines, burst)
+    async def dead(*a: Any, **kw: Any) -> None:
+        raise _Died
 
-    monkeypatch.setattr(BurstWriter, "create", create)
-    reqs = [{"id": f"q{i}", "prompt": f"hi {i}", "max_tokens": 4} for i in range(8)]
-    with pytest.raises(WritesLost, match="missing"):
-        Producer(s).submit(
-            reqs, placement=OnShard(shard), burst_id=burst, deadline=time.time() + 60
-        )
-    assert "after" in state and state["after"] is None, f"the window was missed: {state}"
-    assert cr.hget(keys.burst(burst), "status") == b"cancelled"
+    monkeypatch.setattr(producer_mod._Submission, "_send", dead)
+    cluster.isolate(replica, dmaster)
+    try:
+        reqs = [{"id": f"q{i}", "prompt": f"hi {i}", "max_tokens": 4} for i in range(6)]
+        with pytest.raises(ReplicasBehind):
+            Producer(s).submit(reqs, burst_id=burst, deadline=time.time() + 60)
+        assert not cr.exists(keys.burst(burst)), "a record whose deadline no replica holds"
+    finally:
+        cluster.heal()

@@ -59,7 +59,13 @@ def test_the_submits_fence_rides_through_a_transient_error(
              "max_tokens": 4} for i in range(8)]  # fmt: skip
     with caplog.at_level(logging.WARNING):
         burst = Producer(s).submit(reqs, burst_id="fence-again", deadline=time.time() + 60)
-    assert str(burst) == "fence-again" and len(calls) == 2
+    # the deadline's own fence before the record (failed once, again), then the submit's
+    assert str(burst) == "fence-again" and len(calls) == 3
+    assert (
+        calls[0]
+        == calls[1]
+        == {"written": (), "scored": {Keys(s.namespace).deadlines: ["fence-again"]}}
+    )
     keys = Keys(s.namespace)
     assert r.hget(keys.burst("fence-again"), "status") == b"queued"
     proofs = calls[-1]
@@ -87,4 +93,10 @@ def test_a_deadline_that_passes_during_the_submit_is_not_a_lost_write(
     Producer(s).submit(reqs, burst_id="soon", deadline=time.time() + 1)
     Producer(s).submit(reqs, burst_id="later", deadline=time.time() + 600)
     keys = Keys(s.namespace)
-    assert [p["scored"] for p in seen] == [{}, {keys.deadlines: ["later"]}]
+    # each: the deadline's own fence before the record, then the submit's
+    assert [p["scored"] for p in seen] == [
+        {keys.deadlines: ["soon"]},
+        {},
+        {keys.deadlines: ["later"]},
+        {keys.deadlines: ["later"]},
+    ]

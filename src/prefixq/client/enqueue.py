@@ -98,6 +98,17 @@ class BurstWriter:
         }
         flat = [x for kv in meta.items() for x in kv]
         keys = self.keys
+        if "deadline" in self.meta and self.s.min_replicas_acked > 0:
+            # on a cluster the index and the record are on two masters: the index entry is on
+            # the replicas before the record exists, so that no failover leaves a record that
+            # nothing indexes (a producer dead before its head never fences; docs/delivery.md)
+            def index(pipe: Any) -> None:
+                pipe.zadd(keys.deadlines, {self.burst: self.meta["deadline"]}, lt=True)
+
+            for x in await self.execute(index, 0):
+                if isinstance(x, Exception):
+                    raise x
+            await self._fenced(written=(), scored={keys.deadlines: [self.burst]})
         staged = keys.staged_ids(self.burst, self.token)
         pipe = self.r.pipeline(transaction=False)
         pipe.delete(staged)  # a pipeline the client sends again starts the list afresh
@@ -200,18 +211,20 @@ class BurstWriter:
             # a deadline that passes during the submit is expired, and its entry dropped, by
             # any worker (store/burst_end.py): only a later one must still be there
             scored[keys.deadlines] = [self.burst]
+        await self._fenced(
+            present={keys.burst(self.burst): ["total"]},
+            counted=self.layout.counts(self.token),
+            scored=scored,
+            keys=[keys.prefix(ref) for ref in self.prefix_refs],
+        )
+
+    async def _fenced(self, **proofs: Any) -> None:
+        """`afence` every master with ``proofs``, fenced again on a transient error."""
         backoff = Backoff(0.05, 1.0)
         give_up = time.monotonic() + RIDE_THROUGH_S
         while True:
             try:
-                await afence(
-                    self.r,
-                    self.s,
-                    present={keys.burst(self.burst): ["total"]},
-                    counted=self.layout.counts(self.token),
-                    scored=scored,
-                    keys=[keys.prefix(ref) for ref in self.prefix_refs],
-                )
+                await afence(self.r, self.s, **proofs)
                 return
             except Exception as e:
                 if not transient(e) or time.monotonic() >= give_up:
