@@ -251,6 +251,35 @@ def test_a_sigint_while_the_demo_starts_its_redis_server_stops_it_and_leaves_no_
     assert folder and not Path(folder).exists(), "its folder was left"
 
 
+def test_a_sigint_while_the_demo_imports_stops_it_though_sigint_was_ignored(
+    tmp_path: Path,
+) -> None:
+    """Given the demo started with SIGINT ignored (a background job of a non-interactive shell),
+    when SIGINT comes while it still imports its command (~0.8 s, before its own handlers), it
+    exits 0 at once: it has started nothing (before: the SIGINT was ignored and the demo went on
+    to start Redis and its vLLM worker)."""
+    script = tmp_path / "demo_import.py"
+    script.write_text(
+        textwrap.dedent("""
+        import os, signal, sys, time
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a background job's
+        class Slow:  # the stop lands while the command's module imports
+            def find_spec(self, name, path, target=None):
+                if name == "prefixq.cli.main":
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(1.0)
+                    print("went on", flush=True)
+                    os._exit(3)
+                return None
+        sys.meta_path.insert(0, Slow())
+        from prefixq.cli import main
+        sys.exit(main(["demo"]))
+        """)
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "went on" not in done.stdout, (done.returncode, done.stderr)
+
+
 def _title(p: Any) -> str:
     """A process's name and first argument; "" once it is gone (a child that just forked has
     no command line yet, one that just ended none any more)."""

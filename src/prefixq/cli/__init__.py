@@ -28,7 +28,9 @@ __all__ = ["main"]
 
 def main(argv: list[str] | None = None) -> int:
     """Run the ``prefixq`` command (``argv``: its arguments; default ``sys.argv[1:]``)."""
-    if (sys.argv[1:] if argv is None else argv)[:1] == ["worker"]:
+    # the worker, and the demo (started with SIGINT ignored, a background job's: its own
+    # handlers come after its imports, and it starts nothing before them)
+    if (sys.argv[1:] if argv is None else argv)[:1] in (["worker"], ["demo"]):
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _exit_during_start)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
@@ -46,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _exit_during_start(signum: int, frame: FrameType | None) -> None:
-    """A stop while the worker imports its command: it serves nothing yet; exit 0."""
+    """A stop while the worker (or the demo) imports its command: it serves (or started)
+    nothing yet; exit 0."""
     if inside_import(frame):  # before anything imports: the module being imported is half-built
         leave_now()
     unwinding()
