@@ -102,12 +102,7 @@ class BurstWriter:
             # on a cluster the index and the record are on two masters: the index entry is on
             # the replicas before the record exists, so that no failover leaves a record that
             # nothing indexes (a producer dead before its head never fences; docs/delivery.md)
-            def index(pipe: Any) -> None:
-                pipe.zadd(keys.deadlines, {self.burst: self.meta["deadline"]}, lt=True)
-
-            for x in await self.execute(index, 0):
-                if isinstance(x, Exception):
-                    raise x
+            await self._index_deadline()
             await self._fenced(written=(), scored={keys.deadlines: [self.burst]})
         staged = keys.staged_ids(self.burst, self.token)
         pipe = self.r.pipeline(transaction=False)
@@ -131,12 +126,17 @@ class BurstWriter:
             # the index's master refused or could not be reached while the record's took it (on
             # a cluster they are two masters): index it again, riding through a failover, or fail
             # the submit (its burst cancelled): a record left unindexed would never expire
-            def index(pipe: Any) -> None:
-                pipe.zadd(keys.deadlines, {self.burst: self.meta["deadline"]}, lt=True)
+            await self._index_deadline()
 
-            for x in await self.execute(index, 0):
-                if isinstance(x, Exception):
-                    raise x
+    async def _index_deadline(self) -> None:
+        """The burst's deadline in the index (lowered only), riding through a failover."""
+
+        def index(pipe: Any) -> None:
+            pipe.zadd(self.keys.deadlines, {self.burst: self.meta["deadline"]}, lt=True)
+
+        for x in await self.execute(index, 0):
+            if isinstance(x, Exception):
+                raise x
 
     async def send(
         self, count: int, chunk: tuple[Encoded, list[Placed]], *, first: bool = False
