@@ -24,6 +24,7 @@ from redis.exceptions import ResponseError
 
 from prefixq.core.keys import Keys
 from prefixq.store.redis_errors import TRANSIENT
+from prefixq.worker.groups import ADMISSIONS
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +35,7 @@ COMMANDS = (
     "reset_stats",
     "stats",
     # worker/groups.py's admission orders, for `prefixq bench`
-    "admission:fair",
-    "admission:whole-groups",
-    "admission:resident-first",
-    "admission:kv-history",
-    "admission:kv-history-30",
-    "admission:kv-history-70",
+    *(f"admission:{name}" for name in ADMISSIONS),
     # worker/fleet.py's tail stealing, for `prefixq bench --fleet`
     "steal:off",
     "steal:on",

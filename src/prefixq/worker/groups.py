@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from prefixq.core.entries import Entry
+from prefixq.worker.kv_budget import KV_HISTORY_SHARES
 
 
 class _Lane(Protocol):  # lanes.Lane, as seen here (scheduler.py imports this module)
@@ -51,9 +52,7 @@ ADMISSIONS = {
     "resident-first": (False, True),
     # fair shares, with the engine's in-flight prefixes held to a share of its cache
     # (kv_budget.py `KV_HISTORY_SHARES`: half, or 30% and 70%)
-    "kv-history": (False, False),
-    "kv-history-30": (False, False),
-    "kv-history-70": (False, False),
+    **dict.fromkeys(KV_HISTORY_SHARES, (False, False)),
 }
 
 #: virtual time (admissions of weight 1) within which tenants count as having an equal turn
