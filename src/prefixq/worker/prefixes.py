@@ -28,7 +28,9 @@ class PrefixCache:
     def __init__(self, r: aredis.Redis, keys: Keys, limits: wire.Limits, entries: int) -> None:
         self.r, self.keys, self.limits, self.entries = r, keys, limits, entries
         self._lru: OrderedDict[str, dict[str, Any]] = OrderedDict()
-        #: token ids held in the cached prefixes (`held_ids`)
+        #: each cached prefix's token ids (`_token_ids`, counted once, as it is decoded), and
+        #: their sum (`held_ids`)
+        self._counts: dict[str, int] = {}
         self._ids = 0
 
     def __len__(self) -> int:
@@ -73,14 +75,17 @@ class PrefixCache:
             return f"stored prefix {ref} undecodable: {err}"
         if not isinstance(obj, dict):
             return f"stored prefix {ref} is not a map"
-        old = self._lru.pop(ref, None)  # decoded meanwhile by a resolve beside this one
-        if old is not None:
-            self._ids -= _token_ids(old)
+        self._drop(ref)  # decoded meanwhile by a resolve beside this one
         self._lru[ref] = obj
-        self._ids += _token_ids(obj)
+        self._counts[ref] = n = _token_ids(obj)
+        self._ids += n
         while len(self._lru) > self.entries:
-            self._ids -= _token_ids(self._lru.popitem(last=False)[1])
+            self._drop(next(iter(self._lru)))
         return obj
+
+    def _drop(self, ref: str) -> None:
+        if self._lru.pop(ref, None) is not None:
+            self._ids -= self._counts.pop(ref)
 
 
 def _token_ids(obj: dict[str, Any]) -> int:
