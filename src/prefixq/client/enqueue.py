@@ -81,9 +81,8 @@ class BurstWriter:
     ) -> None:
         """The burst record and its id list (``ids``), once, in one round trip (BurstIdTaken, a
         ValidationError, if the id is taken). A deadline is indexed in the same round trip, just
-        before the record: a producer that dies after the record leaves a burst that expires
-        (lowered only: an entry of another burst of this id is corrected by
-        `burst_end.expire_due` from the record, which is the truth)."""
+        before the record (with ``min_replicas_acked``, in a round trip and a fence before it):
+        a producer that dies after the record leaves a burst that expires."""
         meta = {
             "total": self.n,
             "done": 0,
@@ -98,10 +97,13 @@ class BurstWriter:
         }
         flat = [x for kv in meta.items() for x in kv]
         keys = self.keys
-        if "deadline" in self.meta and self.s.min_replicas_acked > 0:
-            # on a cluster the index and the record are on two masters: the index entry is on
-            # the replicas before the record exists, so that no failover leaves a record that
-            # nothing indexes (a producer dead before its head never fences; docs/delivery.md)
+        # the deadline's index entry, in the create's round trip; with min_replicas_acked, on
+        # the replicas before the record exists instead (on a cluster the index and the record
+        # are on two masters): no failover leaves a record that nothing indexes (a producer
+        # dead before its head never fences; docs/delivery.md)
+        deadline = "deadline" in self.meta
+        fenced = deadline and self.s.min_replicas_acked > 0
+        if fenced:
             await self._index_deadline()
             await self._fenced(written=(), scored={keys.deadlines: [self.burst]})
         staged = keys.staged_ids(self.burst, self.token)
@@ -110,8 +112,8 @@ class BurstWriter:
         for start in range(0, len(ids), _IDS_CHUNK):
             pipe.rpush(staged, *ids[start : start + _IDS_CHUNK])
         pipe.expire(staged, _STAGED_TTL_S)
-        if "deadline" in self.meta:
-            pipe.zadd(keys.deadlines, {self.burst: self.meta["deadline"]}, lt=True)
+        if deadline and not fenced:
+            self._zadd_deadline(pipe)
         keys_args = [keys.burst(self.burst), staged, keys.ids(self.burst)]
         pipe.eval(lua("create_burst"), 3, *keys_args, self.token, self.n, len(meta), *flat)
         *writes, created = await pipe.execute(raise_on_error=False)
@@ -122,19 +124,20 @@ class BurstWriter:
         if not created:
             raise BurstIdTaken(f"burst {self.burst!r} already exists")
         self.created = True
-        if "deadline" in self.meta and isinstance(writes[-1], Exception):
+        if deadline and not fenced and isinstance(writes[-1], Exception):
             # the index's master refused or could not be reached while the record's took it (on
             # a cluster they are two masters): index it again, riding through a failover, or fail
             # the submit (its burst cancelled): a record left unindexed would never expire
             await self._index_deadline()
 
+    def _zadd_deadline(self, pipe: Any) -> None:
+        """The burst's deadline into the index, lowered only (an entry of another burst of this
+        id is corrected by `burst_end.expire_due` from the record)."""
+        pipe.zadd(self.keys.deadlines, {self.burst: self.meta["deadline"]}, lt=True)
+
     async def _index_deadline(self) -> None:
-        """The burst's deadline in the index (lowered only), riding through a failover."""
-
-        def index(pipe: Any) -> None:
-            pipe.zadd(self.keys.deadlines, {self.burst: self.meta["deadline"]}, lt=True)
-
-        for x in await self.execute(index, 0):
+        """`_zadd_deadline` on its own, riding through a failover."""
+        for x in await self.execute(self._zadd_deadline, 0):
             if isinstance(x, Exception):
                 raise x
 

@@ -18,7 +18,7 @@ by trying i = 0, 1, ... (a few tries: 3 masters split the 16384 slots).
 **A fence proves the writes it guards** (``present``: hash fields that must exist; ``counted``:
 counters that must be at least so high, such as a submission's count of entries on a shard;
 ``members``: set members that must exist, such as the entries moved onto a shard; ``scored``:
-sorted-set members, such as a burst's deadline and listing entries; ``keys``: keys that must
+sorted-set members, such as a burst's deadline index entry; ``keys``: keys that must
 exist, such as the stored prefixes a burst's entries refer to). WAIT confirms
 what the master it runs on holds, not what an earlier command wrote: if the slot map changes
 between the write and the fence (the master dies, its replica, which never got the write, is
