@@ -337,8 +337,13 @@ def fault_worker(
 ) -> subprocess.Popen[bytes]:
     """tests/fault_worker.py as a process: a FakeEngine worker (``mode="worker"``), or the real
     supervisor over such workers (``mode="workers"``); output goes to ``log``."""
-    cmd = [PY, str(TESTS / "fault_worker.py"), mode, *args, *settings_flags(s)]
+    return script_process(TESTS / "fault_worker.py", log, mode, *args, *settings_flags(s))
+
+
+def script_process(script: Path, log: Path, *args: str) -> subprocess.Popen[bytes]:
+    """``python script args...`` from the project's root, its output (both streams) to ``log``."""
     with open(log, "wb") as out:
+        cmd = [PY, str(script), *args]
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=TESTS.parent)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from helpers import PY, TESTS, fault_worker, settings_flags, wait_until
+from helpers import TESTS, fault_worker, script_process, settings_flags, wait_until
 from prefixq.core.settings import Settings
 
 
@@ -89,9 +89,7 @@ def test_a_stop_while_a_worker_is_spawned_reaches_it(settings: Settings, tmp_pat
     script = tmp_path / "stop_in_spawn.py"
     script.write_text(STOP_IN_SPAWN)
     log = tmp_path / "sup.log"
-    with open(log, "wb") as out:
-        cmd = [PY, str(script), "--cpu", "1", *settings_flags(settings)]
-        sup = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=TESTS.parent)
+    sup = script_process(script, log, "--cpu", "1", *settings_flags(settings))
     try:
         wait_until(lambda: _pids(log), 30, "the worker's start")
         rc = sup.wait(20)

@@ -7,13 +7,12 @@ leaving shard K with no worker."""
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import redis
 
-from helpers import PY, TESTS, settings_flags, wait_until
+from helpers import script_process, settings_flags, wait_until
 from prefixq.core.settings import Settings
 
 #: the real `prefixq worker` (prefixq.cli.main), whose first import after the hold
@@ -52,9 +51,7 @@ def test_a_worker_stopped_inside_an_import_releases_its_shards_hold(
     script = tmp_path / "slow_worker.py"
     script.write_text(SLOW_IMPORT)
     log = tmp_path / "worker.log"
-    with open(log, "wb") as out:
-        cmd = [PY, str(script), "--shard", "0", *settings_flags(s)]
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=TESTS.parent)
+    proc = script_process(script, log, "--shard", "0", *settings_flags(s))
     try:
         wait_until(lambda: "importing slowly" in log.read_text(), 60, "the slow import")
         assert r.hkeys(s.keys.joins) == [b"0"], log.read_text()
