@@ -21,6 +21,7 @@ from prefixq.core.records import Result
 from prefixq.core.settings import Settings
 from prefixq.store import burst_end
 from prefixq.store.connection import lua
+from prefixq.store.lua_script import LuaScript
 from prefixq.store.scripts import record_call
 
 
@@ -167,14 +168,14 @@ def test_chunks_are_at_most_a_thousand_indexes(
     (plus the marking and closing calls without any)."""
     burst = submit(settings, 2345)
     sizes: list[int] = []
-    real = redis.commands.core.Script.__call__
+    real = LuaScript.call
 
-    def spy(self: Any, keys: Any = None, args: Any = None, client: Any = None) -> Any:
+    def spy(self: LuaScript, r: Any, keys: Any, args: Any = ()) -> Any:
         if args and args[0] == "cancelled":
             sizes.append((len(args) - 3) // 2)
-        return real(self, keys=keys, args=args, client=client)
+        return real(self, r, keys, args)
 
-    monkeypatch.setattr(redis.commands.core.Script, "__call__", spy)
+    monkeypatch.setattr(LuaScript, "call", spy)
     rep = burst_end.cancel(burst, settings)
     assert rep.cancelled == 2345
     assert [s for s in sizes if s] == [1000, 1000, 345]

@@ -41,7 +41,7 @@ from prefixq.client.order import Peek
 from prefixq.core import wire
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
-from prefixq.store.connection import lua
+from prefixq.store.lua_script import LuaScript
 from prefixq.store.redis_errors import TRANSIENT
 
 __all__ = ["PASS_ORDERS", "Arrangement", "arrangement", "join_point", "rotate", "rotate_each"]
@@ -56,6 +56,8 @@ ORDER_TTL_S = 7 * 24 * 3600
 ORDER_MAX = 2_000_000
 #: pass keys per call of the script
 _CHUNK = 10_000
+#: places pass keys in the corpus order (lua/pass_order.lua)
+_PASS_ORDER = LuaScript("pass_order")
 
 
 class Arrangement:
@@ -139,12 +141,11 @@ async def arrangement(
     if len(order) < 2:
         return None
     pkeys = list(order)
-    script = r.register_script(lua("pass_order"))
     places: list[int] = []
     size = 0
     for i in range(0, len(pkeys), _CHUNK):  # only the first call may start the order over
         args = [ORDER_TTL_S, ORDER_MAX if i == 0 else 0, *pkeys[i : i + _CHUNK]]
-        got = await script(keys=[keys.pass_order], args=args)
+        got = await _PASS_ORDER.acall(r, keys=[keys.pass_order], args=args)
         places += [int(x) for x in got[:-1]]
         size = int(got[-1])
     place = dict(zip(pkeys, places, strict=True))

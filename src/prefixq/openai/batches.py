@@ -35,7 +35,7 @@ from prefixq.openai.formats import ENDPOINTS
 from prefixq.openai.lease import TTL_MS
 from prefixq.openai.pages import Page, page
 from prefixq.store import burst_end
-from prefixq.store.connection import lua
+from prefixq.store.lua_script import LuaScript
 from prefixq.store.webhook_outbox import transition_args
 
 __all__ = ["FINAL", "BatchStore", "batch_object", "cancel_burst", "window_seconds"]
@@ -181,7 +181,7 @@ class BatchStore:
         self.on_burst_done = on_burst_done
         self.settings = settings.replace(namespace=namespace)
         self.files = FileStore(r, settings, namespace)
-        self._move = r.register_script(lua("batch_transition"))
+        self._move = LuaScript("batch_transition")
         #: the endpoints a final status is announced to (queued by the move itself)
         self.hooks = WebhookConfig.parse(settings.webhooks).of(namespace)
 
@@ -313,7 +313,7 @@ class BatchStore:
             self.keys.hooks,
             self.keys.hooks_due,
         ]
-        return int(await self._move(keys=keys, args=args))
+        return int(await self._move.acall(self.r, keys=keys, args=args))
 
     async def cancel(self, batch_id: str) -> dict[str, Any]:
         """Ask for a cancel: ``validating`` and ``in_progress`` batches go to ``cancelling``;

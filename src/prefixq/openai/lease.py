@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator
 
 import redis.asyncio as aredis
 
-from prefixq.store.connection import lua, raise_if_cancelled
+from prefixq.store.connection import raise_if_cancelled
+from prefixq.store.lua_script import LuaScript
 from prefixq.store.redis_errors import TRANSIENT
 
 __all__ = ["RENEW_S", "TTL_MS", "acquire", "held", "release"]
@@ -25,6 +26,8 @@ log = logging.getLogger(__name__)
 
 TTL_MS = 30_000
 RENEW_S = 10.0
+#: releases or renews a lease if it is still the caller's token (lua/batch_lease.lua)
+_LEASE = LuaScript("batch_lease")
 
 
 async def acquire(r: aredis.Redis, key: str) -> str | None:
@@ -35,19 +38,18 @@ async def acquire(r: aredis.Redis, key: str) -> str | None:
 
 async def release(r: aredis.Redis, key: str, token: str) -> None:
     """Give the lease back if it is still ours."""
-    await r.register_script(lua("batch_lease"))(keys=[key], args=[token, "release", 0])
+    await _LEASE.acall(r, keys=[key], args=[token, "release", 0])
 
 
 @contextlib.asynccontextmanager
 async def held(r: aredis.Redis, key: str, token: str) -> AsyncIterator[None]:
     """Keep renewing the lease while the block runs; release it at the end."""
-    script = r.register_script(lua("batch_lease"))
 
     async def renew() -> None:
         while True:
             await asyncio.sleep(RENEW_S)
             try:
-                if not await script(keys=[key], args=[token, "renew", TTL_MS]):
+                if not await _LEASE.acall(r, keys=[key], args=[token, "renew", TTL_MS]):
                     log.warning("lease %s was lost; the batch's next status change is refused", key)
                     return
             except TRANSIENT as e:

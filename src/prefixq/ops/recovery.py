@@ -29,7 +29,7 @@ from prefixq.core.keys import CARRIED, FIELD, GROUP, LANE, Keys
 from prefixq.core.records import Result
 from prefixq.core.settings import Settings
 from prefixq.core.sharing import DEFAULT_PRIORITY
-from prefixq.store.connection import lua, sync_client
+from prefixq.store.connection import sync_client
 from prefixq.store.dead_letters import (
     DeadLetter,
     carried,
@@ -39,6 +39,7 @@ from prefixq.store.dead_letters import (
 )
 from prefixq.store.deployment import resolve_shards
 from prefixq.store.liveness import add_load
+from prefixq.store.lua_script import LuaScript
 from prefixq.store.scripts import BURST_DONE, FINISHED_DUPLICATE, record_call
 from prefixq.store.webhook_outbox import add_burst_event
 from prefixq.worker.deliveries import group_lost
@@ -120,10 +121,10 @@ class Recovery:
         self.r = client or sync_client(settings)
         self.keys = Keys(settings.namespace)
         self.limits = wire.Limits.from_settings(settings)
-        self._move = self.r.register_script(lua("reclaim_entry"))
-        self._unrecord = self.r.register_script(lua("unrecord_result"))
-        self._requeue = self.r.register_script(lua("requeue_dead"))
-        self._record = self.r.register_script(lua("record_result"))
+        self._move = LuaScript("reclaim_entry")
+        self._unrecord = LuaScript("unrecord_result")
+        self._requeue = LuaScript("requeue_dead")
+        self._record = LuaScript("record_result")
 
     def shards(self, shard: int | None = None) -> list[int]:
         """``[shard]`` (checked against the deployment's shard count), or every shard."""
@@ -194,7 +195,7 @@ class Recovery:
             entry = identify(fields.get(FIELD), self.limits)
             intake = self.keys.intake(k, entry.priority if entry else DEFAULT_PRIORITY)
             args = [*head, "requeue", CARRIED, attempts, LANE]
-            got = self._move(keys=[key, intake], args=args)
+            got = self._move.call(self.r, keys=[key, intake], args=args)
             if got is None:
                 rep.raced += 1
             elif got == 0:
@@ -208,7 +209,7 @@ class Recovery:
         )
         record["queue"] = key
         flat = [x for kv in record.items() for x in kv]
-        got = self._move(keys=[key, self.keys.dead(k)], args=[*head, "dead", *flat])
+        got = self._move.call(self.r, keys=[key, self.keys.dead(k)], args=[*head, "dead", *flat])
         if got is None:
             rep.raced += 1
             return
@@ -224,7 +225,7 @@ class Recovery:
         """Record a failed result exactly once (the writer's script and arguments)."""
         now = repr(time.time())
         call = record_call(self.keys, e.burst, [(res, e.enqueued)], self.s, now, res.worker)
-        (reply,) = self._record(keys=call[0], args=call[1])
+        (reply,) = self._record.call(self.r, keys=call[0], args=call[1])
         if reply in (BURST_DONE, FINISHED_DUPLICATE):
             add_burst_event(self.r, self.s, e.burst)  # its on_complete_url, if any
         if reply in (BURST_DONE, FINISHED_DUPLICATE) and self.on_burst_done is not None:
@@ -305,12 +306,13 @@ class Recovery:
             return
         if raw is not None:
             burst_keys = [results, meta, self.keys.events(entry.burst), self.keys.ids(entry.burst)]
-            taken = int(self._unrecord(keys=burst_keys, args=[entry.index, raw]))
+            taken = int(self._unrecord.call(self.r, keys=burst_keys, args=[entry.index, raw]))
             if taken < 0:  # cancelled or expired since the look above
                 rep.skipped.append((did, f"burst {entry.burst!r} ended early: it does not run"))
                 return
             rep.cleared += taken
-        new = self._requeue(
+        new = self._requeue.call(
+            self.r,
             keys=[self.keys.intake(k, entry.priority), self.keys.dead(k)],
             args=[dead_id, FIELD, data],
         )

@@ -31,7 +31,8 @@ from prefixq.core.errors import BurstNotFound, BurstRecordLost
 from prefixq.core.keys import Keys
 from prefixq.core.result_record import ENDED_ERRORS, Result
 from prefixq.core.settings import Settings
-from prefixq.store.connection import lua, sync_client
+from prefixq.store.connection import sync_client
+from prefixq.store.lua_script import LuaScript
 from prefixq.store.redis_errors import TRANSIENT, describe
 from prefixq.store.webhook_outbox import aadd_burst_event, queue_burst_event
 
@@ -61,6 +62,8 @@ T = TypeVar("T")
 #: Redis calls written once for both kinds of client: a generator that yields each `_Call` and
 #: is sent its reply; `_run` drives it with a blocking client, `_arun` on an event loop
 _Steps = Generator[_Call, Any, T]
+#: fails the missing indexes of a burst, or marks or completes it (lua/finish_missing.lua)
+_FINISH = LuaScript("finish_missing")
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +174,13 @@ class _Finisher:
     def script(self, args: list[Any]) -> _Call:
         """A finish_missing call with ARGV ``args``."""
         keys = self.script_keys
-        return lambda r: r.register_script(lua("finish_missing"))(keys=keys, args=args)
+
+        def call(r: Any) -> Any:
+            if isinstance(r, aredis.Redis | aredis.RedisCluster):
+                return _FINISH.acall(r, keys, args)
+            return _FINISH.call(r, keys, args)
+
+        return call
 
 
 def _no_index(f: _Finisher) -> list[Any]:

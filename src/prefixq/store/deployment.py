@@ -21,8 +21,8 @@ from redis.exceptions import ResponseError
 
 from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
-from prefixq.store.connection import lua
 from prefixq.store.liveness import FUTURE_S, repaired, times_of
+from prefixq.store.lua_script import LuaScript
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,11 @@ __all__ = [
     "renew_join",
     "resolve_shards",
 ]
+
+#: a joiner takes a shard (lua/join_shard.lua) or grows the count (lua/grow_shards.lua); its hold
+#: is released (lua/release_join.lua) or renewed (lua/renew_join.lua)
+_JOIN, _GROW = LuaScript("join_shard"), LuaScript("grow_shards")
+_RELEASE, _RENEW = LuaScript("release_join"), LuaScript("renew_join")
 
 
 def _shards(stored: bytes | None, settings: Settings) -> tuple[int, bool]:
@@ -101,8 +106,6 @@ async def ajoin(r: aredis.Redis, settings: Settings) -> Joined:
     heartbeat (which ends the hold: store/liveness.py, `beat_commands`), or until it exits before
     that (`arelease_join`)."""
     keys = settings.keys
-    join = r.register_script(lua("join_shard"))
-    grow = r.register_script(lua("grow_shards"))
     n = await aresolve_shards(r, settings)
     wait = _Quiet(settings)
     while True:
@@ -110,7 +113,7 @@ async def ajoin(r: aredis.Redis, settings: Settings) -> Joined:
         held = repr(now + settings.join_hold_s)
         args = [repr(now), settings.heartbeat_ttl_s, n, held, FUTURE_S]
         try:
-            k = int(await join(keys=[keys.live, keys.joins], args=args))
+            k = int(await _JOIN.acall(r, keys=[keys.live, keys.joins], args=args))
         except ResponseError as err:  # a key of another type: replaced, as heartbeats do
             types = {keys.live: "hash", keys.joins: "hash"}
             if not await repaired(r, err, types, "heartbeats and joiners rebuild it"):
@@ -120,7 +123,7 @@ async def ajoin(r: aredis.Redis, settings: Settings) -> Joined:
             return Joined(k, held)
         if await wait.for_quiet(r, n):  # a worker killed moments ago: its shard, not a new one
             continue
-        n = int(await grow(keys=[keys.config], args=[n]))
+        n = int(await _GROW.acall(r, keys=[keys.config], args=[n]))
         wait = _Quiet(settings)
 
 
@@ -165,9 +168,8 @@ async def ahold(r: aredis.Redis, settings: Settings, shard: int) -> Joined:
 async def arelease_join(r: aredis.Redis, settings: Settings, joined: Joined) -> bool:
     """Release ``joined``'s hold if it is still there (its worker never beat: it stops, or failed
     to start); whether it was."""
-    script = r.register_script(lua("release_join"))
     args = [str(joined.shard), joined.held]
-    return bool(await script(keys=[settings.keys.joins], args=args))
+    return bool(await _RELEASE.acall(r, keys=[settings.keys.joins], args=args))
 
 
 def renew_join(r: redis.Redis, settings: Settings, joined: Joined) -> Joined | None:
@@ -175,6 +177,6 @@ def renew_join(r: redis.Redis, settings: Settings, joined: Joined) -> Joined | N
     the renewed hold, or None when it is gone (the worker's first heartbeat ended it, or another
     joiner holds the shard: nothing more to renew)."""
     held = repr(time.time() + settings.join_hold_s)
-    script = r.register_script(lua("renew_join"))
     args = [str(joined.shard), joined.held, held]
-    return Joined(joined.shard, held) if script(keys=[settings.keys.joins], args=args) else None
+    renewed = _RENEW.call(r, keys=[settings.keys.joins], args=args)
+    return Joined(joined.shard, held) if renewed else None

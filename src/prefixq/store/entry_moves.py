@@ -39,9 +39,9 @@ from prefixq.core.entries import Entry
 from prefixq.core.keys import CARRIED, FIELD, GROUP, LANE, POS, Keys
 from prefixq.core.settings import Settings
 from prefixq.core.sharing import DEFAULT_PRIORITY, PRIORITIES
-from prefixq.store.connection import lua
 from prefixq.store.dead_letters import DEAD_MAXLEN, dead_letter_record, identify
 from prefixq.store.fence import afence
+from prefixq.store.lua_script import LuaScript
 
 __all__ = ["MOVED_IN_TTL_S", "EntryMoves", "Planned"]
 
@@ -75,8 +75,8 @@ class EntryMoves:
         self.s = settings
         self.keys = Keys(settings.namespace)
         self.limits = wire.Limits.from_settings(settings)
-        self._take = r.register_script(lua("take_entries"))
-        self._put = r.register_script(lua("put_entries"))
+        self._take = LuaScript("take_entries")
+        self._put = LuaScript("put_entries")
 
     async def take(
         self,
@@ -103,7 +103,9 @@ class EntryMoves:
             target,
             *ids,
         ]
-        taken = int(await self._take(keys=[stream, self.keys.moving(source)], args=args))
+        taken = int(
+            await self._take.acall(self.r, keys=[stream, self.keys.moving(source)], args=args)
+        )
         if taken and self.s.min_replicas_acked:
             await afence(self.r, self.s, [self.keys.moving(source)])
         return taken
@@ -187,7 +189,7 @@ class EntryMoves:
                 slot[intake] = len(keys)
             flat = [x for kv in p.fields.items() for x in kv]
             args += [p.token, slot[intake], len(flat), *flat]
-        return int(await self._put(keys=keys, args=args))
+        return int(await self._put.acall(self.r, keys=keys, args=args))
 
     def priority(self, fields: dict[bytes, bytes]) -> str:
         """The priority of an entry's request (its intake on the new shard); ``normal`` for one

@@ -11,10 +11,12 @@ from collections.abc import Mapping, Sequence
 import redis.asyncio as aredis
 
 from prefixq.core.keys import Keys
-from prefixq.store.connection import lua
+from prefixq.store.lua_script import LuaScript
 
 #: claims per call of the script (one call runs atomically: Redis serves nothing else meanwhile)
 CLAIMS_PER_CALL = 4000
+#: claims checkpoints and turns the generations over (lua/claim_prefixes.lua)
+_CLAIM = LuaScript("claim_prefixes")
 
 
 async def read_map(r: aredis.Redis, keys: Keys, cps: Sequence[bytes]) -> list[bytes | None]:
@@ -42,7 +44,6 @@ async def claim(
     """Claim ``claims`` (checkpoint -> shard; mode "n", the default, as HSETNX: the map's entry
     wins; "m" moves it) and mark ``touched`` used; the shard the map holds for each claim
     afterwards."""
-    script = r.register_script(lua("claim_prefixes"))
     items = list(claims.items())
     stored: dict[bytes, int] = {}
     for start in range(0, max(len(items), 1), CLAIMS_PER_CALL):
@@ -57,7 +58,7 @@ async def claim(
             args += [shard, mode, b"".join(cps)]
         if start == 0 and touched:
             args.append(b"".join(touched))
-        out = await script(keys=[keys.prefix_map, keys.prefix_map_old], args=args)
+        out = await _CLAIM.acall(r, keys=[keys.prefix_map, keys.prefix_map_old], args=args)
         order = [cp for cps in groups.values() for cp in cps]
         for cp, v in zip(order, out, strict=True):
             stored[cp] = int(v)

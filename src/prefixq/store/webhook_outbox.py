@@ -33,7 +33,7 @@ import redis.asyncio as aredis
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from prefixq.core.webhooks import NamespaceHooks, event_body, new_delivery_id
-from prefixq.store.connection import lua
+from prefixq.store.lua_script import LuaScript
 
 __all__ = [
     "BURST_EVENTS",
@@ -49,6 +49,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: the outbox's scripts: queue a delivery once, claim due ones, settle an attempt
+_ADD, _CLAIM, _SETTLE = LuaScript("hook_add"), LuaScript("hook_claim"), LuaScript("hook_settle")
 
 #: a burst's end status -> the event its ``on_complete_url`` is sent
 BURST_EVENTS = {
@@ -122,7 +125,7 @@ def add_burst_event(r: redis.Redis, settings: Settings, burst: str) -> bool:
     call = _burst_delivery(settings, burst, r.hmget(settings.keys.burst(burst), _FIELDS))
     if call is None:
         return False
-    return bool(r.register_script(lua("hook_add"))(keys=call[0], args=call[1]))
+    return bool(_ADD.call(r, keys=call[0], args=call[1]))
 
 
 async def aadd_burst_event(r: aredis.Redis, settings: Settings, burst: str) -> bool:
@@ -131,7 +134,7 @@ async def aadd_burst_event(r: aredis.Redis, settings: Settings, burst: str) -> b
     call = _burst_delivery(settings, burst, raw)
     if call is None:
         return False
-    return bool(await r.register_script(lua("hook_add"))(keys=call[0], args=call[1]))
+    return bool(await _ADD.acall(r, keys=call[0], args=call[1]))
 
 
 def queue_burst_event(r: Any, settings: Settings, burst: str) -> Any:
@@ -181,8 +184,10 @@ async def sweep_bursts(r: aredis.Redis, settings: Settings) -> int:
 async def claim(r: aredis.Redis, keys: Keys, most: int, hold_s: float) -> list[Delivery]:
     """Take up to ``most`` due deliveries, each held for ``hold_s`` (past one attempt)."""
     now = time.time()
-    reply = await r.register_script(lua("hook_claim"))(
-        keys=[keys.hooks_due, keys.hooks], args=[int(now * 1000), int((now + hold_s) * 1000), most]
+    reply = await _CLAIM.acall(
+        r,
+        keys=[keys.hooks_due, keys.hooks],
+        args=[int(now * 1000), int((now + hold_s) * 1000), most],
     )
     out = []
     for i in range(0, len(reply), 2):
@@ -202,4 +207,4 @@ async def settle(r: aredis.Redis, keys: Keys, d: Delivery, outcome: str, due: fl
     if outcome == "retried":
         args += [d.dumps(), int(due * 1000)]
     keys_ = [keys.hooks_due, keys.hooks, keys.hooks_stats]
-    return bool(await r.register_script(lua("hook_settle"))(keys=keys_, args=args))
+    return bool(await _SETTLE.acall(r, keys=keys_, args=args))

@@ -40,9 +40,9 @@ from prefixq.core import wire
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from prefixq.core.sharing import LaneInfo
-from prefixq.store.connection import lua
 from prefixq.store.entry_moves import EntryMoves
 from prefixq.store.liveness import add_load, read_liveness, read_load
+from prefixq.store.lua_script import LuaScript
 from prefixq.store.move_log import add_moves
 from prefixq.store.prefix_claims import claim, read_map
 from prefixq.worker.lane_scripts import LaneScripts
@@ -97,7 +97,7 @@ class Handover:
         self.keys = Keys(settings.namespace)
         self.limits = wire.Limits.from_settings(settings)
         self.moves = EntryMoves(r, settings)
-        self._lease = r.register_script(lua("batch_lease"))
+        self._lease = LuaScript("batch_lease")
         self._lanes: dict[int, LaneScripts] = {}
 
     # ---- the lease --------------------------------------------------------------------------
@@ -106,15 +106,15 @@ class Handover:
         one without a TTL, is taken over: lua/batch_lease.lua)."""
         token = f"{self.name}:{secrets.token_hex(6)}"
         args = [token, "acquire", LEASE_MS]
-        got = await self._lease(keys=[self.keys.mover(source)], args=args)
+        got = await self._lease.acall(self.r, keys=[self.keys.mover(source)], args=args)
         return token if got else None
 
     async def _renew(self, source: int, token: str) -> bool:
         args = [token, "renew", LEASE_MS]
-        return bool(await self._lease(keys=[self.keys.mover(source)], args=args))
+        return bool(await self._lease.acall(self.r, keys=[self.keys.mover(source)], args=args))
 
     async def _release(self, source: int, token: str) -> None:
-        await self._lease(keys=[self.keys.mover(source)], args=[token, "release", 0])
+        await self._lease.acall(self.r, keys=[self.keys.mover(source)], args=[token, "release", 0])
 
     async def finish(self, source: int) -> bool:
         """Finish the moves begun on ``source`` (a plan left by a mover that died or failed),
