@@ -2,28 +2,43 @@
 yet, so it exits 0, at once where unwinding is not safe (`inside_import`, `leave_now`: what it
 holds meanwhile, its shard's hold, is released first: `on_leave`), and
 whatever the unwinding raises (`STOPPING`), quietly, and at once where Python swallows the stop
-(`unwinding`). Standard library only: imported at the process's
+(`unwinding`). A watchdog that ends a stop whose unwinding hangs releases the same first, within
+`LEAVE_S` (`exit_released`). Standard library only: imported at the process's
 first line.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
+from typing import NoReturn
 
-__all__ = ["STOPPING", "inside_import", "leave_now", "off_leave", "on_leave", "unwinding"]
+__all__ = [
+    "LEAVE_S",
+    "STOPPING",
+    "exit_released",
+    "inside_import",
+    "leave_now",
+    "off_leave",
+    "on_leave",
+    "unwinding",
+]
 
 #: set by a stop signal that came while a worker started (prefixq.cli, or its worker_signals)
 STOPPING = threading.Event()
-#: what `leave_now` runs before the exit (`on_leave`)
+#: what `leave_now` and `exit_released` run before the exit (`on_leave`)
 _ON_LEAVE: list[Callable[[], None]] = []
+#: seconds `exit_released` gives the releases of what the worker holds before it exits regardless
+LEAVE_S = 1.5
 
 
 def on_leave(release: Callable[[], None]) -> None:
-    """Run ``release`` in `leave_now`, before the process exits (it skips the unwinding that
-    would have released what the worker holds: the hold on its shard, cli/fleet_commands.py).
+    """Run ``release`` in `leave_now` and `exit_released`, before the process exits (they skip
+    the unwinding that would have released what the worker holds: the hold on its shard,
+    cli/fleet_commands.py).
     ``release`` runs in the handler of a stop inside an import: it must import nothing on the
     calling thread, and return within a bounded time (a Redis that is down included)."""
     _ON_LEAVE.append(release)
@@ -31,8 +46,10 @@ def on_leave(release: Callable[[], None]) -> None:
 
 def off_leave(release: Callable[[], None]) -> None:
     """Forget ``release`` (`on_leave`): what it releases was released otherwise."""
-    if release in _ON_LEAVE:
+    try:
         _ON_LEAVE.remove(release)
+    except ValueError:  # not there, or taken meanwhile by an exit's releases
+        return
 
 
 def inside_import(frame: FrameType | None) -> bool:
@@ -51,22 +68,54 @@ def leave_now() -> None:
     It imports nothing: called inside an import, a module this one loads could find the module
     being imported half-built (``logging`` imports ``re``: a stop inside ``import re`` made
     ``import logging`` fail with "partially initialized module 're'", and the process exit 1)."""
-    import os  # loaded before any Python code runs: no import happens here
-
-    while _ON_LEAVE:  # what the worker holds (`on_leave`), released first
-        try:
-            _ON_LEAVE.pop()()
-        except BaseException:  # never a reason not to exit 0
-            continue
+    _release_held()
     shutdown = getattr(sys.modules.get("logging"), "shutdown", None)  # only a logging in use
     if shutdown is not None:
         shutdown()
+    _flush()
+    os._exit(0)
+
+
+def exit_released(*more: Callable[[], None]) -> NoReturn:
+    """Exit 0 now, what the worker holds released first (`on_leave`'s releases, then ``more``,
+    each best effort), all within `LEAVE_S` whatever they do: for a watchdog ending a stop whose
+    unwinding hangs (cli/worker_signals.py), which would otherwise leave the hold on the worker's
+    shard to its TTL. The releases and the flush of the output run on a thread of their own,
+    waited for `LEAVE_S` at most: the hung main thread may hold what they need (a log handler's
+    lock, writing to a full pipe), and the exit never waits for it. Never raises."""
+
+    def release() -> None:
+        _release_held()
+        for call in more:
+            try:
+                call()
+            except BaseException:  # never a reason not to exit 0
+                continue
+        _flush()
+
+    try:
+        t = threading.Thread(target=release, name="prefixq-leave", daemon=True)
+        t.start()
+        t.join(LEAVE_S)
+    finally:
+        os._exit(0)
+
+
+def _release_held() -> None:
+    """Run what `on_leave` registered (what the worker holds), each once, none raising."""
+    while _ON_LEAVE:
+        try:
+            _ON_LEAVE.pop()()
+        except BaseException:  # IndexError (taken meanwhile) included: never a reason not to exit
+            continue
+
+
+def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):
+        except (AttributeError, OSError, ValueError):  # None without a console
             continue
-    os._exit(0)
 
 
 def unwinding() -> None:

@@ -8,9 +8,13 @@ the engine (which blocks the event loop for a minute or more), waiting for Redis
 unwinds (inside an import it exits at once instead: `start_stop.leave_now`, as raising there can
 abort the process; the shard's hold is released first: `start_stop.on_leave`); the engine's
 processes end with it (their exit handlers, and the reaper: prefixq.engine.reaper), and if
-unwinding hangs, the process exits after `EXIT_S` anyway. Once the worker serves, a signal calls
-`Worker.stop()` on the worker's event loop: it stops reading and drains within ``grace_s``
-(docs/delivery.md, "SIGTERM and SIGINT").
+unwinding hangs, the process exits after `EXIT_S` anyway, the shard's hold released first
+(`start_stop.exit_released`: it would otherwise stay until it lapses, ``join_hold_s``). Once the
+worker serves, a signal calls `Worker.stop()` on the worker's event loop: it stops reading and
+drains within ``grace_s`` (docs/delivery.md, "SIGTERM and SIGINT"); if the stop has not ended
+`STOP_SPARE_S` after its bound (`stop_bound_s`: an engine whose shutdown hangs, an event loop
+something blocks), the process exits 0 anyway, its heartbeat dropped first if it is still there
+and this process's (`heartbeat.drop_own`: a live peer then takes its entries at once).
 
 The first handler comes before this module's (`prefixq.cli`, before any slow import);
 `start_worker` starts a worker with both signals blocked until then, so that not even its
@@ -19,8 +23,8 @@ interpreter's start is a moment a stop kills it.
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
 import signal
 import subprocess
 import threading
@@ -28,17 +32,23 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol
 
-from prefixq.cli.start_stop import inside_import, leave_now, unwinding
+from prefixq.cli.start_stop import exit_released, inside_import, leave_now, unwinding
 
 if TYPE_CHECKING:  # imported at the process's first line (prefixq.cli): nothing slow
     import asyncio
 
+    from prefixq.core.settings import Settings
+
 log = logging.getLogger(__name__)
 
-__all__ = ["EXIT_S", "WorkerSignals", "start_worker"]
+__all__ = ["EXIT_S", "STOP_SPARE_S", "WorkerSignals", "start_worker"]
 
 #: seconds a stop during start-up may take to unwind before the process exits regardless
 EXIT_S = 5.0
+#: seconds past its bound (`prefixq.worker.lifecycle.stop_bound_s`, which leaves out the engine's
+#: own shutdown: vLLM's ends its core processes within some 5 s, then kills them) that a stop of a
+#: serving worker may take before the process exits regardless
+STOP_SPARE_S = 30.0
 #: the signals that stop a worker
 STOPS = frozenset({signal.SIGTERM, signal.SIGINT})
 
@@ -66,7 +76,14 @@ def start_worker(
 
 
 class Stoppable(Protocol):
-    """What the handler needs of the worker."""
+    """What the handler needs of the worker: its stop, and for the stop's watchdog its bound and
+    its heartbeat (the pid, host and start it beats with: `prefixq.worker.heartbeat.drop_own`)."""
+
+    settings: Settings
+    shard: int
+    name: str
+    started: float
+    hand_over: bool
 
     @property
     def engine_up(self) -> bool: ...
@@ -81,6 +98,8 @@ class WorkerSignals:
         self._worker: Stoppable | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._leaving = False
+        #: the serving stop's watchdog: (after how many seconds, what it releases first)
+        self._stop_watch: tuple[float, Callable[[], None]] | None = None
 
     def install(self) -> WorkerSignals:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -90,11 +109,19 @@ class WorkerSignals:
 
     def serve(self, worker: Stoppable, loop: asyncio.AbstractEventLoop) -> None:
         """From now on a signal stops ``worker`` (running on ``loop``) once it serves."""
+        from prefixq.worker.heartbeat import drop_own
+        from prefixq.worker.lifecycle import stop_bound_s
+
+        s = worker.settings
+        bound = stop_bound_s(s, hand_over=worker.hand_over) + STOP_SPARE_S
+        drop = functools.partial(drop_own, s, worker.shard, worker.name, worker.started)
+        self._stop_watch = (bound, functools.partial(_stop_hung, bound, drop))
         self._worker, self._loop = worker, loop
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         worker, loop = self._worker, self._loop
         if worker is not None and loop is not None and worker.engine_up:
+            self._watch_stop()
             if not loop.is_closed():  # closed: the worker has stopped, the process is ending
                 loop.call_soon_threadsafe(worker.stop)
             return
@@ -109,7 +136,31 @@ class WorkerSignals:
         if inside_import(frame):  # raising there can abort the process (prefixq.cli)
             leave_now()
         unwinding()  # whatever the unwinding raises, the process exits 0 (prefixq.cli), quietly
-        watchdog = threading.Timer(EXIT_S, os._exit, (0,))
-        watchdog.daemon = True
-        watchdog.start()
+        _watchdog(EXIT_S, exit_released)  # the shard's hold released first (`on_leave`)
         raise SystemExit(0)
+
+    def _watch_stop(self) -> None:
+        """At the first stop of the serving worker: the process exits once the stop is past its
+        bound, its heartbeat dropped first (`_stop_hung`)."""
+        watch, self._stop_watch = self._stop_watch, None
+        if watch is not None:
+            _watchdog(*watch)
+
+
+def _watchdog(after_s: float, leave: Callable[[], object]) -> None:
+    """``leave()`` (an exit) on a daemon thread after ``after_s``, unless the process is gone."""
+    watchdog = threading.Timer(after_s, leave)
+    watchdog.daemon = True
+    watchdog.start()
+
+
+def _stop_hung(bound_s: float, drop: Callable[[], object]) -> None:
+    """The serving stop's watchdog: what the worker holds released (its heartbeat: ``drop``),
+    each best effort and bounded (`exit_released`), then exit 0."""
+
+    def release() -> None:
+        log.warning("the stop did not end within %.1fs: exiting regardless", bound_s)
+        if drop():
+            log.info("dropped the heartbeat the stop had left")
+
+    exit_released(release)

@@ -39,6 +39,7 @@ __all__ = [
     "alive_mask",
     "beat_commands",
     "consumer_gone",
+    "consumers_gone",
     "read_liveness",
     "read_load",
     "read_tasks",
@@ -160,6 +161,21 @@ async def consumer_gone(r: aredis.Redis, keys: Keys, shard: int, consumer: bytes
     key: it died (the key lapsed ``heartbeat_ttl_s`` after its last beat) or stopped. The entries
     pending on it are free to take (worker/queued.py for a move, worker/reclaim.py for a claim)."""
     return not await r.exists(keys.heartbeat(shard, consumer.decode(errors="replace")))
+
+
+async def consumers_gone(
+    r: aredis.Redis, keys: Keys, shard: int, consumers: Iterable[bytes]
+) -> set[bytes]:
+    """Those of ``consumers`` (workers of ``shard``, by consumer name) that are gone, as
+    `consumer_gone` tells each: one EXISTS per heartbeat key in one round trip (a pipeline; the
+    keys share the shard's hash tag, so on a Cluster they are one slot, one node)."""
+    names = list(dict.fromkeys(consumers))
+    if not names:
+        return set()
+    pipe = r.pipeline(transaction=False)
+    for c in names:
+        pipe.exists(keys.heartbeat(shard, c.decode(errors="replace")))
+    return {c for c, there in zip(names, await pipe.execute(), strict=True) if not there}
 
 
 def tasks_of(raw: dict[Any, Any], shards: int) -> list[str]:

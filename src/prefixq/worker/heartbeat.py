@@ -19,6 +19,8 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +28,8 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
+from prefixq.core.settings import Settings
+from prefixq.store.connection import sync_client
 from prefixq.store.liveness import beat_commands, beat_types, repair_types
 from prefixq.store.redis_errors import TRANSIENT
 from prefixq.worker.deliveries import Ref
@@ -183,3 +187,30 @@ class Heartbeat:
             await stream.r.zrem(stream.keys.workers(stream.shard), stream.consumer)
             return True
         return False
+
+
+def drop_own(settings: Settings, shard: int, consumer: str, started: float) -> bool:
+    """Drop the heartbeat of worker ``consumer`` of ``shard`` and take it off the shard's
+    workers, if that heartbeat is still this process's worker's (its pid and host, and its start,
+    ``started``; `Heartbeat.unregister` for a stop that could not get to it: the watchdog of one
+    that hangs, cli/worker_signals.py); whether it did. Another process's beat under the name (a
+    replacement's) is never dropped: checked and dropped in one transaction (WATCH, MULTI; both
+    keys in the shard's slot). A fresh blocking client: its caller bounds the wait."""
+    keys = settings.keys
+    hb = keys.heartbeat(shard, consumer)
+    mine = [str(os.getpid()).encode(), socket.gethostname().encode(), repr(started).encode()]
+
+    def drop(pipe: Any) -> bool:
+        if pipe.hmget(hb, _WHO) != mine:
+            pipe.unwatch()
+            return False
+        pipe.multi()
+        pipe.delete(hb)
+        pipe.zrem(keys.workers(shard), consumer)
+        return True
+
+    r = sync_client(settings)
+    try:
+        return bool(r.transaction(drop, hb, value_from_callable=True))
+    finally:
+        r.close()

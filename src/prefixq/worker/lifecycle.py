@@ -30,7 +30,9 @@ def stop_bound_s(settings: Settings, *, hand_over: bool = False) -> float:
     """The longest a worker's stop takes from `Worker.stop` (SIGTERM) to its exit, whatever Redis
     does: ``grace_s`` for in-flight requests, then `FLUSH_S` (plus the engine's own shutdown
     and the process's exit); with ``--hand-over``, up to `HAND_OVER_S` more to move the rest of
-    its queue (skipped at once when Redis did not answer its unregister)."""
+    its queue (skipped at once when Redis did not answer its unregister). A stop of a worker
+    process still under way `STOP_SPARE_S` after it is ended by a watchdog
+    (cli/worker_signals.py)."""
     return settings.grace_s + FLUSH_S + (HAND_OVER_S if hand_over else 0.0)
 
 

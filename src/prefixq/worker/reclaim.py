@@ -22,7 +22,7 @@ import time
 from redis.exceptions import ResponseError
 
 from prefixq.core.settings import Settings
-from prefixq.store.liveness import consumer_gone
+from prefixq.store.liveness import consumers_gone
 from prefixq.store.redis_errors import TRANSIENT
 from prefixq.store.retry import retry
 from prefixq.worker.deliveries import Delivery, Pending, last_allowed
@@ -77,23 +77,26 @@ class Reclaimer:
 
     async def reclaim_gone(self) -> int:
         """Claim entries pending on other workers of the shard whose heartbeat key is gone
-        (store/liveness.py `consumer_gone`, as a move of an orphaned shard tests them), oldest
-        first, without waiting ``claim_idle_s``; returns how many. A worker whose beat is there
-        (a slow one) keeps its entries, and so does this worker's own name (a restart's backlog,
-        worker/backlog.py). Each entry is claimed only if it is still as idle as it was listed: one
-        that another reclaimer took meanwhile (its idle time reset) is left to it."""
+        (store/liveness.py `consumers_gone`: every holder's in one round trip, as a move of an
+        orphaned shard tests them), oldest first, without waiting ``claim_idle_s``; returns how
+        many. A worker whose beat is there (a slow one) keeps its entries, and so does this
+        worker's own name (a restart's backlog, worker/backlog.py). Each entry is claimed only if
+        it is still as idle as it was listed: one that another reclaimer took meanwhile (its idle
+        time reset) is left to it."""
         stream, work = self.stream, self.work
         if work.stopping:
             return 0
         me = stream.consumer.encode()
+        holders = await stream.holders(work.queue_keys())
+        others = [c for c in holders if c != me]
+        gone = await consumers_gone(stream.r, stream.keys, stream.shard, others)
         rows: list[Pending] = []
-        for consumer, keys in (await stream.holders(work.queue_keys())).items():
-            if consumer == me or not await consumer_gone(
-                stream.r, stream.keys, stream.shard, consumer
-            ):
-                continue
+        for consumer in (c for c in others if c in gone):
             rows += await stream.pending(
-                keys, count=self.batch, consumer=consumer, min_idle_ms=self.gone_idle_ms
+                holders[consumer],
+                count=self.batch,
+                consumer=consumer,
+                min_idle_ms=self.gone_idle_ms,
             )
         return await self._take(rows, None, "gone workers'")
 
