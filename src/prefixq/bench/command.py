@@ -29,7 +29,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "--model",
         default="",
         help="HF folder, the embedded default, or "
-        "dummy:llama-3.1-8b (config only, dummy weights, token-id prompts)",
+        "dummy:llama-3.1-8b (config only, dummy weights, token-id prompts), or "
+        "sim:llama-3.1-8b (vLLM's scheduler and KV cache on an H200's modelled clock, no "
+        "device: a design tool, not a measurement; bench/sim_engine.py)",
     )
     b.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE")
     b.add_argument(
@@ -150,6 +152,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     from prefixq.bench.report import plot, table
     from prefixq.bench.runner import BenchConfig, run_bench
     from prefixq.bench.setups import parse_setups
+    from prefixq.bench.sim_engine import is_sim
     from prefixq.bench.workloads import WORKLOADS, Shape, Sizes
     from prefixq.engine.embedded_model import default_cache_dir, resolve_model
     from prefixq.engine.reaper import start_reaper, stop_reaper
@@ -165,6 +168,10 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         model, extra = dummy_model()
         engine_args = [f"{k}={v}" for k, v in extra.items()] + engine_args
         vocab, token_ids = VOCAB, True
+    elif is_sim(args.model):  # the simulated engine: token ids of the dummy model's vocabulary
+        from prefixq.bench.dummy import VOCAB
+
+        model, vocab, token_ids = args.model, VOCAB, True
     else:
         model = resolve_model(args.model, default_cache_dir(settings.cache_dir))
     shape = Shape(

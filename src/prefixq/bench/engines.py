@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixq.bench.engine_set import Answered, Engines, Handed
+from prefixq.bench.sim_engine import SimEngine, is_sim
 from prefixq.bench.timeline import Stamp
 from prefixq.core.errors import SetupError
 from prefixq.core.settings import Settings
@@ -46,7 +47,10 @@ class Standalone(Engines):
     """N engines in this process."""
 
     def __init__(self, model: str, engine_args: dict[str, Any], gpus: list[str | None]) -> None:
-        self.engines = [VllmEngine(model, engine_args) for _ in gpus]
+        self.engines: list[VllmEngine | SimEngine] = [
+            SimEngine(model, engine_args) if is_sim(model) else VllmEngine(model, engine_args)
+            for _ in gpus
+        ]
         self.gpus = gpus
 
     @property

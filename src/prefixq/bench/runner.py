@@ -40,6 +40,7 @@ from prefixq.bench.setups import (
     scoped,
     setups_for,
 )
+from prefixq.bench.sim_engine import is_sim
 from prefixq.bench.standalone import ProcessStandalone
 from prefixq.bench.workloads import SHARING, Counter, Shape, Sizes, build
 from prefixq.client import Producer
@@ -110,7 +111,7 @@ async def run_bench(
     ns = f"{settings.namespace[:40]}-bench-{secrets.token_hex(3)}"  # within the 64-char limit
     shards = len(cfg.gpus)
     s = settings.replace(namespace=ns, shards=shards, enqueue_order=cfg.order)
-    cpu = all(g is None for g in cfg.gpus)
+    cpu = all(g is None for g in cfg.gpus) and not is_sim(cfg.model)
     args = (cpu_defaults() if cpu else {}) | parse_engine_args(cfg.engine_args)
     worker_args = [f"{k}={v}" for k, v in args.items()]
     r = async_client(s)
@@ -373,6 +374,9 @@ def _environment(cfg: BenchConfig) -> dict[str, Any]:
             env[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             continue
+    if is_sim(cfg.model):  # no device: vLLM's scheduler on a modelled clock
+        env["gpu"] = "simulated (bench/sim_engine.py: not a measurement)"
+        return env
     try:
         import torch
 

@@ -37,9 +37,10 @@ def _serve(conn: Connection, model: str, engine_args: dict[str, Any], gpu: str |
 
 
 async def _loop(conn: Connection, model: str, engine_args: dict[str, Any]) -> None:
+    from prefixq.bench.sim_engine import SimEngine, is_sim
     from prefixq.engine.vllm_engine import VllmEngine
 
-    engine = VllmEngine(model, engine_args)
+    engine = SimEngine(model, engine_args) if is_sim(model) else VllmEngine(model, engine_args)
     await engine.start()
     conn.send(("up", engine.kv_tokens))
     loaded: list[tuple[int, float, EngineRequest]] = []

@@ -29,6 +29,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from prefixq.engine.protocol import Engine
     from prefixq.integrations.metrics import MetricsExporter
     from prefixq.worker.worker import Worker
 
@@ -82,13 +83,18 @@ def run_worker(
     signals = signals or WorkerSignals().install()
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu  # before vLLM/torch see any device
+    from prefixq.bench.sim_engine import SimEngine, is_sim
     from prefixq.engine.pooling import engine_args_for
     from prefixq.engine.vllm_engine import VllmEngine, cpu_defaults
     from prefixq.worker.worker import Worker
 
-    args = WORKER_ENGINE_ARGS | ({} if gpu is not None else cpu_defaults())
-    args |= engine_args_for(settings.task) | (engine_args or {})  # an embed worker pools
-    engine = VllmEngine(model, args)
+    engine: Engine
+    if is_sim(model):  # vLLM's scheduler on a GPU's clock (bench/sim_engine.py)
+        engine = SimEngine(model, WORKER_ENGINE_ARGS | (engine_args or {}))
+    else:
+        args = WORKER_ENGINE_ARGS | ({} if gpu is not None else cpu_defaults())
+        args |= engine_args_for(settings.task) | (engine_args or {})  # an embed worker pools
+        engine = VllmEngine(model, args)
 
     async def main() -> int:
         from prefixq.integrations.rq_callbacks import RqCompletion
