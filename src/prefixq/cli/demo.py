@@ -227,7 +227,7 @@ def _embeddings(settings: Settings, c: Console) -> int:
 
 def forget_namespace(r: redis.Redis, namespace: str) -> int:
     """Delete every key of ``namespace`` (the pattern ``<namespace>:*`` matches no other
-    namespace's key: core/settings.py); returns how many."""
+    namespace's key: core/settings_checks.py); returns how many."""
     n, batch = 0, []
     for key in r.scan_iter(match=f"{namespace}:*", count=1000):
         batch.append(key)

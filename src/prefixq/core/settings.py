@@ -2,6 +2,7 @@
 
 Every field has a ``PREFIXQ_<FIELD>`` environment variable (``REDIS_URL`` for ``redis_url``) and a
 CLI flag of the same name. Nothing else in the package reads the environment.
+What each field may hold is checked when one is built: prefixq.core.settings_checks.
 """
 
 from __future__ import annotations
@@ -9,54 +10,24 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
-import math
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
 
-from prefixq.core.embeddings import TASKS
-from prefixq.core.errors import ConfigError, ValidationError
+from prefixq.core.errors import ConfigError
 from prefixq.core.keys import Keys
-from prefixq.core.sharing import check_priority, check_tenant, parse_caps, parse_weights
-from prefixq.core.webhooks import WebhookConfig
+from prefixq.core.settings_checks import CODECS, ORDERS, PLACEMENTS, check
+
+__all__ = ["CODECS", "DEFAULT_ORDER", "ORDERS", "PLACEMENTS", "Settings"]
 
 log = logging.getLogger(__name__)
 
-CODECS = ("zlib", "zstd", "none")
-PLACEMENTS = ("affinity", "hash", "random", "round-robin")
-#: enqueue orders (prefixq.client.order)
-ORDERS = ("input", "leaders-first", "grouped", "depth-first", "decode-first")
 #: the enqueue order of a burst that names none (client/order.py says why)
 DEFAULT_ORDER = "decode-first"
 #: PREFIXQ_* variables that are not settings (the dev script's)
 _NOT_SETTINGS = frozenset({"PREFIXQ_VENV", "PREFIXQ_LOG_LEVEL", "PREFIXQ_LOG_FORMAT"})
 _WARNED: set[str] = set()
-#: codec levels allowed besides -1 (the codec's default for prefixq); codec none has none
-_CODEC_LEVELS = {"zlib": (0, 9), "zstd": (1, 22)}
-#: a namespace: every key starts with ``<namespace>:``, and ':' never occurs inside one, so the
-#: ACL pattern ``~<namespace>:*`` covers exactly one namespace (docs/delivery.md)
-_NAMESPACE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-
-
-#: the most any whole-number setting may be (`Settings._check_bounds`), and a number of seconds
-_MAX_INT = 2**53
-_MAX_SECONDS = 10 * 365 * 86_400
-#: ... and these: what Redis takes (COUNT, EXPIRE, WAIT) and what a deployment can use
-_MAX: dict[str, int] = {
-    "shards": 4096,
-    "read_count": 100_000,
-    "write_batch": 100_000,
-    "max_inflight": 1_000_000,
-    "max_attempts": 1_000_000,
-    "min_replicas_acked": 1_000,
-    "min_replicas_acked_timeout_ms": 3_600_000,
-    "map_max_entries": 1 << 32,
-    "prefix_cache_entries": 1 << 32,
-    "webhook_concurrency": 10_000,
-    "metrics_port": 65_535,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,144 +204,11 @@ class Settings:
     webhook_concurrency: int = 8
 
     def __post_init__(self) -> None:
-        self._check_types()
-        if self.codec not in CODECS:
-            raise ConfigError(f"codec must be one of {', '.join(CODECS)}, not {self.codec!r}")
-        if self.placement not in PLACEMENTS:
-            raise ConfigError(
-                f"placement must be one of {', '.join(PLACEMENTS)}, not {self.placement!r}"
-            )
-        if self.enqueue_order not in ORDERS:
-            raise ConfigError(
-                f"enqueue_order must be one of {', '.join(ORDERS)}, not {self.enqueue_order!r}"
-            )
-        if self.task not in TASKS:
-            raise ConfigError(f"task must be one of {', '.join(TASKS)}, not {self.task!r}")
-        if self.shards < 0:
-            raise ConfigError(f"shards must be >= 0, not {self.shards}")
-        try:  # the same checks producers and workers make (prefixq.core.sharing)
-            check_priority(self.priority)
-            check_tenant(self.tenant)
-            parse_weights(self.tenant_weights)
-            parse_caps(self.tenant_caps)
-        except ValidationError as e:
-            raise ConfigError(str(e)) from None
-        if not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"metrics_port must be 0 (off) to 65535, not {self.metrics_port}")
-        if not _NAMESPACE.fullmatch(self.namespace):
-            raise ConfigError(
-                f"namespace {self.namespace!r} is not allowed: use 1 to 64 letters, digits, '_', "
-                "'.' or '-' (no ':', so that the ACL key pattern '<namespace>:*' of one "
-                "namespace matches no key of another)"
-            )
-        for name in (
-            "block_size",
-            "block_chars",
-            "checkpoint_every",
-            "read_count",
-            "max_attempts",
-            "write_batch",
-            "max_entry_bytes",
-            "max_decoded_bytes",
-            "max_prompt_chars",
-            "max_file_bytes",
-            "max_file_lines",
-            "webhook_concurrency",
-        ):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, not {getattr(self, name)}")
-        self._check_ranges()
-
-    def _check_types(self) -> None:
-        """Each field of its declared type (keyword values from Python or an RQ job's JSON are
-        not parsed like environment variables); an int is taken for a float."""
-        hints = get_type_hints(type(self))
-        for f in fields(self):
-            kind, value = hints[f.name], getattr(self, f.name)
-            if kind is float and isinstance(value, int) and not isinstance(value, bool):
-                object.__setattr__(self, f.name, float(value))
-                continue
-            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-                shown = "***" if f.name in ("api_keys", "webhooks") else repr(value)
-                article = "an" if kind is int else "a"
-                raise ConfigError(f"{f.name} must be {article} {kind.__name__}, not {shown}")
-
-    def _check_ranges(self) -> None:
-        """Numbers a deployment can run with: what would fail later (mid-submit, in Redis) or
-        stall a worker silently is refused here."""
-        for name in (
-            "max_messages",
-            "prefix_ttl_s",
-            "result_ttl_s",
-            "map_max_entries",
-            "min_replicas_acked_timeout_ms",
-        ):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, not {getattr(self, name)}")
-        for name in (
-            "max_inflight",
-            "min_replicas_acked",
-            "prefix_store_min_chars",
-            "prefix_cache_entries",
-            "guard_margin_tokens",
-            "steal_min_tokens",
-        ):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, not {getattr(self, name)}")
-        for name in (
-            "claim_idle_s",
-            "heartbeat_s",
-            "heartbeat_ttl_s",
-            "join_hold_s",
-            "guard_factor",
-            "webhook_retry_base_s",
-            "webhook_retry_max_s",
-            "webhook_retry_window_s",
-            "webhook_timeout_s",
-        ):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v > 0):
-                raise ConfigError(f"{name} must be a positive number, not {v}")
-        for name in ("grace_s", "history_every_s", "orphan_after_s"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v >= 0):
-                raise ConfigError(f"{name} must be a number >= 0, not {v}")
-        self._check_bounds()
-        if not 0 < self.pass_window <= 1:
-            raise ConfigError(f"pass_window must be a share in (0, 1], not {self.pass_window}")
-        if not 0 <= self.kv_inflight_share < 1:
-            share = self.kv_inflight_share
-            raise ConfigError(f"kv_inflight_share must be a share in [0, 1), not {share}")
-        if not 0 <= self.affinity_min_match <= 1:
-            raise ConfigError(
-                f"affinity_min_match must be a share in [0, 1], not {self.affinity_min_match}"
-            )
-        if not self.webhooks.lstrip().startswith("@"):  # a file is read where it is used
-            WebhookConfig.parse(self.webhooks)  # ConfigError saying what is wrong
-        levels = _CODEC_LEVELS.get(self.codec)  # codec none has no level
-        if levels and self.codec_level != -1 and not levels[0] <= self.codec_level <= levels[1]:
-            raise ConfigError(
-                f"codec_level for {self.codec} must be -1 (its default) or "
-                f"{levels[0]}..{levels[1]}, not {self.codec_level}"
-            )
-
-    def _check_bounds(self) -> None:
-        """Upper bounds: counts, TTLs and timeouts go to Redis (COUNT, EXPIRE, WAIT), which
-        refuses what does not fit its integers, or a value past any use stalls a worker (a
-        heartbeat that never expires, a read of 10^23 entries); and a heartbeat must come
-        before its TTL ends, or a live worker reads as dead."""
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, int | float):
-                continue
-            top = _MAX.get(f.name, _MAX_SECONDS if f.name.endswith("_s") else _MAX_INT)
-            if v > top:
-                raise ConfigError(f"{f.name} must be at most {top:,}, not {v:,}")
-        if self.heartbeat_s >= self.heartbeat_ttl_s:
-            raise ConfigError(
-                f"heartbeat_s ({self.heartbeat_s}) must be below heartbeat_ttl_s "
-                f"({self.heartbeat_ttl_s}): a live worker's heartbeat would expire between beats"
-            )
+        """Refuse values no deployment can run with (prefixq.core.settings_checks: choices, types,
+        ranges, bounds); a float field given an int holds it as a float."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in check(values, get_type_hints(type(self))).items():
+            object.__setattr__(self, name, value)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
