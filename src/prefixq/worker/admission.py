@@ -100,8 +100,10 @@ class Admission:
         #: (worker/shared_pass.py; the heartbeat's, which publishes it)
         self.marks: PassMarks | None = None
         #: the distinct prefixes inside the engine, held to ``kv_inflight_share`` of its cache
-        #: (worker/kv_budget.py; sized once the engine states its cache)
+        #: (worker/kv_budget.py; sized once the engine states its cache); an ended burst's
+        #: requests waiting for it leave at once
         self.budget = probes.budget = KvBudget(settings.kv_inflight_share)
+        ends.on_end = self.budget.end
 
     async def admit(self, deliveries: list[Delivery]) -> None:
         """Take the entries in (worker/intake.py) and hand each request to the engine at
@@ -179,8 +181,8 @@ class Admission:
             prompt = self.engine.render_chat(req.messages) if req.messages else req.prompt
             out: EngineOutput | EmbedOutput
             async with self.budget.holding(e, priority), self.gate.call(solo):
-                why = self.ends.ended_reason(e)
-                if why is not None:  # it ended while this waited for the gate
+                why = self.ends.reason(e, time.time())
+                if why is not None:  # it ended, or its deadline passed, while this waited
                     raise EngineAborted(why)
                 res.timings.admitted = time.time()
                 self.probes.read_to_engine.add(time.perf_counter() - t_read)
@@ -207,7 +209,7 @@ class Admission:
             self._engine_died(str(err))
             return
         except EngineAborted:  # its burst was cancelled or expired (BurstEnds.watch)
-            why = self.ends.ended_reason(e) or "cancelled"
+            why = self.ends.reason(e, time.time()) or "cancelled"
             res.error, res.error_code = ENDED_ERRORS[why], why
         except PrefixqError as err:  # EngineError, ValidationError, WireError: this request only
             res.error, res.error_code = str(err), error_code_of(err)

@@ -5,7 +5,8 @@ and
 posts a notice to `Keys.cancels`. A worker keeps the recent notices (`BurstEnds`): entries of an
 ended burst it reads later are not run (their requests get the same ended result, recorded once:
 usually the burst's end recorded it already, and the worker only acks the entry), and on a new
-notice it aborts that burst's requests inside its engine. Every worker also looks for bursts past
+notice it aborts that burst's requests inside its engine (and ``on_end`` lets those waiting for the
+KV budget go: worker/kv_budget.py). Every worker also looks for bursts past
 their deadline once a second (`burst_end.expire_due`: each index is failed once, however many
 workers look).
 """
@@ -54,6 +55,8 @@ class BurstEnds:
         self._seen = "0-0"
         #: entry -> (burst, engine request id), while the request is inside the engine
         self._running: dict[tuple[str, bytes], tuple[str, str]] = {}
+        #: called with each burst ended from now on (its requests not yet in the engine leave)
+        self.on_end: Callable[[str], None] | None = None
 
     def running(self, ref: tuple[str, bytes], burst: str, request_id: str) -> None:
         """The request of entry ``ref`` is now inside the engine as ``request_id``."""
@@ -101,6 +104,8 @@ class BurstEnds:
             )
             for entry_id, fields in resp[0][1] if resp else []:
                 burst = self._note(entry_id, fields)
+                if burst and self.on_end is not None:
+                    self.on_end(burst)
                 rids = [rid for b, rid in self._running.values() if b == burst]
                 if rids:
                     log.info("burst %s ended: aborting its %d requests", burst, len(rids))

@@ -10,10 +10,22 @@ With ``kv_inflight_share`` set, a request enters the engine only while the disti
 the requests inside it (each group's prompt tokens once, a request without a group its own) fit
 that share of the engine's KV cache; the rest of the cache keeps the prefixes finished last, where
 a joining burst starts (its window grows to match: `pass_window_for`). A request whose group is
-already inside goes at once (it adds its question and answer only); a group that does not fit
-waits, and the waiting groups go in the engine's own order (its priority, lower first, then
-admission), all of a group's waiting requests together; nothing waits while the engine is empty
-(a group larger than the budget goes alone). Off (0) by default: measured in docs/BENCHMARKS.md.
+already inside goes at once (it adds its question and answer only), and so does one whose group
+the engine finished last (`resident`, the pass's window: still cached, it loads nothing); a
+group that does not fit waits, and the waiting groups go in the engine's own order (its
+priority, lower first, then admission), all of a group's waiting requests together; nothing
+waits while the engine is empty (a group larger than the budget goes alone).
+
+The requests waiting here are not in the engine, and the worker's window does not count them
+(`outside`, up to `WAITING_WINDOWS` windows of them): with them counted, the first burst's next
+documents filled the window while they waited, and a later burst's questions about the document
+the engine held were read only after it had left, and loaded it again. Now they are read and go in
+with it (riders), or wait with the first burst's requests of their document, in its place.
+Waiting groups go in only while fewer requests than the window are inside (`window`; a group
+goes whole): the engine holds about its window, as without the budget, never the four windows
+let in at once as room frees up. A waiting request whose burst ends (cancelled or expired:
+`end`) leaves at once instead of waiting for room.
+Off (0) by default: measured in docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -23,10 +35,11 @@ import contextlib
 import heapq
 import itertools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Container, Mapping
 from typing import TYPE_CHECKING
 
 from prefixq.core.entries import Entry
+from prefixq.core.errors import EngineAborted
 from prefixq.core.settings import Settings
 
 if TYPE_CHECKING:
@@ -38,6 +51,7 @@ __all__ = [
     "HISTORY_TRUST",
     "KV_HISTORY_SHARE",
     "KV_HISTORY_SHARES",
+    "WAITING_WINDOWS",
     "KvBudget",
     "apply",
     "commands",
@@ -48,6 +62,9 @@ __all__ = [
 #: of the cache the budget leaves to finished prefixes, the share a joining burst counts on
 #: finding still there (questions' and answers' blocks, and the engine's own rounding, take some)
 HISTORY_TRUST = 0.8
+
+#: windows (the worker's ``max_inflight``) of requests that may wait for room beyond its window
+WAITING_WINDOWS = 4
 
 #: the budget `prefixq bench --admissions kv-history` switches a worker to
 KV_HISTORY_SHARE = 0.5
@@ -81,13 +98,23 @@ class KvBudget:
         self._inside: dict[_Key, list[int]] = {}
         #: tokens of the groups inside
         self.used = 0
+        #: requests inside; the most a waiting group may find there to go in (the worker's
+        #: window, ``max_inflight``; 0: no limit)
+        self._requests = 0
+        self.window = 0
         #: waiting groups: (engine priority, admission, group) on a heap; their requests
+        #: (tokens, let in: False / its burst ended: True, burst)
         self._heap: list[tuple[int, int, _Key]] = []
-        self._waiting: dict[_Key, list[tuple[int, asyncio.Future[None]]]] = {}
+        self._waiting: dict[_Key, list[tuple[int, asyncio.Future[bool], str]]] = {}
         self._seq = itertools.count()
+        #: requests in ``_waiting``
+        self._count = 0
         #: the most tokens the groups inside took at once; requests that waited for room
         self.peak = 0
         self.held = 0
+        #: the groups the engine finished last and most likely still caches (the shared pass's
+        #: window): one of them goes in at once, as a group inside does (it loads nothing)
+        self.resident: Container[int] | None = None
         self.resize(share, kv_tokens)
 
     def resize(self, share: float, kv_tokens: int | None = None) -> None:
@@ -114,8 +141,16 @@ class KvBudget:
 
     @property
     def waiting(self) -> int:
-        """Requests waiting for room."""
-        return sum(len(w) for w in self._waiting.values())
+        """Requests waiting for room (outside the engine: the worker's window does not count
+        them, worker/worker.py `room`)."""
+        return self._count
+
+    def outside(self, window: int) -> int:
+        """Of the requests the worker holds in flight, those its window of ``window`` does not
+        count: the ones waiting for room, up to `WAITING_WINDOWS` windows of them. So a later
+        burst's questions about a document the engine holds are read and go in with it while
+        the first burst's next documents wait here (`hold`: a group inside goes at once)."""
+        return min(self._count, WAITING_WINDOWS * window)
 
     def holding(self, e: Entry, priority: int) -> contextlib.AbstractAsyncContextManager[None]:
         """`hold`, or nothing at all while the budget is off (the default: no cost per
@@ -124,28 +159,36 @@ class KvBudget:
 
     @contextlib.asynccontextmanager
     async def hold(self, e: Entry, priority: int) -> AsyncIterator[None]:
-        """Inside the engine for the block: wait for room for ``e``'s prefix first."""
+        """Inside the engine for the block: wait for room for ``e``'s prefix first
+        (EngineAborted if its burst ends meanwhile: `end`)."""
         key: _Key = e.group if e.group is not None else (e.burst, e.index)
         tokens = e.work + e.predicted_cached
-        if self.capacity and key not in self._inside and not self._fits(tokens):
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        resident = self.resident is not None and e.group is not None and e.group in self.resident
+        if self.capacity and key not in self._inside and not resident and not self._fits(tokens):
+            fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            waiter = (tokens, fut, e.burst)
             self.held += 1
             waiters = self._waiting.get(key)
             if waiters is None:  # its group's first waiting request places it
                 waiters = self._waiting[key] = []
                 heapq.heappush(self._heap, (priority, next(self._seq), key))
-            waiters.append((tokens, fut))
+            waiters.append(waiter)
+            self._count += 1
             try:
-                await fut
+                ended = await fut
             except BaseException:
                 if fut.done() and not fut.cancelled():  # let in as it was cancelled: go out
-                    self._leave(key)
+                    if not fut.result():
+                        self._leave(key)
                 else:
-                    waiters.remove((tokens, fut))
+                    waiters.remove(waiter)
+                    self._count -= 1
                     if not waiters and self._waiting.get(key) is waiters:
                         del self._waiting[key]
                     self._wake()
                 raise
+            if ended:
+                raise EngineAborted(f"burst {e.burst} ended while its request waited for room")
         else:
             self._enter(key, tokens)
         try:
@@ -156,7 +199,21 @@ class KvBudget:
     def _fits(self, tokens: int) -> bool:
         return not self._waiting and (not self._inside or self.used + tokens <= self.capacity)
 
+    def end(self, burst: str) -> None:
+        """``burst`` was cancelled or expired (worker/ends.py): its requests waiting for room
+        leave at once (`hold` raises EngineAborted: they get its ended result), and the groups
+        behind them may go."""
+        for key, waiters in list(self._waiting.items()):
+            for w in [w for w in waiters if w[2] == burst and not w[1].done()]:
+                waiters.remove(w)
+                self._count -= 1
+                w[1].set_result(True)
+            if not waiters:
+                del self._waiting[key]
+        self._wake()
+
     def _enter(self, key: _Key, tokens: int) -> None:
+        self._requests += 1
         inside = self._inside.get(key)
         if inside is None:
             self._inside[key] = [1, tokens]
@@ -170,15 +227,18 @@ class KvBudget:
                 self.peak = max(self.peak, self.used)
 
     def _leave(self, key: _Key) -> None:
+        self._requests -= 1
         inside = self._inside[key]
         inside[0] -= 1
         if not inside[0]:
             del self._inside[key]
             self.used -= inside[1]
+        if self._heap:  # room, or a place in the window
             self._wake()
 
     def _wake(self) -> None:
-        """Let the waiting groups in, in order, while the first fits (all when off)."""
+        """Let the waiting groups in, in order, while the first fits (all when off) and fewer
+        requests than the window are inside."""
         heap = self._heap
         while heap:
             key = heap[0][2]
@@ -186,16 +246,19 @@ class KvBudget:
             if not waiters:  # all of it went already (a stale second place)
                 heapq.heappop(heap)
                 continue
-            tokens = max(t for t, _ in waiters)
+            tokens = max(w[0] for w in waiters)
             cap, inside = self.capacity, self._inside
+            if inside and self.window and self._requests >= self.window:
+                return
             if cap and inside and key not in inside and self.used + tokens > cap:
                 return
             heapq.heappop(heap)
             del self._waiting[key]
-            for t, fut in waiters:
-                if not fut.done():
+            for t, fut, _ in waiters:
+                if not fut.done():  # one cancelled meanwhile uncounts itself (`hold`)
+                    self._count -= 1
                     self._enter(key, t)
-                    fut.set_result(None)
+                    fut.set_result(False)
 
 
 def apply(budget: KvBudget, marks: PassMarks, share: float, pass_window: float) -> None:

@@ -93,6 +93,10 @@ class PassMarks:
         self._tokens = 0
         self._dirty = True
 
+    def __contains__(self, group: object) -> bool:
+        """Whether ``group`` is in the window (finished last: most likely still cached)."""
+        return group in self._lru
+
     def keys(self) -> list[int]:
         """The window's pass keys, oldest first."""
         return list(self._lru)

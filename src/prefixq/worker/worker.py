@@ -91,8 +91,7 @@ class Worker:
         self.name = name or default_name(shard, gpu)
         self.r = redis or async_client(settings)
         self.stream = ShardStream(self.r, settings, shard, self.name)
-        self.keys = self.stream.keys
-        self.limits = self.stream.limits
+        self.keys, self.limits = self.stream.keys, self.stream.limits
         self.middleware: list[Middleware] = list(middleware)
         self.max_inflight = settings.max_inflight
         #: requests inside the engine (or on their way in), by entry
@@ -168,7 +167,7 @@ class Worker:
             request_done=self.heartbeat.request_done,
             on_engine_dead=self._engine_died,
         )
-        self.admission.marks = self.heartbeat.marks
+        self.admission.marks = self.admission.budget.resident = self.heartbeat.marks
 
     # ---- lifecycle -------------------------------------------------------------------------
     @property
@@ -222,7 +221,7 @@ class Worker:
             await self.r.aclose()
             return EXIT_OK
         self.max_inflight = self.max_inflight or max(2 * self.engine.max_num_seqs, 1)
-        self.sched.window = self.max_inflight
+        self.sched.window = self.admission.budget.window = self.max_inflight
         await self._warm_up()
         self.engine_up = True
         probes, marks, s = self.probes, self.heartbeat.marks, self.settings
@@ -304,8 +303,9 @@ class Worker:
         )
 
     # ---- what the helpers see (worker/view.py) ---------------------------------------------
-    def room(self) -> int:
-        return self.max_inflight - len(self.inflight) - self.writer.backlog
+    def room(self) -> int:  # those waiting for the KV budget are not in the engine (kv_budget.py)
+        outside = self.admission.budget.outside(self.max_inflight)
+        return self.max_inflight - len(self.inflight) + outside - self.writer.backlog
 
     def busy(self) -> bool:
         return bool(self.inflight)
@@ -386,7 +386,7 @@ class Worker:
             "shard": self.shard,
             "beat": now,
             "started": self.started,
-            "inflight": len(self.inflight),
+            "inflight": len(self.inflight) - self.admission.budget.waiting,  # in the engine
             "unwritten": self.writer.backlog,
             "max_inflight": self.max_inflight,
             "engine_up": int(self.serving),

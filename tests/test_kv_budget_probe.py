@@ -1,0 +1,255 @@
+"""The KV budget's waiting requests (worker/kv_budget.py) at the worker's edges: up to four windows
+of admitted requests wait for room outside the engine (worker/worker.py `room`), and a stop, a
+cancel, a deadline, the budget switched off, the heartbeat and the engine's window must each still
+see them for what they are. Fake-engine workers against a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+
+from fake_engine import FakeEngine
+from helpers import FakeWorker, pending_on, queued_entries, wait_burst, wait_until
+from ledger import account
+from prefixq.client import Producer
+from prefixq.core import wire
+from prefixq.core.entries import Entry
+from prefixq.core.settings import Settings
+from prefixq.store.burst_end import cancel
+from prefixq.store.connection import async_client
+from prefixq.worker import control, ends
+from prefixq.worker.kv_budget import KvBudget
+
+MakeWorker = Callable[..., FakeWorker]
+
+
+def _docs(n: int, secs: float, tag: str = "doc") -> list[str]:
+    """``n`` documents whose requests take ``secs`` each in the FakeEngine."""
+    return [f"sleep:{secs} {tag}{d} " + f"the {d}th text of the corpus " * 20 for d in range(n)]
+
+
+def _burst(tag: str, docs: list[str], questions: int = 1) -> list[dict[str, Any]]:
+    """``questions`` about each of ``docs``, the documents interleaved (enqueued in this order:
+    each next request is another group, so it waits for the budget)."""
+    return [
+        {"id": f"{tag}-d{d}-q{q}", "prefix": doc, "prompt": f" question {q}?"}
+        for q in range(questions)
+        for d, doc in enumerate(docs)
+    ]
+
+
+def _submit(s: Settings, reqs: list[dict[str, Any]], **kw: Any) -> str:
+    return asyncio.run(Producer(s).asubmit(reqs, order="input", **kw)).id
+
+
+def _tokens(r: redis.Redis, s: Settings) -> int:
+    """The largest prefix (prompt tokens) among the entries queued now."""
+    return max(
+        e.work + e.predicted_cached
+        for e in (Entry.from_wire(wire.decode(f[b"d"])) for _, f in queued_entries(r, s))
+    )
+
+
+def _engine(kv_tokens: int) -> FakeEngine:
+    engine = FakeEngine(max_num_seqs=64)
+    engine.kv_tokens = kv_tokens  # type: ignore[attr-defined]  # the budget is sized on it
+    return engine
+
+
+def _budget(fw: FakeWorker) -> KvBudget:
+    assert fw.worker is not None
+    return fw.worker.admission.budget
+
+
+def _settled(b: KvBudget) -> bool:
+    return (b.used, b.waiting, len(b._inside)) == (0, 0, 0)
+
+
+def test_drained_requests_cancelled_at_once_leave_the_waiting_count_at_zero() -> None:
+    """A stop's drain cancels every late request at once: the one inside leaves and lets the
+    next waiting group in, whose request is cancelled too. Each waiting request is uncounted
+    once (it was counted twice and `waiting` went below 0)."""
+
+    async def go() -> None:
+        b = KvBudget(0.5, 200)  # one group of 100 at a time
+        gate = asyncio.Event()
+
+        async def hold(g: int) -> None:
+            e = Entry("b", 0, f"r{g}", {}, None, None, {}, 0.0, 0, 100, 0)
+            e.group = g
+            async with b.hold(e, 0):
+                await gate.wait()
+
+        tasks = [asyncio.create_task(hold(g)) for g in (1, 2, 3, 4)]
+        await asyncio.sleep(0)
+        assert b.waiting == 3
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert _settled(b), (b.used, b.waiting, b._inside)
+
+    asyncio.run(go())
+
+
+def test_a_stop_with_requests_waiting_at_the_budget_ends_in_grace_and_a_peer_serves_each_once(
+    make_settings: Callable[..., Settings], r: redis.Redis, fake_worker: MakeWorker
+) -> None:
+    """Given a worker (window 2, the budget one document) holding ten requests, most waiting at
+    the budget, when it stops (grace 1 s), it exits within the grace period, its budget back to
+    nothing, and a peer serves what it left: every request has one result."""
+    s = make_settings(
+        prefix_store_min_chars=16,
+        kv_inflight_share=0.5,
+        max_inflight=2,
+        grace_s=1.0,
+        heartbeat_s=0.5,
+    )
+    burst = _submit(s, _burst("a", _docs(12, 0.4), 2))
+    kv = 2 * _tokens(r, s)
+    fw = fake_worker(s, engine=_engine(kv), name="w1")
+    b = _budget(fw)
+    wait_until(lambda: b.waiting >= 8, 10, "eight requests waiting at the budget")
+    t0 = time.monotonic()
+    fw.stop()
+    assert time.monotonic() - t0 < s.grace_s + 1.0
+    assert _settled(b), (b.used, b.waiting, b._inside)
+    assert pending_on(r, s, "w1") > 0  # what did not finish is left for the peer
+    with fake_worker(s, engine=_engine(kv), name="w2"):
+        wait_burst(r, s, burst, 60)
+    out = account(r, s, burst, 24, what="stopped with waiting requests")
+    assert (out.lost, out.duplicated, out.failed) == (0, 0, 0)
+
+
+def test_a_cancelled_bursts_waiting_requests_leave_at_once_and_a_rider_goes_in(
+    make_settings: Callable[..., Settings], r: redis.Redis, fake_worker: MakeWorker
+) -> None:
+    """Given a long request about document X inside the engine and a burst's requests about
+    twelve other documents waiting at the budget (four windows of them), when that burst is
+    cancelled, its requests leave the worker at once (acked, the budget's counters back to the
+    long request's), so a later question about X is read and rides in with it: they waited
+    until X's request finished, and kept every other burst's requests from being read."""
+    s = make_settings(prefix_store_min_chars=16, kv_inflight_share=0.5, max_inflight=2, grace_s=0.5)
+    (x_doc,) = _docs(1, 3.0, tag="x")
+    long = _submit(s, [{"id": "x", "prefix": x_doc, "prompt": " the long one?"}])
+    engine = _engine(2 * _tokens(r, s))
+    fw = fake_worker(s, engine=engine, name="w1")
+    b = _budget(fw)
+    wait_until(lambda: b.used > 0, 10, "X inside the engine")
+    doomed = _submit(s, _burst("a", _docs(12, 0.1)))
+    wait_until(lambda: b.waiting >= 8, 10, "eight requests waiting at the budget")
+    t0 = time.monotonic()
+    cancel(doomed, s)
+    wait_until(lambda: b.waiting == 0, 1.5, "the cancelled requests gone from the budget")
+    wait_until(lambda: pending_on(r, s, "w1") == 1, 1.5, "only X's request held")
+    rider = _submit(s, [{"id": "x2", "prefix": x_doc, "prompt": " another question?"}])
+    wait_until(lambda: any(x.startswith(rider) for x in engine.seen), 1.5, "the rider inside")
+    assert time.monotonic() - t0 < 2.5  # X's request is still running
+    assert not [x for x in engine.seen if x.startswith(doomed)]
+    assert len(b._inside) == 1 and b.waiting == 0
+    wait_burst(r, s, long, 30)
+    wait_burst(r, s, rider, 30)
+    wait_until(lambda: _settled(b), 5, "the budget empty")
+
+
+def test_a_deadline_passing_at_the_budget_expires_its_requests_without_running_them(
+    make_settings: Callable[..., Settings],
+    r: redis.Redis,
+    fake_worker: MakeWorker,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Given requests waiting at the budget whose deadline passes before there is room, and no
+    expiry notice yet (the expiry look is a second apart on every worker; here it never comes),
+    when room frees up they get their expired result and never reach the engine (they ran, and
+    recorded answers, after their deadline)."""
+    monkeypatch.setattr(ends, "EXPIRY_EVERY_S", 3600.0)
+    s = make_settings(prefix_store_min_chars=16, kv_inflight_share=0.5, max_inflight=2)
+    long = _submit(s, _burst("x", _docs(1, 1.0, tag="x")))
+    engine = _engine(2 * _tokens(r, s))
+    fw = fake_worker(s, engine=engine, name="w1")
+    b = _budget(fw)
+    wait_until(lambda: b.used > 0, 10, "the long request inside the engine")
+    late = _submit(s, _burst("a", _docs(6, 0.1)), deadline=time.time() + 0.3)
+    wait_until(lambda: b.waiting >= 6, 10, "six requests waiting at the budget")
+    wait_burst(r, s, long, 30)
+    got = wait_burst(r, s, late, 30)
+    assert {x.error_code for x in got} == {"expired"}
+    assert not [x for x in engine.seen if x.startswith(late)]
+
+
+def test_waiting_groups_enter_the_engine_within_the_worker_window(
+    make_settings: Callable[..., Settings], r: redis.Redis, fake_worker: MakeWorker
+) -> None:
+    """Given a large document filling the budget and eight small ones waiting (outside a window
+    of 2), when the large one leaves, the small ones go in as the window lets them: the engine
+    never holds more than the window (all that fit the budget went in at once: 8)."""
+    s = make_settings(prefix_store_min_chars=16, kv_inflight_share=0.5, max_inflight=2)
+    big = "sleep:1.0 big " + "a long text " * 400
+    first = _submit(s, [{"id": "big", "prefix": big, "prompt": " q?"}])
+    engine = _engine(2 * _tokens(r, s))
+    fw = fake_worker(s, engine=engine, name="w1")
+    b = _budget(fw)
+    wait_until(lambda: b.used > 0, 10, "the large document inside")
+    small = _submit(s, _burst("s", _docs(12, 0.2)))
+    wait_until(lambda: b.waiting >= 8, 10, "eight requests waiting at the budget")
+    wait_burst(r, s, first, 30)
+    wait_burst(r, s, small, 30)
+    assert engine.peak_active <= s.max_inflight, engine.peak_active
+    wait_until(lambda: _settled(b), 5, "the budget empty")
+
+
+def test_switching_the_budget_off_lets_its_waiting_requests_in_within_the_window(
+    make_settings: Callable[..., Settings], r: redis.Redis, fake_worker: MakeWorker
+) -> None:
+    """Given a worker switched to `admission:kv-history` with requests waiting at its budget,
+    when `admission:fair` switches the budget off, they go in as the window lets them (all ten
+    went into the engine at once), and every request has one result."""
+    s = make_settings(prefix_store_min_chars=16, max_inflight=2)
+    burst = _submit(s, _burst("a", _docs(12, 0.3), 2))
+    engine = _engine(2 * _tokens(r, s))
+    fw = fake_worker(s, engine=engine, name="w1")
+    b = _budget(fw)
+
+    async def send(cmd: str) -> None:
+        ar = async_client(s)
+        try:
+            await control.send(ar, s.keys, cmd, [fw.name])
+        finally:
+            await ar.aclose()
+
+    asyncio.run(send("admission:kv-history"))
+    wait_until(lambda: b.waiting >= 8, 10, "eight requests waiting at the budget")
+    asyncio.run(send("admission:fair"))
+    wait_burst(r, s, burst, 60)
+    assert engine.peak_active <= s.max_inflight, engine.peak_active
+    out = account(r, s, burst, 24, what="budget switched off")
+    assert (out.lost, out.duplicated, out.failed) == (0, 0, 0)
+    wait_until(lambda: _settled(b), 5, "the budget empty")
+
+
+def test_the_heartbeat_counts_in_the_engine_only_the_requests_inside_it(
+    make_settings: Callable[..., Settings], r: redis.Redis, fake_worker: MakeWorker
+) -> None:
+    """Given ten requests in flight, nine of them waiting at the budget, the heartbeat's
+    ``inflight`` (inspect's and the dashboard's "in engine", `prefixq_inflight`) says the one in
+    the engine, within ``max_inflight``: it said ten of a window of two."""
+    s = make_settings(
+        prefix_store_min_chars=16,
+        kv_inflight_share=0.5,
+        max_inflight=2,
+        heartbeat_s=0.2,
+        grace_s=0.2,
+    )
+    _submit(s, _burst("a", _docs(12, 3.0)))
+    fw = fake_worker(s, engine=_engine(2 * _tokens(r, s)), name="w1")
+    b = _budget(fw)
+    assert fw.worker is not None
+    wait_until(lambda: b.waiting >= 8, 10, "eight requests waiting at the budget")
+    time.sleep(3 * s.heartbeat_s)  # a beat since
+    assert len(fw.worker.inflight) - b.waiting == 1
+    beat = r.hmget(s.keys.heartbeat(0, "w1"), ["inflight", "max_inflight"])
+    assert [int(x or -1) for x in beat] == [1, s.max_inflight]
