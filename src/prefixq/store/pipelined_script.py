@@ -1,11 +1,13 @@
-"""`PipelinedScript`: a Lua script called by EVALSHA inside pipelines, loaded again after NOSCRIPT.
+"""`PipelinedScript`: a Lua script called by EVALSHA inside pipelines, sent again after NOSCRIPT.
 
-A pipeline cannot fall back to EVAL the way redis-py's `Script` does for a single call, and a
-Redis Cluster pipeline sends a script as a bare EVALSHA (it loads nothing), so the script is loaded
-first (`SCRIPT LOAD`: on a cluster, on every master) and called by its SHA, routed by its first
-key. A restarted Redis, or a replica promoted by a failover, starts with an empty script cache: the
-calls it refuses with NOSCRIPT ran nothing, so they are sent again once the script is loaded
-again. That is routine after a failover, nothing for an operator to act on: it is logged at DEBUG.
+A Redis Cluster pipeline sends a script as a bare EVALSHA (it loads nothing), so the script is
+loaded first (`SCRIPT LOAD`: on a cluster, on every master) and called by its SHA, routed by its
+first key. A restarted Redis, or a replica promoted by a failover, starts with an empty script
+cache: the calls it refuses with NOSCRIPT ran nothing, so they are sent again once the script is
+loaded again, and those refused once more (the cache emptied again between the load and the call:
+``SCRIPT FLUSH``, a second failover) are sent as EVAL with the script's text, which never answers
+NOSCRIPT (routed by the first key on a cluster, as EVALSHA is). That is routine after a failover,
+nothing for an operator to act on: it is logged at DEBUG. Single calls: store/lua_script.py.
 """
 
 from __future__ import annotations
@@ -28,10 +30,6 @@ Call = tuple[Sequence[Any], Sequence[Any]]
 class PipelinedScript:
     """The Lua script ``text`` (named ``name`` in log lines) on client ``r``."""
 
-    #: times the calls a NOSCRIPT refused are sent again, the script loaded before each (a second
-    #: NOSCRIPT in a row needs a second failover between the load and the call)
-    RELOADS = 5
-
     def __init__(self, r: aredis.Redis, text: str, name: str) -> None:
         self.r = r
         self.text = text
@@ -47,9 +45,12 @@ class PipelinedScript:
         if not self.sha:
             await self.load()
 
-    def add(self, pipe: Any, keys: Sequence[Any], args: Sequence[Any]) -> None:
-        """Add one call to ``pipe`` (call `ready` first)."""
-        pipe.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+    def add(
+        self, pipe: Any, keys: Sequence[Any], args: Sequence[Any], *, text: bool = False
+    ) -> None:
+        """Add one call to ``pipe`` (call `ready` first): by its SHA, or with its ``text``."""
+        how = ("EVAL", self.text) if text else ("EVALSHA", self.sha)
+        pipe.execute_command(*how, len(keys), *keys, *args)
 
     async def run(self, calls: Sequence[Call]) -> list[Any]:
         """Each call, in one pipeline; per call its reply or the error that refused it (see
@@ -59,27 +60,30 @@ class PipelinedScript:
 
     async def settle(self, calls: Sequence[Call], replies: Sequence[Any]) -> list[Any]:
         """``replies`` (one per call, as a pipeline returned them) with each NOSCRIPT replaced by
-        the reply of its call sent again once the script is loaded again (DEBUG: routine after a
-        failover or a restart). A NOSCRIPT that outlasts `RELOADS` loads stays in the replies."""
+        the reply of its call sent again once the script is loaded again, and then, refused
+        again, with its text (DEBUG: routine after a failover or a restart): no NOSCRIPT stays."""
         out = list(replies)
-        for _ in range(self.RELOADS):
+        for text in (False, True):
             again = [i for i, x in enumerate(out) if isinstance(x, NoScriptError)]
             if not again:
                 break
             log.debug(
                 "script %s: NOSCRIPT (a restarted or promoted Redis has no script cache); "
-                "loaded again, %d calls sent again",
+                "%d calls sent again (%s)",
                 self.name,
                 len(again),
+                "with the script's text" if text else "the script loaded again",
             )
-            await self.load()
-            for i, reply in zip(again, await self._send([calls[i] for i in again]), strict=True):
+            if not text:
+                await self.load()
+            sent = await self._send([calls[i] for i in again], text=text)
+            for i, reply in zip(again, sent, strict=True):
                 out[i] = reply
         return out
 
-    async def _send(self, calls: Sequence[Call]) -> list[Any]:
+    async def _send(self, calls: Sequence[Call], *, text: bool = False) -> list[Any]:
         pipe = self.r.pipeline(transaction=False)
         for keys, args in calls:
-            self.add(pipe, keys, args)
+            self.add(pipe, keys, args, text=text)
         replies: list[Any] = await pipe.execute(raise_on_error=False)
         return replies
