@@ -125,6 +125,48 @@ def test_a_stop_with_requests_waiting_at_the_budget_ends_in_grace_and_a_peer_ser
     assert (out.lost, out.duplicated, out.failed) == (0, 0, 0)
 
 
+class _Counting(FakeEngine):
+    """Counts the requests its engine began."""
+
+    def __init__(self, kv_tokens: int) -> None:
+        super().__init__(max_num_seqs=64)
+        self.kv_tokens = kv_tokens
+        self.began = 0
+
+    async def generate(self, request: Any) -> Any:
+        self.began += 1
+        return await super().generate(request)
+
+
+def test_a_stop_leaves_the_requests_waiting_at_the_budget_pending_instead_of_running_them(
+    make_settings: Callable[..., Settings], r: redis.Redis, fake_worker: MakeWorker
+) -> None:
+    """Given a worker (window 2, the budget one document, grace 30 s) with the documents of its
+    next eight requests waiting at the budget, when it stops, it ends once the two inside its
+    engine finish (0.8 s) instead of running the eight in its grace period (one document at a
+    time: 3 s and more: a rolling restart waited for up to four windows of work never started),
+    and a peer serves the eight: every request has one result."""
+    s = make_settings(
+        prefix_store_min_chars=16, kv_inflight_share=0.5, max_inflight=2, grace_s=30.0
+    )
+    burst = _submit(s, _burst("a", _docs(12, 0.8), 2))
+    kv = 2 * _tokens(r, s)
+    engine = _Counting(kv)
+    fw = fake_worker(s, engine=engine, name="w1")
+    b = _budget(fw)
+    wait_until(lambda: b.waiting >= 8, 10, "eight requests waiting at the budget")
+    t0 = time.monotonic()
+    fw.stop()
+    took = time.monotonic() - t0
+    assert took < 2.5, f"the stop took {took:.1f} s: it ran the waiting requests"
+    assert engine.began <= 4, engine.began
+    assert _settled(b), (b.used, b.waiting, b._inside)
+    with fake_worker(s, engine=_engine(kv), name="w2"):
+        wait_burst(r, s, burst, 60)
+    out = account(r, s, burst, 24, what="stopped with requests waiting at the budget")
+    assert (out.lost, out.duplicated, out.failed) == (0, 0, 0)
+
+
 def test_a_cancelled_bursts_waiting_requests_leave_at_once_and_a_rider_goes_in(
     make_settings: Callable[..., Settings], r: redis.Redis, fake_worker: MakeWorker
 ) -> None:

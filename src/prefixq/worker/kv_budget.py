@@ -76,6 +76,8 @@ _OFF: contextlib.AbstractAsyncContextManager[None] = contextlib.nullcontext()
 
 #: a request's group, or the request itself (its burst and index) when it has none
 _Key = int | tuple[str, int]
+#: a waiting request: its tokens, its future (True: its burst ended), its burst, its task
+_Waiter = tuple[int, "asyncio.Future[bool]", str, "asyncio.Task[object] | None"]
 
 
 def pass_window_for(pass_window: float, share: float) -> float:
@@ -103,12 +105,13 @@ class KvBudget:
         self._requests = 0
         self.window = 0
         #: waiting groups: (engine priority, admission, group) on a heap; their requests
-        #: (tokens, let in: False / its burst ended: True, burst)
+        #: (tokens, let in: False / its burst ended: True, burst, its task)
         self._heap: list[tuple[int, int, _Key]] = []
-        self._waiting: dict[_Key, list[tuple[int, asyncio.Future[bool], str]]] = {}
+        self._waiting: dict[_Key, list[_Waiter]] = {}
         self._seq = itertools.count()
-        #: requests in ``_waiting``
+        #: requests in ``_waiting``; the worker stops (`give_back`)
         self._count = 0
+        self._giving_back = False
         #: the most tokens the groups inside took at once; requests that waited for room
         self.peak = 0
         self.held = 0
@@ -165,8 +168,10 @@ class KvBudget:
         tokens = e.work + e.predicted_cached
         resident = self.resident is not None and e.group is not None and e.group in self.resident
         if self.capacity and key not in self._inside and not resident and not self._fits(tokens):
+            if self._giving_back:  # the worker stops: it is left pending at once (`give_back`)
+                raise asyncio.CancelledError
             fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-            waiter = (tokens, fut, e.burst)
+            waiter = (tokens, fut, e.burst, asyncio.current_task())
             self.held += 1
             waiters = self._waiting.get(key)
             if waiters is None:  # its group's first waiting request places it
@@ -212,6 +217,20 @@ class KvBudget:
                 del self._waiting[key]
         self._wake()
 
+    def give_back(self) -> int:
+        """The worker stops: the requests waiting for room never started, so they are left
+        pending (their tasks cancelled, as the drain leaves one that outlasts the grace period)
+        for a restart or a peer, not let in during the grace period (up to `WAITING_WINDOWS`
+        windows of work); from now on one that would wait is left so at once. How many."""
+        self._giving_back = True
+        tasks = [w[3] for ws in self._waiting.values() for w in ws if not w[1].done()]
+        for task in tasks:
+            if task is not None:
+                task.cancel()
+        if tasks:
+            log.info("left %d requests waiting for the KV budget pending (stopping)", len(tasks))
+        return len(tasks)
+
     def _enter(self, key: _Key, tokens: int) -> None:
         self._requests += 1
         inside = self._inside.get(key)
@@ -254,7 +273,7 @@ class KvBudget:
                 return
             heapq.heappop(heap)
             del self._waiting[key]
-            for t, fut, _ in waiters:
+            for t, fut, *_ in waiters:
                 if not fut.done():  # one cancelled meanwhile uncounts itself (`hold`)
                     self._count -= 1
                     self._enter(key, t)
