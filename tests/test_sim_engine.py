@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from prefixq.bench.sim_engine import SimCore, SimEngine, StepCost, is_sim
-from prefixq.core.errors import EngineAborted, EngineRefused
+from prefixq.core.errors import EngineAborted, EngineDead, EngineRefused
 from prefixq.engine.protocol import EngineRequest
 
 #: bytes of 2,048 KV tokens of the Llama-3.1-8B shape (128 blocks of 16)
@@ -133,3 +133,24 @@ def test_the_core_runs_in_virtual_time() -> None:
         t += seconds
         done = core.finish(out, sampled, t)
     assert done[0].rid == "r" and len(done[0].token_ids) == 2 and done[0].cached == 0
+
+
+@sync
+async def test_a_failing_scheduler_fails_the_waiting_requests_as_a_dead_engine() -> None:
+    """vLLM's scheduler raising (a bug, a bad state) ends the waiting requests with EngineDead
+    and refuses new ones, as a real engine's death does: nothing waits for good."""
+    engine = await started(sim_token_us=200.0)
+    try:
+        waiting = asyncio.ensure_future(ask(engine, "w", doc(6), max_tokens=64))
+        await asyncio.sleep(0.02)
+
+        def broken() -> Any:
+            raise RuntimeError("scheduler state")
+
+        engine.core.schedule = broken  # type: ignore[method-assign]
+        with pytest.raises(EngineDead, match="scheduler state"):
+            await asyncio.wait_for(waiting, 5)
+        with pytest.raises(EngineDead):
+            await ask(engine, "after", doc(6))
+    finally:
+        await engine.close()

@@ -285,6 +285,18 @@ class SimEngine(EngineSizes):
             self._trace = None
 
     async def _run(self) -> None:
+        """`_steps` until closed; if vLLM's scheduler fails, every waiting request fails with
+        EngineDead (as a real engine's death does) instead of waiting for good."""
+        try:
+            await self._steps()
+        except Exception as e:
+            log.exception("simulated engine died")
+            for fut in self._waiters.values():
+                if not fut.done():
+                    fut.set_exception(EngineDead(f"simulated engine died: {e}"))
+            self._waiters.clear()
+
+    async def _steps(self) -> None:
         """Step while requests are in: schedule, sleep the step's modelled time (less what
         scheduling took), then hand vLLM the step's outputs."""
         core = self.core
