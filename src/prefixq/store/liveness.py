@@ -38,7 +38,6 @@ __all__ = [
     "Liveness",
     "alive_mask",
     "beat_commands",
-    "consumer_gone",
     "consumers_gone",
     "read_liveness",
     "read_load",
@@ -156,19 +155,14 @@ async def read_liveness(r: aredis.Redis, settings: Settings, shards: int) -> Liv
     return Liveness.of(live, orphans, settings, shards, time.time(), tasks)
 
 
-async def consumer_gone(r: aredis.Redis, keys: Keys, shard: int, consumer: bytes) -> bool:
-    """Whether the worker of ``shard`` named ``consumer`` (its consumer name) has no heartbeat
-    key: it died (the key lapsed ``heartbeat_ttl_s`` after its last beat) or stopped. The entries
-    pending on it are free to take (worker/queued.py for a move, worker/reclaim.py for a claim)."""
-    return not await r.exists(keys.heartbeat(shard, consumer.decode(errors="replace")))
-
-
 async def consumers_gone(
     r: aredis.Redis, keys: Keys, shard: int, consumers: Iterable[bytes]
 ) -> set[bytes]:
-    """Those of ``consumers`` (workers of ``shard``, by consumer name) that are gone, as
-    `consumer_gone` tells each: one EXISTS per heartbeat key in one round trip (a pipeline; the
-    keys share the shard's hash tag, so on a Cluster they are one slot, one node)."""
+    """Those of ``consumers`` (workers of ``shard``, by consumer name) that have no heartbeat
+    key: they died (the key lapsed ``heartbeat_ttl_s`` after their last beat) or stopped. The
+    entries pending on them are free to take (worker/queued.py for a move, worker/reclaim.py for
+    a claim). One EXISTS per heartbeat key in one round trip (a pipeline; the keys share the
+    shard's hash tag, so on a Cluster they are one slot, one node)."""
     names = list(dict.fromkeys(consumers))
     if not names:
         return set()

@@ -25,7 +25,7 @@ from prefixq.core import wire
 from prefixq.core.entries import Entry
 from prefixq.core.keys import FIELD, GROUP, Keys
 from prefixq.store.dead_letters import identify
-from prefixq.store.liveness import consumer_gone
+from prefixq.store.liveness import consumers_gone
 
 __all__ = ["RECENT", "Found", "Group", "group_key", "groups", "scan"]
 
@@ -117,10 +117,11 @@ async def _dead_pending(
     start: bytes | str = "-"
     while True:
         page = await r.xpending_range(key, GROUP, min=start, max="+", count=_PAGE)
+        new = {p["consumer"] for p in page} - alive.keys()  # each page's new ones in one round
+        gone = await consumers_gone(r, keys, shard, new)
+        alive.update((c, c not in gone) for c in new)
         for p in page:
             consumer: bytes = p["consumer"]
-            if consumer not in alive:
-                alive[consumer] = not await consumer_gone(r, keys, shard, consumer)
             if alive[consumer]:
                 continue
             eid = p["message_id"]
