@@ -174,13 +174,7 @@ class _Finisher:
     def script(self, args: list[Any]) -> _Call:
         """A finish_missing call with ARGV ``args``."""
         keys = self.script_keys
-
-        def call(r: Any) -> Any:
-            if isinstance(r, aredis.Redis | aredis.RedisCluster):
-                return _FINISH.acall(r, keys, args)
-            return _FINISH.call(r, keys, args)
-
-        return call
+        return lambda r: _FINISH.either(r, keys, args)
 
 
 def _no_index(f: _Finisher) -> list[Any]:

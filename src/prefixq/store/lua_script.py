@@ -67,6 +67,13 @@ class LuaScript:
             self._noscript()
             return await r.eval(self.text, len(keys), *keys, *args)
 
+    def either(self, r: Any, keys: Sequence[Any], args: Sequence[Any] = ()) -> Any:
+        """`call` with a blocking client, an awaitable of `acall` with an asyncio one: for code
+        written once for both kinds (store/burst_end.py's steps)."""
+        if isinstance(r, aredis.Redis | aredis.RedisCluster):
+            return self.acall(r, keys, args)
+        return self.call(r, keys, args)
+
     def _noscript(self) -> None:
         log.debug(
             "script %s: NOSCRIPT (a restarted or promoted Redis, or SCRIPT FLUSH, emptied the "
