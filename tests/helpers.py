@@ -340,6 +340,22 @@ def fault_worker(
     return script_process(TESTS / "fault_worker.py", log, mode, *args, *settings_flags(s))
 
 
+def control_command(s: Settings, cmd: str, workers: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Send control command ``cmd`` to ``workers`` (worker/control.py) and wait for their
+    answers, from a client of its own."""
+    from prefixq.store.connection import async_client
+    from prefixq.worker import control
+
+    async def send() -> dict[str, dict[str, Any]]:
+        ar = async_client(s)
+        try:
+            return await control.send(ar, s.keys, cmd, list(workers))
+        finally:
+            await ar.aclose()
+
+    return asyncio.run(send())
+
+
 def script_process(script: Path, log: Path, *args: str) -> subprocess.Popen[bytes]:
     """``python script args...`` from the project's root, its output (both streams) to ``log``."""
     with open(log, "wb") as out:

@@ -13,7 +13,7 @@ from typing import Any
 import redis
 
 from fake_engine import FakeEngine
-from helpers import FakeWorker
+from helpers import FakeWorker, control_command
 from prefixq.bench.cases import Bursts, Env, run_case
 from prefixq.bench.timeline import Stamp
 from prefixq.bench.workloads import Burst, Workload
@@ -129,7 +129,6 @@ def test_the_bench_switches_a_live_workers_admission_order_and_back(
     """`admission:whole-groups` and `admission:resident-first` on the control stream switch a
     running worker's scheduler (worker/groups.py); `admission:kv-history` its KV budget and pass
     window (worker/kv_budget.py); `admission:fair` switches all of them back."""
-    from prefixq.worker import control
 
     s = make_settings()
     engine = FakeEngine()
@@ -139,35 +138,28 @@ def test_the_bench_switches_a_live_workers_admission_order_and_back(
     sched = fw.worker.sched
     assert not sched.whole_groups and sched.resident is None and sched.window > 0
 
-    async def send(cmd: str) -> None:
-        ar = async_client(s)
-        try:
-            await control.send(ar, s.keys, cmd, [fw.name])
-        finally:
-            await ar.aclose()
-
-    asyncio.run(send("admission:whole-groups"))
+    control_command(s, "admission:whole-groups", [fw.name])
     assert sched.whole_groups and sched.resident is None
-    asyncio.run(send("admission:resident-first"))
+    control_command(s, "admission:resident-first", [fw.name])
     assert not sched.whole_groups and sched.resident is not None
-    asyncio.run(send("admission:fair"))
+    control_command(s, "admission:fair", [fw.name])
     assert not sched.whole_groups and sched.resident is None
     # kv-history: fair shares, half the engine's cache for its prefixes, the pass's window
     # widened to match; fair again: the settings' budget (none) and window
     budget, marks = fw.worker.admission.budget, fw.worker.heartbeat.marks
     assert budget.capacity == 0 and marks.window == s.pass_window
-    asyncio.run(send("admission:kv-history"))
+    control_command(s, "admission:kv-history", [fw.name])
     assert not sched.whole_groups and sched.resident is None
     assert budget.share == 0.5 and abs(marks.window - 0.4) < 1e-9
     assert budget.capacity == 500
-    asyncio.run(send("admission:fair"))
+    control_command(s, "admission:fair", [fw.name])
     assert budget.share == 0 and budget.capacity == 0 and marks.window == s.pass_window
     # the other shares the bench measures: the budget and the window follow the share
-    asyncio.run(send("admission:kv-history-70"))
+    control_command(s, "admission:kv-history-70", [fw.name])
     assert budget.share == 0.7 and budget.capacity == 700 and abs(marks.window - 0.24) < 1e-9
-    asyncio.run(send("admission:kv-history-30"))
+    control_command(s, "admission:kv-history-30", [fw.name])
     assert budget.share == 0.3 and budget.capacity == 300 and abs(marks.window - 0.56) < 1e-9
-    asyncio.run(send("admission:fair"))
+    control_command(s, "admission:fair", [fw.name])
     assert budget.share == 0 and budget.capacity == 0 and marks.window == s.pass_window
 
 

@@ -14,15 +14,21 @@ import pytest
 import redis
 
 from fake_engine import FakeEngine
-from helpers import FakeWorker, pending_on, queued_entries, wait_burst, wait_until
+from helpers import (
+    FakeWorker,
+    control_command,
+    pending_on,
+    queued_entries,
+    wait_burst,
+    wait_until,
+)
 from ledger import account
 from prefixq.client import Producer
 from prefixq.core import wire
 from prefixq.core.entries import Entry
 from prefixq.core.settings import Settings
 from prefixq.store.burst_end import cancel
-from prefixq.store.connection import async_client
-from prefixq.worker import control, ends
+from prefixq.worker import ends
 from prefixq.worker.kv_budget import KvBudget
 
 MakeWorker = Callable[..., FakeWorker]
@@ -256,16 +262,9 @@ def test_switching_the_budget_off_lets_its_waiting_requests_in_within_the_window
     fw = fake_worker(s, engine=engine, name="w1")
     b = _budget(fw)
 
-    async def send(cmd: str) -> None:
-        ar = async_client(s)
-        try:
-            await control.send(ar, s.keys, cmd, [fw.name])
-        finally:
-            await ar.aclose()
-
-    asyncio.run(send("admission:kv-history"))
+    control_command(s, "admission:kv-history", [fw.name])
     wait_until(lambda: b.waiting >= 8, 10, "eight requests waiting at the budget")
-    asyncio.run(send("admission:fair"))
+    control_command(s, "admission:fair", [fw.name])
     wait_burst(r, s, burst, 60)
     assert engine.peak_active <= s.max_inflight, engine.peak_active
     out = account(r, s, burst, 24, what="budget switched off")
