@@ -18,6 +18,7 @@ from helpers import (
     FakeWorker,
     control_command,
     pending_on,
+    queue_empty,
     queued_entries,
     wait_burst,
     wait_until,
@@ -26,6 +27,7 @@ from ledger import account
 from prefixq.client import Producer
 from prefixq.core import wire
 from prefixq.core.entries import Entry
+from prefixq.core.keys import CARRIED
 from prefixq.core.settings import Settings
 from prefixq.store.burst_end import cancel
 from prefixq.worker import ends
@@ -124,7 +126,7 @@ def test_a_stop_with_requests_waiting_at_the_budget_ends_in_grace_and_a_peer_ser
     fw.stop()
     assert time.monotonic() - t0 < s.grace_s + 1.0
     assert _settled(b), (b.used, b.waiting, b._inside)
-    assert pending_on(r, s, "w1") > 0  # what did not finish is left for the peer
+    assert queue_empty(r, s)[0] > 0  # what did not finish is given back (or pending) for the peer
     with fake_worker(s, engine=_engine(kv), name="w2"):
         wait_burst(r, s, burst, 60)
     out = account(r, s, burst, 24, what="stopped with waiting requests")
@@ -144,14 +146,17 @@ class _Counting(FakeEngine):
         return await super().generate(request)
 
 
-def test_a_stop_leaves_the_requests_waiting_at_the_budget_pending_instead_of_running_them(
+def test_a_stop_gives_the_requests_waiting_at_the_budget_back_uncharged_instead_of_running_them(
     make_settings: Callable[..., Settings], r: redis.Redis, fake_worker: MakeWorker
 ) -> None:
     """Given a worker (window 2, the budget one document, grace 30 s) with the documents of its
     next eight requests waiting at the budget, when it stops, it ends once the two inside its
     engine finish (0.8 s) instead of running the eight in its grace period (one document at a
     time: 3 s and more: a rolling restart waited for up to four windows of work never started),
-    and a peer serves the eight: every request has one result."""
+    and gives the waiting ones back to the intake with no delivery charged, as it does entries
+    read and not started: nothing is left pending on it (they were, and a peer's reclaim charged
+    each a delivery: a few restarts in a row made them run alone, on their last allowed one).
+    A peer serves them: every request has one result."""
     s = make_settings(
         prefix_store_min_chars=16, kv_inflight_share=0.5, max_inflight=2, grace_s=30.0
     )
@@ -167,6 +172,12 @@ def test_a_stop_leaves_the_requests_waiting_at_the_budget_pending_instead_of_run
     assert took < 2.5, f"the stop took {took:.1f} s: it ran the waiting requests"
     assert engine.began <= 4, engine.began
     assert _settled(b), (b.used, b.waiting, b._inside)
+    assert pending_on(r, s, "w1") == 0, "requests never started were left pending"
+    queued = queued_entries(r, s)
+    served = [x for x in engine.seen if x.startswith(burst)]  # not its warm-up request
+    assert len(queued) == 24 - len(served), (len(queued), served)
+    carried = [int(f.get(CARRIED, b"0")) for _, f in queued]
+    assert carried == [0] * len(queued), carried  # no delivery charged for the stop
     with fake_worker(s, engine=_engine(kv), name="w2"):
         wait_burst(r, s, burst, 60)
     out = account(r, s, burst, 24, what="stopped with requests waiting at the budget")

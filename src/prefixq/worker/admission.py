@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from prefixq.core.entries import Entry
 from prefixq.core.errors import (
@@ -45,7 +45,7 @@ from prefixq.worker.ends import BurstEnds
 from prefixq.worker.engine_order import EngineOrder, band_priority
 from prefixq.worker.intake import Intake
 from prefixq.worker.kv_budget import KvBudget
-from prefixq.worker.lanes import Picked, Tenant
+from prefixq.worker.lanes import Item, Picked, Tenant
 from prefixq.worker.middleware import Middleware
 from prefixq.worker.prefixes import PrefixCache
 from prefixq.worker.probes import Probes
@@ -105,6 +105,12 @@ class Admission:
         self.budget = probes.budget = KvBudget(settings.kv_inflight_share)
         ends.on_end = self.budget.end
 
+    def give_back(self) -> list[Item]:
+        """The worker stops: its requests waiting for the KV budget never started; they are
+        cancelled, and their deliveries and entries returned (worker/reader.py `release` gives
+        them back to the intake, as it does those read and not started)."""
+        return cast(list[Item], self.budget.give_back())
+
     async def admit(self, deliveries: list[Delivery]) -> None:
         """Take the entries in (worker/intake.py) and hand each request to the engine at
         once (the backlog replay: no scheduling)."""
@@ -149,17 +155,16 @@ class Admission:
             for d, e, t in ready:
                 self.counts["admitted"] += 1
                 solo = last_allowed(d.deliveries, max_attempts)
-                ref = d.ref
                 prio = ENGINE_PRIORITY[e.priority]
                 if order is not None:  # in admission order: the engine's queue follows the shares
                     prio = order.enter(e.priority, t.name, e.burst, t.weight)
-                serve = self._serve(ref, e, t, prefixes, solo, t_read, prio)
-                self.inflight[ref] = asyncio.create_task(serve)
+                serve = self._serve(d, e, t, prefixes, solo, t_read, prio)
+                self.inflight[d.ref] = asyncio.create_task(serve)
             await asyncio.sleep(0)
 
     async def _serve(
         self,
-        ref: Ref,
+        d: Delivery,
         e: Entry,
         tenant: Tenant,
         prefixes: dict[str, dict[str, Any] | str],
@@ -167,7 +172,7 @@ class Admission:
         t_read: float,
         priority: int,
     ) -> None:
-        res = e.result(self.shard, self.name)
+        res, ref = e.result(self.shard, self.name), d.ref
         try:
             prefix = prefixes.get(e.prefix_ref) if e.prefix_ref else None
             if isinstance(prefix, str):
@@ -180,7 +185,8 @@ class Admission:
                 raise ValidationError(req.refusal)
             prompt = self.engine.render_chat(req.messages) if req.messages else req.prompt
             out: EngineOutput | EmbedOutput
-            async with self.budget.holding(e, priority), self.gate.call(solo):
+            # one that waits for the budget when the worker stops is given back (worker.py)
+            async with self.budget.holding(e, priority, (d, e)), self.gate.call(solo):
                 why = self.ends.reason(e, time.time())
                 if why is not None:  # it ended, or its deadline passed, while this waited
                     raise EngineAborted(why)

@@ -76,8 +76,9 @@ _OFF: contextlib.AbstractAsyncContextManager[None] = contextlib.nullcontext()
 
 #: a request's group, or the request itself (its burst and index) when it has none
 _Key = int | tuple[str, int]
-#: a waiting request: its tokens, its future (True: its burst ended), its burst, its task
-_Waiter = tuple[int, "asyncio.Future[bool]", str, "asyncio.Task[object] | None"]
+#: a waiting request: its tokens, its future (True: its burst ended), its burst, its task, and
+#: what `give_back` returns for it (the caller's: the worker's delivery and entry)
+_Waiter = tuple[int, "asyncio.Future[bool]", str, "asyncio.Task[object] | None", object]
 
 
 def pass_window_for(pass_window: float, share: float) -> float:
@@ -155,15 +156,18 @@ class KvBudget:
         the first burst's next documents wait here (`hold`: a group inside goes at once)."""
         return min(self._count, WAITING_WINDOWS * window)
 
-    def holding(self, e: Entry, priority: int) -> contextlib.AbstractAsyncContextManager[None]:
+    def holding(
+        self, e: Entry, priority: int, tag: object = None
+    ) -> contextlib.AbstractAsyncContextManager[None]:
         """`hold`, or nothing at all while the budget is off (the default: no cost per
         request; a budget switched on counts the requests that enter from then on)."""
-        return self.hold(e, priority) if self.capacity else _OFF
+        return self.hold(e, priority, tag) if self.capacity else _OFF
 
     @contextlib.asynccontextmanager
-    async def hold(self, e: Entry, priority: int) -> AsyncIterator[None]:
+    async def hold(self, e: Entry, priority: int, tag: object = None) -> AsyncIterator[None]:
         """Inside the engine for the block: wait for room for ``e``'s prefix first
-        (EngineAborted if its burst ends meanwhile: `end`)."""
+        (EngineAborted if its burst ends meanwhile: `end`); ``tag``: what `give_back` returns
+        for it if the worker stops while it waits."""
         key: _Key = e.group if e.group is not None else (e.burst, e.index)
         tokens = e.work + e.predicted_cached
         resident = self.resident is not None and e.group is not None and e.group in self.resident
@@ -171,7 +175,7 @@ class KvBudget:
             if self._giving_back:  # the worker stops: it is left pending at once (`give_back`)
                 raise asyncio.CancelledError
             fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-            waiter = (tokens, fut, e.burst, asyncio.current_task())
+            waiter = (tokens, fut, e.burst, asyncio.current_task(), tag)
             self.held += 1
             waiters = self._waiting.get(key)
             if waiters is None:  # its group's first waiting request places it
@@ -217,19 +221,18 @@ class KvBudget:
                 del self._waiting[key]
         self._wake()
 
-    def give_back(self) -> int:
-        """The worker stops: the requests waiting for room never started, so they are left
-        pending (their tasks cancelled, as the drain leaves one that outlasts the grace period)
-        for a restart or a peer, not let in during the grace period (up to `WAITING_WINDOWS`
-        windows of work); from now on one that would wait is left so at once. How many."""
+    def give_back(self) -> list[object]:
+        """The worker stops: the requests waiting for room never started, so they are not let
+        in during the grace period (up to `WAITING_WINDOWS` windows of work): their tasks are
+        cancelled (a cancelled wait is never let in), and their tags returned, for the worker to
+        give their entries back as it does those read and not started (worker/reader.py
+        `release`); from now on one that would wait is cancelled at once (left pending)."""
         self._giving_back = True
-        tasks = [w[3] for ws in self._waiting.values() for w in ws if not w[1].done()]
-        for task in tasks:
-            if task is not None:
-                task.cancel()
-        if tasks:
-            log.info("left %d requests waiting for the KV budget pending (stopping)", len(tasks))
-        return len(tasks)
+        waiters = [w for ws in self._waiting.values() for w in ws if not w[1].done()]
+        for w in waiters:
+            if w[3] is not None:
+                w[3].cancel()
+        return [w[4] for w in waiters]
 
     def _enter(self, key: _Key, tokens: int) -> None:
         self._requests += 1

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from typing import TypeVar
 
 from redis.exceptions import ResponseError
@@ -26,7 +26,7 @@ from prefixq.store.redis_errors import TRANSIENT
 from prefixq.store.retry import repeat
 from prefixq.worker.deliveries import Delivery, GroupLost
 from prefixq.worker.intake import Intake
-from prefixq.worker.lanes import Lane
+from prefixq.worker.lanes import Item, Lane
 from prefixq.worker.scheduler import Plan, Scheduler
 from prefixq.worker.shard import ShardStream
 from prefixq.worker.view import WorkerView
@@ -173,10 +173,12 @@ class Reader:
             elif reply == -1:  # entries nobody announced to this worker: read them
                 self.sched.set_remote(lane, True)
 
-    async def release(self) -> None:
-        """Give back what was read but not admitted (`stop()`): to the intake of its priority, so
-        that any worker reads it at once instead of after ``claim_idle_s``."""
-        items = self.sched.unstock()
+    async def release(self, unstarted: Sequence[Item] = ()) -> None:
+        """Give back what was read but not admitted (`stop()`), and ``unstarted`` (admitted, but
+        never in the engine: those waiting for the KV budget), each to the intake of its
+        priority with the deliveries it had before, so that any worker reads it at once instead
+        of after ``claim_idle_s``, and no delivery is charged for a stop."""
+        items = [*self.sched.unstock(), *unstarted]
         if not items:
             return
         intakes = self.stream.intakes

@@ -8,9 +8,9 @@ engine as soon as it is picked. Everything else is a collaborator with its own m
 protocol (shard.py), intake (intake.py), the writer, heartbeat, reclaimer, burst ends, probes and
 middleware; docs/architecture.md draws who owns what.
 ``stop()`` (SIGTERM) stops reading, lets in-flight requests finish within ``grace_s``, writes and
-acks their results; the rest (and those waiting for the KV budget) stays pending for a restart or
-a reclaim. Whatever Redis does, the stop ends within `stop_bound_s` (``grace_s`` + `FLUSH_S`): a
-read waiting on Redis is given up after `READ_STOP_S`; writing and unregistering get `FLUSH_S`.
+acks them; the rest stays pending (those waiting for the KV budget, never started, are given
+back as those read ahead are). Whatever Redis does, the stop ends within `stop_bound_s`
+(``grace_s`` + `FLUSH_S`): a read waiting on Redis is given up after `READ_STOP_S`.
 An engine death leaves in-flight entries pending (not failed) and exits with code 3.
 """
 
@@ -258,8 +258,8 @@ class Worker:
                 reading.result()  # the reader's error, if it failed
             else:  # the round under way ends by itself, unless it waits on an absent Redis
                 await within(reading, min(READ_STOP_S, final - time.monotonic()))
-            await within(self.reader.release(), final - time.monotonic())
-            self.admission.budget.give_back()  # those waiting for it never started: left pending
+            unstarted = self.admission.give_back()  # waiting for the KV budget: never started
+            await within(self.reader.release(unstarted), final - time.monotonic())
             await drain(list(self.inflight.values()), grace_end - time.monotonic())
             final = min(final, time.monotonic() + FLUSH_S)  # from the end of the drain
         finally:
