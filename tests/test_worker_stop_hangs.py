@@ -156,6 +156,35 @@ def test_a_serving_stop_whose_engine_shutdown_hangs_exits_0_after_its_bound(
     LEDGER.fault("SIGTERM to a serving worker whose engine's shutdown hangs")
 
 
+def test_an_engine_death_whose_shutdown_hangs_exits_3_after_its_bound(
+    make_settings: Callable[..., Settings], r: redis.Redis, hung: Hung
+) -> None:
+    """Given a serving worker whose engine's shutdown blocks the process, when its engine dies
+    (no signal: the worker stops itself), it exits with code 3 (engine dead: a supervisor
+    restarts it) by its watchdog, `stop_bound_s` + `STOP_SPARE_S` after the death, its heartbeat
+    gone (before: only a signal armed the watchdog, and the process never exited)."""
+    s = make_settings(grace_s=0.5, heartbeat_s=0.2)
+    proc, log = hung(s, "close", "--shard", "0", "--name", "w")
+    hb = Keys(s.namespace).heartbeat(0, "w")
+    wait_until(lambda: r.hget(hb, "engine_up") == b"1", 30, "the worker serving")
+    bound = stop_bound_s(s) + SPARE_S
+    Producer(s).submit([{"id": "q", "prompt": "die: now", "max_tokens": 2}])
+    wait_until(lambda: "engine died" in log.read_text(), 30, "the engine's death")
+    t0 = time.monotonic()
+    try:
+        rc = proc.wait(bound + 10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    took, text = time.monotonic() - t0, log.read_text()
+    print(f"  exit {rc} {took:.2f}s after the engine's death (bound {bound:.1f}s)")
+    assert rc == 3 and "closing the engine" in text, (rc, text[-3000:])
+    assert took < bound + 2.5 and "did not end" in text, (took, text[-3000:])
+    assert not r.exists(hb)
+    LEDGER.fault("an engine death in a worker whose engine's shutdown hangs")
+
+
 def test_a_serving_stop_on_a_blocked_loop_drops_its_own_heartbeat_before_the_watchdog_exit(
     make_settings: Callable[..., Settings], r: redis.Redis, hung: Hung
 ) -> None:

@@ -76,13 +76,14 @@ def leave_now() -> None:
     os._exit(0)
 
 
-def exit_released(*more: Callable[[], None]) -> NoReturn:
-    """Exit 0 now, what the worker holds released first (`on_leave`'s releases, then ``more``,
-    each best effort), all within `LEAVE_S` whatever they do: for a watchdog ending a stop whose
-    unwinding hangs (cli/worker_signals.py), which would otherwise leave the hold on the worker's
-    shard to its TTL. The releases and the flush of the output run on a thread of their own,
-    waited for `LEAVE_S` at most: the hung main thread may hold what they need (a log handler's
-    lock, writing to a full pipe), and the exit never waits for it. Never raises."""
+def exit_released(*more: Callable[[], None], code: int = 0) -> NoReturn:
+    """Exit ``code`` (0 unless said) now, what the worker holds released first (`on_leave`'s
+    releases, then ``more``, each best effort), all within `LEAVE_S` whatever they do: for a
+    watchdog ending a stop whose unwinding hangs (cli/worker_signals.py), which would otherwise
+    leave the hold on the worker's shard to its TTL. The releases and the flush of the output
+    run on a thread of their own, waited for `LEAVE_S` at most: the hung main thread may hold
+    what they need (a log handler's lock, writing to a full pipe), and the exit never waits for
+    it. Never raises."""
 
     def release() -> None:
         _release_held()
@@ -98,7 +99,7 @@ def exit_released(*more: Callable[[], None]) -> NoReturn:
         t.start()
         t.join(LEAVE_S)
     finally:
-        os._exit(0)
+        os._exit(code)
 
 
 def _release_held() -> None:

@@ -13,8 +13,9 @@ unwinding hangs, the process exits after `EXIT_S` anyway, the shard's hold relea
 worker serves, a signal calls `Worker.stop()` on the worker's event loop: it stops reading and
 drains within ``grace_s`` (docs/delivery.md, "SIGTERM and SIGINT"); if the stop has not ended
 `STOP_SPARE_S` after its bound (`stop_bound_s`: an engine whose shutdown hangs, an event loop
-something blocks), the process exits 0 anyway, its heartbeat dropped first if it is still there
-and this process's (`heartbeat.drop_own`: a live peer then takes its entries at once).
+something blocks), the process exits 0 anyway (3 if its engine died: that stop, the worker's own,
+is watched too), its heartbeat dropped first if it is still there and this process's
+(`heartbeat.drop_own`: a live peer then takes its entries at once).
 
 The first handler comes before this module's (`prefixq.cli`, before any slow import);
 `start_worker` starts a worker with both signals blocked until then, so that not even its
@@ -84,9 +85,14 @@ class Stoppable(Protocol):
     name: str
     started: float
     hand_over: bool
+    #: called at its first stop, whatever the cause (the engine's death stops it too)
+    on_stop: Callable[[], None] | None
 
     @property
     def engine_up(self) -> bool: ...
+
+    @property
+    def exit_code(self) -> int: ...
 
     def stop(self) -> None: ...
 
@@ -115,8 +121,10 @@ class WorkerSignals:
         s = worker.settings
         bound = stop_bound_s(s, hand_over=worker.hand_over) + STOP_SPARE_S
         drop = functools.partial(drop_own, s, worker.shard, worker.name, worker.started)
-        self._stop_watch = (bound, functools.partial(_stop_hung, bound, drop))
+        hung = functools.partial(_stop_hung, bound, drop, lambda: worker.exit_code)
+        self._stop_watch = (bound, hung)
         self._worker, self._loop = worker, loop
+        worker.on_stop = self._watch_stop  # a stop of its own (its engine died) is watched too
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         worker, loop = self._worker, self._loop
@@ -154,13 +162,14 @@ def _watchdog(after_s: float, leave: Callable[[], object]) -> None:
     watchdog.start()
 
 
-def _stop_hung(bound_s: float, drop: Callable[[], object]) -> None:
+def _stop_hung(bound_s: float, drop: Callable[[], object], code: Callable[[], int]) -> None:
     """The serving stop's watchdog: what the worker holds released (its heartbeat: ``drop``),
-    each best effort and bounded (`exit_released`), then exit 0."""
+    each best effort and bounded (`exit_released`), then exit with the worker's code (``code``:
+    0, or 3 if its engine died, so that a supervisor restarts it as it would have)."""
 
     def release() -> None:
         log.warning("the stop did not end within %.1fs: exiting regardless", bound_s)
         if drop():
             log.info("dropped the heartbeat the stop had left")
 
-    exit_released(release)
+    exit_released(release, code=code())

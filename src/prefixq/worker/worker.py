@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -40,6 +39,7 @@ from prefixq.worker.deliveries import Delivery, Ref
 from prefixq.worker.ends import BurstEnds
 from prefixq.worker.fleet import FleetWatch
 from prefixq.worker.groups import commands as admission_commands
+from prefixq.worker.health import health
 from prefixq.worker.heartbeat import Heartbeat
 from prefixq.worker.intake import Intake
 from prefixq.worker.lanes import Picked
@@ -105,6 +105,8 @@ class Worker:
         self._room = asyncio.Event()
         self._gate = SoloGate()
         self._dead: str | None = None
+        #: called at the first `stop()` (cli/worker_signals.py arms its watchdog)
+        self.on_stop: Callable[[], None] | None = None
         #: bursts cancelled or expired: their queued entries are not run (worker/ends.py)
         done = self._burst_done
         self.ends = BurstEnds(self.r, settings, on_burst_done=lambda _r, _s, b: done(b))
@@ -183,11 +185,19 @@ class Worker:
     def gate(self) -> SoloGate:
         return self._gate
 
+    @property
+    def exit_code(self) -> int:
+        """What `run` returns, and a stop's watchdog exits with (cli/worker_signals.py)."""
+        return EXIT_OK if self._dead is None else EXIT_ENGINE_DEAD
+
     def stop(self) -> None:
-        """Stop reading; in-flight requests get ``grace_s`` to finish."""
+        """Stop reading; in-flight requests get ``grace_s`` to finish. The first stop, whatever
+        its cause (a signal, the engine's death), calls ``on_stop`` (a watchdog's arming)."""
         if not self._stopping.is_set():
             log.info("worker %s stopping (grace %.0fs)", self.name, self.settings.grace_s)
             self._stopped_at = time.monotonic()
+            if self.on_stop is not None:
+                self.on_stop()
         self._stopping.set()
 
     def add_middleware(self, m: Middleware) -> None:
@@ -277,8 +287,7 @@ class Worker:
             await self.r.aclose()
         if self._dead:
             log.error("worker %s exits: %s", self.name, self._dead)
-            return EXIT_ENGINE_DEAD
-        return EXIT_OK
+        return self.exit_code
 
     async def _serve_queues(self) -> None:
         """Read and admit until `stop()` (the lane index first, then over-limit entries)."""
@@ -378,23 +387,5 @@ class Worker:
 
     # ---- what inspect, check, metrics and the control stream read ---------------------------
     def health(self, now: float) -> dict[str, Any]:
-        """The heartbeat hash's fields (read by inspect and check)."""
-        return {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "gpu": self.gpu or "cpu",
-            "shard": self.shard,
-            "beat": now,
-            "started": self.started,
-            "inflight": len(self.inflight) - self.admission.budget.waiting,  # in the engine
-            "unwritten": self.writer.backlog,
-            "max_inflight": self.max_inflight,
-            "engine_up": int(self.serving),
-            "stopping": int(self.stopping),
-            "gc_max_pause_ms": round(self.gc.max_pause * 1000, 3),
-            "gc_pauses": self.gc.count,
-            "loop_lag_p99_ms": round(self.probes.loop.lag.quantile(0.99), 3),
-            "loop_lag_max_ms": round(self.probes.loop.lag.max, 3),
-            "reclaimed": self.reclaimer.reclaimed,
-            **self.counts,
-        }
+        """The heartbeat hash's fields (worker/health.py)."""
+        return health(self, now)
