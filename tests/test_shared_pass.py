@@ -120,6 +120,13 @@ def test_a_later_burst_walks_the_documents_in_the_first_bursts_order(
     assert _doc_order(r, s, own) == [_first_seen(d)] != [a_order]
 
 
+def _publish(r: redis.Redis, keys: Keys, shard: int, window: bytes, worker: str = "w") -> None:
+    """``window`` published as worker ``worker`` of ``shard`` publishes it (registered in the
+    shard's workers, its window under its own key: worker/shared_pass.py)."""
+    r.zadd(keys.workers(shard), {worker: time.time()})
+    r.set(keys.pass_marks(shard, worker), window)
+
+
 def test_a_burst_starts_where_a_shards_pass_is_and_wraps_around(
     make_settings: Callable[..., Settings], r: redis.Redis
 ) -> None:
@@ -134,16 +141,63 @@ def test_a_burst_starts_where_a_shards_pass_is_and_wraps_around(
     a = _first_seen(first_reqs)
     held = _doc_order(r, s, first, shards=2)
     assert all(held) and held == _on_shards(a, held)
-    r.set(keys.pass_marks(0), wire.pack([_key(a[6]), _key(a[5])]))
-    r.set(keys.pass_marks(1), wire.pack([_key(a[7])]))
+    _publish(r, keys, 0, wire.pack([_key(a[6]), _key(a[5])]))
+    _publish(r, keys, 1, wire.pack([_key(a[7])]))
     b = asyncio.run(Producer(s).asubmit(_burst("b", list(range(8)), seed=2)))  # decode-first
     got = _doc_order(r, s, b, shards=2)
     assert got == [_on_shards(a[5:] + a[:5], got)[0], _on_shards(a[7:] + a[:7], got)[1]]
-    r.set(keys.pass_marks(0), b"\xc1garbage")
-    r.set(keys.pass_marks(1), wire.pack({"not": "a list"}))
+    _publish(r, keys, 0, b"\xc1garbage")
+    _publish(r, keys, 1, wire.pack({"not": "a list"}))
     c = asyncio.run(Producer(s).asubmit(_burst("c", list(range(8)), seed=3), order="grouped"))
     got = _doc_order(r, s, c, shards=2)
     assert got == _on_shards(a, got)
+
+
+def test_several_workers_of_one_shard_each_keep_a_window_and_a_burst_joins_them_together(
+    make_settings: Callable[..., Settings], r: redis.Redis
+) -> None:
+    """Two workers of one shard, their engines at documents 5 and 6 of the first burst's order:
+    each keeps its own window (one key per shard, each worker's publication overwrote the
+    other's every 0.2 s, and a burst started at one engine's pass or the other's by chance), and
+    a later burst starts at the first of both, wrapping around; a worker gone from the shard's
+    workers (unregistered) points no burst at what its engine held."""
+    s = make_settings(prefix_store_min_chars=16)
+    keys = Keys(s.namespace)
+    first_reqs = _burst("a", list(range(8)), seed=1)
+    asyncio.run(Producer(s).asubmit(first_reqs, order="grouped"))
+    a = _first_seen(first_reqs)
+    _publish(r, keys, 0, wire.pack([_key(a[6])]), worker="w2")
+    _publish(r, keys, 0, wire.pack([_key(a[5])]), worker="w1")
+    b = asyncio.run(Producer(s).asubmit(_burst("b", list(range(8)), seed=2), order="grouped"))
+    assert _doc_order(r, s, b) == [a[5:] + a[:5]]
+    r.zrem(keys.workers(0), "w1")
+    c = asyncio.run(Producer(s).asubmit(_burst("c", list(range(8)), seed=3), order="grouped"))
+    assert _doc_order(r, s, c) == [a[6:] + a[:6]]
+
+
+def test_two_workers_of_one_shard_publish_a_window_each(
+    make_settings: Callable[..., Settings], r: redis.Redis, fake_worker: Callable[..., Any]
+) -> None:
+    """Two fake-engine workers of shard 0 (windows of 2 requests of 0.3 s each, so both read
+    the burst): each publishes what its own engine finished, under its own key; together they
+    hold every document, and neither window is the other's."""
+    s = make_settings(prefix_store_min_chars=16, heartbeat_s=0.2, max_inflight=2)
+    keys = Keys(s.namespace)
+    docs = [f"sleep:0.3 {DOCS[d]}" for d in range(8)]
+    reqs = [
+        {"id": f"d{d}-q{q}", "prefix": doc, "prompt": f" question {q}?"}
+        for d, doc in enumerate(docs)
+        for q in range(2)
+    ]
+    with fake_worker(s, name="w1"), fake_worker(s, name="w2"):  # both serve before the burst
+        burst = asyncio.run(Producer(s).asubmit(reqs, order="grouped"))
+        assert results.wait(burst, s, timeout=60).failed == 0
+        got = {}
+        for w in ("w1", "w2"):
+            raw = wait_until(lambda w=w: r.get(keys.pass_marks(0, w)), 10, f"{w}'s window")
+            got[w] = set(wire.unpack(raw))
+    assert got["w1"] and got["w2"] and got["w1"] != got["w2"], got
+    assert got["w1"] | got["w2"] == {pass_key(_fingerprint(doc)) for doc in docs}
 
 
 def test_an_unreadable_corpus_order_or_window_is_a_hint_lost_never_a_burst_refused(
@@ -159,7 +213,8 @@ def test_an_unreadable_corpus_order_or_window_is_a_hint_lost_never_a_burst_refus
     asyncio.run(Producer(s).asubmit(first, order="grouped"))
     a = _first_seen(first)
     r.hset(keys.pass_order, str(_key(a[0])), "not a place")
-    r.hset(keys.pass_marks(0), "not", "a window")
+    r.zadd(keys.workers(0), {"w": time.time()})
+    r.hset(keys.pass_marks(0, "w"), "not", "a window")
     b = asyncio.run(Producer(s).asubmit(_burst("b", list(range(8)), seed=2), order="grouped"))
     got = _doc_order(r, s, b, shards=2)
     assert got == _on_shards(a[1:] + a[:1], got)
@@ -237,7 +292,7 @@ def test_a_worker_publishes_the_newest_groups_within_its_window_and_a_reset_empt
     engine.kv_tokens = 2 * 4 * tokens  # type: ignore[attr-defined]  # window: 4 documents
     with fake_worker(s, engine=engine):
         results.wait(first, s, timeout=60)
-        raw = wait_until(lambda: r.get(keys.pass_marks(0)), 10, "the published window")
+        raw = wait_until(lambda: r.get(keys.pass_marks(0, "fw")), 10, "the published window")
         window = wire.unpack(raw)
         assert window == [_key(d) for d in a[-len(window) :]]
         assert 2 <= len(window) <= 4
@@ -258,7 +313,7 @@ def test_a_worker_publishes_the_newest_groups_within_its_window_and_a_reset_empt
                 await ar.aclose()
 
         asyncio.run(reset())
-        wait_until(lambda: not r.exists(keys.pass_marks(0)), 10, "the window emptied")
+        wait_until(lambda: not r.exists(keys.pass_marks(0, "fw")), 10, "the window emptied")
 
 
 def test_each_shard_starts_a_burst_where_its_own_pass_is(
@@ -275,8 +330,8 @@ def test_each_shard_starts_a_burst_where_its_own_pass_is(
     held = _doc_order(r, s, first, shards=2)
     assert all(len(h) >= 4 for h in held)
     assert r.hlen(keys.pass_shards) == 12
-    r.set(keys.pass_marks(0), wire.pack([_key(held[0][-2])]))
-    r.set(keys.pass_marks(1), wire.pack([_key(held[1][1])]))
+    _publish(r, keys, 0, wire.pack([_key(held[0][-2])]))
+    _publish(r, keys, 1, wire.pack([_key(held[1][1])]))
     later = asyncio.run(Producer(s).asubmit(_burst("b", list(range(12)), seed=2)))
     got = _doc_order(r, s, later, shards=2)
     assert got[0] == held[0][-2:] + held[0][:-2]
@@ -324,7 +379,7 @@ def test_the_window_follows_what_the_engine_finished_not_what_the_worker_handed_
         in_engine = lambda: sum(x.startswith(burst + ":") for x in engine.seen)  # noqa: E731
         wait_until(lambda: in_engine() == len(reqs), 10, "the whole burst in the engine")
         wait_until(lambda: results.status(burst, s).done >= 8, 10, "the fast documents' results")
-        raw = wait_until(lambda: r.get(keys.pass_marks(0)), 3, "the published window")
+        raw = wait_until(lambda: r.get(keys.pass_marks(0, "fw")), 3, "the published window")
         window = wire.unpack(raw)
         assert results.status(burst, s).done == 8  # the slow documents still run
         assert window and set(window) <= fast, "the window holds groups the engine has not done"
@@ -348,9 +403,10 @@ def test_the_session_workers_publish_their_pass_and_a_second_burst_follows_the_f
 
     def seen() -> bool:
         for k in range(2):
-            raw = r.get(keys.pass_marks(k))
-            if raw:
-                published.update(wire.unpack(raw))
+            for name in r.zrange(keys.workers(k), 0, -1):
+                raw = r.get(keys.pass_marks(k, name.decode()))
+                if raw:
+                    published.update(wire.unpack(raw))
         return {_key(d) for d in docs} <= published
 
     wait_until(seen, 15, "both shards' windows holding the first burst's documents")
@@ -378,7 +434,7 @@ def test_each_shard_starts_at_its_own_pass_on_a_redis_cluster(
     busy = [k for k in range(4) if len(held[k]) >= 2]
     assert len(busy) >= 2
     for k in busy:
-        cr.set(keys.pass_marks(k), wire.pack([_key(held[k][-1])]))
+        _publish(cr, keys, k, wire.pack([_key(held[k][-1])]))
     later = asyncio.run(Producer(s).asubmit(_burst("b", list(range(12)), seed=2)))
     got = _doc_order(cr, s, later, shards=4)
     for k in busy:
@@ -404,8 +460,9 @@ def test_a_window_lives_as_long_as_its_worker(
     burst = asyncio.run(Producer(s).asubmit(_burst("t", list(range(4)), seed=1), order="grouped"))
     fw = fake_worker(s)
     results.wait(burst, s, timeout=60)
-    wait_until(lambda: r.exists(keys.pass_marks(0)), 10, "the published window")
+    window = keys.pass_marks(0, "fw")
+    wait_until(lambda: r.exists(window), 10, "the published window")
     time.sleep(3)  # past the TTL: still there, renewed with nothing new
-    assert r.exists(keys.pass_marks(0)) and 0 < r.ttl(keys.pass_marks(0)) <= 2
+    assert r.exists(window) and 0 < r.ttl(window) <= 2
     fw.stop()
-    wait_until(lambda: not r.exists(keys.pass_marks(0)), 10, "the window gone with its worker")
+    wait_until(lambda: not r.exists(window), 10, "the window gone with its worker")

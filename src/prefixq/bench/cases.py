@@ -264,7 +264,7 @@ async def reset(env: Env) -> None:
         await eng.reset_prefix_cache()
     await control.send(env.r, keys, "reset_prefix_cache", env.workers.names)
     stale = [k async for k in env.r.scan_iter(match=keys.prefix("*"), count=1000)]
-    stale += [keys.pass_marks(k) for k in range(env.s.shards)]
+    stale += [keys.pass_marks(k, w) for k in range(env.s.shards) for w in env.workers.names]
     await env.r.delete(
         keys.prefix_map, keys.prefix_map_old, keys.load, keys.pass_order, keys.pass_shards, *stale
     )

@@ -56,6 +56,8 @@ ORDER_TTL_S = 7 * 24 * 3600
 ORDER_MAX = 2_000_000
 #: pass keys per call of the script
 _CHUNK = 10_000
+#: workers' windows read at most, over all shards (a workers set grown by garbage stays cheap)
+_MAX_WINDOWS = 1024
 #: places pass keys in the corpus order (lua/pass_order.lua)
 _PASS_ORDER = LuaScript("pass_order")
 
@@ -206,26 +208,29 @@ def join_point(places: list[int], size: int) -> int | None:
 async def _marks(
     r: Any, keys: Keys, shards: int, pkeys: list[int]
 ) -> tuple[list[set[int]], dict[int, int]]:
-    """Per shard, the pass keys its workers published (worker/shared_pass.py); and of
-    ``pkeys``, the shard each went to last (keys.pass_shards), in one round trip."""
+    """Per shard, the pass keys its registered workers published (worker/shared_pass.py: one
+    window per worker, several of them on a shard read together); and of ``pkeys``, the shard
+    each went to last (keys.pass_shards): two round trips (the workers, then their windows)."""
     pipe = r.pipeline(transaction=False)
     for k in range(shards):
-        pipe.get(keys.pass_marks(k))
+        pipe.zrange(keys.workers(k), 0, -1)
     for i in range(0, len(pkeys), _CHUNK):
         pipe.hmget(keys.pass_shards, pkeys[i : i + _CHUNK])
     got = await pipe.execute(raise_on_error=False)
-    windows: list[set[int]] = []
-    for raw in got[:shards]:
-        window: set[int] = set()
-        windows.append(window)
-        if not raw or not isinstance(raw, bytes):  # a key of another type: no pass
-            continue
-        try:
-            marks = wire.unpack(raw)
-        except Exception:  # a hint only: a value we cannot read is no pass
-            continue
-        if isinstance(marks, list):
-            window.update(x for x in marks if isinstance(x, int) and not isinstance(x, bool))
+    named = [
+        (k, name)
+        for k, names in enumerate(got[:shards])
+        if isinstance(names, list)  # else a key of another type: no pass
+        for name in names
+        if isinstance(name, bytes)
+    ][:_MAX_WINDOWS]
+    windows: list[set[int]] = [set() for _ in range(shards)]
+    if named:
+        pipe = r.pipeline(transaction=False)
+        for k, name in named:
+            pipe.get(keys.pass_marks(k, name.decode(errors="replace")))
+        for (k, _), raw in zip(named, await pipe.execute(raise_on_error=False), strict=True):
+            windows[k].update(_window(raw))
     shard_of: dict[int, int] = {}
     held = [x for part in got[shards:] if isinstance(part, list) for x in part]
     if len(held) == len(pkeys):  # else a key of another type: no hints
@@ -233,3 +238,17 @@ async def _marks(
             if isinstance(v, bytes) and v.isdigit() and int(v) < shards:
                 shard_of[k] = int(v)
     return windows, shard_of
+
+
+def _window(raw: object) -> list[int]:
+    """One worker's published window (a msgpack array of pass keys); nothing for a value that
+    is not one (a hint only: a key of another type, garbage)."""
+    if not raw or not isinstance(raw, bytes):
+        return []
+    try:
+        marks = wire.unpack(raw)
+    except Exception:
+        return []
+    if not isinstance(marks, list):
+        return []
+    return [x for x in marks if isinstance(x, int) and not isinstance(x, bool)]

@@ -101,10 +101,12 @@ class Keys:
         """Hash with TTL: one live worker's state (pid, host, in flight, counters)."""
         return f"{self.ns}:{{s{shard}}}:hb:{worker}"
 
-    def pass_marks(self, shard: int) -> str:
-        """String: the pass keys of the prefix groups the shard's engine holds, newest last
-        (msgpack array, a TTL; worker/shared_pass.py): where a joining burst starts."""
-        return f"{self.ns}:{{s{shard}}}:pass"
+    def pass_marks(self, shard: int, worker: str) -> str:
+        """String: the pass keys of the prefix groups one worker's engine holds, newest last
+        (msgpack array, a TTL; worker/shared_pass.py): where a joining burst starts. One per
+        worker: several workers of a shard each hold their own (a producer reads those of the
+        shard's registered workers, `workers`)."""
+        return f"{self.ns}:{{s{shard}}}:pass:{worker}"
 
     def moving(self, shard: int) -> str:
         """Hash: entries taken off this shard and not yet put on their new shard (``<stream>\n<id>``

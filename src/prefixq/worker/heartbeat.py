@@ -95,7 +95,8 @@ class Heartbeat:
         self._last_done = 0.0
         self.history = History(stream, every_s=stream.settings.history_every_s, now=time.time())
         #: where the worker's pass is (worker/shared_pass.py; the worker runs its publishing)
-        self.marks = PassMarks(stream.keys.pass_marks(stream.shard), stream.settings.pass_window)
+        key = stream.keys.pass_marks(stream.shard, stream.consumer)
+        self.marks = PassMarks(key, stream.settings.pass_window)
 
     def request_done(self) -> None:
         self._served_since_collect += 1

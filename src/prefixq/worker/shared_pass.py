@@ -11,7 +11,8 @@ is served from (worker/engine_order.py: a burst that joins starts at the complet
 their prefixes are the newest in its cache. The
 worker publishes it every `PUBLISH_S` when it changed, and every `REFRESH_S` to renew its TTL
 (a msgpack array, oldest first, with a TTL of `TTL_S`: a dead worker's window goes with it;
-Keys.pass_marks), and a producer starts a burst over the same documents there
+Keys.pass_marks, one key per worker: several workers of a shard each keep theirs, and a producer
+reads them together), and a producer starts a burst over the same documents there
 (client/shared_pass.py): a pass moves tens of documents a second on a GPU, so not only with the
 heartbeat. An engine that says nothing of its KV cache (a test engine) counts `COUNT_WINDOW`
 groups instead. A reset of the engine's prefix cache empties it.
