@@ -5,15 +5,41 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sized
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from prefixq.worker.worker import Worker
+from prefixq.worker.admission import Admission
+from prefixq.worker.probes import Probes
+from prefixq.worker.reclaim import Reclaimer
+from prefixq.worker.writer import ResultWriter
 
-__all__ = ["health"]
+__all__ = ["Healthy", "health"]
 
 
-def health(w: Worker, now: float) -> dict[str, Any]:
+class Healthy(Protocol):
+    """What the fields are read from (`prefixq.worker.worker.Worker`)."""
+
+    gpu: str | None
+    shard: int
+    started: float
+    max_inflight: int
+    counts: dict[str, int]
+    probes: Probes
+    admission: Admission
+    writer: ResultWriter
+    reclaimer: Reclaimer
+
+    @property
+    def inflight(self) -> Sized: ...
+
+    @property
+    def serving(self) -> bool: ...
+
+    @property
+    def stopping(self) -> bool: ...
+
+
+def health(w: Healthy, now: float) -> dict[str, Any]:
     """``w``'s heartbeat fields at ``now``: who and where it is, its window and the requests in
     its engine (not those waiting for the KV budget), its pauses and its counters."""
     probes = w.probes
