@@ -19,7 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 from prefixq.core.entries import Entry
 from prefixq.core.errors import (
@@ -45,7 +45,7 @@ from prefixq.worker.ends import BurstEnds
 from prefixq.worker.engine_order import EngineOrder, band_priority
 from prefixq.worker.intake import Intake
 from prefixq.worker.kv_budget import KvBudget
-from prefixq.worker.lanes import Item, Picked, Tenant
+from prefixq.worker.lanes import Picked, Tenant
 from prefixq.worker.middleware import Middleware
 from prefixq.worker.prefixes import PrefixCache
 from prefixq.worker.probes import Probes
@@ -104,12 +104,6 @@ class Admission:
         #: requests waiting for it leave at once
         self.budget = probes.budget = KvBudget(settings.kv_inflight_share)
         ends.on_end = self.budget.end
-
-    def give_back(self) -> list[Item]:
-        """The worker stops: its requests waiting for the KV budget never started; they are
-        cancelled, and their deliveries and entries returned (worker/reader.py `release` gives
-        them back to the intake, as it does those read and not started)."""
-        return cast(list[Item], self.budget.give_back())
 
     async def admit(self, deliveries: list[Delivery]) -> None:
         """Take the entries in (worker/intake.py) and hand each request to the engine at

@@ -36,11 +36,12 @@ import heapq
 import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Container, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from prefixq.core.entries import Entry
 from prefixq.core.errors import EngineAborted
 from prefixq.core.settings import Settings
+from prefixq.worker.lanes import Item
 
 if TYPE_CHECKING:
     from prefixq.worker.shared_pass import PassMarks
@@ -76,9 +77,18 @@ _OFF: contextlib.AbstractAsyncContextManager[None] = contextlib.nullcontext()
 
 #: a request's group, or the request itself (its burst and index) when it has none
 _Key = int | tuple[str, int]
-#: a waiting request: its tokens, its future (True: its burst ended), its burst, its task, and
-#: what `give_back` returns for it (the caller's: the worker's delivery and entry)
-_Waiter = tuple[int, "asyncio.Future[bool]", str, "asyncio.Task[object] | None", object]
+
+
+class _Waiter(NamedTuple):
+    """A request waiting for room."""
+
+    tokens: int
+    #: set when it goes: False, let in; True, its burst ended
+    fut: asyncio.Future[bool]
+    burst: str
+    task: asyncio.Task[object] | None
+    #: what `give_back` returns for it, its delivery and entry (None: nothing)
+    tag: Item | None
 
 
 def pass_window_for(pass_window: float, share: float) -> float:
@@ -106,7 +116,7 @@ class KvBudget:
         self._requests = 0
         self.window = 0
         #: waiting groups: (engine priority, admission, group) on a heap; their requests
-        #: (tokens, let in: False / its burst ended: True, burst, its task)
+        #: (`_Waiter`s)
         self._heap: list[tuple[int, int, _Key]] = []
         self._waiting: dict[_Key, list[_Waiter]] = {}
         self._seq = itertools.count()
@@ -157,14 +167,14 @@ class KvBudget:
         return min(self._count, WAITING_WINDOWS * window)
 
     def holding(
-        self, e: Entry, priority: int, tag: object = None
+        self, e: Entry, priority: int, tag: Item | None = None
     ) -> contextlib.AbstractAsyncContextManager[None]:
         """`hold`, or nothing at all while the budget is off (the default: no cost per
         request; a budget switched on counts the requests that enter from then on)."""
         return self.hold(e, priority, tag) if self.capacity else _OFF
 
     @contextlib.asynccontextmanager
-    async def hold(self, e: Entry, priority: int, tag: object = None) -> AsyncIterator[None]:
+    async def hold(self, e: Entry, priority: int, tag: Item | None = None) -> AsyncIterator[None]:
         """Inside the engine for the block: wait for room for ``e``'s prefix first
         (EngineAborted if its burst ends meanwhile: `end`); ``tag``: what `give_back` returns
         for it if the worker stops while it waits."""
@@ -175,7 +185,7 @@ class KvBudget:
             if self._giving_back:  # the worker stops: it is left pending at once (`give_back`)
                 raise asyncio.CancelledError
             fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-            waiter = (tokens, fut, e.burst, asyncio.current_task(), tag)
+            waiter = _Waiter(tokens, fut, e.burst, asyncio.current_task(), tag)
             self.held += 1
             waiters = self._waiting.get(key)
             if waiters is None:  # its group's first waiting request places it
@@ -213,26 +223,26 @@ class KvBudget:
         leave at once (`hold` raises EngineAborted: they get its ended result), and the groups
         behind them may go."""
         for key, waiters in list(self._waiting.items()):
-            for w in [w for w in waiters if w[2] == burst and not w[1].done()]:
+            for w in [w for w in waiters if w.burst == burst and not w.fut.done()]:
                 waiters.remove(w)
                 self._count -= 1
-                w[1].set_result(True)
+                w.fut.set_result(True)
             if not waiters:
                 del self._waiting[key]
         self._wake()
 
-    def give_back(self) -> list[object]:
+    def give_back(self) -> list[Item]:
         """The worker stops: the requests waiting for room never started, so they are not let
         in during the grace period (up to `WAITING_WINDOWS` windows of work): their tasks are
         cancelled (a cancelled wait is never let in), and their tags returned, for the worker to
         give their entries back as it does those read and not started (worker/reader.py
         `release`); from now on one that would wait is cancelled at once (left pending)."""
         self._giving_back = True
-        waiters = [w for ws in self._waiting.values() for w in ws if not w[1].done()]
+        waiters = [w for ws in self._waiting.values() for w in ws if not w.fut.done()]
         for w in waiters:
-            if w[3] is not None:
-                w[3].cancel()
-        return [w[4] for w in waiters]
+            if w.task is not None:
+                w.task.cancel()
+        return [w.tag for w in waiters if w.tag is not None]
 
     def _enter(self, key: _Key, tokens: int) -> None:
         self._requests += 1
@@ -268,7 +278,7 @@ class KvBudget:
             if not waiters:  # all of it went already (a stale second place)
                 heapq.heappop(heap)
                 continue
-            tokens = max(w[0] for w in waiters)
+            tokens = max(w.tokens for w in waiters)
             cap, inside = self.capacity, self._inside
             if inside and self.window and self._requests >= self.window:
                 return

@@ -268,7 +268,7 @@ class Worker:
                 reading.result()  # the reader's error, if it failed
             else:  # the round under way ends by itself, unless it waits on an absent Redis
                 await within(reading, min(READ_STOP_S, final - time.monotonic()))
-            unstarted = self.admission.give_back()  # waiting for the KV budget: never started
+            unstarted = self.admission.budget.give_back()  # waiting for it: never started
             await within(self.reader.release(unstarted), final - time.monotonic())
             await drain(list(self.inflight.values()), grace_end - time.monotonic())
             final = min(final, time.monotonic() + FLUSH_S)  # from the end of the drain
