@@ -101,10 +101,9 @@ def hung(tmp_path: Path) -> Iterator[Hung]:
             p.wait(10)
 
 
-def _stopped(proc: subprocess.Popen[bytes], within: float) -> tuple[int, float]:
-    """SIGTERM ``proc``; its exit code and the seconds it took (killed after ``within`` + 10)."""
+def _exited(proc: subprocess.Popen[bytes], within: float) -> tuple[int, float]:
+    """``proc``'s exit code and the seconds until it exited (killed after ``within`` + 10)."""
     t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
     try:
         rc = proc.wait(within + 10)
     finally:
@@ -112,6 +111,12 @@ def _stopped(proc: subprocess.Popen[bytes], within: float) -> tuple[int, float]:
             proc.kill()
             proc.wait(10)
     return rc, time.monotonic() - t0
+
+
+def _stopped(proc: subprocess.Popen[bytes], within: float) -> tuple[int, float]:
+    """SIGTERM ``proc``; its exit code and the seconds it took (`_exited`)."""
+    proc.send_signal(signal.SIGTERM)
+    return _exited(proc, within)
 
 
 def test_a_start_whose_unwinding_hangs_releases_its_shards_hold_before_the_watchdog_exit(
@@ -170,14 +175,8 @@ def test_an_engine_death_whose_shutdown_hangs_exits_3_after_its_bound(
     bound = stop_bound_s(s) + SPARE_S
     Producer(s).submit([{"id": "q", "prompt": "die: now", "max_tokens": 2}])
     wait_until(lambda: "engine died" in log.read_text(), 30, "the engine's death")
-    t0 = time.monotonic()
-    try:
-        rc = proc.wait(bound + 10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-    took, text = time.monotonic() - t0, log.read_text()
+    rc, took = _exited(proc, bound)
+    text = log.read_text()
     print(f"  exit {rc} {took:.2f}s after the engine's death (bound {bound:.1f}s)")
     assert rc == 3 and "closing the engine" in text, (rc, text[-3000:])
     assert took < bound + 2.5 and "did not end" in text, (took, text[-3000:])
