@@ -21,7 +21,13 @@ from prefixq.core.entries import Entry
 from prefixq.core.errors import ConfigError
 from prefixq.core.settings import Settings
 from prefixq.engine.protocol import EngineOutput, EngineRequest
-from prefixq.worker.kv_budget import HISTORY_TRUST, KvBudget, pass_window_for
+from prefixq.worker.kv_budget import (
+    HISTORY_TRUST,
+    MIN_INFLIGHT_SHARE,
+    KvBudget,
+    pass_window_for,
+    share_for,
+)
 
 
 def _e(group: int | None, tokens: int = 100, rid: str = "") -> Entry:
@@ -199,6 +205,22 @@ def test_off_or_resized_to_off_lets_everything_in_and_the_window_follows_the_sha
         Settings(kv_inflight_share=-0.1).validate()
 
 
+def test_a_history_in_tokens_is_the_same_tokens_on_any_cache_and_leaves_at_least_half() -> None:
+    """``kv_history_tokens`` keeps that many tokens for the prefixes finished last whatever the
+    cache's size (a share keeps a share): 32,768 of 131,072 is a budget of 0.75, of 65,536 one of
+    0.5, never less than `MIN_INFLIGHT_SHARE`; no budget while the cache's size is unknown."""
+    assert share_for(0.3, 0, 131072) == 0.3  # no history: the share as set
+    assert share_for(0.0, 32768, 131072) == pytest.approx(0.75)
+    assert share_for(0.0, 32768, 65536) == pytest.approx(0.5)
+    assert share_for(0.0, 32768, 40000) == MIN_INFLIGHT_SHARE == 0.5
+    assert share_for(0.0, 32768, 0) == 0.0
+    assert Settings(kv_history_tokens=32768).kv_history_tokens == 32768
+    with pytest.raises(ConfigError, match="kv_history_tokens"):
+        Settings(kv_history_tokens=-1)
+    with pytest.raises(ConfigError, match="not both"):
+        Settings(kv_history_tokens=32768, kv_inflight_share=0.5)
+
+
 class _GroupCounting(FakeEngine):
     """Counts the distinct documents (a prompt's first word) inside `generate` at once."""
 
@@ -223,9 +245,9 @@ class _GroupCounting(FakeEngine):
 DOCS = [f"sleep:0.3 doc{d} " + f"the {d}th text of the corpus " * 20 for d in range(10)]
 
 
-@pytest.mark.parametrize("share", [0.0, 0.5])
+@pytest.mark.parametrize("budget", ["none", "share", "history"])
 def test_a_worker_keeps_the_distinct_prefixes_in_its_engine_within_the_budget(
-    share: float,
+    budget: str,
     make_settings: Callable[..., Settings],
     r: redis.Redis,
     fake_worker: Callable[..., Any],
@@ -233,8 +255,9 @@ def test_a_worker_keeps_the_distinct_prefixes_in_its_engine_within_the_budget(
     """A worker whose window holds the whole burst (10 documents x 3 questions) hands it all to
     its engine without a budget; with ``kv_inflight_share`` 0.5 of a cache of 6 documents, at
     most 3 documents are inside at once, each document's questions go in together, and every
-    result comes."""
-    s = make_settings(prefix_store_min_chars=16, kv_inflight_share=share)
+    result comes; the same with ``kv_history_tokens`` of 3 documents (those inside take the
+    rest)."""
+    s = make_settings(prefix_store_min_chars=16, kv_inflight_share=0.5 if budget == "share" else 0)
     reqs = [
         {"id": f"k-d{d}-q{q}", "prefix": DOCS[d], "prompt": f" question {q}?"}
         for d in range(10)
@@ -247,6 +270,8 @@ def test_a_worker_keeps_the_distinct_prefixes_in_its_engine_within_the_budget(
         for e in (Entry.from_wire(wire.decode(f[b"d"])) for _, f in queued_entries(r, s))
     )
     engine.kv_tokens = 6 * tokens  # type: ignore[attr-defined]  # the budget: 3 documents
+    if budget == "history":
+        s = s.replace(kv_history_tokens=3 * tokens)
     t0 = time.monotonic()
     with fake_worker(s, engine=engine):
         st = results.wait(burst, s, timeout=60)
@@ -254,7 +279,7 @@ def test_a_worker_keeps_the_distinct_prefixes_in_its_engine_within_the_budget(
     assert st.failed == 0 and st.done == 30
     got = {x.id: x for x in results.collect(burst, s)}
     assert all(got[f"k-d{d}-q{q}"].error is None for d in range(10) for q in range(3))
-    if share:
+    if budget != "none":
         assert engine.peak_docs <= 3, engine.peak_docs
         assert took >= 3 * 0.3, took  # ten documents, at most three at a time
     else:

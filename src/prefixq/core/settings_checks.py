@@ -171,6 +171,10 @@ def _check_ranges(s: Mapping[str, Any]) -> None:
     if not 0 <= s["kv_inflight_share"] < 1:
         share = s["kv_inflight_share"]
         raise ConfigError(f"kv_inflight_share must be a share in [0, 1), not {share}")
+    if s["kv_history_tokens"] < 0:
+        raise ConfigError(f"kv_history_tokens must be >= 0, not {s['kv_history_tokens']}")
+    if s["kv_history_tokens"] and s["kv_inflight_share"]:
+        raise ConfigError("set kv_inflight_share or kv_history_tokens, not both")
     if not 0 <= s["affinity_min_match"] <= 1:
         raise ConfigError(
             f"affinity_min_match must be a share in [0, 1], not {s['affinity_min_match']}"

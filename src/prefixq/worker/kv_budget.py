@@ -52,11 +52,14 @@ __all__ = [
     "HISTORY_TRUST",
     "KV_HISTORY_SHARE",
     "KV_HISTORY_SHARES",
+    "KV_HISTORY_TOKENS",
+    "MIN_INFLIGHT_SHARE",
     "WAITING_WINDOWS",
     "KvBudget",
     "apply",
     "commands",
     "pass_window_for",
+    "share_for",
     "size",
 ]
 
@@ -71,6 +74,10 @@ WAITING_WINDOWS = 4
 KV_HISTORY_SHARE = 0.5
 #: every budget the bench's admissions switch to (``admission:<name>``), to measure the share
 KV_HISTORY_SHARES = {"kv-history": KV_HISTORY_SHARE, "kv-history-30": 0.3, "kv-history-70": 0.7}
+#: the histories (tokens kept, ``kv_history_tokens``) the bench's admissions switch to
+KV_HISTORY_TOKENS = {"kv-history-32k": 32768}
+#: the least share of the cache ``kv_history_tokens`` leaves to the prefixes inside the engine
+MIN_INFLIGHT_SHARE = 0.5
 
 #: what `KvBudget.holding` gives while the budget is off
 _OFF: contextlib.AbstractAsyncContextManager[None] = contextlib.nullcontext()
@@ -89,6 +96,19 @@ class _Waiter(NamedTuple):
     task: asyncio.Task[object] | None
     #: what `give_back` returns for it, its delivery and entry (None: nothing)
     tag: Item | None
+
+
+def share_for(share: float, history_tokens: int, kv_tokens: int) -> float:
+    """The budget's share of an engine of ``kv_tokens``: ``share``, or with ``history_tokens``
+    set, the share that keeps that many tokens for the prefixes finished last (at least
+    `MIN_INFLIGHT_SHARE` for those inside; 0, no budget, while the cache's size is unknown).
+    The history a joining burst needs is the documents the pass finished before it came: a
+    number of documents, not a share of the cache (docs/BENCHMARKS.md, 2026-12-06)."""
+    if history_tokens <= 0:
+        return share
+    if kv_tokens <= 0:
+        return 0.0
+    return max(MIN_INFLIGHT_SHARE, 1.0 - history_tokens / kv_tokens)
 
 
 def pass_window_for(pass_window: float, share: float) -> float:
@@ -301,11 +321,12 @@ def apply(budget: KvBudget, marks: PassMarks, share: float, pass_window: float) 
 
 def size(budget: KvBudget, marks: PassMarks, kv_tokens: int, settings: Settings) -> None:
     """Size the budget and the pass's window for an engine of ``kv_tokens`` (0: unknown)."""
-    share = settings.kv_inflight_share
-    if share and kv_tokens <= 0:
-        log.warning("kv_inflight_share %s: the engine states no KV cache size; no budget", share)
+    share, history = settings.kv_inflight_share, settings.kv_history_tokens
+    if (share or history) and kv_tokens <= 0:
+        what = f"kv_inflight_share {share}" if share else f"kv_history_tokens {history}"
+        log.warning("%s: the engine states no KV cache size; no budget", what)
     budget.kv_tokens = marks.kv_tokens = kv_tokens
-    apply(budget, marks, share, settings.pass_window)
+    apply(budget, marks, share_for(share, history, kv_tokens), settings.pass_window)
 
 
 def commands(
@@ -315,15 +336,20 @@ def commands(
     settings: Settings,
 ) -> dict[str, Callable[[], Awaitable[None]]]:
     """worker/groups.py's admission commands (``switches``), each setting the budget too:
-    ``admission:kv-history`` (and the others of `KV_HISTORY_SHARES`) to its share, every other
-    to the settings' share."""
+    ``admission:kv-history`` (and the others of `KV_HISTORY_SHARES`) to its share, those of
+    `KV_HISTORY_TOKENS` to their history, every other to the settings' budget."""
 
     def with_budget(name: str, run: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
         adm = name.removeprefix("admission:")
-        share = KV_HISTORY_SHARES.get(adm, settings.kv_inflight_share)
 
         async def go() -> None:
             await run()
+            if adm in KV_HISTORY_SHARES:
+                share = KV_HISTORY_SHARES[adm]
+            else:
+                history = KV_HISTORY_TOKENS.get(adm, settings.kv_history_tokens)
+                shared = 0.0 if adm in KV_HISTORY_TOKENS else settings.kv_inflight_share
+                share = share_for(shared, history, budget.kv_tokens)
             apply(budget, marks, share, settings.pass_window)
 
         return go
