@@ -207,12 +207,13 @@ def test_off_or_resized_to_off_lets_everything_in_and_the_window_follows_the_sha
 
 def test_a_history_in_tokens_is_the_same_tokens_on_any_cache_and_leaves_at_least_half() -> None:
     """``kv_history_tokens`` keeps that many tokens for the prefixes finished last whatever the
-    cache's size (a share keeps a share): 32,768 of 131,072 is a budget of 0.75, of 65,536 one of
-    0.5, never less than `MIN_INFLIGHT_SHARE`; no budget while the cache's size is unknown."""
+    cache's size (a share keeps a share): 32,768 of 131,072 is a budget of 0.75, of 262,144 one
+    of 0.875, never less than `MIN_INFLIGHT_SHARE` (0.7, of 65,536); no budget while the cache's
+    size is unknown."""
     assert share_for(0.3, 0, 131072) == 0.3  # no history: the share as set
     assert share_for(0.0, 32768, 131072) == pytest.approx(0.75)
-    assert share_for(0.0, 32768, 65536) == pytest.approx(0.5)
-    assert share_for(0.0, 32768, 40000) == MIN_INFLIGHT_SHARE == 0.5
+    assert share_for(0.0, 32768, 262144) == pytest.approx(0.875)
+    assert share_for(0.0, 32768, 65536) == MIN_INFLIGHT_SHARE == 0.7
     assert share_for(0.0, 32768, 0) == 0.0
     assert Settings(kv_history_tokens=32768).kv_history_tokens == 32768
     with pytest.raises(ConfigError, match="kv_history_tokens"):
@@ -255,8 +256,8 @@ def test_a_worker_keeps_the_distinct_prefixes_in_its_engine_within_the_budget(
     """A worker whose window holds the whole burst (10 documents x 3 questions) hands it all to
     its engine without a budget; with ``kv_inflight_share`` 0.5 of a cache of 6 documents, at
     most 3 documents are inside at once, each document's questions go in together, and every
-    result comes; the same with ``kv_history_tokens`` of 3 documents (those inside take the
-    rest)."""
+    result comes; the same with ``kv_history_tokens`` of one document in a cache of four (those
+    inside take the rest)."""
     s = make_settings(prefix_store_min_chars=16, kv_inflight_share=0.5 if budget == "share" else 0)
     reqs = [
         {"id": f"k-d{d}-q{q}", "prefix": DOCS[d], "prompt": f" question {q}?"}
@@ -270,8 +271,9 @@ def test_a_worker_keeps_the_distinct_prefixes_in_its_engine_within_the_budget(
         for e in (Entry.from_wire(wire.decode(f[b"d"])) for _, f in queued_entries(r, s))
     )
     engine.kv_tokens = 6 * tokens  # type: ignore[attr-defined]  # the budget: 3 documents
-    if budget == "history":
-        s = s.replace(kv_history_tokens=3 * tokens)
+    if budget == "history":  # a cache of 4 documents keeping 1: the budget is 3 again
+        engine.kv_tokens = 4 * tokens  # type: ignore[attr-defined]
+        s = s.replace(kv_history_tokens=tokens)
     t0 = time.monotonic()
     with fake_worker(s, engine=engine):
         st = results.wait(burst, s, timeout=60)

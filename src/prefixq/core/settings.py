@@ -109,7 +109,7 @@ class Settings:
     #: and the pass's window grows to 0.8 of it (worker/kv_budget.py)
     kv_inflight_share: float = 0.0
     #: workers: the budget as the tokens it keeps for the prefixes finished last instead (the
-    #: same history on any cache size; those inside take the rest, at least half; 0: use
+    #: same history on any cache size; those inside take the rest, at least 70%; 0: use
     #: kv_inflight_share; not both)
     kv_history_tokens: int = 0
     #: producer-side tokenizer (HF folder) for token block hashes; empty = character blocks

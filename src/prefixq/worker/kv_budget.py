@@ -76,8 +76,10 @@ KV_HISTORY_SHARE = 0.5
 KV_HISTORY_SHARES = {"kv-history": KV_HISTORY_SHARE, "kv-history-30": 0.3, "kv-history-70": 0.7}
 #: the histories (tokens kept, ``kv_history_tokens``) the bench's admissions switch to
 KV_HISTORY_TOKENS = {"kv-history-32k": 32768}
-#: the least share of the cache ``kv_history_tokens`` leaves to the prefixes inside the engine
-MIN_INFLIGHT_SHARE = 0.5
+#: the least share of the cache ``kv_history_tokens`` leaves to the prefixes inside the engine:
+#: below it the engine's batch shrinks (simulated, two engines of 65,536 tokens: a burst alone
+#: 22% slower at 0.5, 4% at 0.7; docs/BENCHMARKS.md, 2026-12-06)
+MIN_INFLIGHT_SHARE = 0.7
 
 #: what `KvBudget.holding` gives while the budget is off
 _OFF: contextlib.AbstractAsyncContextManager[None] = contextlib.nullcontext()
