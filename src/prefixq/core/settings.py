@@ -131,7 +131,7 @@ class Settings:
     #: shard takes only embeddings bursts, and only it does: docs/openai.md, "/v1/embeddings")
     task: str = "generate"
     #: requests kept inside the engine; 0 = twice the engine's max_num_seqs (those waiting for
-    #: kv_inflight_share's room are outside it: up to four windows more, worker/kv_budget.py)
+    #: the KV budget's room are outside it: up to four windows more, worker/kv_budget.py)
     max_inflight: int = 0
     #: entries read per XREADGROUP
     read_count: int = 128

@@ -99,7 +99,8 @@ class Admission:
         #: where the pass is: the groups of the requests the engine finished last
         #: (worker/shared_pass.py; the heartbeat's, which publishes it)
         self.marks: PassMarks | None = None
-        #: the distinct prefixes inside the engine, held to ``kv_inflight_share`` of its cache
+        #: the distinct prefixes inside the engine, held to a share of its cache
+        #: (``kv_inflight_share``, or ``kv_history_tokens``: sized with the engine, kv_budget.size)
         #: (worker/kv_budget.py; sized once the engine states its cache); an ended burst's
         #: requests waiting for it leave at once
         self.budget = probes.budget = KvBudget(settings.kv_inflight_share)
