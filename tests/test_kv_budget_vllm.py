@@ -1,7 +1,7 @@
 """The KV budget (worker/kv_budget.py) in a `prefixq worker` on the real vLLM CPU engine: a cache
-of 1,088 tokens, half of it for the distinct prefixes inside the engine, a burst over documents
-that hold the whole cache; read back through the control stream's ``stats`` as `prefixq bench`
-does."""
+of 1,088 tokens, half of it (or all but 300 tokens) for the distinct prefixes inside the engine,
+a burst over documents that hold the whole cache; read back through the control stream's
+``stats`` as `prefixq bench` does."""
 
 from __future__ import annotations
 
@@ -41,16 +41,19 @@ def _burst() -> list[dict[str, Any]]:
     ]
 
 
-def test_a_vllm_worker_keeps_the_prefixes_inside_its_engine_to_half_its_cache(
-    redis_server: RedisServer, start_worker: Callable[..., Any]
+@pytest.mark.parametrize("budget", ["share", "history"])
+def test_a_vllm_worker_keeps_the_prefixes_inside_its_engine_within_its_budget(
+    budget: str, redis_server: RedisServer, start_worker: Callable[..., Any]
 ) -> None:
-    """Given a worker whose engine holds 1,088 tokens with ``kv_inflight_share`` 0.5, when a
+    """Given a worker whose engine holds 1,088 tokens with ``kv_inflight_share`` 0.5 (or
+    ``kv_history_tokens`` 300: the engine's stated cache less 300, about 0.72 of it), when a
     burst of 8 documents of 128 tokens x 3 questions (more than the cache) comes, then every
     request succeeds, some waited for room, the distinct prefixes inside never took more than
     the budget, and each document's later questions found its prefix cached (its questions
     went in together)."""
     s = Settings(redis_url=redis_server.url, namespace=f"kvb{secrets.token_hex(3)}", shards=1)
-    extra = ["--kv-inflight-share", "0.5", "--prefix-store-min-chars", "16"]
+    flag = ["--kv-inflight-share", "0.5"] if budget == "share" else ["--kv-history-tokens", "300"]
+    extra = [*flag, "--prefix-store-min-chars", "16"]
     for arg in ("kv_cache_memory_bytes=50331648", "max_model_len=1024"):
         extra += ["--engine-arg", arg]
     start_worker(s, name="kvb-w", extra=extra).wait_up()
@@ -71,8 +74,13 @@ def test_a_vllm_worker_keeps_the_prefixes_inside_its_engine_to_half_its_cache(
         f"  budget {answer['kv_budget_tokens']} tokens, peak {answer['kv_budget_peak']}, "
         f"held {answer['kv_budget_held']}"
     )
-    assert answer["kv_budget_share"] == 0.5
-    assert 400 <= answer["kv_budget_tokens"] <= 600  # half of the engine's stated cache
+    if budget == "share":
+        assert answer["kv_budget_share"] == 0.5
+        assert 400 <= answer["kv_budget_tokens"] <= 600  # half of the engine's stated cache
+    else:  # the stated cache less 300 tokens: sized from the real engine's cache
+        share, tokens = answer["kv_budget_share"], answer["kv_budget_tokens"]
+        assert 0.7 < share < 0.8, share
+        assert abs(tokens / share - tokens - 300) <= 2, (tokens, share)
     assert 0 < answer["kv_budget_peak"] <= answer["kv_budget_tokens"]
     assert answer["kv_budget_held"] > 0, "nothing waited: the burst did not test the budget"
     cached = [
