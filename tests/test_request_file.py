@@ -4,7 +4,11 @@ submitted as a list get; a submit's memory stays far below the file's size."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import subprocess
+import threading
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +17,7 @@ from typing import Any
 import pytest
 import redis
 
-from helpers import cli, queued_entries
+from helpers import cli, cli_argv, queued_entries
 from prefixq.client import Producer
 from prefixq.client.request_file import RequestFile, read_request_file
 from prefixq.core import wire
@@ -165,3 +169,46 @@ def test_a_line_longer_than_any_request_is_refused_without_reading_it_whole(
     finally:
         tracemalloc.stop()
     assert peak < 5 << 20, peak
+
+
+def test_submit_from_an_endless_stdin_stops_at_its_first_bad_line(
+    make_settings: Callable[..., Settings], r: redis.Redis, tmp_path: Path
+) -> None:
+    """Given `prefixq submit -` whose stdin never ends (a writer that keeps writing, pipe open)
+    and whose second line is not JSON, then it exits 1 naming stdin's line 2 while the writer is
+    still writing, enqueues nothing and leaves no temporary file (before, stdin was copied whole
+    before any line was checked: it filled the disk)."""
+    s = make_settings()
+    p = subprocess.Popen(
+        cli_argv(s, "submit", "-", "--shards", "1"),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    pipe = p.stdin
+    assert pipe is not None and p.stderr is not None
+
+    def write() -> None:
+        line = (json.dumps({"id": "x", "prompt": "hello " * 100}) + "\n").encode()
+        with contextlib.suppress(OSError, ValueError):  # until the reader goes away
+            pipe.write(b'{"id": "a", "prompt": "hi"}\n{"id": "b", "prompt": \n')
+            while True:
+                pipe.write(line)
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    try:
+        code = p.wait(timeout=60)
+        err = p.stderr.read().decode()
+    finally:
+        p.kill()
+        p.wait()
+        writer.join(timeout=10)
+        for f in (pipe, p.stderr):
+            with contextlib.suppress(OSError):
+                f.close()
+    assert code == 1, err
+    assert "stdin: line 2" in err, err
+    assert not list(r.scan_iter(match=f"{s.namespace}:*"))
+    assert not list(tmp_path.glob("prefixq-stdin-*")), list(tmp_path.iterdir())

@@ -15,13 +15,12 @@ server's check of an input file (prefixq.openai.validate) fills one line by line
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import tempfile
 from array import array
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import IO, overload
+from typing import IO, Protocol, overload
 
 from prefixq.client.order import Peek, peek, peeks
 from prefixq.core.entries import check_size
@@ -134,8 +133,9 @@ def line_limit(s: Settings) -> int:
 
 
 def read_request_file(path: str, settings: Settings | None = None) -> RequestFile:
-    """The requests of a JSONL file ('-': stdin, copied to a temporary file first), checked as
-    `prefixq.core.inputs.read_requests` checks them: ValidationError names the first bad line."""
+    """The requests of a JSONL file ('-': stdin, copied to a temporary file line by line),
+    checked as `prefixq.core.inputs.read_requests` checks them: ValidationError names the first
+    bad line."""
     s = settings or Settings()
     if path == "-":
         return _from_stdin(s)
@@ -146,21 +146,39 @@ def read_request_file(path: str, settings: Settings | None = None) -> RequestFil
     except OSError as e:  # a directory, no permission
         raise ValidationError(f"{path}: cannot read it: {e.strerror}") from None
     with f:
-        return _check(f, path, path, s, keep_open=False)
+        return _check(f, path, path, s)
+
+
+class _Lines(Protocol):
+    def readline(self, size: int = -1, /) -> bytes: ...
+
+
+class _Copying:
+    """Lines read from ``src``, each written to ``dst`` as it is read."""
+
+    def __init__(self, src: IO[bytes], dst: IO[bytes]) -> None:
+        self.src, self.dst = src, dst
+
+    def readline(self, size: int = -1, /) -> bytes:
+        line = self.src.readline(size)
+        self.dst.write(line)
+        return line
 
 
 def _from_stdin(s: Settings) -> RequestFile:
+    """stdin's requests, copied to a temporary file line by line as they are checked: a stream
+    that is not request lines stops at its first bad line instead of filling the disk first."""
     tmp = tempfile.NamedTemporaryFile(prefix="prefixq-stdin-", suffix=".jsonl", delete=False)  # noqa: SIM115
     try:
         with tmp:
-            shutil.copyfileobj(sys.stdin.buffer, tmp, 1 << 20)
-        with open(tmp.name, "rb") as f:
-            return _check(f, tmp.name, "stdin", s, keep_open=True)
+            out = _check(_Copying(sys.stdin.buffer, tmp), tmp.name, "stdin", s)
+        out.open()  # before the unlink below
+        return out
     finally:
         os.unlink(tmp.name)  # the descriptor kept open reads it (POSIX) until it is closed
 
 
-def _check(f: IO[bytes], path: str, name: str, s: Settings, *, keep_open: bool) -> RequestFile:
+def _check(f: _Lines, path: str, name: str, s: Settings) -> RequestFile:
     out = RequestFile(path, s, name=name)
     ids = IdCheck(lambda i: f"line {out.line(i)}", f"{name}: ")
     offset, limit = 0, line_limit(s)
@@ -182,6 +200,4 @@ def _check(f: IO[bytes], path: str, name: str, s: Settings, *, keep_open: bool) 
             out.add(offset, len(raw), n, req)
             ids.add(len(out) - 1, [req.id])
         offset += len(raw)
-    if keep_open:  # a temporary copy about to be unlinked: keep a descriptor on it
-        out.open()
     return out
