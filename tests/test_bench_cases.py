@@ -159,6 +159,9 @@ def test_the_bench_switches_a_live_workers_admission_order_and_back(
     assert budget.share == 0.7 and budget.capacity == 700 and abs(marks.window - 0.24) < 1e-9
     control_command(s, "admission:kv-history-30", [fw.name])
     assert budget.share == 0.3 and budget.capacity == 300 and abs(marks.window - 0.56) < 1e-9
+    # a history in tokens, sized on this engine's cache: 32,768 of 1,000 leaves the floor, 0.7
+    control_command(s, "admission:kv-history-32k", [fw.name])
+    assert budget.share == 0.7 and budget.capacity == 700 and abs(marks.window - 0.24) < 1e-9
     control_command(s, "admission:fair", [fw.name])
     assert budget.share == 0 and budget.capacity == 0 and marks.window == s.pass_window
 
@@ -270,6 +273,21 @@ def test_an_admission_case_keeps_the_workers_gc_figures_and_takes_every_budget_s
     sizes = Sizes(documents=4, burst_questions=1, burst_gap=0.2, bursts=2)
     got = _multi_burst(s, fw.name, sizes, admissions=["multi-burst:kv-history-70"])
     assert set(got["admissions"]) == {"fair", "kv-history-70"}
+    # each case reports the budget its worker ran at (off by default)
+    ((fair,), (held,)) = (got["admissions"][a]["kv_budget"] for a in ("fair", "kv-history-70"))
+    assert fair["kv_budget_share"] == 0 and fair["kv_budget_tokens"] == 0
+    assert held["kv_budget_share"] == 0.7 and held["kv_budget_tokens"] == 700
+    from rich.console import Console
+
+    from prefixq.bench.report import table
+
+    console = Console(record=True, width=300)
+    table({"config": {}, "environment": {}, "workloads": {"multi-burst": got}}, console)
+    lines = console.export_text().splitlines()
+    (line,) = [x for x in lines if x.startswith("multi-burst / admission kv-history-70")]
+    assert "; KV budget 0.70 of the cache, " in line, line
+    (line,) = [x for x in lines if x.startswith("multi-burst / admission fair")]
+    assert "KV budget" not in line, line
     for view in got["admissions"].values():
         assert view["pipeline"]["median_throughput"] > 0
         (by_gen,) = view["gc_frozen_by_gen"]

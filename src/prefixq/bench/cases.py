@@ -152,7 +152,15 @@ async def run_case(
     summary["order"] = order
     summary["gc_max_pause_ms_frozen"] = [gc_max.get(n, 0.0) for n in names]
     summary["gc_frozen_by_gen"] = by_gen(stats, names) if stats else []
+    # each worker's KV budget in the last pipeline run: the share it ran at, and whether
+    # requests waited for it (a case's admission, or the settings' budget, shown to be on)
+    summary["kv_budget"] = [
+        {k: stats[n].get(k) for k in _BUDGET_FIELDS} for n in names if n in stats
+    ]
     return summary
+
+
+_BUDGET_FIELDS = ("kv_budget_share", "kv_budget_tokens", "kv_budget_peak", "kv_budget_held")
 
 
 def summarise(runs: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:

@@ -66,6 +66,7 @@ def table(report: dict[str, Any], console: Console | None = None) -> None:
                 f"{wl} / {label}: median ratio {o['median_ratio']:.4f} vs {o.get('ratios_vs')} "
                 f"(pairs {' '.join(f'{x:.3f}' for x in o['ratios'])}){vs}"
                 + (f"; cached {share:.1%} of the optimum" if share else "")
+                + _budget(o.get("kv_budget") or [])
             )
         for pl, p in w["placements"].items():
             if p.get("max_share_ratio"):
@@ -284,3 +285,13 @@ def _plot_fleet(report: dict[str, Any], path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _budget(workers: list[dict[str, Any]]) -> str:
+    """The KV budget a case's workers ran at (worker/kv_budget.py), when it was on."""
+    on = [w for w in workers if w.get("kv_budget_share")]
+    if not on:
+        return ""
+    shares = "/".join(f"{w['kv_budget_share']:.2f}" for w in on)
+    held = sum(int(w.get("kv_budget_held") or 0) for w in on)
+    return f"; KV budget {shares} of the cache, {held} requests waited for it"

@@ -331,6 +331,7 @@ def _order_view(case: dict[str, Any]) -> dict[str, Any]:
         # whichever case it fell due before)
         "gc_max_pause_ms_frozen",
         "gc_frozen_by_gen",
+        "kv_budget",  # the budget the case's workers ran at
     )
     return {k: case[k] for k in keep if k in case}
 
