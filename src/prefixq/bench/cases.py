@@ -155,12 +155,11 @@ async def run_case(
     # each worker's KV budget in the last pipeline run: the share it ran at, and whether
     # requests waited for it (a case's admission, or the settings' budget, shown to be on)
     summary["kv_budget"] = [
-        {k: stats[n].get(k) for k in _BUDGET_FIELDS} for n in names if n in stats
+        {k: v for k, v in stats[n].items() if k.startswith("kv_budget_")}
+        for n in names
+        if n in stats
     ]
     return summary
-
-
-_BUDGET_FIELDS = ("kv_budget_share", "kv_budget_tokens", "kv_budget_peak", "kv_budget_held")
 
 
 def summarise(runs: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:

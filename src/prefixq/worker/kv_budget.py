@@ -321,6 +321,11 @@ def apply(budget: KvBudget, marks: PassMarks, share: float, pass_window: float) 
     marks.resize(pass_window_for(pass_window, share))
 
 
+def _settings_share(settings: Settings, kv_tokens: int) -> float:
+    """The settings' budget (``kv_inflight_share`` or ``kv_history_tokens``) on ``kv_tokens``."""
+    return share_for(settings.kv_inflight_share, settings.kv_history_tokens, kv_tokens)
+
+
 def size(budget: KvBudget, marks: PassMarks, kv_tokens: int, settings: Settings) -> None:
     """Size the budget and the pass's window for an engine of ``kv_tokens`` (0: unknown)."""
     share, history = settings.kv_inflight_share, settings.kv_history_tokens
@@ -328,7 +333,7 @@ def size(budget: KvBudget, marks: PassMarks, kv_tokens: int, settings: Settings)
         what = f"kv_inflight_share {share}" if share else f"kv_history_tokens {history}"
         log.warning("%s: the engine states no KV cache size; no budget", what)
     budget.kv_tokens = marks.kv_tokens = kv_tokens
-    apply(budget, marks, share_for(share, history, kv_tokens), settings.pass_window)
+    apply(budget, marks, _settings_share(settings, kv_tokens), settings.pass_window)
 
 
 def commands(
@@ -348,10 +353,10 @@ def commands(
             await run()
             if adm in KV_HISTORY_SHARES:
                 share = KV_HISTORY_SHARES[adm]
+            elif adm in KV_HISTORY_TOKENS:
+                share = share_for(0.0, KV_HISTORY_TOKENS[adm], budget.kv_tokens)
             else:
-                history = KV_HISTORY_TOKENS.get(adm, settings.kv_history_tokens)
-                shared = 0.0 if adm in KV_HISTORY_TOKENS else settings.kv_inflight_share
-                share = share_for(shared, history, budget.kv_tokens)
+                share = _settings_share(settings, budget.kv_tokens)
             apply(budget, marks, share, settings.pass_window)
 
         return go
