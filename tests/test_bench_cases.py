@@ -128,7 +128,8 @@ def test_the_bench_switches_a_live_workers_admission_order_and_back(
 ) -> None:
     """`admission:whole-groups` and `admission:resident-first` on the control stream switch a
     running worker's scheduler (worker/groups.py); `admission:kv-history` its KV budget and pass
-    window (worker/kv_budget.py); `admission:fair` switches all of them back."""
+    window (worker/kv_budget.py); `admission:fair` switches all of them back (to the settings'
+    budget, none by default); `admission:kv-history-off` turns a budget the settings set off."""
 
     s = make_settings()
     engine = FakeEngine()
@@ -164,16 +165,32 @@ def test_the_bench_switches_a_live_workers_admission_order_and_back(
     assert budget.share == 0.7 and budget.capacity == 700 and abs(marks.window - 0.24) < 1e-9
     control_command(s, "admission:fair", [fw.name])
     assert budget.share == 0 and budget.capacity == 0 and marks.window == s.pass_window
+    # a worker whose settings keep 32,768 tokens: fair is that budget, kv-history-off none
+    s32 = s.replace(kv_history_tokens=32768)
+    engine32 = FakeEngine()
+    engine32.kv_tokens = 1000  # type: ignore[attr-defined]
+    fw32 = fake_worker(s32, name="adm32", engine=engine32)
+    assert fw32.worker is not None
+    budget32, marks32 = fw32.worker.admission.budget, fw32.worker.heartbeat.marks
+    assert budget32.share == 0.7 and budget32.capacity == 700
+    control_command(s32, "admission:kv-history-off", [fw32.name])
+    assert budget32.share == 0 and budget32.capacity == 0 and marks32.window == s.pass_window
+    control_command(s32, "admission:fair", [fw32.name])
+    assert budget32.share == 0.7 and budget32.capacity == 700
+    assert abs(marks32.window - 0.24) < 1e-9
 
 
-def _multi_burst(s: Settings, worker: str, sizes: Any, **config: Any) -> dict[str, Any]:
-    """The bench's multi-burst case (`_workload`) on the fake worker ``worker`` and a fake
-    standalone engine, with ``sizes`` and the rest of `BenchConfig` as ``config`` says."""
+def _multi_burst(
+    s: Settings, worker: str, sizes: Any, workload: str = "multi-burst", **config: Any
+) -> dict[str, Any]:
+    """The bench's multi-burst case (or ``workload``'s: `_workload`) on the fake worker ``worker``
+    and a fake standalone engine, with ``sizes`` and the rest of `BenchConfig` as ``config``
+    says."""
     from prefixq.bench.runner import BenchConfig, _workload
     from prefixq.bench.workloads import Shape
 
     cfg = BenchConfig(
-        model="fake", gpus=[None], engine_args=[], workloads=["multi-burst"], pairs=1,
+        model="fake", gpus=[None], engine_args=[], workloads=[workload], pairs=1,
         sizes=sizes, shape=Shape(doc_tokens=40, question_tokens=4, output_tokens=2),
         setups=["given"], **config,
     )  # fmt: skip
@@ -184,7 +201,7 @@ def _multi_burst(s: Settings, worker: str, sizes: Any, **config: Any) -> dict[st
             async with Producer(s) as producer:
                 workers = type("W", (), {"names": [worker]})()
                 env = Env(s, ar, {"given": FakeStandalone()}, workers, producer, print, 16)
-                out = await _workload(cfg, env, "multi-burst", 1000, None)
+                out = await _workload(cfg, env, workload, 1000, None)
                 assert env.producer is producer
                 return out
         finally:
@@ -294,3 +311,37 @@ def test_an_admission_case_keeps_the_workers_gc_figures_and_takes_every_budget_s
         assert {"idle_max_step_ms", "whole_heap_freed", "whole_heap_skipped"} <= set(by_gen)
         assert len(view["gc_max_pause_ms_frozen"]) == 1
     assert fw.worker.admission.budget.share == 0  # fair again after the case
+
+
+def test_the_kv_budgets_admissions_are_measured_on_requests_that_share_nothing_too(
+    make_settings: Callable[..., Settings], fake_worker: Callable[..., FakeWorker]
+) -> None:
+    """The KV budget holds requests of their own too (each its own prefix), so
+    ``--admissions kv-history-off`` measures ``no-reuse`` beside the default; an admission that
+    orders groups (whole-groups) has nothing to order there and is not run; ``--plan`` lists
+    the same cases."""
+    from prefixq.bench.plan import estimate
+    from prefixq.bench.runner import BenchConfig
+    from prefixq.bench.setups import admissions_for
+    from prefixq.bench.workloads import Sizes
+
+    adms = ["kv-history-off", "whole-groups", "reuse:kv-history-70", "fair"]
+    assert admissions_for(adms, "no-reuse") == ["kv-history-off"]
+    assert admissions_for(adms, "reuse") == ["kv-history-off", "whole-groups", "kv-history-70"]
+    cfg = BenchConfig(
+        model="fake", gpus=[None], engine_args=[], workloads=["no-reuse"], pairs=1,
+        admissions=adms,
+    )  # fmt: skip
+    plan = [c["order"] for c in estimate(cfg, 131072)["cases"] if c["workload"] == "no-reuse"]
+    assert plan == ["decode-first", "decode-first+kv-history-off"], plan
+    s = make_settings(kv_history_tokens=32768)  # the budget on, for kv-history-off to differ
+    engine = FakeEngine()
+    engine.kv_tokens = 1000  # type: ignore[attr-defined]
+    fw = fake_worker(s, name="bench-s0", engine=engine)
+    assert fw.worker is not None
+    got = _multi_burst(s, fw.name, Sizes(requests=6), "no-reuse", admissions=adms)
+    assert set(got["admissions"]) == {"fair", "kv-history-off"}
+    ((fair,), (off,)) = (got["admissions"][a]["kv_budget"] for a in ("fair", "kv-history-off"))
+    assert fair["kv_budget_share"] == 0.7 and off["kv_budget_share"] == 0
+    assert got["admissions"]["kv-history-off"]["pipeline"]["median_throughput"] > 0
+    assert fw.worker.admission.budget.share == 0.7  # the settings' budget again after it

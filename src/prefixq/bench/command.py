@@ -76,11 +76,12 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--admissions",
         default="",
-        help="the workers' admission orders to measure beside fair shares, switched on for a "
-        "case of their own: whole-groups, resident-first, kv-history (half the engine's cache for "
-        "the prefixes inside it: kv_inflight_share 0.5), kv-history-30 and kv-history-70 (0.3, "
-        "0.7), kv-history-32k (32,768 tokens kept for the prefixes finished last: "
-        "kv_history_tokens); WORKLOAD:NAME for one workload",
+        help="the workers' admission orders to measure beside fair shares at the settings' KV "
+        "budget, switched on for a case of their own: whole-groups, resident-first, kv-history "
+        "(half the engine's cache for the prefixes inside it: kv_inflight_share 0.5), "
+        "kv-history-30 and kv-history-70 (0.3, 0.7), kv-history-32k (32,768 tokens kept for the "
+        "prefixes finished last: kv_history_tokens), kv-history-off (no budget); WORKLOAD:NAME "
+        "for one workload",
     )
     b.add_argument(
         "--standalone",

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from prefixq.bench.measures import optimum_cached
-from prefixq.bench.setups import GIVEN, MODE_OF, OFFLOAD, SORTED, scoped, setups_for
+from prefixq.bench.setups import GIVEN, MODE_OF, OFFLOAD, SORTED, admissions_for, scoped, setups_for
 from prefixq.bench.workloads import SHARING, Workload, build
 
 PREFILL_S = 3.0e-5
@@ -82,14 +82,14 @@ def estimate(
         placements = cfg.placements if name == "reuse" else ["affinity"]
         setups = setups_for(cfg.setups, name)
         orders = [(p, cfg.order, setups) for p in placements]
+        one = [SORTED] if SORTED in setups else [GIVEN]  # as the runner measures orders
         if name in SHARING:
             others = [o for o in scoped(cfg.orders, name) if o != cfg.order]
-            one = [SORTED] if SORTED in setups else [GIVEN]  # as the runner measures orders
             orders += [("affinity", o, one) for o in others]
-            adms = [a for a in scoped(cfg.admissions, name) if a != "fair"]
-            orders += [("affinity", f"{cfg.order}+{a}", one) for a in adms]
-            if name in cfg.pass_off:
-                orders.append(("affinity", f"{cfg.order}, pass off", one))
+        adms = admissions_for(cfg.admissions, name)
+        orders += [("affinity", f"{cfg.order}+{a}", one) for a in adms]
+        if name in SHARING and name in cfg.pass_off:
+            orders.append(("affinity", f"{cfg.order}, pass off", one))
         for placement, order, ups in orders:
             pairs = cfg.random_pairs if placement == "random" else cfg.pairs
             secs = {m: _seconds(wl, m, capacity, offload_tokens, block) for m in _modes(ups)}

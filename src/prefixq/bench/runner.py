@@ -34,6 +34,7 @@ from prefixq.bench.setups import (
     GIVEN,
     OFFLOAD,
     SORTED,
+    admissions_for,
     host_offload_gib,
     offload_args,
     offload_unsupported,
@@ -260,8 +261,8 @@ async def _workload(
             case = await run_case(env, b, "affinity", order, cfg.pairs, order_setups)
             out["orders"][order] = _order_view(case)
             env.saved()
-    admissions = [a for a in scoped(cfg.admissions, name) if a != "fair"]
-    if name in SHARING and admissions:
+    admissions = admissions_for(cfg.admissions, name)
+    if admissions:
         one = [SORTED] if SORTED in setups_for(cfg.setups, name) else [GIVEN]
         out["admissions"] = {"fair": _order_view(out["placements"]["affinity"])}
         for adm in admissions:

@@ -50,6 +50,18 @@ def scoped(items: list[str], workload: str) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def admissions_for(items: list[str], workload: str) -> list[str]:
+    """The admissions (``--admissions``) measured on ``workload`` beside the default (``fair``):
+    every one where requests share prefixes; elsewhere (``no-reuse``) only the KV budget's
+    (worker/kv_budget.py), the one that changes how many requests of their own go in at once."""
+    from prefixq.bench.workloads import SHARING
+    from prefixq.worker.kv_budget import KV_HISTORY_SHARES, KV_HISTORY_TOKENS
+
+    budgets = {*KV_HISTORY_SHARES, *KV_HISTORY_TOKENS}
+    out = [a for a in scoped(items, workload) if a != "fair"]
+    return out if workload in SHARING else [a for a in out if a in budgets]
+
+
 def parse_setups(raw: str) -> list[str]:
     """``--setups``: names from `SETUPS`, each for every workload or ``WORKLOAD:NAME``."""
     return parse_scoped(raw, SETUPS, "--setups")

@@ -25,7 +25,10 @@ Waiting groups go in only while fewer requests than the window are inside (`wind
 goes whole): the engine holds about its window, as without the budget, never the four windows
 let in at once as room frees up. A waiting request whose burst ends (cancelled or expired:
 `end`) leaves at once instead of waiting for room.
-Off (0) by default: measured in docs/BENCHMARKS.md.
+Off (0) by default: measured in docs/BENCHMARKS.md. A group's tokens are its whole prompt, so
+groups under one shared prefix (a system prompt before each document) each count that prefix
+again, and fewer of them go in than the cache holds: the likely cause of `system-prompt` running
+10% slower with 32,768 kept (simulated; docs/BENCHMARKS.md, 2026-12-06 (later)).
 """
 
 from __future__ import annotations
@@ -72,8 +75,14 @@ WAITING_WINDOWS = 4
 
 #: the budget `prefixq bench --admissions kv-history` switches a worker to
 KV_HISTORY_SHARE = 0.5
-#: every budget the bench's admissions switch to (``admission:<name>``), to measure the share
-KV_HISTORY_SHARES = {"kv-history": KV_HISTORY_SHARE, "kv-history-30": 0.3, "kv-history-70": 0.7}
+#: every budget the bench's admissions switch to (``admission:<name>``), to measure the share;
+#: ``kv-history-off`` none at all (against a budget the settings set)
+KV_HISTORY_SHARES = {
+    "kv-history": KV_HISTORY_SHARE,
+    "kv-history-30": 0.3,
+    "kv-history-70": 0.7,
+    "kv-history-off": 0.0,
+}
 #: the histories (tokens kept, ``kv_history_tokens``) the bench's admissions switch to
 KV_HISTORY_TOKENS = {"kv-history-32k": 32768}
 #: the least share of the cache ``kv_history_tokens`` leaves to the prefixes inside the engine:
