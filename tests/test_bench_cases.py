@@ -318,14 +318,21 @@ def test_the_kv_budgets_admissions_are_measured_on_requests_that_share_nothing_t
 ) -> None:
     """The KV budget holds requests of their own too (each its own prefix), so
     ``--admissions kv-history-off`` measures ``no-reuse`` beside the default; an admission that
-    orders groups (whole-groups) has nothing to order there and is not run; ``--plan`` lists
-    the same cases."""
+    orders groups (whole-groups) has nothing to order there and is not run (named for no-reuse
+    alone, a clear error); ``--plan`` lists the same cases."""
+    import pytest
+
+    from prefixq.bench.command import _admissions
     from prefixq.bench.plan import estimate
     from prefixq.bench.runner import BenchConfig
     from prefixq.bench.setups import admissions_for
     from prefixq.bench.workloads import Sizes
+    from prefixq.core.errors import ConfigError
 
     adms = ["kv-history-off", "whole-groups", "reuse:kv-history-70", "fair"]
+    assert _admissions(",".join(adms)) == adms  # for every workload: each where it applies
+    with pytest.raises(ConfigError, match=r"no-reuse's requests share no prefix.*whole-groups"):
+        _admissions("no-reuse:kv-history-off,no-reuse:whole-groups")
     assert admissions_for(adms, "no-reuse") == ["kv-history-off"]
     assert admissions_for(adms, "reuse") == ["kv-history-off", "whole-groups", "kv-history-70"]
     cfg = BenchConfig(

@@ -326,7 +326,16 @@ def _orders(raw: str) -> list[str]:
 
 
 def _admissions(raw: str) -> list[str]:
-    from prefixq.bench.setups import parse_scoped
+    from prefixq.bench.setups import admissions_for, parse_scoped
+    from prefixq.bench.workloads import SHARING, WORKLOADS
     from prefixq.worker.groups import ADMISSIONS
 
-    return parse_scoped(raw, tuple(ADMISSIONS), "--admissions")
+    items = parse_scoped(raw, tuple(ADMISSIONS), "--admissions")
+    for name in set(WORKLOADS) - SHARING:  # one named for a workload that cannot take it
+        named = [x.rpartition(":")[2] for x in items if x.rpartition(":")[0] == name]
+        if not_run := [a for a in named if a not in admissions_for(named, name)]:
+            raise ConfigError(
+                f"--admissions: {name}'s requests share no prefix, so only the KV budget's "
+                f"admissions apply there, not {', '.join(not_run)}"
+            )
+    return items

@@ -188,6 +188,6 @@ def table(plan: dict[str, Any]) -> str:
         per = ", ".join(f"{m} {s}" for m, s in c["run_s"].items())
         out.append(
             f"  {c['workload']:<13} {c['placement']:<8} {c['order']:<28} {c['requests']:>5} req "
-            f"({c['documents']} docs) x {c['pairs']} pairs: ~{c['seconds']} s  [one run: {per}]"
+            f"({c['documents']} docs) x {c['pairs']} pairs: ~{c['seconds']:.1f} s  [one run: {per}]"
         )
     return "\n".join(out)
