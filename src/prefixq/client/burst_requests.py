@@ -64,7 +64,7 @@ class BurstRequests:
 
     def validate(self, idx: Sequence[int]) -> None:
         """Validate (and parse) requests ``idx`` not validated yet: each on its own (its entry's
-        size included: `entries.check_size`), and its id across the burst; a checked file's are
+        size included: `entry_size.check_size`), and its id across the burst; a checked file's are
         only read again."""
         for i in idx:
             if self.reqs[i] is not None:

@@ -189,7 +189,7 @@ class EntryEncoder:
 
     def _check(self, n: int, i: int, q: Request, what: str, packed: int) -> None:
         """ValidationError unless a worker can decode what encodes to ``n`` bytes, ``packed``
-        bytes of msgpack (`entries.check_size` refused such a request already, as a rule)."""
+        bytes of msgpack (`entry_size.check_size` refused such a request already, as a rule)."""
         if n > self.s.max_entry_bytes:
             raise ValidationError(
                 f"request {i + 1} ({q.id!r}): {what} encodes to {n} bytes, over "

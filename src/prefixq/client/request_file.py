@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import IO, Protocol, overload
 
 from prefixq.client.order import Peek, peek, peeks
-from prefixq.core.entries import check_size
+from prefixq.core.entry_size import check_size
 from prefixq.core.errors import ValidationError
 from prefixq.core.inputs import BLANK, IdCheck, read_json_line
 from prefixq.core.records import Request

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from prefixq.core.entries import check_size
+from prefixq.core.entry_size import check_size
 from prefixq.core.errors import ValidationError
 from prefixq.core.records import Request
 from prefixq.core.settings import Settings

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from prefixq.client.request_file import RequestFile, line_limit
-from prefixq.core.entries import check_size
+from prefixq.core.entry_size import check_size
 from prefixq.core.errors import ValidationError
 from prefixq.core.inputs import BLANK, read_json_line
 from prefixq.core.openai_lines import RESPONSES
