@@ -162,3 +162,25 @@ async def serve(
         if on_worker is not None:
             on_worker(w, loop)
         return await w.run()
+
+
+class DocCounting(FakeEngine):
+    """Counts the distinct documents (a prompt's first word ``doc...``; a request without one
+    stands for itself) inside `generate` at once: ``peak_docs``."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.docs: dict[str, int] = {}
+        self.peak_docs = 0
+
+    async def generate(self, request: EngineRequest) -> EngineOutput:
+        words = (request.prompt or "").split()
+        doc = next((w for w in words if w.startswith("doc")), request.request_id)
+        self.docs[doc] = self.docs.get(doc, 0) + 1
+        self.peak_docs = max(self.peak_docs, len(self.docs))
+        try:
+            return await super().generate(request)
+        finally:
+            self.docs[doc] -= 1
+            if not self.docs[doc]:
+                del self.docs[doc]

@@ -131,7 +131,7 @@ def test_the_bench_switches_a_live_workers_admission_order_and_back(
     window (worker/kv_budget.py); `admission:fair` switches all of them back (to the settings'
     budget, none by default); `admission:kv-history-off` turns a budget the settings set off."""
 
-    s = make_settings()
+    s = make_settings(kv_history_tokens=0)  # no budget in the settings: fair is none
     engine = FakeEngine()
     engine.kv_tokens = 1000  # type: ignore[attr-defined]  # a cache the budget can be sized on
     fw = fake_worker(s, name="adm", engine=engine)
@@ -282,7 +282,7 @@ def test_an_admission_case_keeps_the_workers_gc_figures_and_takes_every_budget_s
     ]
     with pytest.raises(ConfigError, match="--admissions: unknown 'kv-history-50'"):
         _admissions("kv-history-50")
-    s = make_settings(prefix_store_min_chars=16)
+    s = make_settings(prefix_store_min_chars=16, kv_history_tokens=0)  # fair: no budget
     engine = FakeEngine()
     engine.kv_tokens = 1000  # type: ignore[attr-defined]
     fw = fake_worker(s, name="bench-s0", engine=engine)
@@ -290,7 +290,7 @@ def test_an_admission_case_keeps_the_workers_gc_figures_and_takes_every_budget_s
     sizes = Sizes(documents=4, burst_questions=1, burst_gap=0.2, bursts=2)
     got = _multi_burst(s, fw.name, sizes, admissions=["multi-burst:kv-history-70"])
     assert set(got["admissions"]) == {"fair", "kv-history-70"}
-    # each case reports the budget its worker ran at (off by default)
+    # each case reports the budget its worker ran at (fair: the settings', none here)
     ((fair,), (held,)) = (got["admissions"][a]["kv_budget"] for a in ("fair", "kv-history-70"))
     assert fair["kv_budget_share"] == 0 and fair["kv_budget_tokens"] == 0
     assert held["kv_budget_share"] == 0.7 and held["kv_budget_tokens"] == 700

@@ -13,21 +13,15 @@ from typing import Any
 import pytest
 import redis
 
-from fake_engine import FakeEngine
+from fake_engine import DocCounting
 from helpers import queued_entries
 from prefixq.client import Producer, results
 from prefixq.core import wire
 from prefixq.core.entries import Entry
 from prefixq.core.errors import ConfigError
-from prefixq.core.settings import Settings
-from prefixq.engine.protocol import EngineOutput, EngineRequest
-from prefixq.worker.kv_budget import (
-    HISTORY_TRUST,
-    MIN_INFLIGHT_SHARE,
-    KvBudget,
-    pass_window_for,
-    share_for,
-)
+from prefixq.core.settings import DEFAULT_KV_HISTORY, Settings
+from prefixq.worker.kv_budget import KvBudget
+from prefixq.worker.kv_sizing import HISTORY_TRUST, MIN_INFLIGHT_SHARE, pass_window_for, share_for
 
 
 def _e(group: int | None, tokens: int = 100, rid: str = "") -> Entry:
@@ -209,44 +203,29 @@ def test_a_history_in_tokens_is_the_same_tokens_on_any_cache_and_leaves_at_least
     """``kv_history_tokens`` keeps that many tokens for the prefixes finished last whatever the
     cache's size (a share keeps a share): 32,768 of 131,072 is a budget of 0.75, of 262,144 one
     of 0.875, never less than `MIN_INFLIGHT_SHARE` (0.7, of 65,536); no budget while the cache's
-    size is unknown."""
+    size is unknown. It is the default (32,768); a share set replaces it; both 0: no budget."""
     assert share_for(0.3, 0, 131072) == 0.3  # no history: the share as set
+    assert share_for(0.3, 32768, 131072) == 0.3  # a share set replaces the history
+    assert share_for(0.0, 0, 131072) == 0.0  # both off
     assert share_for(0.0, 32768, 131072) == pytest.approx(0.75)
     assert share_for(0.0, 32768, 262144) == pytest.approx(0.875)
     assert share_for(0.0, 32768, 65536) == MIN_INFLIGHT_SHARE == 0.7
     assert share_for(0.0, 32768, 0) == 0.0
-    assert Settings(kv_history_tokens=32768).kv_history_tokens == 32768
+    assert Settings().kv_history_tokens == DEFAULT_KV_HISTORY == 32768
+    assert Settings().kv_inflight_share == 0.0
     with pytest.raises(ConfigError, match="kv_history_tokens"):
         Settings(kv_history_tokens=-1)
+    # a share beside the default history is the share; beside another history, a clear error
+    assert Settings(kv_inflight_share=0.5).kv_history_tokens == DEFAULT_KV_HISTORY
+    assert Settings(kv_history_tokens=0, kv_inflight_share=0.5).kv_inflight_share == 0.5
     with pytest.raises(ConfigError, match="not both"):
-        Settings(kv_history_tokens=32768, kv_inflight_share=0.5)
-
-
-class _GroupCounting(FakeEngine):
-    """Counts the distinct documents (a prompt's first word) inside `generate` at once."""
-
-    def __init__(self, **kw: Any) -> None:
-        super().__init__(**kw)
-        self.docs: dict[str, int] = {}
-        self.peak_docs = 0
-
-    async def generate(self, request: EngineRequest) -> EngineOutput:
-        words = (request.prompt or "").split()
-        doc = words[1] if len(words) > 1 and words[1].startswith("doc") else request.request_id
-        self.docs[doc] = self.docs.get(doc, 0) + 1
-        self.peak_docs = max(self.peak_docs, len(self.docs))
-        try:
-            return await super().generate(request)
-        finally:
-            self.docs[doc] -= 1
-            if not self.docs[doc]:
-                del self.docs[doc]
+        Settings(kv_history_tokens=16384, kv_inflight_share=0.5)
 
 
 DOCS = [f"sleep:0.3 doc{d} " + f"the {d}th text of the corpus " * 20 for d in range(10)]
 
 
-@pytest.mark.parametrize("budget", ["none", "share", "history"])
+@pytest.mark.parametrize("budget", ["none", "share", "history", "default"])
 def test_a_worker_keeps_the_distinct_prefixes_in_its_engine_within_the_budget(
     budget: str,
     make_settings: Callable[..., Settings],
@@ -257,15 +236,18 @@ def test_a_worker_keeps_the_distinct_prefixes_in_its_engine_within_the_budget(
     its engine without a budget; with ``kv_inflight_share`` 0.5 of a cache of 6 documents, at
     most 3 documents are inside at once, each document's questions go in together, and every
     result comes; the same with ``kv_history_tokens`` of one document in a cache of four (those
-    inside take the rest)."""
+    inside take the rest); by default (32,768 tokens kept, more than this cache: the floor, 0.7 of
+    6 documents) at most 4."""
     s = make_settings(prefix_store_min_chars=16, kv_inflight_share=0.5 if budget == "share" else 0)
+    if budget == "none":
+        s = s.replace(kv_history_tokens=0)
     reqs = [
         {"id": f"k-d{d}-q{q}", "prefix": DOCS[d], "prompt": f" question {q}?"}
         for d in range(10)
         for q in range(3)
     ]
     burst = asyncio.run(Producer(s).asubmit(reqs, order="grouped"))
-    engine = _GroupCounting(max_num_seqs=64)
+    engine = DocCounting(max_num_seqs=64)
     tokens = max(
         e.work + e.predicted_cached
         for e in (Entry.from_wire(wire.decode(f[b"d"])) for _, f in queued_entries(r, s))
@@ -281,7 +263,10 @@ def test_a_worker_keeps_the_distinct_prefixes_in_its_engine_within_the_budget(
     assert st.failed == 0 and st.done == 30
     got = {x.id: x for x in results.collect(burst, s)}
     assert all(got[f"k-d{d}-q{q}"].error is None for d in range(10) for q in range(3))
-    if budget != "none":
+    if budget == "default":
+        assert engine.peak_docs <= 4, engine.peak_docs
+        assert took >= 3 * 0.3, took  # ten documents, at most four at a time
+    elif budget != "none":
         assert engine.peak_docs <= 3, engine.peak_docs
         assert took >= 3 * 0.3, took  # ten documents, at most three at a time
     else:

@@ -363,8 +363,12 @@ def test_the_window_follows_what_the_engine_finished_not_what_the_worker_handed_
     the engine's queue. The published window is where the engine is: the groups of the
     requests it finished last. Here documents 0-3 take 0.2 s and 4-11 take 6 s: while only the
     first four are done, the window holds some of them and nothing of the rest (it held
-    documents 9-11, the last admitted, before the window followed finished requests)."""
-    s = make_settings(prefix_store_min_chars=16, heartbeat_s=0.2, pass_window=0.5)
+    documents 9-11, the last admitted, before the window followed finished requests). No KV
+    budget (``kv_history_tokens`` 0): with one, the worker hands the engine a few documents at a
+    time (tests/test_kv_budget.py)."""
+    s = make_settings(
+        prefix_store_min_chars=16, heartbeat_s=0.2, pass_window=0.5, kv_history_tokens=0
+    )
     keys = Keys(s.namespace)
     docs = [f"sleep:{0.2 if d < 4 else 6} " + DOCS[d] for d in range(12)]
     reqs = [

@@ -40,6 +40,10 @@ class Placed:
     predicted_cached: int = 0
     #: the checkpoint that ends the request's shared prefix (its prefix group; affinity only)
     anchor: bytes | None = None
+    #: the deepest checkpoint its group shares with other groups, and its tokens (affinity only:
+    #: affinity/ancestors.py)
+    ancestor: int | None = None
+    ancestor_tokens: int = 0
 
 
 class Placer(Protocol):

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aredis
 
+from prefixq.affinity.ancestors import Ancestry
 from prefixq.affinity.placement import Item, Placed
 from prefixq.core.settings import Settings
 from prefixq.store.liveness import alive_mask, read_load
@@ -53,6 +54,8 @@ class AffinityPlacer:
         #: the engine's KV block in tokens: predicted hits are rounded down to it
         self.engine_block = engine_block or settings.block_size
         self.moves: list[dict[str, float | int | str]] = []
+        #: each group's shared ancestor, over the burst's chunks (affinity/ancestors.py)
+        self.ancestry = Ancestry()
         #: the shards it may place on (those that serve the burst's task: affinity/serving.py);
         #: None = every shard
         self.among: list[int] | None = None
@@ -125,6 +128,9 @@ class AffinityPlacer:
             load[shard] += work
             placed.append(Placed(shard, work, cached, self._anchor(it)))
 
+        ancestors = self.ancestry.mark(items, [p.cps for p in plans], self.engine_block)
+        for pl, (ancestor, tokens) in zip(placed, ancestors, strict=True):
+            pl.ancestor, pl.ancestor_tokens = ancestor, tokens
         stored = await self._claim(r, local, modes, [cp for cp in unique if cp not in local])
         # a racing producer claimed some checkpoints first: their requests follow the winner
         lost = {cp: v for cp, v in stored.items() if modes.get(cp) == "n" and v != local[cp]}

@@ -55,7 +55,7 @@ def admissions_for(items: list[str], workload: str) -> list[str]:
     every one where requests share prefixes; elsewhere (``no-reuse``) only the KV budget's
     (worker/kv_budget.py), the one that changes how many requests of their own go in at once."""
     from prefixq.bench.workloads import SHARING
-    from prefixq.worker.kv_budget import KV_HISTORY_SHARES, KV_HISTORY_TOKENS
+    from prefixq.worker.kv_sizing import KV_HISTORY_SHARES, KV_HISTORY_TOKENS
 
     budgets = {*KV_HISTORY_SHARES, *KV_HISTORY_TOKENS}
     out = [a for a in scoped(items, workload) if a != "fair"]

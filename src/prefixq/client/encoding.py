@@ -150,6 +150,7 @@ class EntryEncoder:
                     self._check(len(value), i, q, "its shared prefix", size)
                     out.new_prefixes[ref] = value
                 extra = self._inline_key + size - self._ref_key - len(wire.pack(ref))
+            group = pass_key(key) if key is not None and (inline or ref) else None
             entry = to_wire(
                 q,
                 prefix=None if ref is not None else prefix,
@@ -161,7 +162,12 @@ class EntryEncoder:
                 work=pl.work,
                 predicted_cached=pl.predicted_cached,
                 anchor=pl.anchor,
-                group=pass_key(key) if key is not None and (inline or ref) else None,
+                group=group,
+                ancestor=(
+                    (pl.ancestor, pl.ancestor_tokens)
+                    if group is not None and pl.ancestor is not None
+                    else None
+                ),
                 own=own,
                 deadline=self.deadline,
                 priority=self.priority,

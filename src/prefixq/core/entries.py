@@ -14,7 +14,10 @@ request runs nothing: its result is that message);
 ``pr`` the burst's priority and ``tn`` its tenant (absent: ``normal`` and ``default``, so that the
 default path's entries carry no extra byte; prefixq.core.sharing); ``a`` the checkpoint hash
 that ends the request's shared prefix (8 bytes; absent without one): its prefix group, which moves
-between shards whole, and the prefix map's entry that follows it (affinity/handover.py).
+between shards whole, and the prefix map's entry that follows it (affinity/handover.py); ``g``
+the group's pass key (client/shared_pass.py); ``sa`` the group's shared ancestor, ``[key,
+tokens]`` (affinity/ancestors.py: counted once by the worker's KV budget). ``a``, ``g`` and
+``sa`` are hints: one malformed is left out, never a refused entry.
 """
 
 from __future__ import annotations
@@ -93,6 +96,9 @@ class Entry:
     anchor: bytes | None = None
     #: the shared prefix's pass key, the same in every burst (client/shared_pass.py)
     group: int | None = None
+    #: the part of the group's prefix other groups share (affinity/ancestors.py): key, tokens
+    ancestor: int | None = None
+    ancestor_tokens: int = 0
     #: an embeddings request's options (`Request.pooling`)
     pooling: dict[str, Any] | None = None
 
@@ -129,8 +135,10 @@ class Entry:
             e.anchor = anchor if isinstance(anchor, bytes) and len(anchor) == 8 else None
         group = d.get("g")
         if group is not None:  # a hint too: one that is no 64-bit key is left out
-            ok = isinstance(group, int) and not isinstance(group, bool) and 0 <= group < 1 << 64
-            e.group = group if ok else None
+            e.group = group if _u64(group) else None
+        sa = d.get("sa")
+        if isinstance(sa, list) and len(sa) == 2 and all(_u64(x) for x in sa) and sa[1]:
+            e.ancestor, e.ancestor_tokens = sa[0], min(sa[1], _MAX_COUNT)
         pr, tn = d.get("pr"), d.get("tn")  # absent on the default path: nothing to check
         if pr is not None:
             if not isinstance(pr, str) or pr not in PRIORITIES:
@@ -241,6 +249,7 @@ def to_wire(
     tenant: str = DEFAULT_TENANT,
     anchor: bytes | None = None,
     group: int | None = None,
+    ancestor: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """The entry map for one request (prefix inline or by reference, never both)."""
     d: dict[str, Any] = {
@@ -276,6 +285,8 @@ def to_wire(
         d["a"] = anchor
     if group is not None:
         d["g"] = group
+    if ancestor is not None:
+        d["sa"] = list(ancestor)
     if prefix_ref is not None:
         d["xr"] = prefix_ref
     elif prefix is not None:
@@ -293,6 +304,10 @@ def _count(d: dict[str, Any], key: str) -> int:
     if not 0 <= value < _MAX_COUNT:
         raise ValueError(f"entry field {key!r}={value} out of range")
     return value
+
+
+def _u64(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 64
 
 
 def _typed(d: dict[str, Any], key: str, kind: type) -> Any:

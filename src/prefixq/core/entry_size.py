@@ -13,7 +13,7 @@ from prefixq.core.records import Request
 from prefixq.core.settings import Settings
 
 #: what the fields a burst adds to an entry (its id, counters, deadline, priority, tenant, anchor,
-#: group) may take in msgpack beyond what `check_size` packs them as
+#: group, ancestor) may take in msgpack beyond what `check_size` packs them as
 ENVELOPE_BYTES = 512
 
 

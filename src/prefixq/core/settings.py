@@ -17,9 +17,9 @@ from typing import Any, get_type_hints
 
 from prefixq.core.errors import ConfigError
 from prefixq.core.keys import Keys
-from prefixq.core.settings_checks import CODECS, ORDERS, PLACEMENTS, check
+from prefixq.core.settings_checks import CODECS, DEFAULT_KV_HISTORY, ORDERS, PLACEMENTS, check
 
-__all__ = ["CODECS", "DEFAULT_ORDER", "ORDERS", "PLACEMENTS", "Settings"]
+__all__ = ["CODECS", "DEFAULT_KV_HISTORY", "DEFAULT_ORDER", "ORDERS", "PLACEMENTS", "Settings"]
 
 log = logging.getLogger(__name__)
 
@@ -105,13 +105,14 @@ class Settings:
     #: finished last (the completion front), among which a joining burst starts
     pass_window: float = 0.1
     #: workers: the share of the engine's KV cache the distinct prefixes of the requests inside
-    #: it may take (0: no limit); the rest keeps the prefixes finished last for joining bursts,
-    #: and the pass's window grows to 0.8 of it (worker/kv_budget.py)
+    #: it may take (0: sized by kv_history_tokens; set, it replaces the default history); the
+    #: rest keeps the prefixes finished last for joining bursts, and the pass's window grows to
+    #: 0.8 of it (worker/kv_budget.py)
     kv_inflight_share: float = 0.0
-    #: workers: the budget as the tokens it keeps for the prefixes finished last instead (the
-    #: same history on any cache size; those inside take the rest, at least 70%; 0: use
-    #: kv_inflight_share; not both)
-    kv_history_tokens: int = 0
+    #: workers: the KV budget as the tokens it keeps for the prefixes finished last (the same
+    #: history on any cache size; those inside take the rest, at least 70%; 0 with
+    #: kv_inflight_share 0: no budget)
+    kv_history_tokens: int = DEFAULT_KV_HISTORY
     #: producer-side tokenizer (HF folder) for token block hashes; empty = character blocks
     tokenizer: str = ""
 

@@ -17,10 +17,13 @@ from prefixq.core.errors import ConfigError, ValidationError
 from prefixq.core.sharing import check_priority, check_tenant, parse_caps, parse_weights
 from prefixq.core.webhooks import WebhookConfig
 
-__all__ = ["CODECS", "ORDERS", "PLACEMENTS", "check"]
+__all__ = ["CODECS", "DEFAULT_KV_HISTORY", "ORDERS", "PLACEMENTS", "check"]
 
 CODECS = ("zlib", "zstd", "none")
 PLACEMENTS = ("affinity", "hash", "random", "round-robin")
+#: the tokens the workers' KV budget keeps for the prefixes finished last by default: it met
+#: issue 36's targets on a GPU and lost on no workload measured (docs/BENCHMARKS.md, 2026-12-06)
+DEFAULT_KV_HISTORY = 32768
 #: enqueue orders (prefixq.client.order)
 ORDERS = ("input", "leaders-first", "grouped", "depth-first", "decode-first")
 #: codec levels allowed besides -1 (the codec's default for prefixq); codec none has none
@@ -173,8 +176,11 @@ def _check_ranges(s: Mapping[str, Any]) -> None:
         raise ConfigError(f"kv_inflight_share must be a share in [0, 1), not {share}")
     if s["kv_history_tokens"] < 0:
         raise ConfigError(f"kv_history_tokens must be >= 0, not {s['kv_history_tokens']}")
-    if s["kv_history_tokens"] and s["kv_inflight_share"]:
-        raise ConfigError("set kv_inflight_share or kv_history_tokens, not both")
+    if s["kv_inflight_share"] and s["kv_history_tokens"] not in (0, DEFAULT_KV_HISTORY):
+        raise ConfigError(
+            "set kv_inflight_share or kv_history_tokens, not both "
+            "(a share set replaces the default history)"
+        )
     if not 0 <= s["affinity_min_match"] <= 1:
         raise ConfigError(
             f"affinity_min_match must be a share in [0, 1], not {s['affinity_min_match']}"

@@ -100,7 +100,7 @@ class Admission:
         #: (worker/shared_pass.py; the heartbeat's, which publishes it)
         self.marks: PassMarks | None = None
         #: the distinct prefixes inside the engine, held to a share of its cache
-        #: (``kv_inflight_share``, or ``kv_history_tokens``: sized with the engine, kv_budget.size)
+        #: (``kv_inflight_share``, or ``kv_history_tokens``: sized with the engine, kv_sizing.size)
         #: (worker/kv_budget.py; sized once the engine states its cache); an ended burst's
         #: requests waiting for it leave at once
         self.budget = probes.budget = KvBudget(settings.kv_inflight_share)

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from prefixq.core.entries import Entry
-from prefixq.worker.kv_budget import KV_HISTORY_SHARES, KV_HISTORY_TOKENS
+from prefixq.worker.kv_sizing import KV_HISTORY_SHARES, KV_HISTORY_TOKENS
 
 
 class _Lane(Protocol):  # lanes.Lane, as seen here (scheduler.py imports this module)
@@ -51,7 +51,7 @@ ADMISSIONS = {
     "whole-groups": (True, False),
     "resident-first": (False, True),
     # fair shares, with the engine's in-flight prefixes held to a share of its cache
-    # (kv_budget.py `KV_HISTORY_SHARES`: half, or 30% and 70%), or keeping a number of tokens
+    # (kv_sizing.py `KV_HISTORY_SHARES`: half, or 30% and 70%), or keeping a number of tokens
     # for the prefixes finished last (`KV_HISTORY_TOKENS`)
     **dict.fromkeys([*KV_HISTORY_SHARES, *KV_HISTORY_TOKENS], (False, False)),
 }

@@ -6,15 +6,16 @@ nearly the whole cache, and a finished document's prefix is evicted as soon as t
 A burst that joins the shared pass (worker/shared_pass.py) then finds nothing behind the
 completion front, and recomputes every document the pass did before it came.
 
-With ``kv_inflight_share`` set, a request enters the engine only while the distinct prefixes of
-the requests inside it (each group's prompt tokens once, a request without a group its own) fit
-that share of the engine's KV cache; the rest of the cache keeps the prefixes finished last, where
-a joining burst starts (its window grows to match: `pass_window_for`). A request whose group is
-already inside goes at once (it adds its question and answer only), and so does one whose group
-the engine finished last (`resident`, the pass's window: still cached, it loads nothing); a
-group that does not fit waits, and the waiting groups go in the engine's own order (its
-priority, lower first, then admission), all of a group's waiting requests together; nothing
-waits while the engine is empty (a group larger than the budget goes alone).
+With a budget (``kv_history_tokens``, by default; its size: worker/kv_sizing.py), a request enters
+the engine only while the distinct prefixes of the requests inside it (each group's prompt tokens
+once, and the part it shares with other groups, its ancestor, once for all: affinity/ancestors.py; a
+request without a group its own) fit that share of the engine's KV cache; the rest of the cache
+keeps the prefixes finished last, where a joining burst starts (its window grows to match:
+`pass_window_for`). A request whose group is already inside goes at once (it adds its question and
+answer only), and so does one whose group the engine finished last (`resident`, the pass's window:
+still cached, it loads nothing); a group that does not fit waits, and the waiting groups go in the
+engine's own order (its priority, lower first, then admission), all of a group's waiting requests
+together; nothing waits while the engine is empty (a group larger than the budget goes alone).
 
 The requests waiting here are not in the engine, and the worker's window does not count them
 (`outside`, up to `WAITING_WINDOWS` windows of them): with them counted, the first burst's next
@@ -25,10 +26,7 @@ Waiting groups go in only while fewer requests than the window are inside (`wind
 goes whole): the engine holds about its window, as without the budget, never the four windows
 let in at once as room frees up. A waiting request whose burst ends (cancelled or expired:
 `end`) leaves at once instead of waiting for room.
-Off (0) by default: measured in docs/BENCHMARKS.md. A group's tokens are its whole prompt, so
-groups under one shared prefix (a system prompt before each document) each count that prefix
-again, and fewer of them go in than the cache holds: the likely cause of `system-prompt` running
-10% slower with 32,768 kept (simulated; docs/BENCHMARKS.md, 2026-12-06 (later)).
+On by default (32,768 tokens kept; ``kv_history_tokens`` 0 turns it off): docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -38,63 +36,27 @@ import contextlib
 import heapq
 import itertools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Container, Mapping
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import AsyncIterator, Container
+from typing import NamedTuple
 
 from prefixq.core.entries import Entry
 from prefixq.core.errors import EngineAborted
-from prefixq.core.settings import Settings
 from prefixq.worker.lanes import Item
-
-if TYPE_CHECKING:
-    from prefixq.worker.shared_pass import PassMarks
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "HISTORY_TRUST",
-    "KV_HISTORY_SHARE",
-    "KV_HISTORY_SHARES",
-    "KV_HISTORY_TOKENS",
-    "MIN_INFLIGHT_SHARE",
-    "WAITING_WINDOWS",
-    "KvBudget",
-    "apply",
-    "commands",
-    "pass_window_for",
-    "share_for",
-    "size",
-]
-
-#: of the cache the budget leaves to finished prefixes, the share a joining burst counts on
-#: finding still there (questions' and answers' blocks, and the engine's own rounding, take some)
-HISTORY_TRUST = 0.8
+__all__ = ["WAITING_WINDOWS", "KvBudget"]
 
 #: windows (the worker's ``max_inflight``) of requests that may wait for room beyond its window
 WAITING_WINDOWS = 4
-
-#: the budget `prefixq bench --admissions kv-history` switches a worker to
-KV_HISTORY_SHARE = 0.5
-#: every budget the bench's admissions switch to (``admission:<name>``), to measure the share;
-#: ``kv-history-off`` none at all (against a budget the settings set)
-KV_HISTORY_SHARES = {
-    "kv-history": KV_HISTORY_SHARE,
-    "kv-history-30": 0.3,
-    "kv-history-70": 0.7,
-    "kv-history-off": 0.0,
-}
-#: the histories (tokens kept, ``kv_history_tokens``) the bench's admissions switch to
-KV_HISTORY_TOKENS = {"kv-history-32k": 32768}
-#: the least share of the cache ``kv_history_tokens`` leaves to the prefixes inside the engine:
-#: below it the engine's batch shrinks (simulated, two engines of 65,536 tokens: a burst alone
-#: 22% slower at 0.5, 4% at 0.7; docs/BENCHMARKS.md, 2026-12-06)
-MIN_INFLIGHT_SHARE = 0.7
 
 #: what `KvBudget.holding` gives while the budget is off
 _OFF: contextlib.AbstractAsyncContextManager[None] = contextlib.nullcontext()
 
 #: a request's group, or the request itself (its burst and index) when it has none
 _Key = int | tuple[str, int]
+#: a group's shared ancestor (affinity/ancestors.py): its key and tokens, counted once
+_Up = tuple[int, int]
 
 
 class _Waiter(NamedTuple):
@@ -107,26 +69,8 @@ class _Waiter(NamedTuple):
     task: asyncio.Task[object] | None
     #: what `give_back` returns for it, its delivery and entry (None: nothing)
     tag: Item | None
-
-
-def share_for(share: float, history_tokens: int, kv_tokens: int) -> float:
-    """The budget's share of an engine of ``kv_tokens``: ``share``, or with ``history_tokens``
-    set, the share that keeps that many tokens for the prefixes finished last (at least
-    `MIN_INFLIGHT_SHARE` for those inside; 0, no budget, while the cache's size is unknown).
-    The history a joining burst needs is the documents the pass finished before it came: a
-    number of documents, not a share of the cache (docs/BENCHMARKS.md, 2026-12-06)."""
-    if history_tokens <= 0:
-        return share
-    if kv_tokens <= 0:
-        return 0.0
-    return max(MIN_INFLIGHT_SHARE, 1.0 - history_tokens / kv_tokens)
-
-
-def pass_window_for(pass_window: float, share: float) -> float:
-    """The shared pass's window (a share of the KV cache) for a budget of ``share`` (0: none)."""
-    if share <= 0:
-        return pass_window
-    return max(pass_window, HISTORY_TRUST * (1.0 - share))
+    #: its group's shared ancestor (`_Up`), None without one
+    up: _Up | None = None
 
 
 class KvBudget:
@@ -138,8 +82,12 @@ class KvBudget:
         self.kv_tokens = kv_tokens
         #: tokens the distinct prefixes inside the engine may take (0: no limit)
         self.capacity = 0
-        #: group -> [requests inside, its tokens]
+        #: group -> [requests inside, its tokens beyond its ancestor's]
         self._inside: dict[_Key, list[int]] = {}
+        #: the groups inside that have a shared ancestor: theirs; the ancestors inside: [groups
+        #: inside under it, its tokens] (each counted once in ``used``)
+        self._up: dict[_Key, _Up] = {}
+        self._ancestors: dict[int, list[int]] = {}
         #: tokens of the groups inside
         self.used = 0
         #: requests inside; the most a waiting group may find there to go in (the worker's
@@ -211,12 +159,16 @@ class KvBudget:
         for it if the worker stops while it waits."""
         key: _Key = e.group if e.group is not None else (e.burst, e.index)
         tokens = e.work + e.predicted_cached
+        up = None if e.group is None or e.ancestor is None else (e.ancestor, e.ancestor_tokens)
+        if up is not None:
+            up = (up[0], min(up[1], tokens))
         resident = self.resident is not None and e.group is not None and e.group in self.resident
-        if self.capacity and key not in self._inside and not resident and not self._fits(tokens):
+        cost = self._cost(tokens, up)
+        if self.capacity and key not in self._inside and not resident and not self._fits(cost):
             if self._giving_back:  # the worker stops: it is left pending at once (`give_back`)
                 raise asyncio.CancelledError
             fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-            waiter = _Waiter(tokens, fut, e.burst, asyncio.current_task(), tag)
+            waiter = _Waiter(tokens, fut, e.burst, asyncio.current_task(), tag, up)
             self.held += 1
             waiters = self._waiting.get(key)
             if waiters is None:  # its group's first waiting request places it
@@ -240,11 +192,15 @@ class KvBudget:
             if ended:
                 raise EngineAborted(f"burst {e.burst} ended while its request waited for room")
         else:
-            self._enter(key, tokens)
+            self._enter(key, tokens, up)
         try:
             yield
         finally:
             self._leave(key)
+
+    def _cost(self, tokens: int, up: _Up | None) -> int:
+        """What a group of ``tokens`` under ``up`` adds to ``used`` (its ancestor's tokens once)."""
+        return tokens - up[1] if up is not None and up[0] in self._ancestors else tokens
 
     def _fits(self, tokens: int) -> bool:
         return not self._waiting and (not self._inside or self.used + tokens <= self.capacity)
@@ -275,19 +231,23 @@ class KvBudget:
                 w.task.cancel()
         return [w.tag for w in waiters if w.tag is not None]
 
-    def _enter(self, key: _Key, tokens: int) -> None:
+    def _enter(self, key: _Key, tokens: int, up: _Up | None = None) -> None:
         self._requests += 1
         inside = self._inside.get(key)
         if inside is None:
-            self._inside[key] = [1, tokens]
-            self.used += tokens
-            self.peak = max(self.peak, self.used)
-        else:
-            inside[0] += 1
-            if tokens > inside[1]:
-                self.used += tokens - inside[1]
-                inside[1] = tokens
-                self.peak = max(self.peak, self.used)
+            inside = self._inside[key] = [0, 0]
+            if up is not None:  # its ancestor's tokens count once, with the first group under it
+                self._up[key] = up
+                held = self._ancestors.setdefault(up[0], [0, up[1]])
+                self.used += 0 if held[0] else held[1]
+                held[0] += 1
+        inside[0] += 1
+        up = self._up.get(key)
+        own = tokens - up[1] if up is not None else tokens
+        if own > inside[1]:
+            self.used += own - inside[1]
+            inside[1] = own
+        self.peak = max(self.peak, self.used)
 
     def _leave(self, key: _Key) -> None:
         self._requests -= 1
@@ -296,6 +256,13 @@ class KvBudget:
         if not inside[0]:
             del self._inside[key]
             self.used -= inside[1]
+            up = self._up.pop(key, None)
+            if up is not None:
+                held = self._ancestors[up[0]]
+                held[0] -= 1
+                if not held[0]:
+                    del self._ancestors[up[0]]
+                    self.used -= held[1]
         if self._heap:  # room, or a place in the window
             self._wake()
 
@@ -309,7 +276,7 @@ class KvBudget:
             if not waiters:  # all of it went already (a stale second place)
                 heapq.heappop(heap)
                 continue
-            tokens = max(w.tokens for w in waiters)
+            tokens = self._cost(max(w.tokens for w in waiters), waiters[0].up)
             cap, inside = self.capacity, self._inside
             if inside and self.window and self._requests >= self.window:
                 return
@@ -317,57 +284,8 @@ class KvBudget:
                 return
             heapq.heappop(heap)
             del self._waiting[key]
-            for t, fut, *_ in waiters:
-                if not fut.done():  # one cancelled meanwhile uncounts itself (`hold`)
+            for w in waiters:
+                if not w.fut.done():  # one cancelled meanwhile uncounts itself (`hold`)
                     self._count -= 1
-                    self._enter(key, t)
-                    fut.set_result(False)
-
-
-def apply(budget: KvBudget, marks: PassMarks, share: float, pass_window: float) -> None:
-    """Hold ``budget`` to ``share`` of its cache and widen the pass's window to match."""
-    budget.resize(share)
-    marks.resize(pass_window_for(pass_window, share))
-
-
-def _settings_share(settings: Settings, kv_tokens: int) -> float:
-    """The settings' budget (``kv_inflight_share`` or ``kv_history_tokens``) on ``kv_tokens``."""
-    return share_for(settings.kv_inflight_share, settings.kv_history_tokens, kv_tokens)
-
-
-def size(budget: KvBudget, marks: PassMarks, kv_tokens: int, settings: Settings) -> None:
-    """Size the budget and the pass's window for an engine of ``kv_tokens`` (0: unknown)."""
-    share, history = settings.kv_inflight_share, settings.kv_history_tokens
-    if (share or history) and kv_tokens <= 0:
-        what = f"kv_inflight_share {share}" if share else f"kv_history_tokens {history}"
-        log.warning("%s: the engine states no KV cache size; no budget", what)
-    budget.kv_tokens = marks.kv_tokens = kv_tokens
-    apply(budget, marks, _settings_share(settings, kv_tokens), settings.pass_window)
-
-
-def commands(
-    switches: Mapping[str, Callable[[], Awaitable[None]]],
-    budget: KvBudget,
-    marks: PassMarks,
-    settings: Settings,
-) -> dict[str, Callable[[], Awaitable[None]]]:
-    """worker/groups.py's admission commands (``switches``), each setting the budget too:
-    ``admission:kv-history`` (and the others of `KV_HISTORY_SHARES`) to its share, those of
-    `KV_HISTORY_TOKENS` to their history, every other to the settings' budget."""
-
-    def with_budget(name: str, run: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
-        adm = name.removeprefix("admission:")
-
-        async def go() -> None:
-            await run()
-            if adm in KV_HISTORY_SHARES:
-                share = KV_HISTORY_SHARES[adm]
-            elif adm in KV_HISTORY_TOKENS:
-                share = share_for(0.0, KV_HISTORY_TOKENS[adm], budget.kv_tokens)
-            else:
-                share = _settings_share(settings, budget.kv_tokens)
-            apply(budget, marks, share, settings.pass_window)
-
-        return go
-
-    return {name: with_budget(name, run) for name, run in switches.items()}
+                    self._enter(key, w.tokens, w.up)
+                    w.fut.set_result(False)

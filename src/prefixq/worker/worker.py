@@ -30,7 +30,7 @@ from prefixq.engine.protocol import Engine
 from prefixq.store.connection import async_client
 from prefixq.store.retry import retry
 from prefixq.store.webhook_outbox import aadd_burst_event
-from prefixq.worker import kv_budget
+from prefixq.worker import kv_sizing
 from prefixq.worker.admission import Admission
 from prefixq.worker.aio import cancel_all, drain, first_of, unless_stopped, within
 from prefixq.worker.backlog import replay_backlog
@@ -234,11 +234,11 @@ class Worker:
         await self._warm_up()
         self.engine_up = True
         probes, marks, s = self.probes, self.heartbeat.marks, self.settings
-        kv_budget.size(self.admission.budget, marks, getattr(self.engine, "kv_tokens", 0), s)
+        kv_sizing.size(self.admission.budget, marks, getattr(self.engine, "kv_tokens", 0), s)
         commands = {
             "reset_prefix_cache": resetting(self.engine.reset_prefix_cache, marks),
             **probes.commands(),
-            **kv_budget.commands(admission_commands(self.sched), self.admission.budget, marks, s),
+            **kv_sizing.commands(admission_commands(self.sched), self.admission.budget, marks, s),
             **self.fleet.commands(),
         }
         tasks = [
