@@ -1,7 +1,8 @@
 """The KV budget (worker/kv_budget.py) in a `prefixq worker` on the real vLLM CPU engine: a cache
 of 1,088 tokens, half of it (or all but 300 tokens) for the distinct prefixes inside the engine,
-a burst over documents that hold the whole cache; read back through the control stream's
-``stats`` as `prefixq bench` does."""
+a burst over documents that hold the whole cache; and the default budget over documents under
+one system prompt, counted once; read back through the control stream's ``stats`` as `prefixq
+bench` does."""
 
 from __future__ import annotations
 
@@ -89,3 +90,52 @@ def test_a_vllm_worker_keeps_the_prefixes_inside_its_engine_within_its_budget(
     # a document's questions run together: those after its first find its 128 tokens cached
     # (vLLM caches whole blocks of 16: at least 112 of them each)
     assert all(c >= (QUESTIONS - 1) * 112 for c in cached), cached
+
+
+def test_a_vllm_worker_counts_the_system_prompt_its_documents_share_once(
+    redis_server: RedisServer, start_worker: Callable[..., Any]
+) -> None:
+    """Given a worker with the default budget (32,768 tokens of history: on this cache of 1,088
+    tokens the floor, 0.7 of it) and a burst of 8 documents of 64 tokens under one system prompt
+    of 128 (one token-id prefix each) x 3 questions, then every request succeeds, every document
+    after the first finds the system prompt cached, and more documents were inside at once than
+    whole prefixes would fit (3 x 208 tokens): the producer marked the shared 128 tokens and the
+    budget counted them once (affinity/ancestors.py)."""
+    s = Settings(redis_url=redis_server.url, namespace=f"kva{secrets.token_hex(3)}", shards=1)
+    extra = ["--prefix-store-min-chars", "16"]
+    for arg in ("kv_cache_memory_bytes=50331648", "max_model_len=1024"):
+        extra += ["--engine-arg", arg]
+    start_worker(s, name="kva-w", extra=extra).wait_up()
+    rng = random.Random(11)
+    system = [rng.randrange(100, 30_000) for _ in range(128)]
+    docs = [[rng.randrange(100, 30_000) for _ in range(64)] for _ in range(DOCS)]
+    reqs = [
+        {
+            "id": f"d{d}-q{q}",
+            "prefix": system + docs[d],
+            "prompt_token_ids": [rng.randrange(100, 30_000) for _ in range(16)],
+            "max_tokens": 4,
+            "ignore_eos": True,
+        }
+        for d in range(DOCS)
+        for q in range(QUESTIONS)
+    ]
+    burst = asyncio.run(Producer(s).asubmit(reqs, order="grouped"))
+    st = results.wait(burst, s, timeout=300)
+    assert st.failed == 0 and st.done == DOCS * QUESTIONS
+    got = {x.id: x for x in results.collect(burst, s)}
+
+    async def stats() -> dict[str, Any]:
+        r = aredis.Redis.from_url(s.redis_url)
+        try:
+            return (await control.send(r, Keys(s.namespace), "stats", ["kva-w"]))["kva-w"]
+        finally:
+            await r.aclose()
+
+    answer = asyncio.run(stats())
+    print(f"  budget {answer['kv_budget_tokens']} tokens, peak {answer['kv_budget_peak']}")
+    assert answer["kv_budget_share"] == pytest.approx(0.7)
+    assert 0 < answer["kv_budget_peak"] <= answer["kv_budget_tokens"]
+    assert answer["kv_budget_peak"] > 3 * (128 + 64 + 16), answer  # 4+ documents inside at once
+    firsts = [got[f"d{d}-q0"].cached_tokens or 0 for d in range(1, DOCS)]
+    assert all(c >= 112 for c in firsts), firsts  # the system prompt, whole blocks of 16
