@@ -42,6 +42,29 @@ def _burst() -> list[dict[str, Any]]:
     ]
 
 
+def _run(
+    start_worker: Callable[..., Any], s: Settings, name: str, flags: list[str], reqs: list[Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A worker ``name`` on a cache of 1,088 tokens with ``flags``, the burst ``reqs`` through
+    it (every request must succeed): its results by id, and its ``stats`` answer after."""
+    extra = [*flags, "--prefix-store-min-chars", "16"]
+    for arg in ("kv_cache_memory_bytes=50331648", "max_model_len=1024"):
+        extra += ["--engine-arg", arg]
+    start_worker(s, name=name, extra=extra).wait_up()
+    burst = asyncio.run(Producer(s).asubmit(reqs, order="grouped"))
+    st = results.wait(burst, s, timeout=300)
+    assert st.failed == 0 and st.done == len(reqs)
+
+    async def stats() -> dict[str, Any]:
+        r = aredis.Redis.from_url(s.redis_url)
+        try:
+            return (await control.send(r, Keys(s.namespace), "stats", [name]))[name]
+        finally:
+            await r.aclose()
+
+    return {x.id: x for x in results.collect(burst, s)}, asyncio.run(stats())
+
+
 @pytest.mark.parametrize("budget", ["share", "history"])
 def test_a_vllm_worker_keeps_the_prefixes_inside_its_engine_within_its_budget(
     budget: str, redis_server: RedisServer, start_worker: Callable[..., Any]
@@ -54,23 +77,7 @@ def test_a_vllm_worker_keeps_the_prefixes_inside_its_engine_within_its_budget(
     went in together)."""
     s = Settings(redis_url=redis_server.url, namespace=f"kvb{secrets.token_hex(3)}", shards=1)
     flag = ["--kv-inflight-share", "0.5"] if budget == "share" else ["--kv-history-tokens", "300"]
-    extra = [*flag, "--prefix-store-min-chars", "16"]
-    for arg in ("kv_cache_memory_bytes=50331648", "max_model_len=1024"):
-        extra += ["--engine-arg", arg]
-    start_worker(s, name="kvb-w", extra=extra).wait_up()
-    burst = asyncio.run(Producer(s).asubmit(_burst(), order="grouped"))
-    st = results.wait(burst, s, timeout=300)
-    assert st.failed == 0 and st.done == DOCS * QUESTIONS
-    got = {x.id: x for x in results.collect(burst, s)}
-
-    async def stats() -> dict[str, Any]:
-        r = aredis.Redis.from_url(s.redis_url)
-        try:
-            return (await control.send(r, Keys(s.namespace), "stats", ["kvb-w"]))["kvb-w"]
-        finally:
-            await r.aclose()
-
-    answer = asyncio.run(stats())
+    got, answer = _run(start_worker, s, "kvb-w", flag, _burst())
     print(
         f"  budget {answer['kv_budget_tokens']} tokens, peak {answer['kv_budget_peak']}, "
         f"held {answer['kv_budget_held']}"
@@ -102,10 +109,6 @@ def test_a_vllm_worker_counts_the_system_prompt_its_documents_share_once(
     whole prefixes would fit (3 x 208 tokens): the producer marked the shared 128 tokens and the
     budget counted them once (affinity/ancestors.py)."""
     s = Settings(redis_url=redis_server.url, namespace=f"kva{secrets.token_hex(3)}", shards=1)
-    extra = ["--prefix-store-min-chars", "16"]
-    for arg in ("kv_cache_memory_bytes=50331648", "max_model_len=1024"):
-        extra += ["--engine-arg", arg]
-    start_worker(s, name="kva-w", extra=extra).wait_up()
     rng = random.Random(11)
     system = [rng.randrange(100, 30_000) for _ in range(128)]
     docs = [[rng.randrange(100, 30_000) for _ in range(64)] for _ in range(DOCS)]
@@ -120,19 +123,7 @@ def test_a_vllm_worker_counts_the_system_prompt_its_documents_share_once(
         for d in range(DOCS)
         for q in range(QUESTIONS)
     ]
-    burst = asyncio.run(Producer(s).asubmit(reqs, order="grouped"))
-    st = results.wait(burst, s, timeout=300)
-    assert st.failed == 0 and st.done == DOCS * QUESTIONS
-    got = {x.id: x for x in results.collect(burst, s)}
-
-    async def stats() -> dict[str, Any]:
-        r = aredis.Redis.from_url(s.redis_url)
-        try:
-            return (await control.send(r, Keys(s.namespace), "stats", ["kva-w"]))["kva-w"]
-        finally:
-            await r.aclose()
-
-    answer = asyncio.run(stats())
+    got, answer = _run(start_worker, s, "kva-w", [], reqs)
     print(f"  budget {answer['kv_budget_tokens']} tokens, peak {answer['kv_budget_peak']}")
     assert answer["kv_budget_share"] == pytest.approx(0.7)
     assert 0 < answer["kv_budget_peak"] <= answer["kv_budget_tokens"]

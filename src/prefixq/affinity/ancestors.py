@@ -37,36 +37,31 @@ class Ancestry:
         self.shared: set[bytes] = set()
 
     def mark(
-        self, items: Sequence[Item], cps: Sequence[Sequence[tuple[int, bytes]]], engine_block: int
+        self,
+        items: Sequence[Item],
+        cps: Sequence[Sequence[tuple[int, bytes]]],
+        anchors: Sequence[bytes | None],
     ) -> list[tuple[int | None, int]]:
-        """(ancestor key, its tokens) for each item, ``(None, 0)`` where it has none; ``cps``:
-        each item's checkpoints, (block index, hash) shallow to deep
-        (`AffinityPlacer.checkpoints`)."""
+        """(ancestor key, its depth in blocks) for each item, ``(None, 0)`` where it has none;
+        ``cps``: each item's checkpoints, (block index, hash) shallow to deep, and ``anchors``
+        the one that ends its shared prefix (`AffinityPlacer.checkpoints`, `_anchor`)."""
         if len(self.first) > self.MAX:
             self.first.clear()
             self.shared.clear()
         first, shared = self.first, self.shared
         heads: list[list[tuple[int, bytes]]] = []
-        for it, marks in zip(items, cps, strict=True):
-            n = len(it.blocks)
-            if not (it.prefix_blocks and n):
+        for it, marks, anchor in zip(items, cps, anchors, strict=True):
+            if anchor is None:
                 heads.append([])
                 continue
-            end = min(it.prefix_blocks, n) - 1
-            anchor = it.blocks[end].to_bytes(8, "little")
+            end = min(it.prefix_blocks, len(it.blocks)) - 1
             head = [(i, cp) for i, cp in marks if i < end]  # strictly above its own prefix
             heads.append(head)
             for _, cp in head:
                 if first.setdefault(cp, anchor) != anchor:
                     shared.add(cp)
         out: list[tuple[int | None, int]] = []
-        for it, head in zip(items, heads, strict=True):
-            deepest = next(((i, cp) for i, cp in reversed(head) if cp in shared), None)
-            if deepest is None:
-                out.append((None, 0))
-                continue
-            i, cp = deepest
-            tokens = min(int((i + 1) * it.block_tokens), it.tokens - 1)
-            tokens = tokens // engine_block * engine_block
-            out.append((int.from_bytes(cp, "little"), tokens) if tokens > 0 else (None, 0))
+        for head in heads:
+            i, cp = next(((i, cp) for i, cp in reversed(head) if cp in shared), (-1, b""))
+            out.append((int.from_bytes(cp, "little"), i + 1) if i >= 0 else (None, 0))
         return out

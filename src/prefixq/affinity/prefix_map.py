@@ -128,9 +128,13 @@ class AffinityPlacer:
             load[shard] += work
             placed.append(Placed(shard, work, cached, self._anchor(it)))
 
-        ancestors = self.ancestry.mark(items, [p.cps for p in plans], self.engine_block)
-        for pl, (ancestor, tokens) in zip(placed, ancestors, strict=True):
-            pl.ancestor, pl.ancestor_tokens = ancestor, tokens
+        cps, anchors = [p.cps for p in plans], [pl.anchor for pl in placed]
+        for it, pl, (ancestor, depth) in zip(
+            items, placed, self.ancestry.mark(items, cps, anchors), strict=True
+        ):
+            tokens = self._cached_tokens(it, depth)  # whole engine blocks, as a prefix hit
+            if ancestor is not None and tokens > 0:
+                pl.ancestor, pl.ancestor_tokens = ancestor, tokens
         stored = await self._claim(r, local, modes, [cp for cp in unique if cp not in local])
         # a racing producer claimed some checkpoints first: their requests follow the winner
         lost = {cp: v for cp, v in stored.items() if modes.get(cp) == "n" and v != local[cp]}

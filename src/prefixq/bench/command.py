@@ -326,16 +326,15 @@ def _orders(raw: str) -> list[str]:
 
 
 def _admissions(raw: str) -> list[str]:
-    from prefixq.bench.setups import admissions_for, parse_scoped
-    from prefixq.bench.workloads import SHARING, WORKLOADS
+    from prefixq.bench.setups import applies, parse_scoped
     from prefixq.worker.groups import ADMISSIONS
 
     items = parse_scoped(raw, tuple(ADMISSIONS), "--admissions")
-    for name in set(WORKLOADS) - SHARING:  # one named for a workload that cannot take it
-        named = [x.rpartition(":")[2] for x in items if x.rpartition(":")[0] == name]
-        if not_run := [a for a in named if a not in admissions_for(named, name)]:
+    for x in items:  # one named for a workload that cannot take it
+        name, _, adm = x.rpartition(":")
+        if name and adm != "fair" and not applies(adm, name):
             raise ConfigError(
                 f"--admissions: {name}'s requests share no prefix, so only the KV budget's "
-                f"admissions apply there, not {', '.join(not_run)}"
+                f"admissions apply there, not {adm}"
             )
     return items

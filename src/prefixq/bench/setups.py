@@ -50,16 +50,20 @@ def scoped(items: list[str], workload: str) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def admissions_for(items: list[str], workload: str) -> list[str]:
-    """The admissions (``--admissions``) measured on ``workload`` beside the default (``fair``):
-    every one where requests share prefixes; elsewhere (``no-reuse``) only the KV budget's
-    (worker/kv_budget.py), the one that changes how many requests of their own go in at once."""
+def applies(admission: str, workload: str) -> bool:
+    """Whether ``admission`` can change how ``workload`` runs: every one where requests share
+    prefixes; elsewhere (``no-reuse``) only the KV budget's (worker/kv_sizing.py), the one that
+    changes how many requests of their own go in at once."""
     from prefixq.bench.workloads import SHARING
     from prefixq.worker.kv_sizing import KV_HISTORY_SHARES, KV_HISTORY_TOKENS
 
-    budgets = {*KV_HISTORY_SHARES, *KV_HISTORY_TOKENS}
-    out = [a for a in scoped(items, workload) if a != "fair"]
-    return out if workload in SHARING else [a for a in out if a in budgets]
+    return workload in SHARING or admission in KV_HISTORY_SHARES or admission in KV_HISTORY_TOKENS
+
+
+def admissions_for(items: list[str], workload: str) -> list[str]:
+    """The admissions (``--admissions``) measured on ``workload`` beside the default (``fair``):
+    those that apply there (`applies`)."""
+    return [a for a in scoped(items, workload) if a != "fair" and applies(a, workload)]
 
 
 def parse_setups(raw: str) -> list[str]:

@@ -35,15 +35,12 @@ import asyncio
 import contextlib
 import heapq
 import itertools
-import logging
 from collections.abc import AsyncIterator, Container
 from typing import NamedTuple
 
 from prefixq.core.entries import Entry
 from prefixq.core.errors import EngineAborted
 from prefixq.worker.lanes import Item
-
-log = logging.getLogger(__name__)
 
 __all__ = ["WAITING_WINDOWS", "KvBudget"]
 
@@ -159,9 +156,9 @@ class KvBudget:
         for it if the worker stops while it waits."""
         key: _Key = e.group if e.group is not None else (e.burst, e.index)
         tokens = e.work + e.predicted_cached
-        up = None if e.group is None or e.ancestor is None else (e.ancestor, e.ancestor_tokens)
-        if up is not None:
-            up = (up[0], min(up[1], tokens))
+        up = None
+        if e.group is not None and e.ancestor is not None:  # never more than the prompt's tokens
+            up = (e.ancestor, min(e.ancestor_tokens, tokens))
         resident = self.resident is not None and e.group is not None and e.group in self.resident
         cost = self._cost(tokens, up)
         if self.capacity and key not in self._inside and not resident and not self._fits(cost):
