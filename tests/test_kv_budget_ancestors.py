@@ -145,7 +145,7 @@ def test_the_budget_counts_a_shared_ancestor_once_while_any_group_under_it_is_in
         await asyncio.sleep(0.01)
         other = KvBudget(0.5, 20_000)
         async with other.hold(_e(5, 6000, None), 0):
-            assert not other._fits(other._cost(6000, None))
+            assert not other._fits(5, other._cost(6000, None))
         release[4].set()
         await asyncio.gather(*t)
         assert b.peak == 10_000

@@ -128,8 +128,8 @@ class EntryEncoder:
     ) -> Encoded:
         """Entries for requests ``start .. start + len(reqs)``; ``keys`` their prefix
         fingerprints (as counted); ``inline``: every prefix travels inline and entries are not
-        compressed (the head: sent before uses are counted, read within milliseconds and deleted
-        once acked, so compressing it would only delay the engines' start); an entry that packs
+        compressed (the head: read within milliseconds and deleted once acked, so storing its
+        prefixes once or compressing it would only delay the engines' start); an entry that packs
         into fewer than `wire.COMPRESS_FROM` bytes is never compressed. ValidationError for
         an entry over ``max_entry_bytes``, or over ``max_decoded_bytes`` before compression
         (naming its 1-based position in the burst)."""
@@ -150,7 +150,9 @@ class EntryEncoder:
                     self._check(len(value), i, q, "its shared prefix", size)
                     out.new_prefixes[ref] = value
                 extra = self._inline_key + size - self._ref_key - len(wire.pack(ref))
-            group = pass_key(key) if key is not None and (inline or ref) else None
+            # a group only where another request of the burst shares the prefix: the shared
+            # pass and the worker's KV budget keep room for nothing else
+            group = pass_key(key) if key is not None and self._uses[key] > 1 else None
             entry = to_wire(
                 q,
                 prefix=None if ref is not None else prefix,

@@ -259,6 +259,8 @@ class _Submission:
         long_enough = self.enc.long_enough
         reqs.prefix_keys = [p.group if long_enough(p.size) else None for p in looks]
         del looks
+        # counted before the head, which then marks only the groups that others share
+        self.enc.count(reqs.prefix_keys)
         head, rest = perm[:HEAD], perm[HEAD:]
         reqs.validate(head)
         try:
@@ -276,7 +278,6 @@ class _Submission:
             await self._send(head, head_chunk, first=True)
             if reqs.file is None:  # a file was checked whole before anything was sent
                 reqs.validate(rest)
-            self.enc.count(reqs.prefix_keys)
             size, start = 4 * HEAD, 0
             while start < len(rest):
                 chunk = rest[start : start + size]

@@ -16,6 +16,10 @@ answer only), and so does one whose group the engine finished last (`resident`, 
 still cached, it loads nothing); a group that does not fit waits, and the waiting groups go in the
 engine's own order (its priority, lower first, then admission), all of a group's waiting requests
 together; nothing waits while the engine is empty (a group larger than the budget goes alone).
+A request without a group (its prefix, if any, no other request of its burst shares) leaves
+nothing worth keeping: it is held only while a group is inside the engine, whose history the
+rest of the cache keeps; with none inside it goes as it would without a budget (on a GPU, a burst
+of documents of their own ran 1.3% slower held to the budget: docs/BENCHMARKS.md).
 
 The requests waiting here are not in the engine, and the worker's window does not count them
 (`outside`, up to `WAITING_WINDOWS` windows of them): with them counted, the first burst's next
@@ -85,8 +89,9 @@ class KvBudget:
         #: inside under it, its tokens] (each counted once in ``used``)
         self._up: dict[_Key, _Up] = {}
         self._ancestors: dict[int, list[int]] = {}
-        #: tokens of the groups inside
+        #: tokens of the groups inside; how many of them are groups (not requests of their own)
         self.used = 0
+        self._groups = 0
         #: requests inside; the most a waiting group may find there to go in (the worker's
         #: window, ``max_inflight``; 0: no limit)
         self._requests = 0
@@ -161,7 +166,7 @@ class KvBudget:
             up = (e.ancestor, min(e.ancestor_tokens, tokens))
         resident = self.resident is not None and e.group is not None and e.group in self.resident
         cost = self._cost(tokens, up)
-        if self.capacity and key not in self._inside and not resident and not self._fits(cost):
+        if self.capacity and key not in self._inside and not resident and not self._fits(key, cost):
             if self._giving_back:  # the worker stops: it is left pending at once (`give_back`)
                 raise asyncio.CancelledError
             fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
@@ -199,8 +204,15 @@ class KvBudget:
         """What a group of ``tokens`` under ``up`` adds to ``used`` (its ancestor's tokens once)."""
         return tokens - up[1] if up is not None and up[0] in self._ancestors else tokens
 
-    def _fits(self, tokens: int) -> bool:
-        return not self._waiting and (not self._inside or self.used + tokens <= self.capacity)
+    def _fits(self, key: _Key, tokens: int) -> bool:
+        return not self._waiting and (
+            not self._binds(key) or not self._inside or self.used + tokens <= self.capacity
+        )
+
+    def _binds(self, key: _Key) -> bool:
+        """Whether the budget holds ``key`` back: a group always, a request of its own only while
+        a group is inside (there is no shared prefix to keep room for without one)."""
+        return isinstance(key, int) or self._groups > 0
 
     def end(self, burst: str) -> None:
         """``burst`` was cancelled or expired (worker/ends.py): its requests waiting for room
@@ -233,6 +245,7 @@ class KvBudget:
         inside = self._inside.get(key)
         if inside is None:
             inside = self._inside[key] = [0, 0]
+            self._groups += isinstance(key, int)
             if up is not None:  # its ancestor's tokens count once, with the first group under it
                 self._up[key] = up
                 held = self._ancestors.setdefault(up[0], [0, up[1]])
@@ -253,6 +266,7 @@ class KvBudget:
         if not inside[0]:
             del self._inside[key]
             self.used -= inside[1]
+            self._groups -= isinstance(key, int)
             up = self._up.pop(key, None)
             if up is not None:
                 held = self._ancestors[up[0]]
@@ -277,7 +291,13 @@ class KvBudget:
             cap, inside = self.capacity, self._inside
             if inside and self.window and self._requests >= self.window:
                 return
-            if cap and inside and key not in inside and self.used + tokens > cap:
+            if (
+                cap
+                and inside
+                and key not in inside
+                and self._binds(key)
+                and self.used + tokens > cap
+            ):
                 return
             heapq.heappop(heap)
             del self._waiting[key]
