@@ -20,7 +20,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from prefixq.bench.measures import optimum_cached
-from prefixq.bench.setups import GIVEN, MODE_OF, OFFLOAD, SORTED, admissions_for, scoped, setups_for
+from prefixq.bench.setups import (
+    MODE_OF,
+    OFFLOAD,
+    admissions_for,
+    one_setup,
+    scoped,
+    setups_for,
+)
 from prefixq.bench.workloads import SHARING, Workload, build
 
 PREFILL_S = 3.0e-5
@@ -82,7 +89,7 @@ def estimate(
         placements = cfg.placements if name == "reuse" else ["affinity"]
         setups = setups_for(cfg.setups, name)
         orders = [(p, cfg.order, setups) for p in placements]
-        one = [SORTED] if SORTED in setups else [GIVEN]  # as the runner measures orders
+        one = one_setup(cfg.setups, name)  # as the runner measures further cases
         if name in SHARING:
             others = [o for o in scoped(cfg.orders, name) if o != cfg.order]
             orders += [("affinity", o, one) for o in others]

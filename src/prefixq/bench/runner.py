@@ -38,6 +38,7 @@ from prefixq.bench.setups import (
     host_offload_gib,
     offload_args,
     offload_unsupported,
+    one_setup,
     scoped,
     setups_for,
 )
@@ -253,17 +254,16 @@ async def _workload(
             env, b, placement, cfg.order, pairs, setups_for(cfg.setups, name)
         )
         env.saved()
+    one = one_setup(cfg.setups, name)  # beside further cases, as bench/plan.py counts them
     others = [o for o in scoped(cfg.orders, name) if o != cfg.order]
     if name in SHARING and others and "affinity" in placements:
-        order_setups = [SORTED] if SORTED in setups_for(cfg.setups, name) else [GIVEN]
         out["orders"] = {cfg.order: _order_view(out["placements"]["affinity"])}
         for order in others:
-            case = await run_case(env, b, "affinity", order, cfg.pairs, order_setups)
+            case = await run_case(env, b, "affinity", order, cfg.pairs, one)
             out["orders"][order] = _order_view(case)
             env.saved()
     admissions = admissions_for(cfg.admissions, name)
     if admissions:
-        one = [SORTED] if SORTED in setups_for(cfg.setups, name) else [GIVEN]
         out["admissions"] = {"fair": _order_view(out["placements"]["affinity"])}
         for adm in admissions:
             await control.send(env.r, env.keys, f"admission:{adm}", env.workers.names)
@@ -274,7 +274,6 @@ async def _workload(
             out["admissions"][adm] = _order_view(case)
             env.saved()
     if name in SHARING and name in cfg.pass_off:
-        one = [SORTED] if SORTED in setups_for(cfg.setups, name) else [GIVEN]
         producer = env.producer
         async with Producer(env.s.replace(shared_pass=False)) as env.producer:
             try:

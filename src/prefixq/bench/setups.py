@@ -81,6 +81,13 @@ def setups_for(items: list[str], workload: str) -> list[str]:
     return [GIVEN, *(x for x in scoped(items, workload) if x not in skip)]
 
 
+def one_setup(items: list[str], workload: str) -> list[str]:
+    """The one standalone set-up that a workload's further cases (other orders, admissions, the
+    shared pass off) run beside: the sorting user where ``--setups`` measures it, else the burst
+    as given."""
+    return [SORTED] if SORTED in setups_for(items, workload) else [GIVEN]
+
+
 def sorted_order(bursts: list[list[Request]]) -> list[int]:
     """Indexes into the bursts' concatenation: each burst sorted by document (grouped)."""
     out: list[int] = []
