@@ -41,9 +41,10 @@ def _docs(n: int, secs: float, tag: str = "doc") -> list[str]:
     return [f"sleep:{secs} {tag}{d} " + f"the {d}th text of the corpus " * 20 for d in range(n)]
 
 
-def _burst(tag: str, docs: list[str], questions: int = 1) -> list[dict[str, Any]]:
+def _burst(tag: str, docs: list[str], questions: int = 2) -> list[dict[str, Any]]:
     """``questions`` about each of ``docs``, the documents interleaved (enqueued in this order:
-    each next request is another group, so it waits for the budget)."""
+    each next request is another group, so it waits for the budget; a document asked once has
+    no group, and waits only while a group is inside)."""
     return [
         {"id": f"{tag}-d{d}-q{q}", "prefix": doc, "prompt": f" question {q}?"}
         for q in range(questions)
@@ -187,25 +188,29 @@ def test_a_stop_gives_the_requests_waiting_at_the_budget_back_uncharged_instead_
 def test_a_cancelled_bursts_waiting_requests_leave_at_once_and_a_rider_goes_in(
     make_settings: Callable[..., Settings], r: redis.Redis, fake_worker: MakeWorker
 ) -> None:
-    """Given a long request about document X inside the engine and a burst's requests about
-    twelve other documents waiting at the budget (four windows of them), when that burst is
-    cancelled, its requests leave the worker at once (acked, the budget's counters back to the
-    long request's), so a later question about X is read and rides in with it: they waited
-    until X's request finished, and kept every other burst's requests from being read."""
-    s = make_settings(prefix_store_min_chars=16, kv_inflight_share=0.5, max_inflight=2, grace_s=0.5)
+    """Given two long requests about document X inside the engine (a window of 3) and a burst's
+    requests about twelve other documents waiting at the budget (four windows of them), when
+    that burst is cancelled, its requests leave the worker at once (acked, the budget's counters
+    back to the long requests'), so a later burst's questions about X are read and the first
+    rides in with them (the window holds one more): they waited until X's requests finished, and
+    kept every other burst's requests from being read."""
+    s = make_settings(prefix_store_min_chars=16, kv_inflight_share=0.5, max_inflight=3, grace_s=0.5)
     (x_doc,) = _docs(1, 3.0, tag="x")
-    long = _submit(s, [{"id": "x", "prefix": x_doc, "prompt": " the long one?"}])
+    long = _submit(
+        s, [{"id": f"x{q}", "prefix": x_doc, "prompt": f" long one {q}?"} for q in (0, 1)]
+    )
     engine = _engine(2 * _tokens(r, s))
     fw = fake_worker(s, engine=engine, name="w1")
     b = _budget(fw)
     wait_until(lambda: b.used > 0, 10, "X inside the engine")
+    wait_until(lambda: sum(x.startswith(long) for x in engine.seen) == 2, 10, "X's requests inside")
     doomed = _submit(s, _burst("a", _docs(12, 0.1)))
     wait_until(lambda: b.waiting >= 8, 10, "eight requests waiting at the budget")
     t0 = time.monotonic()
     cancel(doomed, s)
     wait_until(lambda: b.waiting == 0, 1.5, "the cancelled requests gone from the budget")
-    wait_until(lambda: pending_on(r, s, "w1") == 1, 1.5, "only X's request held")
-    rider = _submit(s, [{"id": "x2", "prefix": x_doc, "prompt": " another question?"}])
+    wait_until(lambda: pending_on(r, s, "w1") == 2, 1.5, "only X's requests held")
+    rider = _submit(s, [{"id": f"x{q}", "prefix": x_doc, "prompt": f" more {q}?"} for q in (2, 3)])
     wait_until(lambda: any(x.startswith(rider) for x in engine.seen), 1.5, "the rider inside")
     assert time.monotonic() - t0 < 2.5  # X's request is still running
     assert not [x for x in engine.seen if x.startswith(doomed)]
@@ -227,7 +232,7 @@ def test_a_deadline_passing_at_the_budget_expires_its_requests_without_running_t
     recorded answers, after their deadline)."""
     monkeypatch.setattr(ends, "EXPIRY_EVERY_S", 3600.0)
     s = make_settings(prefix_store_min_chars=16, kv_inflight_share=0.5, max_inflight=2)
-    long = _submit(s, _burst("x", _docs(1, 1.0, tag="x")))
+    long = _submit(s, _burst("x", _docs(1, 1.0, tag="x"), 1))  # one: the window has room
     engine = _engine(2 * _tokens(r, s))
     fw = fake_worker(s, engine=engine, name="w1")
     b = _budget(fw)
