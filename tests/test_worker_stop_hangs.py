@@ -36,6 +36,10 @@ pytestmark = pytest.mark.slow
 #: seconds past a serving stop's bound before its watchdog acts, in these workers (the
 #: default leaves the engine's own shutdown far more)
 SPARE_S = 1.0
+#: seconds a process may take past its watchdog's moment: the releases before the exit (up to
+#: LEAVE_S) and a loaded machine's scheduling (8.3 s after SIGTERM seen with EXIT_S 5, the suite
+#: on 3 processes on 2 cores; a watchdog that never acts is killed after 10 s more)
+SLACK_S = LEAVE_S + 2.5
 
 #: tests/fault_worker.py with one way to hang: ``start``, ``close`` or ``loop`` (its first argument)
 HUNG = f"""
@@ -134,7 +138,7 @@ def test_a_start_whose_unwinding_hangs_releases_its_shards_hold_before_the_watch
     text = log.read_text()
     print(f"  exit {rc} {took:.2f}s after SIGTERM; joins {r.hgetall(s.keys.joins)}")
     assert rc == 0 and "SIGTERM during start-up: exiting" in text, text[-3000:]
-    assert EXIT_S - 0.5 < took < EXIT_S + 2.5, (took, text[-3000:])  # the watchdog ended it
+    assert EXIT_S - 0.5 < took < EXIT_S + SLACK_S, (took, text[-3000:])  # the watchdog ended it
     assert r.hgetall(s.keys.joins) == {}, text[-3000:]
     assert "released the hold on shard 0" in text, text[-3000:]
     LEDGER.fault("SIGTERM to a worker whose start hangs as it unwinds, its shard held")
@@ -155,7 +159,7 @@ def test_a_serving_stop_whose_engine_shutdown_hangs_exits_0_after_its_bound(
     text = log.read_text()
     print(f"  exit {rc} {took:.2f}s after SIGTERM (bound {bound:.1f}s)")
     assert rc == 0 and "closing the engine" in text, text[-3000:]
-    assert took < bound + 2.5, (took, text[-3000:])
+    assert took < bound + SLACK_S, (took, text[-3000:])
     assert "did not end" in text, text[-3000:]
     assert not r.exists(hb)
     LEDGER.fault("SIGTERM to a serving worker whose engine's shutdown hangs")
@@ -179,7 +183,7 @@ def test_an_engine_death_whose_shutdown_hangs_exits_3_after_its_bound(
     text = log.read_text()
     print(f"  exit {rc} {took:.2f}s after the engine's death (bound {bound:.1f}s)")
     assert rc == 3 and "closing the engine" in text, (rc, text[-3000:])
-    assert took < bound + 2.5 and "did not end" in text, (took, text[-3000:])
+    assert took < bound + SLACK_S and "did not end" in text, (took, text[-3000:])
     assert not r.exists(hb)
     LEDGER.fault("an engine death in a worker whose engine's shutdown hangs")
 
@@ -203,7 +207,7 @@ def test_a_serving_stop_on_a_blocked_loop_drops_its_own_heartbeat_before_the_wat
     rc, took = _stopped(proc, bound + 3)
     text = log.read_text()
     print(f"  exit {rc} {took:.2f}s after SIGTERM (bound {bound:.1f}s)")
-    assert rc == 0 and took < bound + 2.5, (rc, took, text[-3000:])
+    assert rc == 0 and took < bound + SLACK_S, (rc, took, text[-3000:])
     assert not r.exists(hb), text[-3000:]
     assert r.zscore(keys.workers(0), "w") is None, text[-3000:]
     LEDGER.fault("SIGTERM to a serving worker whose event loop is blocked")
