@@ -110,8 +110,9 @@ class Settings:
     #: 0.8 of it (worker/kv_budget.py)
     kv_inflight_share: float = 0.0
     #: workers: the KV budget as the tokens it keeps for the prefixes finished last (the same
-    #: history on any cache size; those inside take the rest, at least 70%; 0 with
-    #: kv_inflight_share 0: no budget)
+    #: history on any cache size; those inside take the rest, at least 70%; a request whose
+    #: prefix no other shares waits only while a shared one is inside; 0 with kv_inflight_share
+    #: 0: no budget)
     kv_history_tokens: int = DEFAULT_KV_HISTORY
     #: producer-side tokenizer (HF folder) for token block hashes; empty = character blocks
     tokenizer: str = ""
