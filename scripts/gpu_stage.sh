@@ -18,7 +18,8 @@
 # why that is sound for these releases, and what differs from a user's install).
 set -euo pipefail
 V=${1:?usage: scripts/gpu_stage.sh VLLM_VERSION   (a release with a recipe below)}
-LIMIT_MIB=${GPU_CHUNK_MIB:-58}
+# 52: each call carries the checkout too (~6 MB on 2026-12-06), within 64 MiB in all; 58 no longer fit
+LIMIT_MIB=${GPU_CHUNK_MIB:-52}
 case "$V" in
   0.28.0)
     # vllm 0.28.0 pins torch==2.13.0 (triton 3.7.1, torchvision 0.28.0). torch 2.13 calls 8 NCCL
