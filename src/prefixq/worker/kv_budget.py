@@ -205,14 +205,17 @@ class KvBudget:
         return tokens - up[1] if up is not None and up[0] in self._ancestors else tokens
 
     def _fits(self, key: _Key, tokens: int) -> bool:
-        return not self._waiting and (
-            not self._binds(key) or not self._inside or self.used + tokens <= self.capacity
-        )
+        """Whether a request of ``key`` adding ``tokens`` goes in now: nothing waits before it,
+        and there is `_room`."""
+        return not self._waiting and self._room(key, tokens)
 
-    def _binds(self, key: _Key) -> bool:
-        """Whether the budget holds ``key`` back: a group always, a request of its own only while
-        a group is inside (there is no shared prefix to keep room for without one)."""
-        return isinstance(key, int) or self._groups > 0
+    def _room(self, key: _Key, tokens: int) -> bool:
+        """Whether ``tokens`` more of ``key`` fit: they do while the engine is empty, and a
+        request of its own needs no room while no group is inside (there is no shared prefix to
+        keep room for without one)."""
+        if not self._inside or not (isinstance(key, int) or self._groups):
+            return True
+        return self.used + tokens <= self.capacity
 
     def end(self, burst: str) -> None:
         """``burst`` was cancelled or expired (worker/ends.py): its requests waiting for room
@@ -291,13 +294,7 @@ class KvBudget:
             cap, inside = self.capacity, self._inside
             if inside and self.window and self._requests >= self.window:
                 return
-            if (
-                cap
-                and inside
-                and key not in inside
-                and self._binds(key)
-                and self.used + tokens > cap
-            ):
+            if cap and key not in inside and not self._room(key, tokens):
                 return
             heapq.heappop(heap)
             del self._waiting[key]
