@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +101,11 @@ class EntryEncoder:
         the requests' prefix fingerprints, None for a request without a long one."""
         self._uses.update(k for k in keys if k is not None)
 
+    @property
+    def uses(self) -> Mapping[Hashable, int]:
+        """Each long prefix's uses in the burst (`count`), in the order they first came."""
+        return self._uses
+
     def long_enough(self, size: int) -> bool:
         """Whether a prefix of `prefix_size` ``size`` may be stored once."""
         return size >= self.s.prefix_store_min_chars
@@ -140,7 +145,11 @@ class EntryEncoder:
             ref: str | None = None
             extra = 0  # what the prefix adds to the raw size when it travels by reference
             key = keys[k] if keys is not None else None
-            if prefix is not None and not inline and key is not None and self._uses[key] > 1:
+            # shared: another request of the burst has the prefix; only then is it stored once
+            # (`ref`) and marks a group (the shared pass and the worker's KV budget keep room
+            # for nothing else)
+            shared = key is not None and self._uses[key] > 1
+            if prefix is not None and not inline and shared:
                 ref, size, packed = self._digest(prefix)
                 if ref not in self._stored:
                     self._stored[ref] = size
@@ -150,9 +159,7 @@ class EntryEncoder:
                     self._check(len(value), i, q, "its shared prefix", size)
                     out.new_prefixes[ref] = value
                 extra = self._inline_key + size - self._ref_key - len(wire.pack(ref))
-            # a group only where another request of the burst shares the prefix: the shared
-            # pass and the worker's KV budget keep room for nothing else
-            group = pass_key(key) if key is not None and self._uses[key] > 1 else None
+            group = pass_key(key) if shared else None
             entry = to_wire(
                 q,
                 prefix=None if ref is not None else prefix,

@@ -252,15 +252,16 @@ class _Submission:
         placer = await self.p.placer(self.r, placement, seed)
         reqs = self.requests
         looks = reqs.file.peeks(order) if reqs.file is not None else peeks(reqs.raw, order)
-        arrange = None
-        if order in PASS_ORDERS:  # several bursts over one corpus walk it together
-            arrange = await arrangement(self.r, self.s, self.keys, looks, shards)
-        perm = enqueue_order(order, looks, arrange)
         long_enough = self.enc.long_enough
         reqs.prefix_keys = [p.group if long_enough(p.size) else None for p in looks]
-        del looks
-        # counted before the head, which then marks only the groups that others share
+        # counted before the head, which then marks only the groups that others share, and
+        # before the arrangement, which follows the same groups
         self.enc.count(reqs.prefix_keys)
+        arrange = None
+        if order in PASS_ORDERS:  # several bursts over one corpus walk it together
+            arrange = await arrangement(self.r, self.s, self.keys, looks, self.enc.uses, shards)
+        perm = enqueue_order(order, looks, arrange)
+        del looks
         head, rest = perm[:HEAD], perm[HEAD:]
         reqs.validate(head)
         try:

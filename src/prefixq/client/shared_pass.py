@@ -29,8 +29,7 @@ their places. ``grouped`` and ``decode-first`` (the default) bursts take part; t
 from __future__ import annotations
 
 import logging
-from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from redis.exceptions import ResponseError
@@ -125,16 +124,19 @@ class Arrangement:
 
 
 async def arrangement(
-    r: Any, s: Settings, keys: Keys, looks: Sequence[Peek], shards: int
+    r: Any,
+    s: Settings,
+    keys: Keys,
+    looks: Sequence[Peek],
+    uses: Mapping[Hashable, int],
+    shards: int,
 ) -> Arrangement | None:
-    """How the groups of a burst (``looks``: its `Peek`s) follow the shared pass: their places in
-    the corpus order (placing its new groups), where each shard's pass is, and the shard each
-    group went to last. None when the burst has fewer than two shared groups (nothing to
-    arrange)."""
+    """How the groups of a burst (``looks``: its `Peek`s; ``uses``: each long prefix's uses,
+    first appearance first, `EntryEncoder.uses`) follow the shared pass: their places in the
+    corpus order (placing its new groups), where each shard's pass is, and the shard each group
+    went to last. None when the burst has fewer than two shared groups (nothing to arrange)."""
     if not s.shared_pass:
         return None
-    least = s.prefix_store_min_chars
-    uses = Counter(p.group for p in looks if p.group is not None and p.size >= least)
     order: dict[int, None] = {}  # pass keys of groups used twice or more, first appearance first
     for g, n in uses.items():
         k = pass_key(g) if n > 1 else None
