@@ -31,6 +31,7 @@ import redis
 
 from fake_engine import FakeEngine, serve
 from prefixq.core import wire
+from prefixq.core.entries import Entry
 from prefixq.core.keys import GROUP, Keys
 from prefixq.core.records import Result
 from prefixq.core.settings import Settings
@@ -374,3 +375,21 @@ def kill_tree(pid: int) -> int:
             p.send_signal(signal.SIGKILL)
     psutil.wait_procs(procs, timeout=30)
     return len(procs)
+
+
+def budget_entry(
+    group: int | None,
+    tokens: int = 100,
+    up: tuple[int, int] | None = None,
+    *,
+    rid: str = "",
+    index: int = 0,
+) -> Entry:
+    """An entry of burst ``b`` as the KV budget (worker/kv_budget.py) sees it: ``tokens`` of
+    prompt, its ``group`` (None: a request of its own, whose key is its burst and ``index``) and
+    its shared ancestor ``up`` (key, tokens)."""
+    e = Entry("b", index, rid or f"r{group}", {}, None, None, {}, 0.0, 0, tokens, 0)
+    e.group = group
+    if up is not None:
+        e.ancestor, e.ancestor_tokens = up
+    return e

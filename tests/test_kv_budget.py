@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from fake_engine import DocCounting
-from helpers import queued_entries
+from helpers import budget_entry, queued_entries
 from prefixq.client import Producer, results
 from prefixq.core import wire
 from prefixq.core.entries import Entry
@@ -22,12 +22,6 @@ from prefixq.core.errors import ConfigError
 from prefixq.core.settings import DEFAULT_KV_HISTORY, Settings
 from prefixq.worker.kv_budget import KvBudget
 from prefixq.worker.kv_sizing import HISTORY_TRUST, MIN_INFLIGHT_SHARE, pass_window_for, share_for
-
-
-def _e(group: int | None, tokens: int = 100, rid: str = "") -> Entry:
-    e = Entry("b", 0, rid or f"r{group}", {}, None, None, {}, 0.0, 0, tokens, 0)
-    e.group = group
-    return e
 
 
 class _Run:
@@ -59,10 +53,10 @@ def test_groups_fit_the_budget_and_the_same_groups_requests_go_at_once() -> None
     async def go() -> None:
         b = KvBudget(0.5, 400)  # room for two groups of 100
         run = _Run(b)
-        run.start("a1", _e(1))
-        run.start("b1", _e(2))
-        run.start("c1", _e(3))  # a third group: waits
-        run.start("a2", _e(1))  # group 1 is inside: goes, although c waits
+        run.start("a1", budget_entry(1))
+        run.start("b1", budget_entry(2))
+        run.start("c1", budget_entry(3))  # a third group: waits
+        run.start("a2", budget_entry(1))  # group 1 is inside: goes, although c waits
         await asyncio.sleep(0)
         assert run.inside == ["a1", "b1", "a2"]
         assert b.used == 200 and b.waiting == 1 and b.held == 1
@@ -81,12 +75,12 @@ def test_waiting_groups_go_in_priority_then_arrival_order_each_with_all_its_requ
     async def go() -> None:
         b = KvBudget(0.5, 200)  # one group of 100 at a time
         run = _Run(b)
-        run.start("x", _e(9))
-        run.start("n1", _e(1), priority=5)
-        run.start("n2", _e(2), priority=5)
-        run.start("h1", _e(3), priority=1)  # a higher band, arriving last
-        run.start("n1b", _e(1), priority=5)  # joins group 1's wait
-        run.start("h1b", _e(3), priority=1)
+        run.start("x", budget_entry(9))
+        run.start("n1", budget_entry(1), priority=5)
+        run.start("n2", budget_entry(2), priority=5)
+        run.start("h1", budget_entry(3), priority=1)  # a higher band, arriving last
+        run.start("n1b", budget_entry(1), priority=5)  # joins group 1's wait
+        run.start("h1b", budget_entry(3), priority=1)
         await asyncio.sleep(0)
         assert run.inside == ["x"]
         await run.done("x")
@@ -106,8 +100,9 @@ def test_a_group_larger_than_the_budget_goes_alone_and_no_group_means_the_reques
     async def go() -> None:
         b = KvBudget(0.1, 1000)  # 100 tokens
         run = _Run(b)
-        run.start("big", _e(1, tokens=900))  # the engine is empty: it goes
-        run.start("lone", _e(None, tokens=10, rid="lone"))  # no group: its own tokens, waits
+        run.start("big", budget_entry(1, tokens=900))  # the engine is empty: it goes
+        # no group: its own tokens; it waits, a group being inside
+        run.start("lone", budget_entry(None, tokens=10, rid="lone"))
         await asyncio.sleep(0)
         assert run.inside == ["big"] and b.used == 900
         await run.done("big")
@@ -125,8 +120,8 @@ def test_the_smallest_share_is_the_strictest_budget_not_none() -> None:
         b = KvBudget(1e-5, 4000)
         assert b.capacity == 1
         run = _Run(b)
-        run.start("g1", _e(1, tokens=100))
-        run.start("g2", _e(2, tokens=100, rid="g2"))
+        run.start("g1", budget_entry(1, tokens=100))
+        run.start("g2", budget_entry(2, tokens=100, rid="g2"))
         await asyncio.sleep(0)
         assert run.inside == ["g1"]
         await run.done("g1")
@@ -140,9 +135,9 @@ def test_a_waiting_request_cancelled_leaves_nothing_behind_and_the_next_goes() -
     async def go() -> None:
         b = KvBudget(0.5, 200)
         run = _Run(b)
-        run.start("x", _e(1))
-        run.start("y", _e(2))
-        run.start("z", _e(3))
+        run.start("x", budget_entry(1))
+        run.start("y", budget_entry(2))
+        run.start("z", budget_entry(3))
         await asyncio.sleep(0)
         run.tasks["y"].cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -153,8 +148,8 @@ def test_a_waiting_request_cancelled_leaves_nothing_behind_and_the_next_goes() -
         await run.done("z")
         assert b.used == 0 and b.waiting == 0 and not b._heap
         # let in, then cancelled before it ran: it leaves again
-        run.start("p", _e(4))
-        run.start("q", _e(5))
+        run.start("p", budget_entry(4))
+        run.start("q", budget_entry(5))
         await asyncio.sleep(0)
         run.release["p"].set()
         await asyncio.sleep(0)  # p leaves, q is let in: cancel q before it runs
@@ -172,13 +167,13 @@ def test_off_or_resized_to_off_lets_everything_in_and_the_window_follows_the_sha
         b = KvBudget(0.0, 1000)
         run = _Run(b)
         for g in range(20):
-            run.start(f"g{g}", _e(g))
+            run.start(f"g{g}", budget_entry(g))
         await asyncio.sleep(0)
         assert len(run.inside) == 20 and b.held == 0
         c = KvBudget(0.5, 200)
         run2 = _Run(c)
         for g in range(4):
-            run2.start(f"g{g}", _e(g))
+            run2.start(f"g{g}", budget_entry(g))
         await asyncio.sleep(0)
         assert len(run2.inside) == 1
         c.resize(0.0)

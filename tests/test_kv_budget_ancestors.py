@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from fake_engine import DocCounting
-from helpers import queued_entries
+from helpers import budget_entry, queued_entries
 from prefixq.client import Producer, results
 from prefixq.core import wire
 from prefixq.core.entries import Entry
@@ -105,14 +105,6 @@ def test_an_entrys_ancestor_is_a_hint_never_a_reason_to_refuse_it() -> None:
         assert e.ancestor is None and e.ancestor_tokens == 0 and e.group == 7, bad
 
 
-def _e(group: int, tokens: int, up: tuple[int, int] | None) -> Entry:
-    e = Entry("b", 0, f"r{group}", {}, None, None, {}, 0.0, 0, tokens, 0)
-    e.group = group
-    if up is not None:
-        e.ancestor, e.ancestor_tokens = up
-    return e
-
-
 def test_the_budget_counts_a_shared_ancestor_once_while_any_group_under_it_is_inside() -> None:
     """Budget 10,000; groups of 6,000 tokens under one ancestor of 2,000: two go in together
     (2,000 + 2 x 4,000), a third waits, and goes when one leaves; the ancestor leaves ``used``
@@ -130,7 +122,7 @@ def test_the_budget_counts_a_shared_ancestor_once_while_any_group_under_it_is_in
                 await release[e.group or 0].wait()
 
         up = (99, 2000)
-        tasks = [asyncio.create_task(go(_e(g, 6000, up))) for g in (1, 2, 3)]
+        tasks = [asyncio.create_task(go(budget_entry(g, 6000, up))) for g in (1, 2, 3)]
         await asyncio.sleep(0.01)
         assert events == ["in 1", "in 2"] and b.used == 10_000 and b.waiting == 1
         release[1].set()
@@ -141,10 +133,10 @@ def test_the_budget_counts_a_shared_ancestor_once_while_any_group_under_it_is_in
         await asyncio.gather(*tasks)
         assert b.used == 0 and not b._ancestors and not b._up
         # the same groups without their ancestor: one at a time
-        t = [asyncio.create_task(go(_e(4, 6000, None)))]
+        t = [asyncio.create_task(go(budget_entry(4, 6000, None)))]
         await asyncio.sleep(0.01)
         other = KvBudget(0.5, 20_000)
-        async with other.hold(_e(5, 6000, None), 0):
+        async with other.hold(budget_entry(5, 6000, None), 0):
             assert not other._fits(5, other._cost(6000, None))
         release[4].set()
         await asyncio.gather(*t)

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from fake_engine import DocCounting
-from helpers import queued_entries
+from helpers import budget_entry, queued_entries
 from prefixq.client import Producer, results
 from prefixq.core import wire
 from prefixq.core.entries import Entry
@@ -25,12 +25,9 @@ from prefixq.worker.kv_budget import KvBudget
 DOCS = [f"sleep:0.3 doc{d} " + f"the {d}th text of the corpus " * 20 for d in range(10)]
 
 
-def _e(group: int | None, tokens: int = 100, rid: str = "") -> Entry:
-    """A request of burst ``b`` (its index from ``rid``'s digits: one of its own is its key)."""
-    index = int("".join(c for c in rid if c.isdigit()) or 0)
-    e = Entry("b", index, rid or f"r{group}", {}, None, None, {}, 0.0, 0, tokens, 0)
-    e.group = group
-    return e
+def _lone(name: str) -> Entry:
+    """A request of its own named ``lN`` (its index N: its key)."""
+    return budget_entry(None, rid=name, index=int(name[1:]))
 
 
 def test_lone_requests_pass_a_full_budget_until_a_group_is_inside_then_wait_in_order() -> None:
@@ -51,11 +48,11 @@ def test_lone_requests_pass_a_full_budget_until_a_group_is_inside_then_wait_in_o
 
         tasks = {}
         for name in ("l1", "l2", "l3"):
-            tasks[name] = asyncio.create_task(hold(name, _e(None, rid=name)))
+            tasks[name] = asyncio.create_task(hold(name, _lone(name)))
         await asyncio.sleep(0)
         assert inside == ["l1", "l2", "l3"] and b.used == 300 and b.held == 0
-        tasks["g"] = asyncio.create_task(hold("g", _e(7)))
-        tasks["l4"] = asyncio.create_task(hold("l4", _e(None, rid="l4")))
+        tasks["g"] = asyncio.create_task(hold("g", budget_entry(7)))
+        tasks["l4"] = asyncio.create_task(hold("l4", _lone("l4")))
         await asyncio.sleep(0)
         assert inside == ["l1", "l2", "l3"] and b.waiting == 2  # the group, then l4 behind it
         for name in ("l1", "l2"):
@@ -63,7 +60,7 @@ def test_lone_requests_pass_a_full_budget_until_a_group_is_inside_then_wait_in_o
             await tasks[name]
         await asyncio.sleep(0)
         assert inside[3:] == ["g"] and b.used == 200  # l4 waits: a group is inside, no room
-        tasks["l5"] = asyncio.create_task(hold("l5", _e(None, rid="l5")))
+        tasks["l5"] = asyncio.create_task(hold("l5", _lone("l5")))
         await asyncio.sleep(0)
         assert inside[3:] == ["g"] and b.waiting == 2
         release["l3"].set()
@@ -74,7 +71,7 @@ def test_lone_requests_pass_a_full_budget_until_a_group_is_inside_then_wait_in_o
         await tasks["g"]
         await asyncio.sleep(0)
         assert inside[5:] == ["l5"] and b.waiting == 0  # no group inside: nothing held back
-        tasks["l6"] = asyncio.create_task(hold("l6", _e(None, rid="l6")))
+        tasks["l6"] = asyncio.create_task(hold("l6", _lone("l6")))
         await asyncio.sleep(0)
         assert inside[6:] == ["l6"] and b.used == 300
         for name in ("l4", "l5", "l6"):

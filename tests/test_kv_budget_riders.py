@@ -15,19 +15,13 @@ from typing import Any
 import redis
 
 from fake_engine import FakeEngine
-from helpers import queued_entries
+from helpers import budget_entry, queued_entries
 from prefixq.client import Producer, results
 from prefixq.core import wire
 from prefixq.core.entries import Entry
 from prefixq.core.settings import Settings
 from prefixq.engine.protocol import EngineOutput, EngineRequest
 from prefixq.worker.kv_budget import KvBudget
-
-
-def _e(group: int, tokens: int = 100) -> Entry:
-    e = Entry("b", 0, f"r{group}", {}, None, None, {}, 0.0, 0, tokens, 0)
-    e.group = group
-    return e
 
 
 def test_a_resident_group_goes_in_at_once_and_others_still_wait() -> None:
@@ -38,7 +32,7 @@ def test_a_resident_group_goes_in_at_once_and_others_still_wait() -> None:
         gate = asyncio.Event()
 
         async def hold(g: int) -> None:
-            async with b.hold(_e(g), 0):
+            async with b.hold(budget_entry(g), 0):
                 inside.append(g)
                 await gate.wait()
 
