@@ -160,6 +160,9 @@ class EntryEncoder:
                     out.new_prefixes[ref] = value
                 extra = self._inline_key + size - self._ref_key - len(wire.pack(ref))
             group = pass_key(key) if shared else None
+            # a long prefix of its own: the worker's pass window follows it all the same (a
+            # later burst over the same documents starts where this one's pass is)
+            lone = pass_key(key) if key is not None and not shared else None
             entry = to_wire(
                 q,
                 prefix=None if ref is not None else prefix,
@@ -172,6 +175,7 @@ class EntryEncoder:
                 predicted_cached=pl.predicted_cached,
                 anchor=pl.anchor,
                 group=group,
+                lone_key=lone,
                 ancestor=(
                     (pl.ancestor, pl.ancestor_tokens)
                     if group is not None and pl.ancestor is not None

@@ -74,12 +74,15 @@ class Peek:
     a group of its own), for ``depth-first`` its prefix's path, and for ``decode-first`` the
     output tokens it asks (0: not looked at); ``size`` is the prefix's
     `prefixq.core.entries.prefix_size` (whether it is long enough to store once: the producer
-    counts each group's uses from these, client/encoding.py)."""
+    counts each group's uses from these, client/encoding.py); ``lead`` the hash of its prefix's
+    first block (the first of a depth-first path: the shared pass's content order of prefixes
+    used once, client/shared_pass.py)."""
 
     group: Hashable | None = None
     path: tuple[int, ...] = ()
     output: int = 0
     size: int = 0
+    lead: int = 0
 
 
 def enqueue_order(
@@ -127,8 +130,8 @@ def _long_answers_first(
     return [members[k] for k in ranked], sum(1 for x in longest if x >= long)
 
 
-#: a prefix value and what was computed of it: group, path, size
-_Known = tuple[Any, Hashable, tuple[int, ...], int]
+#: a prefix value and what was computed of it: group, path, size, lead
+_Known = tuple[Any, Hashable, tuple[int, ...], int, int]
 
 
 def peeks(raw: Sequence[Request | Mapping[str, Any]], order: str) -> list[Peek]:
@@ -159,19 +162,19 @@ def _peek(raw: Request | Mapping[str, Any], order: str, memo: dict[int, _Known] 
     prefix = peek_prefix(raw)
     group: Hashable | None = None
     path: tuple[int, ...] = ()
-    size = 0
+    size = lead = 0
     if prefix:
         ((_, value),) = prefix.items()
         known = memo.get(id(value)) if memo is not None else None
         if known is None or known[0] is not value:
             fp: Hashable = _fingerprint(value)
             walk = _path(value) if order == "depth-first" else ()
-            known = (value, fp, walk, _size(value))
+            known = (value, fp, walk, _size(value), walk[0] if walk else _lead(value))
             if memo is not None:
                 memo[id(value)] = known
-        _, group, path, size = known
+        _, group, path, size, lead = known
     output = _output(raw) if order == "decode-first" else 0
-    return Peek(group, path, output, size)
+    return Peek(group, path, output, size, lead)
 
 
 def _size(value: Any) -> int:
@@ -181,6 +184,21 @@ def _size(value: Any) -> int:
     if isinstance(value, list) and value and isinstance(value[0], Mapping):
         return sum(len(m.get("content") or "") for m in value)
     return 4 * len(value) if isinstance(value, list) else 0
+
+
+def _lead(value: Any) -> int:
+    """The first hash of `_path` (its first block's), without hashing the rest; 0 for a value
+    that has no path (validation refuses it later)."""
+    try:
+        if isinstance(value, str):
+            data = value[:PATH_BLOCK].encode("utf-8", "surrogatepass")
+        elif isinstance(value, list) and all(isinstance(m, Mapping) for m in value):
+            data = wire.pack(value[0]) if value else b""
+        else:
+            data = array("q", value[: PATH_BLOCK // 8]).tobytes()
+    except Exception:  # a hint, like the rest of a Peek
+        return 0
+    return xxhash.xxh3_64_intdigest(data[:PATH_BLOCK], seed=0)
 
 
 def _path(value: Any) -> tuple[int, ...]:

@@ -107,7 +107,7 @@ class RequestFile(Sequence[Request]):
             return self._peeks
         walked = peeks(self, order)
         return [
-            Peek(w.group, w.path, p.output, p.size)
+            Peek(w.group, w.path, p.output, p.size, p.lead)
             for w, p in zip(walked, self._peeks, strict=True)
         ]
 

@@ -20,10 +20,18 @@ pass is and wraps around:
   the engine runs now and those queued after them, and costs the groups before its start once
   more at its end (docs/BENCHMARKS.md, 2026-12-04).
 
+- **prefixes used once**: a burst that asks one question per document (fewer than two shared
+  groups) keeps no place in the corpus order (one per request of every such burst would grow
+  Redis for bursts that share nothing): its documents follow their content order instead
+  (`_content_arrangement`: by their first block's hash, then their pass key), which every burst
+  over the same documents shares with no state, and it starts where the workers' windows are
+  in that order (they hold lone requests' prefixes too).
+
 Only the groups' order changes (each group's requests stay together, in the order `ORDERS` gives
-them); requests without a shared prefix, and the long answers ``decode-first`` puts first, keep
-their places. ``grouped`` and ``decode-first`` (the default) bursts take part; the setting
-``shared_pass`` turns it off. docs/architecture.md, "The shared pass", has the measurements.
+them); requests without a long prefix (or, in a burst with shared groups, with a prefix of
+their own), and the long answers ``decode-first`` puts first, keep their places. ``grouped``
+and ``decode-first`` (the default) bursts take part; the setting ``shared_pass`` turns it off.
+docs/architecture.md, "The shared pass", has the measurements.
 """
 
 from __future__ import annotations
@@ -74,9 +82,13 @@ class Arrangement:
         starts: dict[int, int],
         start: int | None,
         shard_of: dict[int, int],
+        *,
+        content: bool = False,
     ) -> None:
         self.looks, self.place, self.size = looks, place, size
         self.starts, self.start, self.shard_of = starts, start, shard_of
+        #: the places are the prefixes' content order (`_content_arrangement`): nothing to keep
+        self.content = content
         #: pass key -> the shard this burst placed the group on (`placed`)
         self.went: dict[int, int] = {}
 
@@ -97,6 +109,8 @@ class Arrangement:
 
     def placed(self, idx: Sequence[int], placed: Sequence[Placed]) -> None:
         """Requests ``idx`` were ``placed``: the first one of each group says where it is."""
+        if self.content:
+            return
         for i, p in zip(idx, placed, strict=True):
             k = self._pkey(i)
             if k is not None and k not in self.went:
@@ -105,7 +119,7 @@ class Arrangement:
     async def remember(self, r: Any, keys: Keys) -> None:
         """Keep where this burst's groups went (keys.pass_shards), for the bursts after it: a
         hint, so a failure is only logged."""
-        if not self.went:
+        if not self.went:  # (nothing, in the content order: `placed`)
             return
         items = list(self.went.items())
         try:
@@ -134,7 +148,9 @@ async def arrangement(
     """How the groups of a burst (``looks``: its `Peek`s; ``uses``: each long prefix's uses,
     first appearance first, `EntryEncoder.uses`) follow the shared pass: their places in the
     corpus order (placing its new groups), where each shard's pass is, and the shard each group
-    went to last. None when the burst has fewer than two shared groups (nothing to arrange)."""
+    went to last. A burst with fewer than two shared groups (one question per document, say)
+    follows the prefixes' content order instead: `_content_arrangement`. None when there is
+    nothing to arrange."""
     if not s.shared_pass:
         return None
     order: dict[int, None] = {}  # pass keys of groups used twice or more, first appearance first
@@ -143,7 +159,7 @@ async def arrangement(
         if k is not None:
             order[k] = None
     if len(order) < 2:
-        return None
+        return await _content_arrangement(r, keys, looks, uses, shards)
     pkeys = list(order)
     places: list[int] = []
     size = 0
@@ -162,6 +178,31 @@ async def arrangement(
         if at is not None:
             starts[shard] = at
     return Arrangement(looks, place, size, starts, start, shard_of)
+
+
+async def _content_arrangement(
+    r: Any, keys: Keys, looks: Sequence[Peek], uses: Mapping[Hashable, int], shards: int
+) -> Arrangement | None:
+    """A burst whose long prefixes are (nearly) all used once, as when each of several analyses
+    asks one question per document: the corpus order would hold a place per request of every
+    such burst ever submitted (megabytes of Redis for bursts that share nothing), so its order
+    is the prefixes' content order instead, the same for every burst over the same documents
+    with no state at all: by the hash of each prefix's first block (`Peek.lead`: prefixes that
+    share a leading block, a chat's turns, stay together, as depth-first keeps them), then by
+    its pass key. It starts where the shards' passes are in that order (the workers' windows
+    hold lone requests' prefixes too, `prefixq.core.entries.Entry.lone_key`), so a later
+    analysis walks the documents beside the earlier one instead of behind it. None for fewer
+    than two long prefixes."""
+    lead = {p.group: p.lead for p in looks if p.group is not None and p.group in uses}
+    ranked = sorted((lead.get(g, 0), k) for g in uses if (k := pass_key(g)) is not None)
+    if len(ranked) < 2:
+        return None
+    place = {k: i for i, (_, k) in enumerate(ranked)}
+    windows, _ = await _marks(r, keys, shards, [])
+    union = set().union(*windows) if windows else set()
+    # one start for all shards: where a lone request goes is not known before it is placed
+    start = join_point([place[k] for k in union if k in place], len(place))
+    return Arrangement(looks, place, len(place), {}, start, {}, content=True)
 
 
 def rotate(

@@ -15,9 +15,11 @@ request runs nothing: its result is that message);
 default path's entries carry no extra byte; prefixq.core.sharing); ``a`` the checkpoint hash
 that ends the request's shared prefix (8 bytes; absent without one): its prefix group, which moves
 between shards whole, and the prefix map's entry that follows it (affinity/handover.py); ``g``
-the group's pass key (client/shared_pass.py); ``sa`` the group's shared ancestor, ``[key,
-tokens]`` (affinity/ancestors.py: counted once by the worker's KV budget). ``a``, ``g`` and
-``sa`` are hints: one malformed is left out, never a refused entry.
+the group's pass key (client/shared_pass.py); ``lk`` instead, for a long prefix no other
+request of the burst shares (a lone request: no group), its pass key, which only the worker's
+pass window follows (worker/shared_pass.py); ``sa`` the group's shared ancestor, ``[key,
+tokens]`` (affinity/ancestors.py: counted once by the worker's KV budget). ``a``, ``g``, ``lk``
+and ``sa`` are hints: one malformed is left out, never a refused entry.
 """
 
 from __future__ import annotations
@@ -96,6 +98,8 @@ class Entry:
     anchor: bytes | None = None
     #: the shared prefix's pass key, the same in every burst (client/shared_pass.py)
     group: int | None = None
+    #: a lone request's long prefix's pass key (no group: only the pass window follows it)
+    lone_key: int | None = None
     #: the part of the group's prefix other groups share (affinity/ancestors.py): key, tokens
     ancestor: int | None = None
     ancestor_tokens: int = 0
@@ -136,6 +140,9 @@ class Entry:
         group = d.get("g")
         if group is not None:  # a hint too: one that is no 64-bit key is left out
             e.group = group if _u64(group) else None
+        lone = d.get("lk")
+        if lone is not None and e.group is None:
+            e.lone_key = lone if _u64(lone) else None
         sa = d.get("sa")
         if isinstance(sa, list) and len(sa) == 2 and all(_u64(x) for x in sa) and sa[1]:
             e.ancestor, e.ancestor_tokens = sa[0], min(sa[1], _MAX_COUNT)
@@ -249,6 +256,7 @@ def to_wire(
     tenant: str = DEFAULT_TENANT,
     anchor: bytes | None = None,
     group: int | None = None,
+    lone_key: int | None = None,
     ancestor: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """The entry map for one request (prefix inline or by reference, never both)."""
@@ -285,6 +293,8 @@ def to_wire(
         d["a"] = anchor
     if group is not None:
         d["g"] = group
+    elif lone_key is not None:
+        d["lk"] = lone_key
     if ancestor is not None:
         d["sa"] = list(ancestor)
     if prefix_ref is not None:

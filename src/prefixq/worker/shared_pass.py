@@ -1,7 +1,8 @@
 """Where this worker's pass is: the prefix groups its engine most likely holds, for producers.
 
 `PassMarks` follows the requests the engine finishes, as its prefix cache does: a least recently
-used list of their groups' pass keys (`prefixq.core.entries.Entry.group`), each with the tokens
+used list of their groups' pass keys (`prefixq.core.entries.Entry.group`; a lone request's
+long prefix's, `Entry.lone_key`, as a group of one), each with the tokens
 its requests' prompts take, cut to ``pass_window`` of the engine's KV cache (the newest groups
 only: what a burst that starts among them finds still there once it gets to them). Finished, not
 admitted: the worker hands up to twice ``max_num_seqs`` requests to the engine at once (on an
@@ -71,7 +72,7 @@ class PassMarks:
 
     def note(self, e: Entry) -> None:
         """``e``'s request finished in the engine: its group is the newest."""
-        g = e.group
+        g = e.group if e.group is not None else e.lone_key
         if g is None:
             return
         lru = self._lru

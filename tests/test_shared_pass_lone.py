@@ -1,0 +1,235 @@
+"""The shared pass for bursts that ask one question per document (client/shared_pass.py's
+content order, `prefixq.core.entries.Entry.lone_key`): every such burst walks the documents in
+their content order, starts where the workers' windows are in it, and keeps nothing in Redis;
+against a real redis-server, a fake-engine worker and the session's real vLLM CPU workers."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+
+from fake_engine import FakeEngine
+from helpers import queued_entries, wait_until
+from prefixq.client import Producer, results
+from prefixq.client.encoding import _fingerprint, pass_key
+from prefixq.client.order import peek
+from prefixq.core import wire
+from prefixq.core.entries import Entry, WireError, to_wire
+from prefixq.core.keys import POS, Keys
+from prefixq.core.records import Request
+from prefixq.core.settings import Settings
+
+DOCS = [f"document {d}: " + f"the {d}th text of the corpus " * 20 for d in range(16)]
+
+
+def _lone(
+    name: str, docs: list[int], seed: int, docs_text: list[str] = DOCS
+) -> list[dict[str, Any]]:
+    """One question about each of ``docs``, shuffled (as a user's burst comes)."""
+    reqs = [{"id": f"{name}-d{d}", "prefix": docs_text[d], "prompt": f" {name}?"} for d in docs]
+    random.Random(seed).shuffle(reqs)
+    return reqs
+
+
+def _doc_of(request_id: str) -> int:
+    return int(request_id.split("-d")[1])
+
+
+def _key(d: int, docs_text: list[str] = DOCS) -> int:
+    k = pass_key(_fingerprint(docs_text[d]))
+    assert k is not None
+    return k
+
+
+def _content_order(docs: list[int], docs_text: list[str] = DOCS) -> list[int]:
+    """``docs`` in their content order: first block's hash, then pass key."""
+    lead = {d: peek({"prefix": docs_text[d], "prompt": "?"}, "grouped").lead for d in docs}
+    return sorted(docs, key=lambda d: (lead[d], _key(d, docs_text)))
+
+
+def _enqueued(r: redis.Redis, s: Settings, burst: str, shard: int = 0) -> list[Entry]:
+    """``burst``'s entries on ``shard`` in their enqueue order."""
+    placed = []
+    for _, f in queued_entries(r, s, shard):
+        e = Entry.from_wire(wire.decode(f[b"d"]))
+        if e.burst == burst:
+            lanes, intakes = (int(x) for x in f[POS].split(b":"))
+            placed.append((lanes + intakes, e.index, e))
+    return [e for *_, e in sorted(placed)]
+
+
+def _publish(r: redis.Redis, keys: Keys, window: list[int], shard: int = 0) -> None:
+    r.zadd(keys.workers(shard), {"w": 1.0})
+    r.set(keys.pass_marks(shard, "w"), wire.pack(window))
+
+
+def test_a_lone_request_carries_its_prefix_pass_key_and_a_shared_one_its_group(
+    make_settings: Callable[..., Settings], r: redis.Redis
+) -> None:
+    """A long prefix used once travels inline with its pass key (``lk``) and no group; one used
+    twice is stored once and marks a group (``g``), no ``lk``; a short one carries neither."""
+    s = make_settings(prefix_store_min_chars=16)
+    reqs = [
+        {"id": "a-d0", "prefix": DOCS[0], "prompt": " q?"},
+        {"id": "b-d1", "prefix": DOCS[1], "prompt": " q1?"},
+        {"id": "c-d1", "prefix": DOCS[1], "prompt": " q2?"},
+        {"id": "d-short", "prefix": "tiny", "prompt": " q?"},
+    ]
+    burst = asyncio.run(Producer(s).asubmit(reqs, order="input"))
+    by_id = {e.id: e for e in _enqueued(r, s, burst)}
+    assert by_id["a-d0"].lone_key == _key(0) and by_id["a-d0"].group is None
+    assert by_id["a-d0"].prefix is not None and by_id["a-d0"].prefix_ref is None
+    for rid in ("b-d1", "c-d1"):
+        assert by_id[rid].group == _key(1) and by_id[rid].lone_key is None
+    assert by_id["d-short"].lone_key is None and by_id["d-short"].group is None
+    assert results.status(burst, s).total == 4
+
+
+@pytest.mark.parametrize("bad", [-1, 1 << 64, True, b"12345678", "7", 1.5, [1]])
+def test_a_malformed_lone_key_is_a_hint_left_out_never_a_refused_entry(bad: Any) -> None:
+    d = to_wire(
+        Request(id="x", prompt="p"),
+        burst="b",
+        index=0,
+        shard=0,
+        enqueued=1.0,
+        work=1,
+        predicted_cached=0,
+        prefix=None,
+        prefix_ref=None,
+        own={"p": "p"},
+        lone_key=5,
+    )
+    assert Entry.from_wire(d).lone_key == 5
+    assert Entry.from_wire({**d, "lk": bad}).lone_key is None
+    # a group wins over a lone key (an entry is one or the other)
+    both = Entry.from_wire({**d, "g": 7, "lk": 5})
+    assert (both.group, both.lone_key) == (7, None)
+    with pytest.raises(WireError):  # the rest of the entry is still checked
+        Entry.from_wire({**d, "lk": 5, "i": -1})
+
+
+def test_lone_bursts_over_one_corpus_walk_it_in_one_content_order_and_keep_nothing_in_redis(
+    make_settings: Callable[..., Settings], r: redis.Redis
+) -> None:
+    """Without a pass published, bursts over the same documents shuffled differently enqueue
+    them in one order, the documents' content order, whatever their own; a burst over part of
+    them walks its part in that order. No corpus order or shard hint is kept for them.
+    ``input`` order, and ``shared_pass`` off, keep the burst's own order."""
+    s = make_settings(prefix_store_min_chars=16)
+    keys = Keys(s.namespace)
+    docs = list(range(16))
+    want = _content_order(docs)
+    got = []
+    for seed in (1, 2):
+        reqs = _lone(f"s{seed}", docs, seed)
+        assert [_doc_of(x["id"]) for x in reqs] != want
+        burst = asyncio.run(Producer(s).asubmit(reqs))  # decode-first, the default
+        got.append([_doc_of(e.id) for e in _enqueued(r, s, burst)])
+    assert got == [want, want]
+    part = [3, 9, 1, 14, 6]
+    burst = asyncio.run(Producer(s).asubmit(_lone("p", part, 3), order="grouped"))
+    assert [_doc_of(e.id) for e in _enqueued(r, s, burst)] == _content_order(part)
+    assert not r.exists(keys.pass_order) and not r.exists(keys.pass_shards)
+    given = _lone("i", docs, 4)
+    burst = asyncio.run(Producer(s).asubmit(given, order="input"))
+    assert [e.id for e in _enqueued(r, s, burst)] == [x["id"] for x in given]
+    off = s.replace(shared_pass=False)
+    burst = asyncio.run(Producer(off).asubmit(given, order="grouped"))
+    assert [e.id for e in _enqueued(r, s, burst)] == [x["id"] for x in given]
+
+
+def test_a_lone_burst_starts_where_the_pass_is_and_wraps_around(
+    make_settings: Callable[..., Settings], r: redis.Redis
+) -> None:
+    """A window holding documents 6-8 of the content order (and keys of documents this burst
+    does not ask about) makes a lone burst start at the first of them and wrap around; across
+    two shards the windows are read together; garbage in a window is no pass."""
+    s = make_settings(prefix_store_min_chars=16, shards=2)
+    keys = Keys(s.namespace)
+    docs = list(range(16))
+    order = _content_order(docs)
+    other = _key(0, [f"a document nobody asks about {'x' * 80}"])
+    _publish(r, keys, [other, _key(order[7]), _key(order[6])], shard=0)
+    _publish(r, keys, [_key(order[8])], shard=1)
+    burst = asyncio.run(Producer(s).asubmit(_lone("j", docs, 5)))
+    assert sum(len(_enqueued(r, s, burst, k)) for k in range(2)) == 16
+    want = order[6:] + order[:6]
+    for k in range(2):  # each shard's part of the rotated order, in that order
+        mine = [_doc_of(e.id) for e in _enqueued(r, s, burst, k)]
+        assert mine == [d for d in want if d in set(mine)]
+    r.set(keys.pass_marks(0, "w"), b"\xc1 not msgpack")
+    r.set(keys.pass_marks(1, "w"), wire.pack({"not": "a list"}))
+    again = asyncio.run(Producer(s).asubmit(_lone("k", docs, 6)))
+    parts = [[_doc_of(e.id) for e in _enqueued(r, s, again, k)] for k in range(2)]
+    assert sorted(parts[0] + parts[1]) == docs
+    assert parts == [[d for d in order if d in set(part)] for part in parts]
+
+
+def test_a_worker_publishes_lone_requests_prefixes_and_a_later_analysis_walks_beside_them(
+    make_settings: Callable[..., Settings], r: redis.Redis, fake_worker: Callable[..., Any]
+) -> None:
+    """A real worker loop (fake engine of a stated KV cache) puts the prefixes of the lone
+    requests it finished in its window, the newest within half its cache; a second analysis over
+    the same documents, shuffled otherwise, then starts at the oldest of them and wraps around
+    (the engine saw it in that order)."""
+    s = make_settings(prefix_store_min_chars=16, heartbeat_s=0.2, pass_window=0.5)
+    keys = Keys(s.namespace)
+    docs = list(range(16))
+    order = _content_order(docs)
+    first = asyncio.run(Producer(s).asubmit(_lone("a", docs, 1)))
+    tokens = max(e.work + e.predicted_cached for e in _enqueued(r, s, first))
+    engine = FakeEngine()
+    engine.kv_tokens = 2 * 4 * tokens  # type: ignore[attr-defined]  # window: 4 documents
+    with fake_worker(s, engine=engine):
+        assert results.wait(first, s, timeout=60).failed == 0
+        raw = wait_until(lambda: r.get(keys.pass_marks(0, "fw")), 10, "the published window")
+        window = wire.unpack(raw)
+        assert 2 <= len(window) <= 4
+        assert window == [_key(d) for d in order[-len(window) :]]
+        b_reqs = _lone("b", docs, 2)
+        b = asyncio.run(Producer(s).asubmit(b_reqs))
+        assert results.wait(b, s, timeout=60).failed == 0
+        seen = [b_reqs[int(x.split(":")[1])]["id"] for x in engine.seen if x.startswith(b + ":")]
+        at = order.index(next(d for d in order if _key(d) == window[0]))
+        assert [_doc_of(x) for x in seen] == order[at:] + order[:at]
+
+
+def test_the_session_workers_publish_lone_prefixes_and_a_second_analysis_joins_them(
+    engines: Any, r: redis.Redis
+) -> None:
+    """On the real vLLM CPU workers (two shards): after an analysis asking one question per
+    document, the shards' windows hold its documents, and a second analysis over them, shuffled
+    otherwise, walks them in the content order from some point around; both complete."""
+    s = engines.settings.replace(prefix_store_min_chars=16)
+    keys = Keys(s.namespace)
+    texts = [f"lone document {d}. " + f"words of lone text {d} " * 12 for d in range(6)]
+    docs = list(range(6))
+    order = _content_order(docs, texts)
+    a = [{**x, "max_tokens": 2} for x in _lone("la", docs, 5, texts)]
+    first = asyncio.run(Producer(s).asubmit(a))
+    assert results.wait(first, s, timeout=300).failed == 0
+    published: set[int] = set()
+
+    def seen() -> bool:
+        for k in range(2):
+            for name in r.zrange(keys.workers(k), 0, -1):
+                raw = r.get(keys.pass_marks(k, name.decode()))
+                if raw:
+                    published.update(wire.unpack(raw))
+        return {_key(d, texts) for d in docs} <= published
+
+    wait_until(seen, 15, "the shards' windows holding the first analysis's documents")
+    b = [{**x, "max_tokens": 2} for x in _lone("lb", docs, 6, texts)]
+    later = asyncio.run(Producer(s).asubmit(b))
+    got = [[_doc_of(e.id) for e in _enqueued(r, s, later, k)] for k in range(2)]
+    assert sorted(d for part in got for d in part) == docs
+    for part in got:
+        mine = [d for d in order if d in set(part)]
+        assert any(mine[i:] + mine[:i] == part for i in range(max(1, len(mine))))
+    assert results.wait(later, s, timeout=300).failed == 0
