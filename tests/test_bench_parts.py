@@ -188,3 +188,18 @@ def test_offload_memory_is_a_share_of_what_the_host_has_available(tmp_path: Path
     assert host_offload_gib(3, str(meminfo)) == 13.0
     meminfo.write_text("MemAvailable: 1024 kB\n")
     assert host_offload_gib(1, str(meminfo)) == 0.5
+
+
+def test_multi_burst_1q_asks_one_question_per_document_in_each_burst() -> None:
+    """``multi-burst-1q`` is multi-burst with one question per document per burst whatever
+    ``--burst-questions`` says: each burst's requests each hold a document of their own, every
+    burst over the same documents (sized from the KV capacity as multi-burst's)."""
+    sizes = Sizes(burst_questions=3)
+    wl = build("multi-burst-1q", IDS, sizes, capacity_tokens=10_000)
+    mb = build("multi-burst", IDS, sizes, capacity_tokens=10_000)
+    assert wl.name == "multi-burst-1q" and len(wl.bursts) == 3
+    docs = {len(b.requests) for b in wl.bursts}
+    assert docs == {mb.documents} and len(mb.bursts[0].requests) == 3 * mb.documents
+    for b in wl.bursts:
+        prefixes = [str(q["prefix"]) for q in b.requests]
+        assert len(set(prefixes)) == len(prefixes)

@@ -1,6 +1,6 @@
 """The benchmark's finite bursts: `build` makes one of `WORKLOADS` (the table of docs/BENCHMARKS.md
-gives each with its defaults, `Sizes`), sizing overflow and multi-burst from the engines' KV
-capacity. Documents are windows of Python's bundled reference documentation (~4 characters a
+gives each with its defaults, `Sizes`), sizing overflow and the multi-burst ones from the engines'
+KV capacity. Documents are windows of Python's bundled reference documentation (~4 characters a
 token) or, for dummy-weight models, random token ids of the same lengths; every request is greedy
 with ``ignore_eos`` and a fixed output. Each request carries its path in the prefix tree and each
 node its depth in tokens (`Workload.paths`, `Workload.depth`): what bench/measures.py computes the
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prefixq.core.sharing import DEFAULT_PRIORITY
@@ -26,7 +26,16 @@ QUESTIONS = (
     "What would a beginner find hardest in the document above?",
     "List the keywords the document above mentions.",
 )
-WORKLOADS = ("no-reuse", "reuse", "overflow", "multi-burst", "system-prompt", "mixed", "zipf")
+WORKLOADS = (
+    "no-reuse",
+    "reuse",
+    "overflow",
+    "multi-burst",
+    "multi-burst-1q",
+    "system-prompt",
+    "mixed",
+    "zipf",
+)
 #: workloads whose requests share prefixes (enqueue orders and the sorted set-up matter)
 SHARING = frozenset(WORKLOADS) - {"no-reuse"}
 TENANTS = ("tenant-a", "tenant-b", "tenant-c")
@@ -123,14 +132,16 @@ def build(
     make = _Maker(shape, random.Random(seed), count)
     docs = sizes.documents
     if docs is None:
-        sized = name in ("overflow", "multi-burst") and capacity_tokens > 0
+        sized = name in ("overflow", "multi-burst", "multi-burst-1q") and capacity_tokens > 0
         docs = overflow_documents(capacity_tokens, shape, sizes) if sized else 64
     if name == "no-reuse":
         wl = make.documents("no-reuse", [1] * sizes.requests, shuffle=False)
     elif name in ("reuse", "overflow"):
         wl = make.documents(name, [sizes.questions] * docs, shuffle=True)
     elif name == "multi-burst":
-        wl = make.multi_burst(docs, sizes)
+        wl = make.multi_burst(name, docs, sizes)
+    elif name == "multi-burst-1q":  # analyses that ask one question per document each
+        wl = make.multi_burst(name, docs, replace(sizes, burst_questions=1))
     elif name == "system-prompt":
         wl = make.system_prompt(docs, sizes)
     elif name == "zipf":
@@ -214,7 +225,7 @@ class _Maker:
             reqs, paths = _shuffled(self.rng, reqs, paths)
         return Workload(name, [Burst(reqs)], paths, depth, self.exact)
 
-    def multi_burst(self, docs: int, sizes: Sizes) -> Workload:
+    def multi_burst(self, name: str, docs: int, sizes: Sizes) -> Workload:
         texts = [self.doc(d) for d in range(docs)]
         depth = {f"d{d}": self.tokens(t) for d, t in enumerate(texts)}
         bursts: list[Burst] = []
@@ -238,7 +249,7 @@ class _Maker:
             priority = given[b] if b < len(given) else DEFAULT_PRIORITY
             bursts.append(Burst(reqs, tenant, round(b * sizes.burst_gap, 3), priority))
             paths += ps
-        return Workload("multi-burst", bursts, paths, depth, self.exact)
+        return Workload(name, bursts, paths, depth, self.exact)
 
     def system_prompt(self, docs: int, sizes: Sizes) -> Workload:
         reqs: list[dict[str, Any]] = []
