@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytest
@@ -17,6 +17,7 @@ from fake_engine import FakeEngine
 from helpers import queued_entries, wait_until
 from prefixq.client import Producer, results, shared_pass
 from prefixq.client.encoding import _fingerprint, pass_key
+from prefixq.client.order import peek
 from prefixq.client.shared_pass import join_point, rotate
 from prefixq.core import wire
 from prefixq.core.entries import Entry
@@ -69,6 +70,13 @@ def _first_seen(reqs: list[dict[str, Any]]) -> list[int]:
     return list(dict.fromkeys(_doc_of(x["id"]) for x in reqs))
 
 
+def _content(docs: Iterable[int]) -> list[int]:
+    """``docs`` in their content order (first block's hash, then pass key): the order a burst's
+    new groups are placed in."""
+    lead = {d: peek({"prefix": DOCS[d], "prompt": "?"}, "grouped").lead for d in docs}
+    return sorted(lead, key=lambda d: (lead[d], _key(d)))
+
+
 def _on_shards(order: list[int], per_shard: list[list[int]]) -> list[list[int]]:
     """``order`` as each shard of ``per_shard`` holds it."""
     return [[d for d in order if d in set(held)] for held in per_shard]
@@ -99,21 +107,28 @@ def test_rotate_moves_only_placed_groups_and_keeps_the_others_in_their_slots() -
 def test_a_later_burst_walks_the_documents_in_the_first_bursts_order(
     make_settings: Callable[..., Settings], r: redis.Redis
 ) -> None:
-    """No pass published: a burst over documents an earlier burst submitted walks them in the
-    order that burst did, whatever its own order; a burst alone keeps its own; off, each its own."""
+    """No pass published: a burst over documents earlier bursts submitted walks them in the
+    order they did (the first four documents, then the next four, each burst's new ones in their
+    content order), whatever its own order and theirs; the documents it adds come after the
+    known ones, in their content order; off, each burst walks its own."""
     s = make_settings(prefix_store_min_chars=16)
-    a = _burst("a", list(range(8)), seed=1)
-    first = asyncio.run(Producer(s).asubmit(a, order="grouped"))
-    (a_order,) = _doc_order(r, s, first)
-    assert a_order == _first_seen(a) != list(range(8))  # its own first appearances
+    a_order = []
+    for name, docs, seed in (("a1", [0, 1, 2, 3], 1), ("a2", [4, 5, 6, 7], 7)):
+        a = _burst(name, docs, seed=seed)
+        first = asyncio.run(Producer(s).asubmit(a, order="grouped"))
+        (placed,) = _doc_order(r, s, first)
+        assert placed == _content(docs) != _first_seen(a)
+        a_order += placed
+    assert a_order != _content(range(8))
     b = _burst("b", list(range(8)), seed=2)
     assert _first_seen(b) != a_order
     later = asyncio.run(Producer(s).asubmit(b, order="grouped"))
     assert _doc_order(r, s, later) == [a_order]
-    # documents it adds come after the known ones, in its own order
-    mixed = asyncio.run(Producer(s).asubmit(_burst("c", [10, 3, 11, 5], seed=3), order="grouped"))
+    mixed = asyncio.run(
+        Producer(s).asubmit(_burst("c", [10, 3, 11, 5, 9], seed=3), order="grouped")
+    )
     known = [d for d in a_order if d in (3, 5)]
-    assert _doc_order(r, s, mixed)[0][:2] == known
+    assert _doc_order(r, s, mixed)[0] == known + _content([10, 11, 9])
     off = make_settings(prefix_store_min_chars=16, shared_pass=False, namespace=s.namespace)
     d = _burst("d", list(range(8)), seed=4)
     own = asyncio.run(Producer(off).asubmit(d, order="grouped"))
@@ -138,7 +153,7 @@ def test_a_burst_starts_where_a_shards_pass_is_and_wraps_around(
     keys = Keys(s.namespace)
     first_reqs = _burst("a", list(range(8)), seed=1)
     first = asyncio.run(Producer(s).asubmit(first_reqs, order="grouped"))
-    a = _first_seen(first_reqs)
+    a = _content(range(8))
     held = _doc_order(r, s, first, shards=2)
     assert all(held) and held == _on_shards(a, held)
     _publish(r, keys, 0, wire.pack([_key(a[6]), _key(a[5])]))
@@ -165,7 +180,7 @@ def test_several_workers_of_one_shard_each_keep_a_window_and_a_burst_joins_them_
     keys = Keys(s.namespace)
     first_reqs = _burst("a", list(range(8)), seed=1)
     asyncio.run(Producer(s).asubmit(first_reqs, order="grouped"))
-    a = _first_seen(first_reqs)
+    a = _content(range(8))
     _publish(r, keys, 0, wire.pack([_key(a[6])]), worker="w2")
     _publish(r, keys, 0, wire.pack([_key(a[5])]), worker="w1")
     b = asyncio.run(Producer(s).asubmit(_burst("b", list(range(8)), seed=2), order="grouped"))
@@ -216,7 +231,7 @@ def test_an_unreadable_corpus_order_or_window_is_a_hint_lost_never_a_burst_refus
     keys = Keys(s.namespace)
     first = _burst("a", list(range(8)), seed=1)
     asyncio.run(Producer(s).asubmit(first, order="grouped"))
-    a = _first_seen(first)
+    a = _content(range(8))
     r.hset(keys.pass_order, str(_key(a[0])), "not a place")
     r.zadd(keys.workers(0), {"w": time.time()})
     r.hset(keys.pass_marks(0, "w"), "not", "a window")
@@ -234,7 +249,7 @@ def test_an_unreadable_corpus_order_or_window_is_a_hint_lost_never_a_burst_refus
         reqs = _burst(f"c{n}", list(range(8)), seed=3 + n)
         c = asyncio.run(Producer(s).asubmit(reqs, order="grouped"))
         got = _doc_order(r, s, c, shards=2)
-        assert got == _on_shards(_first_seen(reqs), got)  # a new order: its own
+        assert got == _on_shards(_content(range(8)), got)  # a new order
         assert r.hget(keys.pass_order, "n") == b"8"
     for burst in (b, c):
         assert sum(1 for k in range(2) for _ in _entries_of(r, s, burst, k)) == 16
@@ -253,13 +268,15 @@ def test_a_burst_placed_in_several_calls_keeps_one_order_when_the_order_starts_o
     r.hset(keys.pass_order, "n", shared_pass.ORDER_MAX)
     reqs = _burst("a", list(range(8)), seed=1)
     burst = asyncio.run(Producer(s).asubmit(reqs, order="grouped"))
-    assert _doc_order(r, s, burst) == [_first_seen(reqs)]
+    assert _doc_order(r, s, burst) == [_content(range(8))]
     assert r.hget(keys.pass_order, "n") == str(shared_pass.ORDER_MAX + 8).encode()
     # past the limit now: the next burst's first call starts the order over, with its own
-    again = _burst("b", list(range(8)), seed=2)
+    # groups (four of them, the first placed at 0)
+    again = _burst("b", [7, 1, 4, 2], seed=2)
     later = asyncio.run(Producer(s).asubmit(again, order="grouped"))
-    assert _doc_order(r, s, later) == [_first_seen(again)] != [_first_seen(reqs)]
-    assert r.hget(keys.pass_order, "n") == b"8"
+    assert _doc_order(r, s, later) == [_content([7, 1, 4, 2])]
+    assert r.hget(keys.pass_order, "n") == b"4"
+    assert r.hget(keys.pass_order, str(_key(_content([7, 1, 4, 2])[0]))) == b"0"
 
 
 def test_a_window_smaller_than_a_token_of_a_known_cache_holds_the_newest_group_only() -> None:
@@ -288,7 +305,7 @@ def test_a_worker_publishes_the_newest_groups_within_its_window_and_a_reset_empt
     keys = Keys(s.namespace)
     first_reqs = _burst("a", list(range(12)), seed=1)
     first = asyncio.run(Producer(s).asubmit(first_reqs, order="grouped"))
-    a = _first_seen(first_reqs)
+    a = _content(range(12))
     tokens = max(
         e.work + e.predicted_cached
         for e in (Entry.from_wire(wire.decode(f[b"d"])) for _, f in queued_entries(r, s))
@@ -406,7 +423,7 @@ def test_the_session_workers_publish_their_pass_and_a_second_burst_follows_the_f
     docs = list(range(6))
     a = [{**x, "max_tokens": 2} for x in _burst("pa", docs, seed=5)]
     first = asyncio.run(Producer(s).asubmit(a, order="grouped"))
-    a_order = _first_seen(a)
+    a_order = _content(docs)
     assert results.wait(first, s, timeout=300).failed == 0
     published: set[int] = set()
 

@@ -9,8 +9,9 @@ pass is and wraps around:
 - **one order**: each prefix group gets a place in the corpus order the first time a burst submits
   it (the pass-order hash, lua/pass_order.lua), keyed by its pass key (the 64-bit content hash of
   the prefix, the same in every process: `prefixq.client.encoding.pass_key`), so every later
-  burst walks the documents it shares with earlier ones in the order they did. A burst alone
-  keeps its own order: its new groups are placed in it.
+  burst walks the documents it shares with earlier ones in the order they did. A burst's new
+  groups are placed in their content order (`content_order`), which bursts of prefixes used
+  once walk too (below).
 - **where the pass is**: each worker publishes the pass keys of the groups whose requests its
   engine finished most recently, as many as fill `pass_window` of its KV cache
   (worker/shared_pass.py): the completion front, where a joining burst's requests enter the
@@ -23,8 +24,8 @@ pass is and wraps around:
 - **prefixes used once**: a burst that asks one question per document (fewer than two shared
   groups) keeps no place in the corpus order (one per request of every such burst would grow
   Redis for bursts that share nothing): its documents follow their content order instead
-  (`_content_arrangement`: by their first block's hash, then their pass key), which every burst
-  over the same documents shares with no state, and it starts where the workers' windows are
+  (`content_order`: by their first block's hash, then their pass key), which every burst over
+  the same documents shares with no state, and it starts where the workers' windows are
   in that order (they hold lone requests' prefixes too).
 
 Only the groups' order changes (each group's requests stay together, in the order `ORDERS` gives
@@ -51,7 +52,15 @@ from prefixq.core.settings import Settings
 from prefixq.store.lua_script import LuaScript
 from prefixq.store.redis_errors import TRANSIENT
 
-__all__ = ["PASS_ORDERS", "Arrangement", "arrangement", "join_point", "rotate", "rotate_each"]
+__all__ = [
+    "PASS_ORDERS",
+    "Arrangement",
+    "arrangement",
+    "content_order",
+    "join_point",
+    "rotate",
+    "rotate_each",
+]
 
 log = logging.getLogger(__name__)
 
@@ -153,14 +162,12 @@ async def arrangement(
     nothing to arrange."""
     if not s.shared_pass:
         return None
-    order: dict[int, None] = {}  # pass keys of groups used twice or more, first appearance first
-    for g, n in uses.items():
-        k = pass_key(g) if n > 1 else None
-        if k is not None:
-            order[k] = None
-    if len(order) < 2:
+    # pass keys of the groups used twice or more, in their content order: the order the new
+    # ones are placed in, so that a burst of lone requests over the same documents (which walks
+    # that order, `_content_arrangement`) finds them in its own
+    pkeys = content_order(looks, [g for g, n in uses.items() if n > 1])
+    if len(pkeys) < 2:
         return await _content_arrangement(r, keys, looks, uses, shards)
-    pkeys = list(order)
     places: list[int] = []
     size = 0
     for i in range(0, len(pkeys), _CHUNK):  # only the first call may start the order over
@@ -193,16 +200,30 @@ async def _content_arrangement(
     hold lone requests' prefixes too, `prefixq.core.entries.Entry.lone_key`), so a later
     analysis walks the documents beside the earlier one instead of behind it. None for fewer
     than two long prefixes."""
-    lead = {p.group: p.lead for p in looks if p.group is not None and p.group in uses}
-    ranked = sorted((lead.get(g, 0), k) for g in uses if (k := pass_key(g)) is not None)
+    ranked = content_order(looks, list(uses))
     if len(ranked) < 2:
         return None
-    place = {k: i for i, (_, k) in enumerate(ranked)}
+    place = {k: i for i, k in enumerate(ranked)}
     windows, _ = await _marks(r, keys, shards, [])
     union = set().union(*windows) if windows else set()
     # one start for all shards: where a lone request goes is not known before it is placed
     start = join_point([place[k] for k in union if k in place], len(place))
     return Arrangement(looks, place, len(place), {}, start, {}, content=True)
+
+
+def content_order(looks: Sequence[Peek], groups: Sequence[Hashable]) -> list[int]:
+    """The pass keys of ``groups`` (fingerprints of long prefixes, each once) in their content
+    order: by the hash of the prefix's first block (`Peek.lead` of a request of the group:
+    prefixes that share a leading block stay together, as a depth-first walk keeps them), then
+    by the pass key. The same for every burst over the same documents, whatever their order."""
+    wanted = set(groups)
+    lead = {p.group: p.lead for p in looks if p.group is not None and p.group in wanted}
+    ranked = []
+    for g in groups:
+        k = pass_key(g)
+        if k is not None:
+            ranked.append((lead.get(g, 0), k))
+    return [k for _, k in sorted(ranked)]
 
 
 def rotate(
