@@ -156,5 +156,7 @@ def test_a_vllm_worker_counts_a_shared_system_prompt_once_and_never_holds_lone_d
     assert answer["kv_budget_share"] == pytest.approx(0.7)
     assert 0 < answer["kv_budget_peak"] <= answer["kv_budget_tokens"]
     assert answer["kv_budget_peak"] > 3 * (128 + 64 + 16), answer  # 4+ documents inside at once
-    firsts = [got[f"d{d}-q0"].cached_tokens or 0 for d in range(1, DOCS)]
-    assert all(c >= 112 for c in firsts), firsts  # the system prompt, whole blocks of 16
+    # the first question of each document; all but the burst's first document (in the content
+    # order the producer enqueues them in) find the system prompt, whole blocks of 16
+    firsts = sorted(got[f"d{d}-q0"].cached_tokens or 0 for d in range(DOCS))
+    assert all(c >= 112 for c in firsts[1:]), firsts
