@@ -120,8 +120,9 @@ def test_a_worker_admits_a_burst_in_its_enqueue_order_across_chunks(
 ) -> None:
     """52 requests on 26 shared documents, grouped: the engine gets them exactly in enqueue order,
     chunk boundaries included. (When a chunk's last entry was its doorbell, it was admitted ahead
-    of its chunk and split its document's pair.)"""
-    s = make_settings(prefix_store_min_chars=16)
+    of its chunk and split its document's pair.) The shared pass is off: its content order would
+    enqueue the documents in another order than 0..25 (tests/test_shared_pass.py)."""
+    s = make_settings(prefix_store_min_chars=16, shared_pass=False)
     engine = FakeEngine(max_num_seqs=256)
     fake_worker(s, name="order", engine=engine)
     reqs = [
@@ -145,8 +146,8 @@ def test_a_worker_that_starts_after_its_burst_was_sent_admits_it_in_enqueue_orde
     and none of the lane entries they announce (it learns of the lane from them): each doorbell
     still goes into the engine after the lane entries enqueued before it, never ahead of them.
     (Admitted on sight, the three doorbells went right after the head and split their
-    documents' pairs.)"""
-    s = make_settings(prefix_store_min_chars=16)
+    documents' pairs.) The shared pass is off, as above."""
+    s = make_settings(prefix_store_min_chars=16, shared_pass=False)
     reqs = [
         {"id": f"d{d}q{q}", "prefix": f"doc {d} " * 40, "prompt": f"q{q}", "max_tokens": 1}
         for q in range(2)
