@@ -233,3 +233,50 @@ def test_the_session_workers_publish_lone_prefixes_and_a_second_analysis_joins_t
         mine = [d for d in order if d in set(part)]
         assert any(mine[i:] + mine[:i] == part for i in range(max(1, len(mine))))
     assert results.wait(later, s, timeout=300).failed == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_any_mix_of_lone_and_shared_prefixes_is_enqueued_once_each_whatever_the_windows(
+    make_settings: Callable[..., Settings], r: redis.Redis, seed: int
+) -> None:
+    """Random bursts (text, token-id and chat prefixes, short and long, used once or several
+    times, requests without one, long answers) under random windows (keys of this burst's
+    documents, of others, garbage) on two shards, in every order: each request is enqueued
+    exactly once, and a burst of lone long prefixes under no window walks them in content
+    order."""
+    rng = random.Random(seed)
+    s = make_settings(prefix_store_min_chars=16, shards=2)
+    keys = Keys(s.namespace)
+    chats = [[{"role": "system", "content": f"sys {k} " * 30}] for k in range(3)]
+    reqs: list[dict[str, Any]] = []
+    for i in range(rng.randrange(2, 60)):
+        kind = rng.randrange(6)
+        d = rng.randrange(len(DOCS))
+        body: dict[str, Any] = {"id": f"r{i}", "max_tokens": rng.choice([4, 4, 4, 64])}
+        if kind == 0:
+            body["prompt"] = f"no prefix {i}"
+        elif kind == 1:
+            body |= {"prefix": DOCS[d], "prompt": f" q{i}"}
+        elif kind == 2:
+            body |= {"prefix": f"short {d}", "prompt": f" q{i}"}
+        elif kind == 3:
+            body |= {"prefix": [100 + d] * 40, "prompt_token_ids": [7, i]}
+        elif kind == 4:
+            body["messages"] = [*rng.choice(chats), {"role": "user", "content": f"{DOCS[d]} {i}"}]
+        else:
+            body |= {"prefix": DOCS[d] + f" lone {i}", "prompt": " q"}
+        reqs.append(body)
+    window = [_key(rng.randrange(len(DOCS))) for _ in range(rng.randrange(4))]
+    _publish(r, keys, [*window, rng.getrandbits(64)], shard=rng.randrange(2))
+    if rng.random() < 0.3:
+        r.set(keys.pass_marks(1, "w"), b"\x00garbage")
+    for order in ("input", "leaders-first", "grouped", "depth-first", "decode-first"):
+        burst = asyncio.run(Producer(s).asubmit(reqs, order=order))
+        got = sorted(e.id for k in range(2) for e in _enqueued(r, s, burst, k))
+        assert got == sorted(x["id"] for x in reqs), order
+    r.delete(keys.workers(0), keys.workers(1))
+    docs = rng.sample(range(len(DOCS)), 8)
+    burst = asyncio.run(Producer(s).asubmit(_lone(f"c{seed}", docs, seed)))
+    parts = [[_doc_of(e.id) for e in _enqueued(r, s, burst, k)] for k in range(2)]
+    order = _content_order(docs)
+    assert parts == [[d for d in order if d in set(part)] for part in parts]
