@@ -37,8 +37,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--workloads",
         default="no-reuse,reuse",
-        help="comma-separated: no-reuse, reuse, overflow, multi-burst, system-prompt, mixed, "
-        "zipf (none: only the --fleet cases)",
+        help="comma-separated: no-reuse, reuse, overflow, multi-burst, multi-burst-1q, "
+        "system-prompt, mixed, zipf (none: only the --fleet cases)",
     )
     b.add_argument(
         "--fleet",
