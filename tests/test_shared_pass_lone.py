@@ -280,3 +280,24 @@ def test_any_mix_of_lone_and_shared_prefixes_is_enqueued_once_each_whatever_the_
     parts = [[_doc_of(e.id) for e in _enqueued(r, s, burst, k)] for k in range(2)]
     order = _content_order(docs)
     assert parts == [[d for d in order if d in set(part)] for part in parts]
+
+
+def test_a_lone_burst_joins_the_windows_on_a_redis_cluster(
+    cluster_settings: Callable[..., Settings], cr: redis.Redis
+) -> None:
+    """On a real Redis Cluster (4 shards on three masters) the workers' windows live in the
+    shards' slots: a lone burst reads them all, starts at their first document in the content
+    order and wraps around, and keeps nothing in the cluster for it."""
+    s = cluster_settings(prefix_store_min_chars=16)
+    keys = Keys(s.namespace)
+    docs = list(range(12))
+    order = _content_order(docs)
+    _publish(cr, keys, [_key(order[9])], shard=1)
+    _publish(cr, keys, [_key(order[8]), _key(order[10])], shard=3)
+    burst = asyncio.run(Producer(s).asubmit(_lone("cl", docs, 7)))
+    want = order[8:] + order[:8]
+    parts = [[_doc_of(e.id) for e in _enqueued(cr, s, burst, k)] for k in range(4)]
+    assert sorted(d for part in parts for d in part) == docs
+    assert parts == [[d for d in want if d in set(part)] for part in parts]
+    assert not cr.exists(keys.pass_order) and not cr.exists(keys.pass_shards)
+    assert results.status(burst, s, client=cr).total == 12
