@@ -159,10 +159,10 @@ class EntryEncoder:
                     self._check(len(value), i, q, "its shared prefix", size)
                     out.new_prefixes[ref] = value
                 extra = self._inline_key + size - self._ref_key - len(wire.pack(ref))
-            group = pass_key(key) if shared else None
-            # a long prefix of its own: the worker's pass window follows it all the same (a
-            # later burst over the same documents starts where this one's pass is)
-            lone = pass_key(key) if key is not None and not shared else None
+            # a long prefix of its own carries its pass key all the same (`lone`): the worker's
+            # pass window follows it (a later burst over the same documents starts there)
+            pk = pass_key(key) if key is not None else None
+            group, lone = (pk, None) if shared else (None, pk)
             entry = to_wire(
                 q,
                 prefix=None if ref is not None else prefix,

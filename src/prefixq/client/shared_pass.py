@@ -38,7 +38,7 @@ docs/architecture.md, "The shared pass", has the measurements.
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from typing import Any
 
 from redis.exceptions import ResponseError
@@ -128,7 +128,7 @@ class Arrangement:
     async def remember(self, r: Any, keys: Keys) -> None:
         """Keep where this burst's groups went (keys.pass_shards), for the bursts after it: a
         hint, so a failure is only logged."""
-        if not self.went:  # (nothing, in the content order: `placed`)
+        if not self.went:  # (a content arrangement keeps none: `placed`)
             return
         items = list(self.went.items())
         try:
@@ -162,12 +162,14 @@ async def arrangement(
     nothing to arrange."""
     if not s.shared_pass:
         return None
+    ranked = content_order(looks, uses)  # every long prefix's pass key, ranked once
     # pass keys of the groups used twice or more, in their content order: the order the new
     # ones are placed in, so that a burst of lone requests over the same documents (which walks
     # that order, `_content_arrangement`) finds them in its own
-    pkeys = content_order(looks, [g for g, n in uses.items() if n > 1])
+    shared = {pass_key(g) for g, n in uses.items() if n > 1}
+    pkeys = [k for k in ranked if k in shared]
     if len(pkeys) < 2:
-        return await _content_arrangement(r, keys, looks, uses, shards)
+        return await _content_arrangement(r, keys, looks, ranked, shards)
     places: list[int] = []
     size = 0
     for i in range(0, len(pkeys), _CHUNK):  # only the first call may start the order over
@@ -188,11 +190,12 @@ async def arrangement(
 
 
 async def _content_arrangement(
-    r: Any, keys: Keys, looks: Sequence[Peek], uses: Mapping[Hashable, int], shards: int
+    r: Any, keys: Keys, looks: Sequence[Peek], ranked: list[int], shards: int
 ) -> Arrangement | None:
-    """A burst whose long prefixes are (nearly) all used once, as when each of several analyses
-    asks one question per document: the corpus order would hold a place per request of every
-    such burst ever submitted (megabytes of Redis for bursts that share nothing), so its order
+    """A burst (``ranked``: its long prefixes' pass keys, `content_order`) whose long prefixes
+    are (nearly) all used once, as when each of several analyses asks one question per
+    document: the corpus order would hold a place per request of every such burst ever
+    submitted (megabytes of Redis for bursts that share nothing), so its order
     is the prefixes' content order instead, the same for every burst over the same documents
     with no state at all: by the hash of each prefix's first block (`Peek.lead`: prefixes that
     share a leading block, a chat's turns, stay together, as depth-first keeps them), then by
@@ -200,7 +203,6 @@ async def _content_arrangement(
     hold lone requests' prefixes too, `prefixq.core.entries.Entry.lone_key`), so a later
     analysis walks the documents beside the earlier one instead of behind it. None for fewer
     than two long prefixes."""
-    ranked = content_order(looks, list(uses))
     if len(ranked) < 2:
         return None
     place = {k: i for i, k in enumerate(ranked)}
@@ -211,13 +213,12 @@ async def _content_arrangement(
     return Arrangement(looks, place, len(place), {}, start, {}, content=True)
 
 
-def content_order(looks: Sequence[Peek], groups: Sequence[Hashable]) -> list[int]:
+def content_order(looks: Sequence[Peek], groups: Collection[Hashable]) -> list[int]:
     """The pass keys of ``groups`` (fingerprints of long prefixes, each once) in their content
     order: by the hash of the prefix's first block (`Peek.lead` of a request of the group:
     prefixes that share a leading block stay together, as a depth-first walk keeps them), then
     by the pass key. The same for every burst over the same documents, whatever their order."""
-    wanted = set(groups)
-    lead = {p.group: p.lead for p in looks if p.group is not None and p.group in wanted}
+    lead = {p.group: p.lead for p in looks if p.group is not None and p.group in groups}
     ranked = []
     for g in groups:
         k = pass_key(g)
