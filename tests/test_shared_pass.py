@@ -15,13 +15,13 @@ import redis
 
 from fake_engine import FakeEngine
 from helpers import queued_entries, wait_until
+from pass_helpers import content_order, enqueued, key_of, publish_window, published
 from prefixq.client import Producer, results, shared_pass
 from prefixq.client.encoding import _fingerprint, pass_key
-from prefixq.client.order import peek
 from prefixq.client.shared_pass import join_point, rotate
 from prefixq.core import wire
 from prefixq.core.entries import Entry
-from prefixq.core.keys import POS, Keys
+from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from prefixq.store.connection import async_client
 from prefixq.worker import control
@@ -44,22 +44,9 @@ def _burst(name: str, docs: list[int], questions: int = 2, seed: int = 0) -> lis
 def _doc_order(r: redis.Redis, s: Settings, burst: str, shards: int = 1) -> list[list[int]]:
     """Per shard, the documents of ``burst`` in its enqueue order there (each once, as first
     reached)."""
-    out: list[list[int]] = []
-    for k in range(shards):
-        placed = []
-        for _, f in queued_entries(r, s, k):
-            e = Entry.from_wire(wire.decode(f[b"d"]))
-            if e.burst == burst:
-                lanes, intakes = (int(x) for x in f[POS].split(b":"))
-                placed.append((lanes + intakes, _doc_of(e.id)))
-        out.append(list(dict.fromkeys(d for _, d in sorted(placed))))
-    return out
-
-
-def _entries_of(r: redis.Redis, s: Settings, burst: str, shard: int) -> list[Entry]:
-    """The queued entries of ``burst`` on ``shard``."""
-    got = (Entry.from_wire(wire.decode(f[b"d"])) for _, f in queued_entries(r, s, shard))
-    return [e for e in got if e.burst == burst]
+    return [
+        list(dict.fromkeys(_doc_of(e.id) for e in enqueued(r, s, burst, k))) for k in range(shards)
+    ]
 
 
 def _doc_of(request_id: str) -> int:
@@ -71,10 +58,8 @@ def _first_seen(reqs: list[dict[str, Any]]) -> list[int]:
 
 
 def _content(docs: Iterable[int]) -> list[int]:
-    """``docs`` in their content order (first block's hash, then pass key): the order a burst's
-    new groups are placed in."""
-    lead = {d: peek({"prefix": DOCS[d], "prompt": "?"}, "grouped").lead for d in docs}
-    return sorted(lead, key=lambda d: (lead[d], _key(d)))
+    """``docs`` in their content order: the order a burst's new groups are placed in."""
+    return content_order(DOCS, docs)
 
 
 def _on_shards(order: list[int], per_shard: list[list[int]]) -> list[list[int]]:
@@ -83,9 +68,7 @@ def _on_shards(order: list[int], per_shard: list[list[int]]) -> list[list[int]]:
 
 
 def _key(d: int) -> int:
-    k = pass_key(_fingerprint(DOCS[d]))
-    assert k is not None
-    return k
+    return key_of(DOCS[d])
 
 
 def test_the_join_point_is_after_the_largest_gap_read_circularly() -> None:
@@ -135,13 +118,6 @@ def test_a_later_burst_walks_the_documents_in_the_first_bursts_order(
     assert _doc_order(r, s, own) == [_first_seen(d)] != [a_order]
 
 
-def _publish(r: redis.Redis, keys: Keys, shard: int, window: bytes, worker: str = "w") -> None:
-    """``window`` published as worker ``worker`` of ``shard`` publishes it (registered in the
-    shard's workers, its window under its own key: worker/shared_pass.py)."""
-    r.zadd(keys.workers(shard), {worker: time.time()})
-    r.set(keys.pass_marks(shard, worker), window)
-
-
 def test_a_burst_starts_where_a_shards_pass_is_and_wraps_around(
     make_settings: Callable[..., Settings], r: redis.Redis
 ) -> None:
@@ -156,13 +132,13 @@ def test_a_burst_starts_where_a_shards_pass_is_and_wraps_around(
     a = _content(range(8))
     held = _doc_order(r, s, first, shards=2)
     assert all(held) and held == _on_shards(a, held)
-    _publish(r, keys, 0, wire.pack([_key(a[6]), _key(a[5])]))
-    _publish(r, keys, 1, wire.pack([_key(a[7])]))
+    publish_window(r, keys, 0, wire.pack([_key(a[6]), _key(a[5])]))
+    publish_window(r, keys, 1, wire.pack([_key(a[7])]))
     b = asyncio.run(Producer(s).asubmit(_burst("b", list(range(8)), seed=2)))  # decode-first
     got = _doc_order(r, s, b, shards=2)
     assert got == [_on_shards(a[5:] + a[:5], got)[0], _on_shards(a[7:] + a[:7], got)[1]]
-    _publish(r, keys, 0, b"\xc1garbage")
-    _publish(r, keys, 1, wire.pack({"not": "a list"}))
+    publish_window(r, keys, 0, b"\xc1garbage")
+    publish_window(r, keys, 1, wire.pack({"not": "a list"}))
     c = asyncio.run(Producer(s).asubmit(_burst("c", list(range(8)), seed=3), order="grouped"))
     got = _doc_order(r, s, c, shards=2)
     assert got == _on_shards(a, got)
@@ -181,8 +157,8 @@ def test_several_workers_of_one_shard_each_keep_a_window_and_a_burst_joins_them_
     first_reqs = _burst("a", list(range(8)), seed=1)
     asyncio.run(Producer(s).asubmit(first_reqs, order="grouped"))
     a = _content(range(8))
-    _publish(r, keys, 0, wire.pack([_key(a[6])]), worker="w2")
-    _publish(r, keys, 0, wire.pack([_key(a[5])]), worker="w1")
+    publish_window(r, keys, 0, wire.pack([_key(a[6])]), worker="w2")
+    publish_window(r, keys, 0, wire.pack([_key(a[5])]), worker="w1")
     b = asyncio.run(Producer(s).asubmit(_burst("b", list(range(8)), seed=2), order="grouped"))
     assert _doc_order(r, s, b) == [a[5:] + a[:5]]
     r.zrem(keys.workers(0), "w1")
@@ -252,7 +228,7 @@ def test_an_unreadable_corpus_order_or_window_is_a_hint_lost_never_a_burst_refus
         assert got == _on_shards(_content(range(8)), got)  # a new order
         assert r.hget(keys.pass_order, "n") == b"8"
     for burst in (b, c):
-        assert sum(1 for k in range(2) for _ in _entries_of(r, s, burst, k)) == 16
+        assert sum(1 for k in range(2) for _ in enqueued(r, s, burst, k)) == 16
 
 
 def test_a_burst_placed_in_several_calls_keeps_one_order_when_the_order_starts_over(
@@ -352,8 +328,8 @@ def test_each_shard_starts_a_burst_where_its_own_pass_is(
     held = _doc_order(r, s, first, shards=2)
     assert all(len(h) >= 4 for h in held)
     assert r.hlen(keys.pass_shards) == 12
-    _publish(r, keys, 0, wire.pack([_key(held[0][-2])]))
-    _publish(r, keys, 1, wire.pack([_key(held[1][1])]))
+    publish_window(r, keys, 0, wire.pack([_key(held[0][-2])]))
+    publish_window(r, keys, 1, wire.pack([_key(held[1][1])]))
     later = asyncio.run(Producer(s).asubmit(_burst("b", list(range(12)), seed=2)))
     got = _doc_order(r, s, later, shards=2)
     assert got[0] == held[0][-2:] + held[0][:-2]
@@ -425,15 +401,9 @@ def test_the_session_workers_publish_their_pass_and_a_second_burst_follows_the_f
     first = asyncio.run(Producer(s).asubmit(a, order="grouped"))
     a_order = _content(docs)
     assert results.wait(first, s, timeout=300).failed == 0
-    published: set[int] = set()
 
     def seen() -> bool:
-        for k in range(2):
-            for name in r.zrange(keys.workers(k), 0, -1):
-                raw = r.get(keys.pass_marks(k, name.decode()))
-                if raw:
-                    published.update(wire.unpack(raw))
-        return {_key(d) for d in docs} <= published
+        return {_key(d) for d in docs} <= published(r, keys, 2)
 
     wait_until(seen, 15, "both shards' windows holding the first burst's documents")
     b = [{**x, "max_tokens": 2} for x in _burst("pb", docs, seed=6)]
@@ -460,7 +430,7 @@ def test_each_shard_starts_at_its_own_pass_on_a_redis_cluster(
     busy = [k for k in range(4) if len(held[k]) >= 2]
     assert len(busy) >= 2
     for k in busy:
-        _publish(cr, keys, k, wire.pack([_key(held[k][-1])]))
+        publish_window(cr, keys, k, wire.pack([_key(held[k][-1])]))
     later = asyncio.run(Producer(s).asubmit(_burst("b", list(range(12)), seed=2)))
     got = _doc_order(cr, s, later, shards=4)
     for k in busy:

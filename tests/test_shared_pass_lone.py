@@ -14,13 +14,12 @@ import pytest
 import redis
 
 from fake_engine import FakeEngine
-from helpers import queued_entries, wait_until
+from helpers import wait_until
+from pass_helpers import content_order, enqueued, key_of, publish_window, published
 from prefixq.client import Producer, results
-from prefixq.client.encoding import _fingerprint, pass_key
-from prefixq.client.order import peek
 from prefixq.core import wire
 from prefixq.core.entries import Entry, WireError, to_wire
-from prefixq.core.keys import POS, Keys
+from prefixq.core.keys import Keys
 from prefixq.core.records import Request
 from prefixq.core.settings import Settings
 
@@ -40,34 +39,6 @@ def _doc_of(request_id: str) -> int:
     return int(request_id.split("-d")[1])
 
 
-def _key(d: int, docs_text: list[str] = DOCS) -> int:
-    k = pass_key(_fingerprint(docs_text[d]))
-    assert k is not None
-    return k
-
-
-def _content_order(docs: list[int], docs_text: list[str] = DOCS) -> list[int]:
-    """``docs`` in their content order: first block's hash, then pass key."""
-    lead = {d: peek({"prefix": docs_text[d], "prompt": "?"}, "grouped").lead for d in docs}
-    return sorted(docs, key=lambda d: (lead[d], _key(d, docs_text)))
-
-
-def _enqueued(r: redis.Redis, s: Settings, burst: str, shard: int = 0) -> list[Entry]:
-    """``burst``'s entries on ``shard`` in their enqueue order."""
-    placed = []
-    for _, f in queued_entries(r, s, shard):
-        e = Entry.from_wire(wire.decode(f[b"d"]))
-        if e.burst == burst:
-            lanes, intakes = (int(x) for x in f[POS].split(b":"))
-            placed.append((lanes + intakes, e.index, e))
-    return [e for *_, e in sorted(placed)]
-
-
-def _publish(r: redis.Redis, keys: Keys, window: list[int], shard: int = 0) -> None:
-    r.zadd(keys.workers(shard), {"w": 1.0})
-    r.set(keys.pass_marks(shard, "w"), wire.pack(window))
-
-
 def test_a_lone_request_carries_its_prefix_pass_key_and_a_shared_one_its_group(
     make_settings: Callable[..., Settings], r: redis.Redis
 ) -> None:
@@ -81,11 +52,11 @@ def test_a_lone_request_carries_its_prefix_pass_key_and_a_shared_one_its_group(
         {"id": "d-short", "prefix": "tiny", "prompt": " q?"},
     ]
     burst = asyncio.run(Producer(s).asubmit(reqs, order="input"))
-    by_id = {e.id: e for e in _enqueued(r, s, burst)}
-    assert by_id["a-d0"].lone_key == _key(0) and by_id["a-d0"].group is None
+    by_id = {e.id: e for e in enqueued(r, s, burst)}
+    assert by_id["a-d0"].lone_key == key_of(DOCS[0]) and by_id["a-d0"].group is None
     assert by_id["a-d0"].prefix is not None and by_id["a-d0"].prefix_ref is None
     for rid in ("b-d1", "c-d1"):
-        assert by_id[rid].group == _key(1) and by_id[rid].lone_key is None
+        assert by_id[rid].group == key_of(DOCS[1]) and by_id[rid].lone_key is None
     assert by_id["d-short"].lone_key is None and by_id["d-short"].group is None
     assert results.status(burst, s).total == 4
 
@@ -124,24 +95,24 @@ def test_lone_bursts_over_one_corpus_walk_it_in_one_content_order_and_keep_nothi
     s = make_settings(prefix_store_min_chars=16)
     keys = Keys(s.namespace)
     docs = list(range(16))
-    want = _content_order(docs)
+    want = content_order(DOCS, docs)
     got = []
     for seed in (1, 2):
         reqs = _lone(f"s{seed}", docs, seed)
         assert [_doc_of(x["id"]) for x in reqs] != want
         burst = asyncio.run(Producer(s).asubmit(reqs))  # decode-first, the default
-        got.append([_doc_of(e.id) for e in _enqueued(r, s, burst)])
+        got.append([_doc_of(e.id) for e in enqueued(r, s, burst)])
     assert got == [want, want]
     part = [3, 9, 1, 14, 6]
     burst = asyncio.run(Producer(s).asubmit(_lone("p", part, 3), order="grouped"))
-    assert [_doc_of(e.id) for e in _enqueued(r, s, burst)] == _content_order(part)
+    assert [_doc_of(e.id) for e in enqueued(r, s, burst)] == content_order(DOCS, part)
     assert not r.exists(keys.pass_order) and not r.exists(keys.pass_shards)
     given = _lone("i", docs, 4)
     burst = asyncio.run(Producer(s).asubmit(given, order="input"))
-    assert [e.id for e in _enqueued(r, s, burst)] == [x["id"] for x in given]
+    assert [e.id for e in enqueued(r, s, burst)] == [x["id"] for x in given]
     off = s.replace(shared_pass=False)
     burst = asyncio.run(Producer(off).asubmit(given, order="grouped"))
-    assert [e.id for e in _enqueued(r, s, burst)] == [x["id"] for x in given]
+    assert [e.id for e in enqueued(r, s, burst)] == [x["id"] for x in given]
 
 
 def test_a_lone_burst_starts_where_the_pass_is_and_wraps_around(
@@ -153,20 +124,20 @@ def test_a_lone_burst_starts_where_the_pass_is_and_wraps_around(
     s = make_settings(prefix_store_min_chars=16, shards=2)
     keys = Keys(s.namespace)
     docs = list(range(16))
-    order = _content_order(docs)
-    other = _key(0, [f"a document nobody asks about {'x' * 80}"])
-    _publish(r, keys, [other, _key(order[7]), _key(order[6])], shard=0)
-    _publish(r, keys, [_key(order[8])], shard=1)
+    order = content_order(DOCS, docs)
+    other = key_of(f"a document nobody asks about {'x' * 80}")
+    publish_window(r, keys, 0, wire.pack([other, key_of(DOCS[order[7]]), key_of(DOCS[order[6]])]))
+    publish_window(r, keys, 1, wire.pack([key_of(DOCS[order[8]])]))
     burst = asyncio.run(Producer(s).asubmit(_lone("j", docs, 5)))
-    assert sum(len(_enqueued(r, s, burst, k)) for k in range(2)) == 16
+    assert sum(len(enqueued(r, s, burst, k)) for k in range(2)) == 16
     want = order[6:] + order[:6]
     for k in range(2):  # each shard's part of the rotated order, in that order
-        mine = [_doc_of(e.id) for e in _enqueued(r, s, burst, k)]
+        mine = [_doc_of(e.id) for e in enqueued(r, s, burst, k)]
         assert mine == [d for d in want if d in set(mine)]
     r.set(keys.pass_marks(0, "w"), b"\xc1 not msgpack")
     r.set(keys.pass_marks(1, "w"), wire.pack({"not": "a list"}))
     again = asyncio.run(Producer(s).asubmit(_lone("k", docs, 6)))
-    parts = [[_doc_of(e.id) for e in _enqueued(r, s, again, k)] for k in range(2)]
+    parts = [[_doc_of(e.id) for e in enqueued(r, s, again, k)] for k in range(2)]
     assert sorted(parts[0] + parts[1]) == docs
     assert parts == [[d for d in order if d in set(part)] for part in parts]
 
@@ -181,9 +152,9 @@ def test_a_worker_publishes_lone_requests_prefixes_and_a_later_analysis_walks_be
     s = make_settings(prefix_store_min_chars=16, heartbeat_s=0.2, pass_window=0.5)
     keys = Keys(s.namespace)
     docs = list(range(16))
-    order = _content_order(docs)
+    order = content_order(DOCS, docs)
     first = asyncio.run(Producer(s).asubmit(_lone("a", docs, 1)))
-    tokens = max(e.work + e.predicted_cached for e in _enqueued(r, s, first))
+    tokens = max(e.work + e.predicted_cached for e in enqueued(r, s, first))
     engine = FakeEngine()
     engine.kv_tokens = 2 * 4 * tokens  # type: ignore[attr-defined]  # window: 4 documents
     with fake_worker(s, engine=engine):
@@ -191,12 +162,12 @@ def test_a_worker_publishes_lone_requests_prefixes_and_a_later_analysis_walks_be
         raw = wait_until(lambda: r.get(keys.pass_marks(0, "fw")), 10, "the published window")
         window = wire.unpack(raw)
         assert 2 <= len(window) <= 4
-        assert window == [_key(d) for d in order[-len(window) :]]
+        assert window == [key_of(DOCS[d]) for d in order[-len(window) :]]
         b_reqs = _lone("b", docs, 2)
         b = asyncio.run(Producer(s).asubmit(b_reqs))
         assert results.wait(b, s, timeout=60).failed == 0
         seen = [b_reqs[int(x.split(":")[1])]["id"] for x in engine.seen if x.startswith(b + ":")]
-        at = order.index(next(d for d in order if _key(d) == window[0]))
+        at = order.index(next(d for d in order if key_of(DOCS[d]) == window[0]))
         assert [_doc_of(x) for x in seen] == order[at:] + order[:at]
 
 
@@ -210,24 +181,18 @@ def test_the_session_workers_publish_lone_prefixes_and_a_second_analysis_joins_t
     keys = Keys(s.namespace)
     texts = [f"lone document {d}. " + f"words of lone text {d} " * 12 for d in range(6)]
     docs = list(range(6))
-    order = _content_order(docs, texts)
+    order = content_order(texts, docs)
     a = [{**x, "max_tokens": 2} for x in _lone("la", docs, 5, texts)]
     first = asyncio.run(Producer(s).asubmit(a))
     assert results.wait(first, s, timeout=300).failed == 0
-    published: set[int] = set()
 
     def seen() -> bool:
-        for k in range(2):
-            for name in r.zrange(keys.workers(k), 0, -1):
-                raw = r.get(keys.pass_marks(k, name.decode()))
-                if raw:
-                    published.update(wire.unpack(raw))
-        return {_key(d, texts) for d in docs} <= published
+        return {key_of(texts[d]) for d in docs} <= published(r, keys, 2)
 
     wait_until(seen, 15, "the shards' windows holding the first analysis's documents")
     b = [{**x, "max_tokens": 2} for x in _lone("lb", docs, 6, texts)]
     later = asyncio.run(Producer(s).asubmit(b))
-    got = [[_doc_of(e.id) for e in _enqueued(r, s, later, k)] for k in range(2)]
+    got = [[_doc_of(e.id) for e in enqueued(r, s, later, k)] for k in range(2)]
     assert sorted(d for part in got for d in part) == docs
     for part in got:
         mine = [d for d in order if d in set(part)]
@@ -266,19 +231,20 @@ def test_any_mix_of_lone_and_shared_prefixes_is_enqueued_once_each_whatever_the_
         else:
             body |= {"prefix": DOCS[d] + f" lone {i}", "prompt": " q"}
         reqs.append(body)
-    window = [_key(rng.randrange(len(DOCS))) for _ in range(rng.randrange(4))]
-    _publish(r, keys, [*window, rng.getrandbits(64)], shard=rng.randrange(2))
+    window = [key_of(DOCS[rng.randrange(len(DOCS))]) for _ in range(rng.randrange(4))]
+    stray = rng.getrandbits(64)  # a key of no document here
+    publish_window(r, keys, rng.randrange(2), wire.pack([*window, stray]))
     if rng.random() < 0.3:
         r.set(keys.pass_marks(1, "w"), b"\x00garbage")
     for order in ("input", "leaders-first", "grouped", "depth-first", "decode-first"):
         burst = asyncio.run(Producer(s).asubmit(reqs, order=order))
-        got = sorted(e.id for k in range(2) for e in _enqueued(r, s, burst, k))
+        got = sorted(e.id for k in range(2) for e in enqueued(r, s, burst, k))
         assert got == sorted(x["id"] for x in reqs), order
     r.delete(keys.workers(0), keys.workers(1))
     docs = rng.sample(range(len(DOCS)), 8)
     burst = asyncio.run(Producer(s).asubmit(_lone(f"c{seed}", docs, seed)))
-    parts = [[_doc_of(e.id) for e in _enqueued(r, s, burst, k)] for k in range(2)]
-    order = _content_order(docs)
+    parts = [[_doc_of(e.id) for e in enqueued(r, s, burst, k)] for k in range(2)]
+    order = content_order(DOCS, docs)
     assert parts == [[d for d in order if d in set(part)] for part in parts]
 
 
@@ -291,12 +257,12 @@ def test_a_lone_burst_joins_the_windows_on_a_redis_cluster(
     s = cluster_settings(prefix_store_min_chars=16)
     keys = Keys(s.namespace)
     docs = list(range(12))
-    order = _content_order(docs)
-    _publish(cr, keys, [_key(order[9])], shard=1)
-    _publish(cr, keys, [_key(order[8]), _key(order[10])], shard=3)
+    order = content_order(DOCS, docs)
+    publish_window(cr, keys, 1, wire.pack([key_of(DOCS[order[9]])]))
+    publish_window(cr, keys, 3, wire.pack([key_of(DOCS[order[8]]), key_of(DOCS[order[10]])]))
     burst = asyncio.run(Producer(s).asubmit(_lone("cl", docs, 7)))
     want = order[8:] + order[:8]
-    parts = [[_doc_of(e.id) for e in _enqueued(cr, s, burst, k)] for k in range(4)]
+    parts = [[_doc_of(e.id) for e in enqueued(cr, s, burst, k)] for k in range(4)]
     assert sorted(d for part in parts for d in part) == docs
     assert parts == [[d for d in want if d in set(part)] for part in parts]
     assert not cr.exists(keys.pass_order) and not cr.exists(keys.pass_shards)
