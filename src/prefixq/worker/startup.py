@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import time
 
 from prefixq.core.errors import ConfigError
@@ -72,32 +74,64 @@ async def register(stream: ShardStream, settings: Settings) -> None:
 
 async def name_free(stream: ShardStream, settings: Settings) -> None:
     """A ConfigError when another process serves the shard under this worker's name (its
-    heartbeat hash is there and beats again while this one waits for one interval of its): two
-    workers under one consumer name read each other's pending entries as their own (both serve
-    the backlog a restart resumes) and show as one worker. A heartbeat that does not move is a
-    predecessor that died (kill -9, within ``heartbeat_ttl_s``): its name is this worker's."""
+    heartbeat hash is there and beats again while this one waits): two workers under one
+    consumer name read each other's pending entries as their own (both serve the backlog a
+    restart resumes) and show as one worker. The name is this worker's when its heartbeat
+    expires without a beat (``heartbeat_ttl_s``: a predecessor that died, kill -9), or at once
+    when the heartbeat names a process of this host that is gone (a restart on the same host).
+    A live worker whose beats are late (a loaded machine) is waited for, never taken over."""
     hb = stream.keys.heartbeat(stream.shard, stream.consumer)
     fields = ("beat", "pid", "host", "every_s")
     first = await stream.r.hmget(hb, fields)
     if first[0] is None:
         return
+    pid, host = (v.decode(errors="replace") if v else "?" for v in first[1:3])
+    if _gone_here(pid, host):
+        await stream.r.delete(hb)
+        return
     try:
         every = float(first[3] or settings.heartbeat_s)
     except ValueError:
         every = settings.heartbeat_s
-    await asyncio.sleep(min(settings.heartbeat_ttl_s, max(0.2, 1.5 * every + 0.1)))
-    again = await stream.r.hmget(hb, fields)
-    if again[0] is None:
-        return
-    if again[0] == first[0]:  # a predecessor's: its beats (the twin check's) are over
-        await stream.r.delete(hb)
-        return
-    pid, host = (v.decode(errors="replace") if v else "?" for v in again[1:3])
-    raise ConfigError(
-        f"worker name {stream.consumer!r} is in use on shard {stream.shard}: pid {pid} on host "
-        f"{host} serves under it (its heartbeat beats); give each worker of a shard its own "
-        "--name, or stop the other one first"
+    log.info(
+        "worker name %r on shard %d: pid %s on host %s beat under it; waiting up to %.1fs for "
+        "its next beat (none: it is gone and the name is this worker's)",
+        stream.consumer,
+        stream.shard,
+        pid,
+        host,
+        settings.heartbeat_ttl_s,
     )
+    give_up = time.monotonic() + settings.heartbeat_ttl_s + 0.5
+    while time.monotonic() < give_up:
+        await asyncio.sleep(min(0.2, max(0.02, every / 4)))
+        again = await stream.r.hmget(hb, fields)
+        if again[0] is None:  # expired or unregistered: gone
+            return
+        if again[0] != first[0]:
+            pid, host = (v.decode(errors="replace") if v else "?" for v in again[1:3])
+            raise ConfigError(
+                f"worker name {stream.consumer!r} is in use on shard {stream.shard}: pid {pid} "
+                f"on host {host} serves under it (its heartbeat beats); give each worker of a "
+                "shard its own --name, or stop the other one first"
+            )
+    await stream.r.delete(hb)  # a hash that outlived its TTL without a beat: not a worker's
+
+
+def _gone_here(pid: str, host: str) -> bool:
+    """Whether the heartbeat's process ran on this host and is gone (or is this process: a
+    container restarted under the same pid), so its name is free without waiting."""
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    if int(pid) == os.getpid():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive under another user: not gone
+        return False
+    return False
 
 
 async def record_engine(stream: ShardStream, settings: Settings, engine: Engine) -> None:
