@@ -203,3 +203,22 @@ def test_multi_burst_1q_asks_one_question_per_document_in_each_burst() -> None:
     for b in wl.bursts:
         prefixes = [str(q["prefix"]) for q in b.requests]
         assert len(set(prefixes)) == len(prefixes)
+
+
+def test_multi_burst_mixed_asks_a_quarter_of_the_documents_twice_in_each_burst() -> None:
+    """``multi-burst-mixed``: each burst asks every document once and a random quarter of them
+    (its own) once more, sized as multi-burst, each request a question of its own."""
+    wl = build("multi-burst-mixed", IDS, Sizes(burst_questions=3), capacity_tokens=10_000)
+    mb = build("multi-burst", IDS, Sizes(), capacity_tokens=10_000)
+    assert wl.documents == mb.documents and len(wl.bursts) == 3
+    twice = []
+    for b in wl.bursts:
+        counts: dict[str, int] = {}
+        for q in b.requests:
+            counts[str(q["prefix"])] = counts.get(str(q["prefix"]), 0) + 1
+        assert len(counts) == wl.documents and set(counts.values()) == {1, 2}
+        assert sum(1 for n in counts.values() if n == 2) == round(wl.documents / 4)
+        twice.append({p for p, n in counts.items() if n == 2})
+        prompts = [str(q["prompt_token_ids"]) for q in b.requests]
+        assert len(set(prompts)) == len(prompts)
+    assert len({frozenset(t) for t in twice}) == 3  # each burst its own quarter

@@ -38,7 +38,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "--workloads",
         default="no-reuse,reuse",
         help="comma-separated: no-reuse, reuse, overflow, multi-burst, multi-burst-1q, "
-        "system-prompt, mixed, zipf (none: only the --fleet cases)",
+        "multi-burst-mixed, system-prompt, mixed, zipf (none: only the --fleet cases)",
     )
     b.add_argument(
         "--fleet",

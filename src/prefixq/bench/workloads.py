@@ -32,12 +32,15 @@ WORKLOADS = (
     "overflow",
     "multi-burst",
     "multi-burst-1q",
+    "multi-burst-mixed",
     "system-prompt",
     "mixed",
     "zipf",
 )
 #: workloads whose requests share prefixes (enqueue orders and the sorted set-up matter)
 SHARING = frozenset(WORKLOADS) - {"no-reuse"}
+#: the workloads of several bursts over one corpus (sized from the KV capacity)
+MULTI_BURSTS = ("multi-burst", "multi-burst-1q", "multi-burst-mixed")
 TENANTS = ("tenant-a", "tenant-b", "tenant-c")
 #: counts a rendered prompt's tokens (text mode with the model's tokenizer); None: estimate
 Counter = Callable[[Any], int]
@@ -64,6 +67,9 @@ class Sizes:
     #: overflow: the documents hold this many times the engines' KV capacity
     overflow: float = 3.0
     burst_questions: int = 2
+    #: multi-burst: the share of each burst's documents asked one question more (its own
+    #: random subset; the rest get ``burst_questions``)
+    burst_more: float = 0.0
     burst_gap: float = 3.0
     #: multi-burst: bursts (tenant-a, tenant-b, ...), and the share of the documents each burst
     #: after the first asks about (a random subset; 1: all)
@@ -132,7 +138,7 @@ def build(
     make = _Maker(shape, random.Random(seed), count)
     docs = sizes.documents
     if docs is None:
-        sized = name in ("overflow", "multi-burst", "multi-burst-1q") and capacity_tokens > 0
+        sized = name in ("overflow", *MULTI_BURSTS) and capacity_tokens > 0
         docs = overflow_documents(capacity_tokens, shape, sizes) if sized else 64
     if name == "no-reuse":
         wl = make.documents("no-reuse", [1] * sizes.requests, shuffle=False)
@@ -142,6 +148,8 @@ def build(
         wl = make.multi_burst(name, docs, sizes)
     elif name == "multi-burst-1q":  # analyses that ask one question per document each
         wl = make.multi_burst(name, docs, replace(sizes, burst_questions=1))
+    elif name == "multi-burst-mixed":  # one question per document, two on a quarter of them
+        wl = make.multi_burst(name, docs, replace(sizes, burst_questions=1, burst_more=0.25))
     elif name == "system-prompt":
         wl = make.system_prompt(docs, sizes)
     elif name == "zipf":
@@ -238,10 +246,15 @@ class _Maker:
             if b and sizes.burst_share < 1:
                 k = max(1, round(docs * sizes.burst_share))
                 asked = range(docs) if k >= docs else sorted(self.rng.sample(range(docs), k))
+            more: set[int] = set()
+            if sizes.burst_more > 0:
+                k = min(len(asked), round(len(asked) * sizes.burst_more))
+                more = set(self.rng.sample(list(asked), k))
+            per = sizes.burst_questions + 1  # question numbers per burst: its own questions
             for d in asked:
                 doc = texts[d]
-                for q in range(sizes.burst_questions):
-                    qn = b * sizes.burst_questions + q  # each burst asks its own questions
+                for q in range(sizes.burst_questions + (d in more)):
+                    qn = b * per + q
                     reqs.append(self.request(f"mb{b}-d{d}-q{q}", doc, self.question(qn)))
                     ps.append((f"d{d}",))
             reqs, ps = _shuffled(self.rng, reqs, ps)
