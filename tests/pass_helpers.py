@@ -9,7 +9,9 @@ from collections.abc import Iterable, Sequence
 
 import redis
 
-from helpers import queued_entries
+from fake_engine import FakeEngine
+from helpers import queued_entries, wait_until
+from prefixq.client import results
 from prefixq.client.encoding import _fingerprint, pass_key
 from prefixq.client.order import peek
 from prefixq.core import wire
@@ -61,3 +63,23 @@ def content_order(texts: Sequence[str], docs: Iterable[int]) -> list[int]:
     key (the order of a lone burst's documents and of a burst's new groups)."""
     lead = {d: peek({"prefix": texts[d], "prompt": "?"}, "grouped").lead for d in docs}
     return sorted(lead, key=lambda d: (lead[d], key_of(texts[d])))
+
+
+def engine_for_window(r: redis.Redis, s: Settings, burst: str, docs: int) -> FakeEngine:
+    """A fake engine whose KV cache makes a window (``pass_window`` 0.5) of ``docs`` of
+    ``burst``'s documents (its largest one's tokens each)."""
+    tokens = max(e.work + e.predicted_cached for e in enqueued(r, s, burst))
+    engine = FakeEngine()
+    engine.kv_tokens = 2 * docs * tokens  # type: ignore[attr-defined]
+    return engine
+
+
+def window_after(r: redis.Redis, s: Settings, burst: str) -> list[int]:
+    """Once ``burst`` completed with nothing failed, the window fake worker ``fw`` of shard 0
+    publishes (as soon as there is one)."""
+    assert results.wait(burst, s, timeout=60).failed == 0
+    keys = Keys(s.namespace)
+    raw = wait_until(lambda: r.get(keys.pass_marks(0, "fw")), 10, "the published window")
+    window = wire.unpack(raw)
+    assert isinstance(window, list)
+    return window

@@ -18,7 +18,7 @@ from helpers import queued_entries, wait_until
 from pass_helpers import content_order, enqueued, key_of, publish_window, published
 from prefixq.client import Producer, results, shared_pass
 from prefixq.client.encoding import _fingerprint, pass_key
-from prefixq.client.shared_pass import join_point, rotate
+from prefixq.client.pass_places import join_point, rotate
 from prefixq.core import wire
 from prefixq.core.entries import Entry
 from prefixq.core.keys import Keys

@@ -13,9 +13,16 @@ from typing import Any
 import pytest
 import redis
 
-from fake_engine import FakeEngine
 from helpers import wait_until
-from pass_helpers import content_order, enqueued, key_of, publish_window, published
+from pass_helpers import (
+    content_order,
+    engine_for_window,
+    enqueued,
+    key_of,
+    publish_window,
+    published,
+    window_after,
+)
 from prefixq.client import Producer, results
 from prefixq.core import wire
 from prefixq.core.entries import Entry, WireError, to_wire
@@ -150,17 +157,12 @@ def test_a_worker_publishes_lone_requests_prefixes_and_a_later_analysis_walks_be
     the same documents, shuffled otherwise, then starts at the oldest of them and wraps around
     (the engine saw it in that order)."""
     s = make_settings(prefix_store_min_chars=16, heartbeat_s=0.2, pass_window=0.5)
-    keys = Keys(s.namespace)
     docs = list(range(16))
     order = content_order(DOCS, docs)
     first = asyncio.run(Producer(s).asubmit(_lone("a", docs, 1)))
-    tokens = max(e.work + e.predicted_cached for e in enqueued(r, s, first))
-    engine = FakeEngine()
-    engine.kv_tokens = 2 * 4 * tokens  # type: ignore[attr-defined]  # window: 4 documents
+    engine = engine_for_window(r, s, first, 4)
     with fake_worker(s, engine=engine):
-        assert results.wait(first, s, timeout=60).failed == 0
-        raw = wait_until(lambda: r.get(keys.pass_marks(0, "fw")), 10, "the published window")
-        window = wire.unpack(raw)
+        window = window_after(r, s, first)
         assert 2 <= len(window) <= 4
         assert window == [key_of(DOCS[d]) for d in order[-len(window) :]]
         b_reqs = _lone("b", docs, 2)

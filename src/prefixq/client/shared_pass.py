@@ -28,9 +28,15 @@ pass is and wraps around:
   the same documents shares with no state, and it starts where the workers' windows are
   in that order (they hold lone requests' prefixes too).
 
+- **both at once**: a burst with shared groups and long prefixes used once beside them (an
+  analysis that asks a few documents twice and most once) walks all of them in the content
+  order, as the first burst over a corpus walks it (its new groups are placed in that order),
+  so such analyses follow each other's passes, not only in their groups. Its groups are placed
+  in the corpus order and their shards kept, as any burst's; its lone prefixes are not.
+
 Only the groups' order changes (each group's requests stay together, in the order `ORDERS` gives
-them); requests without a long prefix (or, in a burst with shared groups, with a prefix of
-their own), and the long answers ``decode-first`` puts first, keep their places. ``grouped``
+them); requests without a long prefix, and the long answers ``decode-first`` puts first, keep
+their places. ``grouped``
 and ``decode-first`` (the default) bursts take part; the setting ``shared_pass`` turns it off.
 docs/architecture.md, "The shared pass", has the measurements.
 """
@@ -46,6 +52,7 @@ from redis.exceptions import ResponseError
 from prefixq.affinity.placement import Placed
 from prefixq.client.encoding import pass_key
 from prefixq.client.order import Peek
+from prefixq.client.pass_places import content_order, join_point, rotate_each
 from prefixq.core import wire
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
@@ -58,8 +65,6 @@ __all__ = [
     "arrangement",
     "content_order",
     "join_point",
-    "rotate",
-    "rotate_each",
 ]
 
 log = logging.getLogger(__name__)
@@ -92,12 +97,13 @@ class Arrangement:
         start: int | None,
         shard_of: dict[int, int],
         *,
-        content: bool = False,
+        kept: Collection[int] = (),
     ) -> None:
         self.looks, self.place, self.size = looks, place, size
         self.starts, self.start, self.shard_of = starts, start, shard_of
-        #: the places are the prefixes' content order (`_content_arrangement`): nothing to keep
-        self.content = content
+        #: the pass keys of the groups whose shard is kept for the next burst (`placed`): not
+        #: those of prefixes used once, nor any of a content arrangement (nothing grows Redis)
+        self.kept = frozenset(kept)
         #: pass key -> the shard this burst placed the group on (`placed`)
         self.went: dict[int, int] = {}
 
@@ -118,11 +124,11 @@ class Arrangement:
 
     def placed(self, idx: Sequence[int], placed: Sequence[Placed]) -> None:
         """Requests ``idx`` were ``placed``: the first one of each group says where it is."""
-        if self.content:
+        if not self.kept:
             return
         for i, p in zip(idx, placed, strict=True):
             k = self._pkey(i)
-            if k is not None and k not in self.went:
+            if k is not None and k in self.kept and k not in self.went:
                 self.went[k] = p.shard
 
     async def remember(self, r: Any, keys: Keys) -> None:
@@ -178,15 +184,17 @@ async def arrangement(
         places += [int(x) for x in got[:-1]]
         size = int(got[-1])
     place = dict(zip(pkeys, places, strict=True))
+    if len(ranked) > len(pkeys):  # prefixes used once beside the groups: the content order
+        place, size = {k: i for i, k in enumerate(ranked)}, len(ranked)
     windows, shard_of = await _marks(r, keys, shards, pkeys)
     union = set().union(*windows) if windows else set()
-    start = join_point([place[k] for k in pkeys if k in union], size)
+    start = join_point([place[k] for k in place if k in union], size)
     starts: dict[int, int] = {}
     for shard, window in enumerate(windows):
-        at = join_point([place[k] for k in pkeys if k in window], size)
+        at = join_point([place[k] for k in place if k in window], size)
         if at is not None:
             starts[shard] = at
-    return Arrangement(looks, place, size, starts, start, shard_of)
+    return Arrangement(looks, place, size, starts, start, shard_of, kept=pkeys)
 
 
 async def _content_arrangement(
@@ -210,64 +218,7 @@ async def _content_arrangement(
     union = set().union(*windows) if windows else set()
     # one start for all shards: where a lone request goes is not known before it is placed
     start = join_point([place[k] for k in union if k in place], len(place))
-    return Arrangement(looks, place, len(place), {}, start, {}, content=True)
-
-
-def content_order(looks: Sequence[Peek], groups: Collection[Hashable]) -> list[int]:
-    """The pass keys of ``groups`` (fingerprints of long prefixes, each once) in their content
-    order: by the hash of the prefix's first block (`Peek.lead` of a request of the group:
-    prefixes that share a leading block stay together, as a depth-first walk keeps them), then
-    by the pass key. The same for every burst over the same documents, whatever their order."""
-    lead = {p.group: p.lead for p in looks if p.group is not None and p.group in groups}
-    ranked = []
-    for g in groups:
-        k = pass_key(g)
-        if k is not None:
-            ranked.append((lead.get(g, 0), k))
-    return [k for _, k in sorted(ranked)]
-
-
-def rotate(
-    members: list[list[int]], places: list[int | None], start: int | None, size: int
-) -> list[list[int]]:
-    """``members`` (groups) with the placed ones (``places``; None: not placed, kept where it
-    is) in the corpus order from ``start`` around (None: from the beginning)."""
-    return rotate_each(members, places, [start] * len(members), size)
-
-
-def rotate_each(
-    members: list[list[int]], places: list[int | None], starts: list[int | None], size: int
-) -> list[list[int]]:
-    """``members`` (groups) with the placed ones (``places``; None: not placed, kept where it
-    is) in the order of their distance, in the corpus order read circularly, from their own
-    ``starts`` (a group's shard's pass; None: the order's beginning): each shard's groups from
-    where its pass is around, the shards' turns interleaved."""
-    placed = [i for i, x in enumerate(places) if x is not None]
-
-    def turn(i: int) -> int:
-        x, at = places[i], starts[i] or 0
-        assert x is not None
-        return (x - at) % size if size else x
-
-    out = list(members)
-    for slot, i in zip(placed, sorted(placed, key=turn), strict=True):
-        out[slot] = members[i]
-    return out
-
-
-def join_point(places: list[int], size: int) -> int | None:
-    """Where a burst starts: of ``places`` (the places, in a corpus order of ``size``, of the
-    burst's groups that a pass holds now), the one after the largest circular gap; None when
-    there are none."""
-    if not places:
-        return None
-    xs = sorted(set(places))
-    best, start = -1, xs[0]
-    for i, x in enumerate(xs):
-        nxt = xs[i + 1] if i + 1 < len(xs) else xs[0] + max(size, xs[-1] + 1)
-        if nxt - x > best:
-            best, start = nxt - x, xs[(i + 1) % len(xs)]
-    return start
+    return Arrangement(looks, place, len(place), {}, start, {})
 
 
 async def _marks(
