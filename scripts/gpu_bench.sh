@@ -5,6 +5,8 @@
 #   scripts/gpu_bench.sh start issue22 ["<more args>"]    issue 22's cases (below), more args win
 #   scripts/gpu_bench.sh start issue22 "<more>" fleet "<more>"  several runs, one after another
 #                                                         (bench.json, bench-2.json, ...)
+#   scripts/gpu_bench.sh start "<args>" "" "@DIR <args>"  the second run's package from DIR (a
+#                                                         src/ folder of the checkout: before/after)
 #   scripts/gpu_bench.sh wait SECONDS                     wait for it, copy report/plot/logs to $OUT
 #   scripts/gpu_bench.sh plan issue22 ["<more args>"]     (here, no GPU) the cases and their time
 # $OUT gets bench.json, bench.png, gpu.txt, bench.log and the workers' logs (bench-K.* for run K).
@@ -60,10 +62,16 @@ case "$1" in
     k=1
     while [ $# -gt 0 ]; do
       name=bench; [ $k -gt 1 ] && name=bench-$k
-      echo "prefixq bench $(args "$1" "${2:-}")" >> $B/gpu.txt
+      a=$(args "$1" "${2:-}") env=""
+      if [ "${a#@}" != "$a" ]; then  # "@DIR <args>": this run's package from DIR (a before/after)
+        dir=${a%% *} a=${a#* }
+        rm -rf /tmp/pq/src-$k && cp -r "$OLDPWD/${dir#@}" /tmp/pq/src-$k
+        env="PYTHONPATH=/tmp/site:/tmp/pq/src-$k "
+      fi
+      echo "${env}prefixq bench $a" >> $B/gpu.txt
       # each run within BENCH_LIMIT_S (default 25 min), so that one that hangs leaves the next its time
-      printf 'timeout -k 30 %d python3 -m prefixq bench %s --redis-url redis://127.0.0.1:6390/%d --json %s/%s.json --plot %s/%s.png\n' \
-        "${BENCH_LIMIT_S:-1500}" "$(args "$1" "${2:-}")" "$k" "$B" "$name" "$B" "$name" >> $B/run.sh
+      printf '%stimeout -k 30 %d python3 -m prefixq bench %s --redis-url redis://127.0.0.1:6390/%d --json %s/%s.json --plot %s/%s.png\n' \
+        "$env" "${BENCH_LIMIT_S:-1500}" "$a" "$k" "$B" "$name" "$B" "$name" >> $B/run.sh
       printf 'mkdir -p %s/logs-%d && cp /tmp/prefixq-bench-*/worker-*.log %s/logs-%d/ 2>/dev/null; rm -rf /tmp/prefixq-bench-*\n' \
         "$B" "$k" "$B" "$k" >> $B/run.sh
       k=$((k + 1)); shift; [ $# -gt 0 ] && shift
