@@ -113,12 +113,13 @@ def test_a_gone_process_of_this_host_gives_the_name_up_at_once(
         assert not r.exists(Keys(s.namespace).heartbeat(0, "w0"))
 
 
-@pytest.mark.parametrize("pid", ["1", "not-a-pid"])
+@pytest.mark.parametrize("pid", ["1", "not-a-pid", "99999999999999999999", "٣"])
 def test_a_heartbeat_of_a_live_or_unknown_process_is_waited_for(
     redis_server: Any, r: redis.Redis, pid: str
 ) -> None:
-    """A heartbeat of this host whose process is alive (pid 1) or unreadable is not taken at
-    once: the start waits for a beat, and one within the TTL refuses it."""
+    """A heartbeat of this host whose process is alive (pid 1) or unreadable (not a number, past
+    any pid, a digit that is not ASCII) is not taken at once: the start waits for a beat, and
+    one within the TTL refuses it (never a crash of the start)."""
     s = _settings(redis_server.url)
     hb = Keys(s.namespace).heartbeat(0, "w0")
     r.hset(hb, mapping={"beat": time.time(), "pid": pid, "host": socket.gethostname()})

@@ -121,7 +121,7 @@ async def name_free(stream: ShardStream, settings: Settings) -> None:
 def _gone_here(pid: str, host: str) -> bool:
     """Whether the heartbeat's process ran on this host and is gone (or is this process: a
     container restarted under the same pid), so its name is free without waiting."""
-    if host != socket.gethostname() or not pid.isdigit():
+    if host != socket.gethostname() or not pid.isascii() or not pid.isdigit():
         return False
     if int(pid) == os.getpid():
         return True
@@ -129,7 +129,7 @@ def _gone_here(pid: str, host: str) -> bool:
         os.kill(int(pid), 0)
     except ProcessLookupError:
         return True
-    except OSError:  # alive under another user: not gone
+    except (OSError, OverflowError):  # alive under another user, or no pid at all: not known
         return False
     return False
 
