@@ -167,8 +167,9 @@ def test_enqueue_order_puts_each_prefix_group_as_asked(
     make_settings: Callable[..., Settings], r: redis.Redis, order: str, expect: list[str]
 ) -> None:
     """Requests on three shared documents are enqueued in the asked order; each keeps its
-    input index, and the ids list stays in input order."""
-    s = make_settings(prefix_store_min_chars=16)
+    input index, and the ids list stays in input order. (The shared pass, off here, walks a
+    ``grouped`` burst in the corpus order instead: tests/test_shared_pass*.py.)"""
+    s = make_settings(prefix_store_min_chars=16, shared_pass=False)
     docs = [f"document {d} " * 40 for d in range(3)]
     names = ["d0q0", "d1q0", "d0q1", "d1q1", "d2q0", "d0q2"]
     reqs = [{"id": n, "prefix": docs[int(n[1])], "prompt": f" {n}?"} for n in names]
