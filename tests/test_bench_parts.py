@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from prefixq.bench.cases import summarise
+from prefixq.bench.engines import Workers
 from prefixq.bench.measures import optimum_cached, shares, strongest
 from prefixq.bench.setups import (
     host_offload_gib,
@@ -20,6 +21,7 @@ from prefixq.bench.setups import (
     sorted_order,
 )
 from prefixq.bench.workloads import TENANTS, WORKLOADS, Shape, Sizes, build, overflow_documents
+from prefixq.cli.main import build_parser, settings_from
 from prefixq.client.order import ORDERS
 from prefixq.core.errors import ConfigError
 from prefixq.core.inputs import normalize
@@ -222,3 +224,21 @@ def test_multi_burst_mixed_asks_a_quarter_of_the_documents_twice_in_each_burst()
         prompts = [str(q["prompt_token_ids"]) for q in b.requests]
         assert len(set(prompts)) == len(prompts)
     assert len({frozenset(t) for t in twice}) == 3  # each burst its own quarter
+
+
+def test_a_bench_worker_gets_the_benchmarks_settings_as_its_flags(tmp_path: Path) -> None:
+    """``prefixq bench --max-inflight 24 --no-gc-freeze --metrics-port 9100``: each worker's
+    command line, parsed by the real CLI, holds max_inflight 24 and gc_freeze off beside the
+    fleet fields (before: only those, so the flags were taken and ignored), and no metrics port
+    (one port cannot serve two workers); settings left at their defaults are not passed."""
+    argv = ["bench", "--max-inflight", "24", "--no-gc-freeze", "--metrics-port", "9100"]
+    s = settings_from(build_parser().parse_args(argv)).replace(namespace="bw", shards=2)
+    workers = Workers(s, "sim:llama-3.1-8b", ["max_model_len=512"], [None, None], tmp_path)
+    for k in range(2):
+        cmd = workers.command(k)
+        assert cmd[1:4] == ["-m", "prefixq", "worker"]
+        got = settings_from(build_parser().parse_args(cmd[3:]))
+        assert (got.max_inflight, got.gc_freeze, got.metrics_port) == (24, False, 0)
+        assert (got.namespace, got.shards) == ("bw", 2)
+        assert "--metrics-port" not in cmd and "--read-count" not in cmd
+        assert cmd[cmd.index("--shard") + 1] == str(k)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
@@ -87,7 +88,7 @@ class Standalone(Engines):
             await e.close()
 
 
-#: the settings every benchmark worker gets from the benchmark's own (the rest: the environment)
+#: the settings every benchmark worker gets from the benchmark's own, whatever their values
 FLEET_FIELDS = (
     "redis_url",
     "namespace",
@@ -98,6 +99,24 @@ FLEET_FIELDS = (
     "steal_min_tokens",
     "pass_window",
 )
+#: settings a benchmark's workers never take from it (one metrics port cannot serve N workers)
+NOT_PASSED = frozenset({"metrics_port"})
+
+
+def worker_fields(settings: Settings) -> tuple[str, ...]:
+    """The settings a benchmark worker gets as flags: `FLEET_FIELDS`, and every other one the
+    benchmark's settings (its flags, its environment) hold away from the default, so that
+    ``prefixq bench --max-inflight 24`` reaches the workers (they got only `FLEET_FIELDS` and
+    the environment: the flag was taken and ignored)."""
+    base = Settings()
+    more = (
+        f.name
+        for f in dataclasses.fields(Settings)
+        if f.name not in FLEET_FIELDS
+        and f.name not in NOT_PASSED
+        and getattr(settings, f.name) != getattr(base, f.name)
+    )
+    return (*FLEET_FIELDS, *more)
 
 
 class Workers:
@@ -123,16 +142,20 @@ class Workers:
             self.procs.append(self._spawn(k))
             await self._wait_up(r, k, limit_s)
 
-    def _spawn(self, k: int) -> subprocess.Popen[bytes]:
-        cmd = worker_command(
+    def command(self, k: int) -> list[str]:
+        """The command line of worker ``k`` (`worker_fields`: the benchmark's settings)."""
+        return worker_command(
             self.settings,
             k,
             self.model,
             name=self.names[k],
             gpu=self.gpus[k],
             engine_args=self.engine_args,
-            fields=FLEET_FIELDS,
+            fields=worker_fields(self.settings),
         )
+
+    def _spawn(self, k: int) -> subprocess.Popen[bytes]:
+        cmd = self.command(k)
         with open(self.logs[k], "wb") as out:
             return subprocess.Popen(
                 cmd,

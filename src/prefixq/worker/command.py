@@ -29,7 +29,11 @@ def worker_command(
     if gpu is not None:
         cmd += ["--gpu", gpu]
     for f in fields:
-        cmd += ["--" + f.replace("_", "-"), str(getattr(settings, f))]
+        flag, value = f.replace("_", "-"), getattr(settings, f)
+        if isinstance(value, bool):  # the CLI's --flag / --no-flag
+            cmd.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            cmd += ["--" + flag, str(value)]
     for a in engine_args:
         cmd += ["--engine-arg", a]
     return cmd
