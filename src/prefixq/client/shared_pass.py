@@ -164,8 +164,9 @@ async def arrangement(
     first appearance first, `EntryEncoder.uses`) follow the shared pass: their places in the
     corpus order (placing its new groups), where each shard's pass is, and the shard each group
     went to last. A burst with fewer than two shared groups (one question per document, say)
-    follows the prefixes' content order instead: `_content_arrangement`. None when there is
-    nothing to arrange."""
+    follows the prefixes' content order instead: `_content_arrangement`; so does one with
+    prefixes used once beside its groups, whose groups are placed all the same. None when there
+    is nothing to arrange."""
     if not s.shared_pass:
         return None
     ranked = content_order(looks, uses)  # every long prefix's pass key, ranked once
