@@ -15,7 +15,14 @@ import redis
 
 from fake_engine import FakeEngine
 from helpers import queued_entries, wait_until
-from pass_helpers import content_order, enqueued, key_of, publish_window, published
+from pass_helpers import (
+    content_order,
+    engine_for_window,
+    enqueued,
+    key_of,
+    publish_window,
+    published,
+)
 from prefixq.client import Producer, results, shared_pass
 from prefixq.client.encoding import _fingerprint, pass_key
 from prefixq.client.pass_places import join_point, rotate
@@ -282,12 +289,7 @@ def test_a_worker_publishes_the_newest_groups_within_its_window_and_a_reset_empt
     first_reqs = _burst("a", list(range(12)), seed=1)
     first = asyncio.run(Producer(s).asubmit(first_reqs, order="grouped"))
     a = _content(range(12))
-    tokens = max(
-        e.work + e.predicted_cached
-        for e in (Entry.from_wire(wire.decode(f[b"d"])) for _, f in queued_entries(r, s))
-    )
-    engine = FakeEngine()
-    engine.kv_tokens = 2 * 4 * tokens  # type: ignore[attr-defined]  # window: 4 documents
+    engine = engine_for_window(r, s, first, 4)
     with fake_worker(s, engine=engine):
         results.wait(first, s, timeout=60)
         raw = wait_until(lambda: r.get(keys.pass_marks(0, "fw")), 10, "the published window")

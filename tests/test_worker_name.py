@@ -41,7 +41,7 @@ def _beat(r: redis.Redis, s: Settings, pid: int, host: str, ttl_s: float) -> Non
     r.pexpire(hb, int(ttl_s * 1000))
 
 
-def _check(s: Settings, late_beat_s: float | None, r: redis.Redis) -> tuple[float, Any]:
+def _check(s: Settings, late_beat_s: float | None) -> tuple[float, Any]:
     """`name_free` for ``w0`` on shard 0 while, ``late_beat_s`` after it starts, the holder
     beats once more (None: never); its time and what it raised (None: the name is free)."""
 
@@ -77,7 +77,7 @@ def test_a_live_worker_whose_beat_is_late_keeps_its_name(redis_server: Any, r: r
     and served beside the live worker under one consumer name)."""
     s = _settings(redis_server.url)
     _beat(r, s, 4242, "another-host", s.heartbeat_ttl_s)
-    took, err = _check(s, 1.2, r)
+    took, err = _check(s, 1.2)
     assert isinstance(err, ConfigError), f"the name was taken after {took:.2f}s"
     assert "worker name 'w0' is in use on shard 0: pid 4242 on host another-host" in str(err)
     assert r.exists(Keys(s.namespace).heartbeat(0, "w0"))  # the holder's heartbeat kept
@@ -90,7 +90,7 @@ def test_a_heartbeat_that_expires_without_a_beat_gives_the_name_up(
     expire (its TTL, 2 s left) and takes the name; nothing raised."""
     s = _settings(redis_server.url)
     _beat(r, s, 4242, "another-host", 2.0)
-    took, err = _check(s, None, r)
+    took, err = _check(s, None)
     assert err is None, err
     assert 1.5 <= took <= s.heartbeat_ttl_s + 3, took
 
@@ -107,7 +107,7 @@ def test_a_gone_process_of_this_host_gives_the_name_up_at_once(
     dead.wait(30)
     for pid in (dead.pid, os.getpid()):
         _beat(r, s, pid, socket.gethostname(), 60.0)
-        took, err = _check(s, None, r)
+        took, err = _check(s, None)
         assert err is None, err
         assert took < 1.0, took  # the TTL is 60 s
         assert not r.exists(Keys(s.namespace).heartbeat(0, "w0"))
@@ -124,5 +124,5 @@ def test_a_heartbeat_of_a_live_or_unknown_process_is_waited_for(
     hb = Keys(s.namespace).heartbeat(0, "w0")
     r.hset(hb, mapping={"beat": time.time(), "pid": pid, "host": socket.gethostname()})
     r.pexpire(hb, 4000)
-    took, err = _check(s, 0.8, r)
+    took, err = _check(s, 0.8)
     assert isinstance(err, ConfigError), f"the name was taken after {took:.2f}s"

@@ -63,8 +63,6 @@ __all__ = [
     "PASS_ORDERS",
     "Arrangement",
     "arrangement",
-    "content_order",
-    "join_point",
 ]
 
 log = logging.getLogger(__name__)
@@ -184,9 +182,10 @@ async def arrangement(
         got = await _PASS_ORDER.acall(r, keys=[keys.pass_order], args=args)
         places += [int(x) for x in got[:-1]]
         size = int(got[-1])
-    place = dict(zip(pkeys, places, strict=True))
     if len(ranked) > len(pkeys):  # prefixes used once beside the groups: the content order
         place, size = {k: i for i, k in enumerate(ranked)}, len(ranked)
+    else:
+        place = dict(zip(pkeys, places, strict=True))
     windows, shard_of = await _marks(r, keys, shards, pkeys)
     union = set().union(*windows) if windows else set()
     start = join_point([place[k] for k in place if k in union], size)

@@ -85,7 +85,7 @@ async def name_free(stream: ShardStream, settings: Settings) -> None:
     first = await stream.r.hmget(hb, fields)
     if first[0] is None:
         return
-    pid, host = (v.decode(errors="replace") if v else "?" for v in first[1:3])
+    pid, host = _who(first)
     if _gone_here(pid, host):
         await stream.r.delete(hb)
         return
@@ -109,13 +109,19 @@ async def name_free(stream: ShardStream, settings: Settings) -> None:
         if again[0] is None:  # expired or unregistered: gone
             return
         if again[0] != first[0]:
-            pid, host = (v.decode(errors="replace") if v else "?" for v in again[1:3])
+            pid, host = _who(again)
             raise ConfigError(
                 f"worker name {stream.consumer!r} is in use on shard {stream.shard}: pid {pid} "
                 f"on host {host} serves under it (its heartbeat beats); give each worker of a "
                 "shard its own --name, or stop the other one first"
             )
     await stream.r.delete(hb)  # a hash that outlived its TTL without a beat: not a worker's
+
+
+def _who(row: list[bytes | None]) -> tuple[str, str]:
+    """The pid and host of a heartbeat's ``beat, pid, host, ...`` fields ("?": missing)."""
+    pid, host = (v.decode(errors="replace") if v else "?" for v in row[1:3])
+    return pid, host
 
 
 def _gone_here(pid: str, host: str) -> bool:
