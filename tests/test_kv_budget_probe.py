@@ -6,6 +6,7 @@ see them for what they are. Fake-engine workers against a real redis-server."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +32,7 @@ from prefixq.core.keys import CARRIED
 from prefixq.core.settings import Settings
 from prefixq.store.burst_end import cancel
 from prefixq.worker import ends
+from prefixq.worker.admission import Admission
 from prefixq.worker.kv_budget import KvBudget
 
 MakeWorker = Callable[..., FakeWorker]
@@ -195,7 +197,7 @@ def test_a_cancelled_bursts_waiting_requests_leave_at_once_and_a_rider_goes_in(
     rides in with them (the window holds one more): they waited until X's requests finished, and
     kept every other burst's requests from being read."""
     s = make_settings(prefix_store_min_chars=16, kv_inflight_share=0.5, max_inflight=3, grace_s=0.5)
-    (x_doc,) = _docs(1, 3.0, tag="x")
+    (x_doc,) = _docs(1, 6.0, tag="x")
     long = _submit(
         s, [{"id": f"x{q}", "prefix": x_doc, "prompt": f" long one {q}?"} for q in (0, 1)]
     )
@@ -208,15 +210,75 @@ def test_a_cancelled_bursts_waiting_requests_leave_at_once_and_a_rider_goes_in(
     wait_until(lambda: b.waiting >= 8, 10, "eight requests waiting at the budget")
     t0 = time.monotonic()
     cancel(doomed, s)
-    wait_until(lambda: b.waiting == 0, 1.5, "the cancelled requests gone from the budget")
-    wait_until(lambda: pending_on(r, s, "w1") == 2, 1.5, "only X's requests held")
+    wait_until(lambda: b.waiting == 0, 3, "the cancelled requests gone from the budget")
+    wait_until(lambda: pending_on(r, s, "w1") == 2, 3, "only X's requests held")
     rider = _submit(s, [{"id": f"x{q}", "prefix": x_doc, "prompt": f" more {q}?"} for q in (2, 3)])
-    wait_until(lambda: any(x.startswith(rider) for x in engine.seen), 1.5, "the rider inside")
-    assert time.monotonic() - t0 < 2.5  # X's request is still running
+    wait_until(lambda: any(x.startswith(rider) for x in engine.seen), 3, "the rider inside")
+    assert time.monotonic() - t0 < 5  # X's request is still running
     assert not [x for x in engine.seen if x.startswith(doomed)]
     assert len(b._inside) == 1 and b.waiting == 0
     wait_burst(r, s, long, 30)
     wait_burst(r, s, rider, 30)
+    wait_until(lambda: _settled(b), 5, "the budget empty")
+
+
+def test_a_request_that_reaches_the_budget_after_its_bursts_cancel_notice_does_not_wait(
+    make_settings: Callable[..., Settings],
+    r: redis.Redis,
+    fake_worker: MakeWorker,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Given a long request inside the engine and a burst's requests read but not yet at the
+    budget (their tasks run after the worker handled the burst's cancel notice: a busy event
+    loop), when they get there they do not wait for room (the notice let go only the requests
+    that waited then): they get their cancelled result at once, and none reaches the engine."""
+    s = make_settings(prefix_store_min_chars=16, kv_inflight_share=0.5, max_inflight=3)
+    long = _submit(s, _burst("x", _docs(1, 6.0, tag="x"), 1))
+    engine = _engine(2 * _tokens(r, s))
+    parked: list[str] = []
+    release = threading.Event()
+    serve = Admission._serve
+
+    async def late(self: Admission, d: Any, e: Entry, *args: Any) -> None:
+        if e.burst != long:  # every other burst's request runs after the notice
+            parked.append(e.burst)
+            while not release.is_set():
+                await asyncio.sleep(0.01)
+        await serve(self, d, e, *args)
+
+    monkeypatch.setattr(Admission, "_serve", late)
+    try:
+        _cancel_as_they_come(s, r, fake_worker(s, engine=engine, name="w1"), long, parked, release)
+    finally:  # what is parked goes on, so the worker can stop
+        release.set()
+
+
+def _cancel_as_they_come(
+    s: Settings,
+    r: redis.Redis,
+    fw: FakeWorker,
+    long: str,
+    parked: list[str],
+    release: threading.Event,
+) -> None:
+    engine = fw.engine
+    b = _budget(fw)
+    wait_until(lambda: b.used > 0, 10, "the long request inside the engine")
+    doomed = _submit(s, _burst("a", _docs(6, 0.1)))
+    wait_until(lambda: len(parked) >= 2, 10, "the burst's requests read (the window's room)")
+    assert fw.worker is not None
+    ended = fw.worker.admission.ends.ended
+    t0 = time.monotonic()
+    cancel(doomed, s)
+    wait_until(lambda: doomed in ended, 5, "the cancel notice handled")
+    release.set()
+    wait_until(lambda: pending_on(r, s, "w1") == 1, 3, "only the long request held")
+    assert b.waiting == 0
+    assert time.monotonic() - t0 < 5  # the long request is still running
+    assert not [x for x in engine.seen if x.startswith(doomed)]
+    wait_burst(r, s, long, 30)
+    out = account(r, s, doomed, 12, what="cancelled as its requests came to the budget")
+    assert (out.lost, out.duplicated) == (0, 0)
     wait_until(lambda: _settled(b), 5, "the budget empty")
 
 

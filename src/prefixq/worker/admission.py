@@ -157,6 +157,12 @@ class Admission:
                 self.inflight[d.ref] = asyncio.create_task(serve)
             await asyncio.sleep(0)
 
+    def _ended(self, e: Entry) -> None:
+        """EngineAborted if ``e``'s burst ended or its deadline passed."""
+        why = self.ends.reason(e, time.time())
+        if why is not None:
+            raise EngineAborted(why)
+
     async def _serve(
         self,
         d: Delivery,
@@ -169,6 +175,10 @@ class Admission:
     ) -> None:
         res, ref = e.result(self.shard, self.name), d.ref
         try:
+            # its burst may have ended after it was read and before this task ran: the budget
+            # lets only the requests waiting when the notice came go (`KvBudget.end`), so one
+            # that came later would wait for room it never needs
+            self._ended(e)
             prefix = prefixes.get(e.prefix_ref) if e.prefix_ref else None
             if isinstance(prefix, str):
                 raise EngineError(prefix)
@@ -182,9 +192,7 @@ class Admission:
             out: EngineOutput | EmbedOutput
             # one that waits for the budget when the worker stops is given back (worker.py)
             async with self.budget.holding(e, priority, (d, e)), self.gate.call(solo):
-                why = self.ends.reason(e, time.time())
-                if why is not None:  # it ended, or its deadline passed, while this waited
-                    raise EngineAborted(why)
+                self._ended(e)  # it ended, or its deadline passed, while this waited
                 res.timings.admitted = time.time()
                 self.probes.read_to_engine.add(time.perf_counter() - t_read)
                 rid = f"{e.burst}:{e.index}:{ref[1].decode()}"
