@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from prefixq.bench.cases import summarise
-from prefixq.bench.engines import Workers
+from prefixq.bench.engines import Workers, changed_settings
 from prefixq.bench.measures import optimum_cached, shares, strongest
 from prefixq.bench.setups import (
     host_offload_gib,
@@ -242,3 +242,13 @@ def test_a_bench_worker_gets_the_benchmarks_settings_as_its_flags(tmp_path: Path
         assert (got.namespace, got.shards) == ("bw", 2)
         assert "--metrics-port" not in cmd and "--read-count" not in cmd
         assert cmd[cmd.index("--shard") + 1] == str(k)
+
+
+def test_the_report_names_the_settings_its_workers_ran_with_away_from_their_defaults() -> None:
+    """``prefixq bench --pass-running --max-inflight 24``: the report's config says the workers
+    ran with both (two runs that differ only there told apart by their reports), and nothing
+    left at its default, nor the run's own namespace."""
+    argv = ["bench", "--pass-running", "--max-inflight", "24"]
+    s = settings_from(build_parser().parse_args(argv)).replace(namespace="bw", shards=2)
+    assert changed_settings(s) == {"pass_running": True, "max_inflight": 24, "shards": 2}
+    assert changed_settings(Settings().replace(namespace="bw")) == {}

@@ -119,6 +119,18 @@ def worker_fields(settings: Settings) -> tuple[str, ...]:
     return (*FLEET_FIELDS, *more)
 
 
+def changed_settings(settings: Settings) -> dict[str, Any]:
+    """The settings a benchmark's workers run with away from their defaults (the report's
+    ``config.worker_settings``: a run with ``--pass-running`` says so), but the namespace, which
+    is the run's own."""
+    base = Settings()
+    return {
+        f: getattr(settings, f)
+        for f in worker_fields(settings)
+        if f != "namespace" and getattr(settings, f) != getattr(base, f)
+    }
+
+
 class Workers:
     """N `prefixq worker` processes, one per shard."""
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from prefixq.bench.cases import Bursts, Env, by_gen, pipeline, reset, run_case
 from prefixq.bench.engine_set import Engines
-from prefixq.bench.engines import Standalone, Workers
+from prefixq.bench.engines import Standalone, Workers, changed_settings
 from prefixq.bench.fleet_cases import run_fleet
 from prefixq.bench.setups import (
     GIVEN,
@@ -123,7 +123,7 @@ async def run_bench(
     # the fleet's cases alone (no workload) need no standalone engine
     engines: dict[str, Engines] = {GIVEN: _engines(cfg, args)} if cfg.workloads else {}
     report: dict[str, Any] = {
-        "config": _config(cfg, args),
+        "config": {**_config(cfg, args), "worker_settings": changed_settings(s)},
         "environment": _environment(cfg),
         "workloads": {},
     }
