@@ -197,6 +197,8 @@ class Admission:
                 self.probes.read_to_engine.add(time.perf_counter() - t_read)
                 rid = f"{e.burst}:{e.index}:{ref[1].decode()}"
                 self.ends.running(ref, e.burst, rid)
+                if self.marks is not None:  # the window may follow what the engine runs
+                    self.marks.enter(ref, e, priority)
                 if req.inputs is not None:  # an embeddings request: one vector per input
                     dims = req.pooling.get("dimensions")
                     out = await self.engine.embed(EmbedRequest(rid, req.inputs, dims, priority))
@@ -234,6 +236,8 @@ class Admission:
             if self.order is not None:
                 self.order.left(e.priority, e.burst, priority)
             self.ends.done(ref)
+            if self.marks is not None:
+                self.marks.leave(ref)
             self._room.set()
             self._request_done()
         if not res.timings.admitted:

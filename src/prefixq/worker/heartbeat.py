@@ -96,7 +96,9 @@ class Heartbeat:
         self.history = History(stream, every_s=stream.settings.history_every_s, now=time.time())
         #: where the worker's pass is (worker/shared_pass.py; the worker runs its publishing)
         key = stream.keys.pass_marks(stream.shard, stream.consumer)
-        self.marks = PassMarks(key, stream.settings.pass_window)
+        self.marks = PassMarks(
+            key, stream.settings.pass_window, running=stream.settings.pass_running
+        )
 
     def request_done(self) -> None:
         self._served_since_collect += 1

@@ -17,14 +17,24 @@ reads them together), and a producer starts a burst over the same documents ther
 (client/shared_pass.py): a pass moves tens of documents a second on a GPU, so not only with the
 heartbeat. An engine that says nothing of its KV cache (a test engine) counts `COUNT_WINDOW`
 groups instead. A reset of the engine's prefix cache empties it.
+
+With ``pass_running`` (off by default until a GPU measures it: docs/BENCHMARKS.md) the published
+window follows what the engine holds, not only what it finished: the prefixes of the requests it
+most likely runs now (of those handed to it, in the order it serves them: engine priority, then
+arrival, as many distinct prefixes as its cache holds), after the prefixes it finished last, cut
+to what the running ones leave of the cache. vLLM evicts the blocks freed first when a running
+request needs room, so on an engine whose running batch fills its cache what it finished last is
+what it evicts next, and a burst that starts there walks behind its own evictions; it starts at
+the oldest prefix still held instead (the trace of docs/BENCHMARKS.md 2026-12-06).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
 
 from prefixq.core import wire
@@ -47,9 +57,10 @@ REFRESH_S = 20
 
 
 class PassMarks:
-    """The prefix groups the engine finished last, within ``window`` (a share) of ``kv_tokens``."""
+    """The prefix groups the engine finished last, within ``window`` (a share) of ``kv_tokens``;
+    with ``running``, those it runs now too (`published`)."""
 
-    def __init__(self, key: str, window: float, kv_tokens: int = 0) -> None:
+    def __init__(self, key: str, window: float, kv_tokens: int = 0, running: bool = False) -> None:
         self.key = key
         self.window = window
         self.capacity = 0
@@ -58,6 +69,11 @@ class PassMarks:
         self._lru: OrderedDict[int, int] = OrderedDict()
         self._tokens = 0
         self._dirty = False
+        #: whether the published window follows the requests inside the engine
+        self.running = running
+        #: the requests inside the engine: (engine priority, arrival, pass key, prompt tokens)
+        self._inside: dict[Hashable, tuple[int, int, int, int]] = {}
+        self._arrivals = itertools.count()
 
     def size(self, kv_tokens: int) -> None:
         """The engine's KV cache, in tokens (0: unknown). A known cache is a window of at least
@@ -89,6 +105,53 @@ class PassMarks:
             self._tokens -= gone
         self._dirty = True
 
+    def enter(self, ref: Hashable, e: Entry, priority: int) -> None:
+        """``e``'s request (``ref``) was handed to the engine with engine ``priority``."""
+        g = e.group if e.group is not None else e.lone_key
+        if self.running and g is not None:
+            self._inside[ref] = (priority, next(self._arrivals), g, e.work + e.predicted_cached)
+            self._dirty = True
+
+    def leave(self, ref: Hashable) -> None:
+        """The request ``ref`` left the engine (finished, failed or aborted)."""
+        if self._inside.pop(ref, None) is not None:
+            self._dirty = True
+
+    def held(self) -> dict[int, int]:
+        """The pass keys (and tokens) of the prefixes the engine most likely runs now: of the
+        requests inside it, in the order it serves them (priority, then arrival), each prefix
+        once, as many as its KV cache holds (nothing while its cache is unknown)."""
+        out: dict[int, int] = {}
+        if not self.kv_tokens:
+            return out
+        room = self.kv_tokens
+        for _, _, g, tokens in sorted(self._inside.values()):
+            if g in out:
+                continue
+            if tokens > room:
+                break
+            out[g] = tokens
+            room -= tokens
+        return out
+
+    def published(self) -> list[int]:
+        """The window producers read, oldest first: the groups finished last; with ``running``,
+        only as many as fit what the running prefixes leave of the cache, then those."""
+        if not self.running or not self.kv_tokens:
+            return list(self._lru)
+        held = self.held()
+        room = min(self.capacity, self.kv_tokens - sum(held.values()))
+        kept: list[int] = []
+        for g in reversed(self._lru):
+            if g in held:
+                continue
+            tokens = self._lru[g]
+            if tokens > room:
+                break
+            room -= tokens
+            kept.append(g)
+        return kept[::-1] + list(held)
+
     def clear(self) -> None:
         """The engine's prefix cache was reset: it holds nothing."""
         self._lru.clear()
@@ -110,13 +173,15 @@ class PassMarks:
         last = loop.time()
         while True:
             await asyncio.sleep(PUBLISH_S)
-            if not self._dirty and not (self._lru and loop.time() - last >= REFRESH_S):
+            held = self._lru or self._inside
+            if not self._dirty and not (held and loop.time() - last >= REFRESH_S):
                 continue
             self._dirty = False
             last = loop.time()
             try:
-                if self._lru:
-                    await r.set(self.key, wire.pack(list(self._lru)), ex=TTL_S)
+                window = self.published()
+                if window:
+                    await r.set(self.key, wire.pack(window), ex=TTL_S)
                 else:
                     await r.delete(self.key)
             except TRANSIENT as e:  # a hint: the next change publishes it again
