@@ -51,10 +51,16 @@ async def control_loop(
     handlers: Handlers,
     stats: Callable[[], dict[str, Any]],
 ) -> None:
-    """Run inside a worker: answer every command posted after the worker started."""
-    last = "$"
+    """Run inside a worker: answer every command posted after the worker started. From the id
+    of the stream's newest entry at the start, never ``$``: each XREAD with ``$`` would wait for
+    entries added after it was sent, so a command posted between two of them (one that timed
+    out and the next, a moment that grows with the event loop's lag) was never answered."""
+    last: str | bytes | None = None
     while True:
         try:
+            if last is None:
+                newest = await r.xrevrange(keys.control, count=1)
+                last = newest[0][0] if newest else "0-0"
             resp = await r.xread({keys.control: last}, count=10, block=1000)
         except (*TRANSIENT, ResponseError) as e:
             log.warning("control stream unavailable: %s", e)

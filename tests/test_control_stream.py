@@ -1,0 +1,73 @@
+"""The workers' control loop (worker/control.py) against a real redis-server: a command posted at
+any moment after a worker started is answered, even one that lands between two of its reads."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+import redis
+import redis.asyncio as aredis
+
+from prefixq.core.keys import Keys
+from prefixq.core.settings import Settings
+from prefixq.worker import control
+
+
+class _Gap:
+    """An async Redis client whose first XREAD that finds nothing calls ``post`` after it
+    returned and before the loop sends the next one: a command posted in that gap."""
+
+    def __init__(self, inner: aredis.Redis, post: Callable[[], None]) -> None:
+        self.inner, self.post, self.posted = inner, post, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def xread(self, streams: Any, **kw: Any) -> Any:
+        got = await self.inner.xread(streams, **kw)
+        if not got and not self.posted:
+            self.posted = True
+            self.post()
+        return got
+
+
+def test_a_command_posted_between_two_reads_of_the_control_loop_is_answered(
+    make_settings: Callable[..., Settings], r: redis.Redis
+) -> None:
+    """Given a worker's control loop whose read timed out (nothing posted for a second), when a
+    command is posted before its next read is sent, the worker answers it (the loop read from
+    ``$`` each time, which waits for entries added after the read: that command was missed and
+    its sender, `prefixq bench` resetting the prefix caches, waited 60 s and failed). A command
+    posted before the worker started is not its own."""
+    s = make_settings()
+    keys = Keys(s.namespace)
+    r.xadd(keys.control, {"cmd": "stats", "id": "before"})
+
+    def post() -> None:
+        r.xadd(keys.control, {"cmd": "stats", "id": "gap"})
+
+    async def run() -> None:
+        ar = aredis.Redis.from_url(s.redis_url)
+        loop = asyncio.create_task(
+            control.control_loop(_Gap(ar, post), keys, "w", {}, lambda: {})  # type: ignore[arg-type]
+        )
+        try:
+            for _ in range(100):
+                if await ar.hget(keys.control_acks, "gap:w") is not None:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop
+            await ar.aclose()
+
+    asyncio.run(run())
+    got = r.hget(keys.control_acks, "gap:w")
+    assert got is not None, "the command posted between two reads was never answered"
+    assert json.loads(got)["ok"] is True
+    assert r.hget(keys.control_acks, "before:w") is None
