@@ -103,32 +103,30 @@ FLEET_FIELDS = (
 NOT_PASSED = frozenset({"metrics_port"})
 
 
+def _changed(settings: Settings) -> list[str]:
+    """The settings ``settings`` holds away from their defaults that a worker may take (not
+    `NOT_PASSED`), in the order Settings declares them."""
+    base = Settings()
+    return [
+        f.name
+        for f in dataclasses.fields(Settings)
+        if f.name not in NOT_PASSED and getattr(settings, f.name) != getattr(base, f.name)
+    ]
+
+
 def worker_fields(settings: Settings) -> tuple[str, ...]:
     """The settings a benchmark worker gets as flags: `FLEET_FIELDS`, and every other one the
     benchmark's settings (its flags, its environment) hold away from the default, so that
     ``prefixq bench --max-inflight 24`` reaches the workers (they got only `FLEET_FIELDS` and
     the environment: the flag was taken and ignored)."""
-    base = Settings()
-    more = (
-        f.name
-        for f in dataclasses.fields(Settings)
-        if f.name not in FLEET_FIELDS
-        and f.name not in NOT_PASSED
-        and getattr(settings, f.name) != getattr(base, f.name)
-    )
-    return (*FLEET_FIELDS, *more)
+    return (*FLEET_FIELDS, *(f for f in _changed(settings) if f not in FLEET_FIELDS))
 
 
 def changed_settings(settings: Settings) -> dict[str, Any]:
     """The settings a benchmark's workers run with away from their defaults (the report's
     ``config.worker_settings``: a run with ``--pass-running`` says so), but the namespace, which
     is the run's own."""
-    base = Settings()
-    return {
-        f: getattr(settings, f)
-        for f in worker_fields(settings)
-        if f != "namespace" and getattr(settings, f) != getattr(base, f)
-    }
+    return {f: getattr(settings, f) for f in _changed(settings) if f != "namespace"}
 
 
 class Workers:

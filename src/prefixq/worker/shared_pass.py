@@ -173,8 +173,8 @@ class PassMarks:
         last = loop.time()
         while True:
             await asyncio.sleep(PUBLISH_S)
-            held = self._lru or self._inside
-            if not self._dirty and not (held and loop.time() - last >= REFRESH_S):
+            kept = self._lru or self._inside
+            if not self._dirty and not (kept and loop.time() - last >= REFRESH_S):
                 continue
             self._dirty = False
             last = loop.time()
