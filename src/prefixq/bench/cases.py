@@ -165,24 +165,25 @@ async def run_case(
 def summarise(runs: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
     """Medians per mode, the pipeline against standalone as given (``ratios``, as before set-ups
     existed; against the first set-up measured when "given" was not: ``ratios_vs``) and against
-    every set-up (``setups``), and the strongest set-up."""
+    every set-up (``setups``), and the strongest set-up. Without standalone engines
+    (``--standalone none``) the pipeline's own figures, the ratios None."""
     standalone = [m for m in modes if m != "pipeline"]
     setups = {m: setup_summary(runs, m) for m in standalone}
     best = strongest(setups)
-    base = MODE_OF[GIVEN] if MODE_OF[GIVEN] in modes else standalone[0]
+    base = MODE_OF[GIVEN] if MODE_OF[GIVEN] in modes else next(iter(standalone), None)
     pipe_runs = [x for x in runs if x["mode"] == "pipeline"]
-    ratios = pair_ratios(runs, base)
+    ratios = pair_ratios(runs, base) if base else []
     tl: dict[str, Any] = {m: medians(runs, m) for m in modes}
-    tl["gap_ms"] = gaps(tl["pipeline"], tl[base])
+    tl["gap_ms"] = gaps(tl["pipeline"], tl[base]) if base else {}
     out: dict[str, Any] = {
         "runs": runs,
         "modes": modes,
         "ratios_vs": base,
-        "standalone": {"median_throughput": setups[base]["median_throughput"]},
+        "standalone": {"median_throughput": setups[base]["median_throughput"] if base else None},
         "pipeline": {"median_throughput": statistics.median(x["throughput"] for x in pipe_runs)},
         "ratios": ratios,
-        "median_ratio": round(statistics.median(ratios), 4),
-        "min_ratio": min(ratios),
+        "median_ratio": round(statistics.median(ratios), 4) if ratios else None,
+        "min_ratio": min(ratios) if ratios else None,
         "setups": setups,
         "strongest": best,
         "vs_strongest": setups[best]["median_ratio"] if best else None,

@@ -19,6 +19,8 @@ from prefixq.core.settings import Settings
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    from prefixq.bench.setups import STANDALONE_KINDS
+
     b = sub.add_parser(
         "bench", parents=[common], help="pipeline vs standalone vLLM, paired finite bursts"
     )
@@ -85,9 +87,12 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     b.add_argument(
         "--standalone",
-        choices=("process", "inline"),
+        choices=STANDALONE_KINDS,
         default="process",
-        help="standalone engines each in a process of its own (default), or all in this one",
+        help="standalone engines each in a process of its own (default), all in this one, or "
+        "none: the pipeline alone (its cached prompt tokens against the optimum and fairness, no "
+        "ratios; the workloads sized from the workers' engines), where a GPU cannot hold both "
+        "sides' engines",
     )
     b.add_argument("--random-pairs", type=int, default=None, help="pairs for random placement")
     b.add_argument("--requests", type=int, default=64, help="no-reuse requests")
@@ -153,7 +158,6 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, settings: Settings) -> int:
     from prefixq.bench.report import plot, table
     from prefixq.bench.runner import BenchConfig, run_bench
-    from prefixq.bench.setups import parse_setups
     from prefixq.bench.sim_engine import is_sim
     from prefixq.bench.workloads import WORKLOADS, Shape, Sizes
     from prefixq.engine.embedded_model import default_cache_dir, resolve_model
@@ -222,7 +226,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         admissions=_admissions(args.admissions),
         pass_off=[w for w in args.pass_off.split(",") if w],
         standalone=args.standalone,
-        setups=parse_setups(args.setups),
+        setups=_setups(args.setups, args.standalone),
         offload_gib=args.offload_gib,
         fleet=_fleet(args.fleet, len(gpus)),
     )
@@ -293,6 +297,19 @@ def _partial_writer(path: str | None) -> Callable[[dict[str, Any]], None] | None
         os.replace(tmp, out)
 
     return write
+
+
+def _setups(raw: str, standalone: str) -> list[str]:
+    from prefixq.bench.setups import GIVEN, NO_STANDALONE, parse_setups
+
+    setups = parse_setups(raw)
+    others = [x for x in setups if x.rpartition(":")[2] != GIVEN]
+    if standalone == NO_STANDALONE and others:
+        raise ConfigError(
+            f"--setups {','.join(others)}: standalone set-ups need standalone engines "
+            "(--standalone none runs the pipeline alone)"
+        )
+    return setups
 
 
 def _fleet(raw: str, shards: int) -> list[str]:

@@ -25,6 +25,7 @@ from prefixq.bench.timeline import Stamp
 from prefixq.core.errors import SetupError
 from prefixq.core.settings import Settings
 from prefixq.engine.vllm_engine import VllmEngine
+from prefixq.worker import control
 from prefixq.worker.command import worker_command
 
 
@@ -186,6 +187,11 @@ class Workers:
             if time.monotonic() > deadline:
                 raise SetupError(f"worker {k} not up after {limit_s:.0f}s; see {self.logs[k]}")
             await asyncio.sleep(0.5)
+
+    async def kv_tokens(self, r: Any) -> list[int]:
+        """Each worker's engine's KV cache in tokens, as it answers ``stats`` (vLLM sizes it)."""
+        stats = await control.send(r, self.settings.keys, "stats", self.names)
+        return [int(stats[n].get("kv_tokens", 0)) for n in self.names]
 
     def kill(self, k: int) -> None:
         """SIGKILL worker ``k`` and every process under it (its engine) at once: a GPU host

@@ -22,6 +22,7 @@ from typing import Any
 from prefixq.bench.measures import optimum_cached
 from prefixq.bench.setups import (
     MODE_OF,
+    NO_STANDALONE,
     OFFLOAD,
     admissions_for,
     one_setup,
@@ -87,9 +88,10 @@ def estimate(
     for name in cfg.workloads:
         wl = build(name, cfg.shape, cfg.sizes, capacity_tokens=capacity)
         placements = cfg.placements if name == "reuse" else ["affinity"]
-        setups = setups_for(cfg.setups, name)
+        alone = cfg.standalone != NO_STANDALONE  # else the pipeline's runs only
+        setups = setups_for(cfg.setups, name) if alone else []
         orders = [(p, cfg.order, setups) for p in placements]
-        one = one_setup(cfg.setups, name)  # as the runner measures further cases
+        one = one_setup(cfg.setups, name) if alone else []  # as the runner measures further cases
         if name in SHARING:
             others = [o for o in scoped(cfg.orders, name) if o != cfg.order]
             orders += [("affinity", o, one) for o in others]
@@ -138,7 +140,8 @@ def estimate(
                 }
             )
     offloads = any(OFFLOAD in setups_for(cfg.setups, w) for w in cfg.workloads)
-    engines = (2 if cfg.workloads else 1) + (1 if offloads else 0)
+    alone = cfg.workloads and cfg.standalone != NO_STANDALONE
+    engines = (2 if alone else 1) + (1 if offloads and alone else 0)
     start = FIRST_START_S + (engines * shards - 1) * NEXT_START_S
     runs_s = sum(c["seconds"] for c in cases)
     return {

@@ -41,10 +41,10 @@ def table(report: dict[str, Any], console: Console | None = None) -> None:
             t.add_row(
                 wl,
                 pl,
-                f"{p['standalone']['median_throughput']:.3f}",
-                f"{p['pipeline']['median_throughput']:.3f}",
-                f"{p['median_ratio']:.4f}",
-                f"{p['min_ratio']:.4f}",
+                _s(p["standalone"]["median_throughput"]),  # none: --standalone none
+                _s(p["pipeline"]["median_throughput"]),
+                _s(p["median_ratio"], 4),
+                _s(p["min_ratio"], 4),
                 " ".join(f"{x:.3f}" for x in p["ratios"]),
                 f"{p['raw_bytes']} -> {p['stored_bytes']} ({ratio:.1f}x)",
                 ", ".join(f"{x:.2f}" for x in p["gc_max_pause_ms_frozen"]),
@@ -63,7 +63,7 @@ def table(report: dict[str, Any], console: Console | None = None) -> None:
             vs = f"; vs sorted {sorted_['median_ratio']:.4f}" if sorted_.get("median_ratio") else ""
             share = (o.get("cached_share") or {}).get("pipeline")
             c.print(
-                f"{wl} / {label}: median ratio {o['median_ratio']:.4f} vs {o.get('ratios_vs')} "
+                f"{wl} / {label}: median ratio {_s(o['median_ratio'], 4)} vs {o.get('ratios_vs')} "
                 f"(pairs {' '.join(f'{x:.3f}' for x in o['ratios'])}){vs}"
                 + (f"; cached {share:.1%} of the optimum" if share else "")
                 + _budget(o.get("kv_budget") or [])
@@ -77,8 +77,8 @@ def table(report: dict[str, Any], console: Console | None = None) -> None:
         if "affinity_gain" in w:
             g = w["affinity_gain"]
             c.print(
-                f"{wl}: affinity over random: pipeline {g['pipeline']:+.1%}, "
-                f"standalone {g['standalone']:+.1%}"
+                f"{wl}: affinity over random: "
+                + ", ".join(f"{mode} {gain:+.1%}" for mode, gain in g.items())
             )
         u = w.get("gc_unfrozen")
         if u:
@@ -207,6 +207,8 @@ def _timelines(report: dict[str, Any]) -> Table:
                     f"{lag:.2f}" if mode == "pipeline" else "",
                 )
             gap = tl["gap_ms"]
+            if not gap:  # the pipeline alone (--standalone none)
+                continue
             t.add_row(f"{wl}/{pl}", "gap ms", *(_s(gap.get(x), 1) for x in POINTS), "", "", "")
     return t
 
@@ -244,6 +246,9 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
         ax.legend()
         ax2 = axes[1][col]
         setups = p.get("setups") or {"standalone": {"ratios": p["ratios"]}}
+        if not p["ratios"]:  # the pipeline alone (--standalone none): nothing to compare
+            ax2.axis("off")
+            continue
         width = 0.8 / len(setups)
         every: list[float] = []
         for k, (mode, st) in enumerate(setups.items()):

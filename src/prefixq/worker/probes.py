@@ -37,6 +37,9 @@ class Probes:
             **self.loop.stats(),
             **self.read_to_engine.stats("read_to_engine"),
             **(self.budget.stats() if self.budget is not None else {}),
+            # the engine's KV cache (vLLM sizes it): `prefixq bench --standalone none` sizes its
+            # workloads from it
+            "kv_tokens": self.budget.kv_tokens if self.budget is not None else 0,
         }
 
     def commands(self) -> dict[str, Callable[[], Awaitable[None]]]:
