@@ -245,10 +245,10 @@ def test_a_bench_worker_gets_the_benchmarks_settings_as_its_flags(tmp_path: Path
 
 
 def test_the_report_names_the_settings_its_workers_ran_with_away_from_their_defaults() -> None:
-    """``prefixq bench --pass-running --max-inflight 24``: the report's config says the workers
+    """``prefixq bench --no-pass-running --max-inflight 24``: the report's config says the workers
     ran with both (two runs that differ only there told apart by their reports), and nothing
     left at its default, nor the run's own namespace."""
-    argv = ["bench", "--pass-running", "--max-inflight", "24"]
+    argv = ["bench", "--no-pass-running", "--max-inflight", "24"]
     s = settings_from(build_parser().parse_args(argv)).replace(namespace="bw", shards=2)
-    assert changed_settings(s) == {"pass_running": True, "max_inflight": 24, "shards": 2}
+    assert changed_settings(s) == {"pass_running": False, "max_inflight": 24, "shards": 2}
     assert changed_settings(Settings().replace(namespace="bw")) == {}

@@ -360,9 +360,14 @@ def test_the_window_follows_what_the_engine_finished_not_what_the_worker_handed_
     first four are done, the window holds some of them and nothing of the rest (it held
     documents 9-11, the last admitted, before the window followed finished requests). No KV
     budget (``kv_history_tokens`` 0): with one, the worker hands the engine a few documents at a
-    time (tests/test_kv_budget.py)."""
+    time (tests/test_kv_budget.py). ``pass_running`` off: with it (the default) the window also
+    holds what the engine most likely runs (tests/test_shared_pass_running.py)."""
     s = make_settings(
-        prefix_store_min_chars=16, heartbeat_s=0.2, pass_window=0.5, kv_history_tokens=0
+        prefix_store_min_chars=16,
+        heartbeat_s=0.2,
+        pass_window=0.5,
+        kv_history_tokens=0,
+        pass_running=False,
     )
     keys = Keys(s.namespace)
     docs = [f"sleep:{0.2 if d < 4 else 6} " + DOCS[d] for d in range(12)]

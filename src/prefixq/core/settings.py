@@ -106,8 +106,8 @@ class Settings:
     pass_window: float = 0.1
     #: workers: the pass's window follows what the engine runs too: the prefixes of the requests
     #: it most likely runs now, after those it finished last cut to what they leave of its
-    #: cache (worker/shared_pass.py; off until a GPU measures it)
-    pass_running: bool = False
+    #: cache (worker/shared_pass.py; on since an H100 measured it: docs/BENCHMARKS.md)
+    pass_running: bool = True
     #: workers: the share of the engine's KV cache the distinct prefixes of the requests inside
     #: it may take (0: sized by kv_history_tokens; set, it replaces the default history); the
     #: rest keeps the prefixes finished last for joining bursts, and the pass's window grows to

@@ -18,7 +18,7 @@ reads them together), and a producer starts a burst over the same documents ther
 heartbeat. An engine that says nothing of its KV cache (a test engine) counts `COUNT_WINDOW`
 groups instead. A reset of the engine's prefix cache empties it.
 
-With ``pass_running`` (off by default until a GPU measures it: docs/BENCHMARKS.md) the published
+With ``pass_running`` (the default since an H100 measured it: docs/BENCHMARKS.md) the published
 window follows what the engine holds, not only what it finished: the prefixes of the requests it
 most likely runs now (of those handed to it, in the order it serves them: engine priority, then
 arrival, as many distinct prefixes as its cache holds), after the prefixes it finished last, cut
