@@ -252,3 +252,18 @@ def test_the_report_names_the_settings_its_workers_ran_with_away_from_their_defa
     s = settings_from(build_parser().parse_args(argv)).replace(namespace="bw", shards=2)
     assert changed_settings(s) == {"pass_running": False, "max_inflight": 24, "shards": 2}
     assert changed_settings(Settings().replace(namespace="bw")) == {}
+
+
+def test_a_bench_refused_for_its_flags_or_only_planned_unpacks_no_model(tmp_path: Path) -> None:
+    """``prefixq bench`` on the embedded model with a bad flag answers at once, and ``--plan``
+    starts nothing: neither unpacks the model into the cache (tens of seconds on a cold one)
+    before its answer."""
+    from helpers import cli
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    bad = cli(None, "bench", "--cpu", "1", "--cache-dir", str(cache), "--setups", "bogus")
+    assert bad.returncode != 0 and "--setups: unknown 'bogus'" in bad.stderr, bad.stderr
+    plan = cli(None, "bench", "--cpu", "1", "--cache-dir", str(cache), "--plan", "131072")
+    assert plan.returncode == 0 and "KV tokens each" in plan.stdout, plan.stderr
+    assert not any(cache.iterdir())

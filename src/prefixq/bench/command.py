@@ -178,8 +178,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         from prefixq.bench.dummy import VOCAB
 
         model, vocab, token_ids = args.model, VOCAB, True
-    else:
-        model = resolve_model(args.model, default_cache_dir(settings.cache_dir))
+    else:  # resolved once the flags are checked (the embedded model unpacks on first use)
+        model = args.model
     shape = Shape(
         doc_tokens=args.doc_tokens,
         question_tokens=args.question_tokens,
@@ -257,6 +257,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             with open(args.json_out, "w") as f:
                 json.dump(planned, f, indent=1)
         return 0
+    if not args.model.startswith("dummy:") and not is_sim(args.model):
+        cfg.model = resolve_model(args.model, default_cache_dir(settings.cache_dir))
     err = Console(stderr=True)
     with err.status("benchmark") as status:
         reaper = start_reaper()  # engines die with the benchmark, even after kill -9
