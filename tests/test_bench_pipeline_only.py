@@ -122,3 +122,33 @@ def test_the_plan_of_the_pipeline_alone_counts_only_its_runs_and_its_engines() -
     assert a["engines"] == 2 and b["engines"] == 4
     assert [set(c["run_s"]) for c in a["cases"]] == [{"pipeline"}, {"pipeline"}]
     assert a["runs_s"] < b["runs_s"] and a["start_s"] < b["start_s"]
+
+
+@pytest.mark.engine
+def test_a_run_whose_requests_all_fail_says_why(redis_server: RedisServer) -> None:
+    """Documents longer than the engine's ``max_model_len``: the bench stops with the count and
+    the first request's reason (before: the count alone, the reason only in Redis)."""
+    p = cli(
+        None,
+        "bench",
+        "--model",
+        "sim:llama-3.1-8b",
+        "--cpu",
+        "1",
+        "--standalone",
+        "none",
+        "--workloads",
+        "no-reuse",
+        "--requests",
+        "2",
+        "--pairs",
+        "1",
+        *_engine_args()[2:],  # the cache and clock, not the model length
+        "--engine-arg",
+        "max_model_len=1024",
+        url=redis_server.url,
+        timeout=300,
+    )
+    assert p.returncode != 0
+    assert "2 of 2 requests failed (the first: prompt of" in p.stderr, p.stderr[-2000:]
+    assert "exceeds max_model_len 1024" in p.stderr

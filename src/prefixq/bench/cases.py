@@ -232,9 +232,12 @@ async def pipeline(
     sts = [await asyncio.to_thread(results_api.wait, x, s, timeout=3600) for x in ids]
     t1 = time.time()
     failed = sum(st.failed for st in sts)
-    if failed:
-        raise SetupError(f"pipeline run: {failed} of {len(b.flat)} requests failed")
     got = [await asyncio.to_thread(results_api.collect, x, s) for x in ids]
+    if failed:
+        why = next((x.error for results in got for x in results if x.error), None)
+        raise SetupError(
+            f"pipeline run: {failed} of {len(b.flat)} requests failed (the first: {why})"
+        )
     recorded = None
     for x in ids:
         last = await env.r.xrevrange(env.keys.events(x), count=1)
