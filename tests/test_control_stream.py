@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -71,3 +72,35 @@ def test_a_command_posted_between_two_reads_of_the_control_loop_is_answered(
     assert got is not None, "the command posted between two reads was never answered"
     assert json.loads(got)["ok"] is True
     assert r.hget(keys.control_acks, "before:w") is None
+
+
+def test_a_command_sent_the_moment_a_worker_says_it_serves_is_answered(
+    make_settings: Callable[..., Settings],
+    r: redis.Redis,
+    fake_worker: Callable[..., Any],
+    monkeypatch: Any,
+) -> None:
+    """Given a worker whose control loop is slow to take its starting point (half a second for
+    the control stream's newest id: a busy event loop), a command posted as soon as its beat
+    says it serves is answered (`prefixq bench` sends ``stats`` and ``reset_prefix_cache`` at
+    that moment: the loop took its start after the command and missed it, and the sender waited
+    60 s and failed, as a suite run's admission test did)."""
+    s = make_settings()
+    keys = Keys(s.namespace)
+    real = aredis.Redis.xrevrange
+
+    async def slow(self: aredis.Redis, name: Any, *a: Any, **kw: Any) -> Any:
+        if name in (keys.control, keys.control.encode()):
+            await asyncio.sleep(0.5)
+        return await real(self, name, *a, **kw)
+
+    monkeypatch.setattr(aredis.Redis, "xrevrange", slow)
+    fw = fake_worker(s, name="w0")  # returns once its beat says engine_up
+    r.xadd(keys.control, {"cmd": "stats", "id": "first"})
+    for _ in range(100):
+        if r.hget(keys.control_acks, f"first:{fw.name}") is not None:
+            break
+        time.sleep(0.05)
+    got = r.hget(keys.control_acks, f"first:{fw.name}")
+    assert got is not None, "the command posted as the worker came up was never answered"
+    assert json.loads(got)["ok"] is True

@@ -44,23 +44,40 @@ COMMANDS = (
 Handlers = Mapping[str, Callable[[], Awaitable[None]]]
 
 
+async def newest(r: aredis.Redis, keys: Keys) -> str | bytes | None:
+    """The control stream's newest id ("0-0" when empty), where a worker's `control_loop`
+    starts; None when Redis did not answer (the loop takes it itself). A worker takes it before
+    it says it serves: a sender that waits for that (`prefixq bench` sends ``stats`` and
+    ``reset_prefix_cache`` at once) posts after it, however late the loop's first read."""
+    try:
+        got = await r.xrevrange(keys.control, count=1)
+    except (*TRANSIENT, ResponseError) as e:
+        log.warning("control stream unavailable: %s", e)
+        return None
+    return got[0][0] if got else "0-0"
+
+
 async def control_loop(
     r: aredis.Redis,
     keys: Keys,
     name: str,
     handlers: Handlers,
     stats: Callable[[], dict[str, Any]],
+    start: str | bytes | None = None,
 ) -> None:
-    """Run inside a worker: answer every command posted after the worker started. From the id
-    of the stream's newest entry at the start, never ``$``: each XREAD with ``$`` would wait for
-    entries added after it was sent, so a command posted between two of them (one that timed
-    out and the next, a moment that grows with the event loop's lag) was never answered."""
-    last: str | bytes | None = None
+    """Run inside a worker: answer every command posted after ``start`` (`newest`, taken before
+    the worker said it serves; None: the newest id when the loop starts). By id, never ``$``:
+    each XREAD with ``$`` would wait for entries added after it was sent, so a command posted
+    between two of them (one that timed out and the next, a moment that grows with the event
+    loop's lag) was never answered."""
+    last = start
     while True:
         try:
             if last is None:
-                newest = await r.xrevrange(keys.control, count=1)
-                last = newest[0][0] if newest else "0-0"
+                last = await newest(r, keys)
+                if last is None:
+                    await asyncio.sleep(1.0)
+                    continue
             resp = await r.xread({keys.control: last}, count=10, block=1000)
         except (*TRANSIENT, ResponseError) as e:
             log.warning("control stream unavailable: %s", e)

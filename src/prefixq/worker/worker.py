@@ -34,7 +34,7 @@ from prefixq.worker import kv_sizing
 from prefixq.worker.admission import Admission
 from prefixq.worker.aio import cancel_all, drain, first_of, unless_stopped, within
 from prefixq.worker.backlog import replay_backlog
-from prefixq.worker.control import control_loop
+from prefixq.worker.control import control_loop, newest
 from prefixq.worker.deliveries import Delivery, Ref
 from prefixq.worker.ends import BurstEnds
 from prefixq.worker.fleet import FleetWatch
@@ -232,6 +232,7 @@ class Worker:
         self.max_inflight = self.max_inflight or max(2 * self.engine.max_num_seqs, 1)
         self.sched.window = self.admission.budget.window = self.max_inflight
         await self._warm_up()
+        control_from = await newest(self.r, self.keys)  # before the beat says it serves
         self.engine_up = True
         probes, marks, s = self.probes, self.heartbeat.marks, self.settings
         kv_sizing.size(self.admission.budget, marks, getattr(self.engine, "kv_tokens", 0), s)
@@ -250,7 +251,12 @@ class Worker:
                 ("loop-watch", probes.loop.run()),
                 ("burst-ends", self.ends.watch(self.engine.abort)),
                 ("expiry", self.ends.expire()),
-                ("control", control_loop(self.r, self.keys, self.name, commands, probes.stats)),
+                (
+                    "control",
+                    control_loop(
+                        self.r, self.keys, self.name, commands, probes.stats, control_from
+                    ),
+                ),
                 ("lanes", self.reader.refresh_loop()),
                 ("fleet", self.fleet.run(self._stopping)),
                 ("shared-pass", self.heartbeat.marks.run(self.r)),
