@@ -7,6 +7,7 @@ report's shape and sizing, never a speed."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,16 +23,15 @@ KV_BYTES = 1 << 30
 FAST = ("sim_step_ms=0.05", "sim_token_us=0.2", "sim_context_ns=0")
 
 
-def _engine_args() -> list[str]:
-    out = [
-        "--engine-arg",
-        "max_model_len=8192",
-        "--engine-arg",
-        f"kv_cache_memory_bytes={KV_BYTES}",
-    ]
-    for a in FAST:
-        out += ["--engine-arg", a]
-    return out
+def _alone(
+    url: str, *more: str, cpu: int = 1, model_len: int = 8192, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``prefixq bench --standalone none`` on ``cpu`` simulated engines of `KV_BYTES` on the
+    `FAST` clock, with ``more`` flags; the finished process."""
+    engine = [f"max_model_len={model_len}", f"kv_cache_memory_bytes={KV_BYTES}", *FAST]
+    flags = [x for a in engine for x in ("--engine-arg", a)]
+    base = ["bench", "--model", "sim:llama-3.1-8b", "--cpu", str(cpu), "--standalone", "none"]
+    return cli(None, *base, *flags, *more, url=url, timeout=timeout)
 
 
 @pytest.mark.engine
@@ -44,27 +44,8 @@ def test_the_pipeline_alone_is_sized_from_its_workers_engines_and_reports_no_rat
     standalone engine are absent (None, not 0 or a made-up figure), and the table and the plot
     are written all the same."""
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    p = cli(
-        None,
-        "bench",
-        "--model",
-        "sim:llama-3.1-8b",
-        "--cpu",
-        "2",
-        "--standalone",
-        "none",
-        "--workloads",
-        "multi-burst",
-        "--pairs",
-        "1",
-        *_engine_args(),
-        "--json",
-        str(out),
-        "--plot",
-        str(png),
-        url=redis_server.url,
-        timeout=600,
-    )
+    more = ("--workloads", "multi-burst", "--pairs", "1", "--json", str(out), "--plot", str(png))
+    p = _alone(redis_server.url, *more, cpu=2, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     assert "multi-burst" in p.stderr and "of the optimum" in p.stderr  # the table
     report = json.loads(out.read_text())
@@ -92,19 +73,7 @@ def test_standalone_set_ups_without_standalone_engines_are_a_clear_error(
     redis_server: RedisServer,
 ) -> None:
     """``--standalone none --setups sorted``: refused before anything starts, naming both."""
-    p = cli(
-        None,
-        "bench",
-        "--model",
-        "sim:llama-3.1-8b",
-        "--cpu",
-        "1",
-        "--standalone",
-        "none",
-        "--setups",
-        "multi-burst:sorted",
-        url=redis_server.url,
-    )
+    p = _alone(redis_server.url, "--setups", "multi-burst:sorted")
     assert p.returncode != 0
     assert "--setups multi-burst:sorted" in p.stderr and "--standalone none" in p.stderr
 
@@ -128,27 +97,8 @@ def test_the_plan_of_the_pipeline_alone_counts_only_its_runs_and_its_engines() -
 def test_a_run_whose_requests_all_fail_says_why(redis_server: RedisServer) -> None:
     """Documents longer than the engine's ``max_model_len``: the bench stops with the count and
     the first request's reason (before: the count alone, the reason only in Redis)."""
-    p = cli(
-        None,
-        "bench",
-        "--model",
-        "sim:llama-3.1-8b",
-        "--cpu",
-        "1",
-        "--standalone",
-        "none",
-        "--workloads",
-        "no-reuse",
-        "--requests",
-        "2",
-        "--pairs",
-        "1",
-        *_engine_args()[2:],  # the cache and clock, not the model length
-        "--engine-arg",
-        "max_model_len=1024",
-        url=redis_server.url,
-        timeout=300,
-    )
+    more = ("--workloads", "no-reuse", "--requests", "2", "--pairs", "1")
+    p = _alone(redis_server.url, *more, model_len=1024, timeout=300)
     assert p.returncode != 0
     assert "2 of 2 requests failed (the first: prompt of" in p.stderr, p.stderr[-2000:]
     assert "exceeds max_model_len 1024" in p.stderr

@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
 import redis
 import redis.asyncio as aredis
 
+from helpers import wait_until
 from prefixq.core.keys import Keys
 from prefixq.core.settings import Settings
 from prefixq.worker import control
@@ -97,10 +97,6 @@ def test_a_command_sent_the_moment_a_worker_says_it_serves_is_answered(
     monkeypatch.setattr(aredis.Redis, "xrevrange", slow)
     fw = fake_worker(s, name="w0")  # returns once its beat says engine_up
     r.xadd(keys.control, {"cmd": "stats", "id": "first"})
-    for _ in range(100):
-        if r.hget(keys.control_acks, f"first:{fw.name}") is not None:
-            break
-        time.sleep(0.05)
-    got = r.hget(keys.control_acks, f"first:{fw.name}")
-    assert got is not None, "the command posted as the worker came up was never answered"
+    ack = lambda: r.hget(keys.control_acks, f"first:{fw.name}")  # noqa: E731
+    got = wait_until(ack, 5, "an answer to the command posted as the worker came up")
     assert json.loads(got)["ok"] is True

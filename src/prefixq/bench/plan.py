@@ -22,7 +22,6 @@ from typing import Any
 from prefixq.bench.measures import optimum_cached
 from prefixq.bench.setups import (
     MODE_OF,
-    NO_STANDALONE,
     OFFLOAD,
     admissions_for,
     one_setup,
@@ -85,10 +84,10 @@ def estimate(
     gib = cfg.offload_gib or HOST_GIB
     offload_tokens = int(gib * (1 << 30) / BYTES_PER_TOKEN)
     cases: list[dict[str, Any]] = []
+    alone = cfg.standalone_engines  # else the pipeline's runs only
     for name in cfg.workloads:
         wl = build(name, cfg.shape, cfg.sizes, capacity_tokens=capacity)
         placements = cfg.placements if name == "reuse" else ["affinity"]
-        alone = cfg.standalone != NO_STANDALONE  # else the pipeline's runs only
         setups = setups_for(cfg.setups, name) if alone else []
         orders = [(p, cfg.order, setups) for p in placements]
         one = one_setup(cfg.setups, name) if alone else []  # as the runner measures further cases
@@ -140,7 +139,6 @@ def estimate(
                 }
             )
     offloads = any(OFFLOAD in setups_for(cfg.setups, w) for w in cfg.workloads)
-    alone = cfg.workloads and cfg.standalone != NO_STANDALONE
     engines = (2 if alone else 1) + (1 if offloads and alone else 0)
     start = FIRST_START_S + (engines * shards - 1) * NEXT_START_S
     runs_s = sum(c["seconds"] for c in cases)

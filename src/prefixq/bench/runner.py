@@ -96,6 +96,12 @@ class BenchConfig:
     #: the workloads; pipeline only
     fleet: list[str] = field(default_factory=list)
 
+    @property
+    def standalone_engines(self) -> bool:
+        """Whether the run starts standalone engines: not for the fleet's cases alone (no
+        workload), nor with ``--standalone none`` (the pipeline's runs only)."""
+        return bool(self.workloads) and self.standalone != NO_STANDALONE
+
 
 Step = Callable[[str], None]
 
@@ -119,8 +125,7 @@ async def run_bench(
     worker_args = [f"{k}={v}" for k, v in args.items()]
     r = async_client(s)
     logdir = Path(tempfile.mkdtemp(prefix="prefixq-bench-"))
-    # the fleet's cases alone (no workload) need no standalone engine, nor --standalone none
-    alone = bool(cfg.workloads) and cfg.standalone != NO_STANDALONE
+    alone = cfg.standalone_engines
     sides = " and the standalone engines" if alone else ""
     say(f"starting {shards} workers{sides} (logs in {logdir})")
     workers = Workers(s, cfg.model, worker_args, cfg.gpus, logdir)
@@ -145,7 +150,7 @@ async def run_bench(
                 await _start_offload(cfg, args, engines, env_, say)
             say("standalone engines up; starting the workers")
         await workers.start(r, cfg.start_timeout)
-        if cfg.workloads and not engines:  # the workloads sized from the workers' engines
+        if cfg.workloads and not alone:  # the workloads sized from the workers' engines
             env_["kv_tokens"] = {"workers": await workers.kv_tokens(r)}
             capacity = sum(env_["kv_tokens"]["workers"])
         env_["engine_start_s"] = round(time.monotonic() - t0, 1)
@@ -241,7 +246,7 @@ async def _workload(
     b = Bursts(wl, [normalize(x.requests, env.s) for x in wl.bursts])
     placements = cfg.placements if name == "reuse" else ["affinity"]
     # without standalone engines (--standalone none) every case is the pipeline's runs alone
-    sets = setups_for(cfg.setups, name) if env.engines else []
+    sets = setups_for(cfg.setups, name) if cfg.standalone_engines else []
     out: dict[str, Any] = {
         "requests": len(b.flat),
         "documents": wl.documents if name != "no-reuse" else len(b.flat),
