@@ -65,7 +65,12 @@ def test_the_pipeline_alone_is_sized_from_its_workers_engines_and_reports_no_rat
     assert case["pipeline"]["median_throughput"] > 0
     assert 0 < case["cached_share"]["pipeline"] <= 1
     assert set(case["cached_share"]) == {"pipeline"}
-    assert case["runs"][0]["placement_mismatches"] == 0
+    # each burst asks the same documents: affinity sends each burst's questions to the same
+    # shards (the split against the scratch assignment, `placement_mismatches`, feeds no
+    # standalone engine here and varies with how fast this clock drains the queues)
+    splits = case["runs"][0]["per_shard"].split()
+    assert len(splits) == 3 and len(set(splits)) == 1, splits
+    assert all(int(n) > 0 for n in splits[0].split(","))  # both shards have work
     assert len(case["runs"][0]["shares"]["completed"]) == 3  # three tenants' bursts
 
 
