@@ -184,6 +184,8 @@ def test_an_outbox_delivery_to_a_malformed_url_is_retried_then_given_up(
         r.hset(keys.hooks, d.id, d.dumps())
         r.zadd(keys.hooks_due, {d.id: 0})
         wait_until(lambda: r.hget(keys.hooks_stats, "gave_up") == b"1", 20, "giving up")
+        # the counter is set in Redis before the server writes its log line
+        wait_until(lambda: "gave up after" in srv.tail(20_000), 10, "the give-up log line")
         log = srv.tail(20_000)
     assert r.hlen(keys.hooks) == 0 and int(r.hget(keys.hooks_stats, "retried") or 0) >= 1
     assert "gave up after" in log and "Traceback" not in log
