@@ -12,6 +12,7 @@ failed. The unmutated copy is run first, with every fast test: they must all pas
     python scripts/mutations.py --check         # every target text still there? (no tests)
     python scripts/mutations.py --only zlib-inflate-whole --only lease-not-renewed
     python scripts/mutations.py --tests tests/test_delivery.py
+    python scripts/mutations.py --jobs 1        # one mutant at a time (default 3 side by side)
 
 Tests start their own redis-server (tests/conftest.py); the whole run takes a few minutes.
 docs/testing.md holds the table this prints.
@@ -27,6 +28,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -287,7 +289,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", action="append", default=[], metavar="NAME", help="repeatable")
     p.add_argument("--tests", action="append", default=[], metavar="PATH", help="repeatable")
     p.add_argument("--timeout", type=float, default=600, help="seconds per test run")
+    p.add_argument(
+        "--jobs", type=int, default=3, help="mutants tested at once, each its own pytest (3)"
+    )
     args = p.parse_args(argv)
+    if args.jobs < 1:
+        p.error("--jobs: at least 1")
     chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
     unknown = set(args.only) - {m.name for m in MUTATIONS}
     if unknown:
@@ -297,7 +304,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{m.name:30} {m.guarantee:50} {m.path}")
         return 0
     tests = list(args.tests or FAST_TESTS)
-    rows: list[tuple[Mutation, list[str], float]] = []
     with tempfile.TemporaryDirectory(prefix="prefixq-mutants-") as tmp:
         base = Path(tmp) / "baseline"
         for m in chosen:  # every target text is checked before anything runs
@@ -312,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         if broken:
             raise MutationError("the unmutated tests fail: " + ", ".join(broken))
         print(f"baseline: every test passes ({time.monotonic() - t0:.0f}s)", flush=True)
-        for m in chosen:
+
+        def one(m: Mutation) -> tuple[Mutation, list[str], float]:
             root = Path(tmp) / m.name
             apply(m, copy_package(root))
             t0 = time.monotonic()
@@ -322,8 +329,12 @@ def main(argv: list[str] | None = None) -> int:
             if not failed and rest:  # missed by its own tests: are the others any better?
                 failed = run_tests(root, rest, Path(tmp) / f"{m.name}-rest.xml", args.timeout)
             took = time.monotonic() - t0
-            rows.append((m, failed, took))
             print(f"{m.name}: {', '.join(failed) or 'NOT CAUGHT'} ({took:.0f}s)", flush=True)
+            return m, failed, took
+
+        # the tests mostly wait (leases, claims, a redis-server each), so mutants run side by side
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            rows = list(pool.map(one, chosen))  # the table in the mutations' order
     print()
     print("| mutation | guarantee | caught by (tests that failed) |")
     print("|---|---|---|")
