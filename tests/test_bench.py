@@ -17,6 +17,9 @@ from prefixq.cli.redis_server import RedisServer
 
 pytestmark = pytest.mark.engine
 
+#: the simulated engine's step time for a run that lasts seconds (bench/sim_engine.py)
+SLOW_STEP_MS = 400
+
 
 def test_quick_bench_writes_a_complete_report_and_plot(
     redis_server: RedisServer, tmp_path: Path
@@ -91,15 +94,20 @@ def test_quick_bench_writes_a_complete_report_and_plot(
 def test_a_bench_killed_mid_run_keeps_the_cases_it_finished(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    """Given a --quick run on one CPU shard killed -9 once its first case is done (a GPU machine
+    """Given a --quick run on one shard killed -9 once its first case is done (a GPU machine
     taken back mid-run), the report so far is beside --json's path (``.partial``): its
     configuration, its environment and that case's paired runs; the report itself never came.
     While that case ran, the report so far held its runs as they finished (``unfinished_case``:
-    a GPU case of two pairs is minutes a machine may not last), gone once the case was done."""
+    a GPU case of two pairs is minutes a machine may not last), gone once the case was done.
+    (The report's writing is what is tested: the engines are the simulated one, on a clock of
+    0.4 s a step, so a run lasts seconds; the quick bench above runs the real engine.)"""
     out = tmp_path / "bench.json"
     partial = Path(str(out) + ".partial")
     url = redis_server.url
-    argv = cli_argv(None, "bench", "--quick", "--cpu", "1", "--json", str(out), url=url)
+    argv = cli_argv(
+        None, "bench", "--quick", "--model", "sim:llama-3.1-8b", "--cpu", "1",
+        "--engine-arg", f"sim_step_ms={SLOW_STEP_MS}", "--json", str(out), url=url,
+    )  # fmt: skip
     proc = subprocess.Popen(
         argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
