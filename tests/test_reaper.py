@@ -85,6 +85,45 @@ def test_kill_9_of_the_owner_kills_its_children(tmp_path: Path) -> None:
     assert gone([child_pid, reaper_pid], 10), "the child outlived its killed parent"
 
 
+def test_a_child_started_while_the_watcher_starts_slowly_is_reaped(tmp_path: Path) -> None:
+    """Given a watcher whose start takes 3 s (a loaded machine: it failed the test above in a
+    suite run), when its owner starts a child the moment `start_reaper` returns and is killed
+    -9 1.5 s later, then the child dies all the same: `start_reaper` returns once the watcher
+    has taken its first look (before, the owner went on at once and its child was never seen)."""
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(
+        "import sys, time\nif sys.argv[0].endswith('reaper.py'):\n    time.sleep(3)\n"
+    )
+    script = tmp_path / "owner.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import subprocess, time
+            from prefixq.engine.reaper import start_reaper
+            reaper = start_reaper()
+            child = subprocess.Popen(["sleep", "300"])
+            print(reaper.pid, child.pid, flush=True)
+            time.sleep(300)
+            """
+        )
+    )
+    owner = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": f"{slow}{os.pathsep}{SRC}"},
+    )
+    assert owner.stdout is not None
+    with owner.stdout:
+        reaper_pid, child_pid = map(int, owner.stdout.readline().split())
+    time.sleep(1.5)  # the watcher's next look is a second after its first
+    owner.send_signal(signal.SIGKILL)
+    owner.wait(10)
+    LEDGER.fault("kill -9 of a process whose watcher started slowly")
+    assert gone([child_pid, reaper_pid], 10), "the child outlived its killed parent"
+
+
 @pytest.mark.engine
 def test_kill_9_of_a_worker_leaves_no_engine_and_a_restart_serves(
     make_settings: Callable[..., Settings], start_worker: Callable[..., object]

@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 #: seconds between two looks at the owner's process tree, at first and at most
 EVERY_S = 1.0
 MAX_EVERY_S = 10.0
+#: seconds `start_reaper` waits for the watcher's first look at most
+READY_S = 30.0
 
 
 def _stat(pid: int) -> tuple[int, int] | None:
@@ -59,15 +61,25 @@ def descendants(root: int) -> dict[int, int]:
     return out
 
 
-def watch(owner: int, lifeline: IO[bytes], every_s: float = EVERY_S) -> list[int]:
+def watch(
+    owner: int, lifeline: IO[bytes], every_s: float = EVERY_S, looked: IO[bytes] | None = None
+) -> list[int]:
     """Note ``owner``'s descendants until ``lifeline`` reaches end of file; kill those still
     alive; returns the pids killed. Looks every ``every_s`` at first (the engine starts its
-    processes then), then less and less often, up to every `MAX_EVERY_S`."""
+    processes then), then less and less often, up to every `MAX_EVERY_S`. After the first look
+    it writes a line to ``looked`` (`start_reaper` waits for that line)."""
     me = os.getpid()
     noted: dict[int, int] = {}
     wait = every_s
     while True:
         noted.update({p: t for p, t in descendants(owner).items() if p != me})
+        if looked is not None:
+            try:
+                looked.write(b"watching\n")
+                looked.flush()
+            except OSError:  # the owner stopped waiting (or is gone): the lifeline says which
+                pass
+            looked = None
         ready, _, _ = select.select([lifeline], [], [], wait)
         if ready and not os.read(lifeline.fileno(), 4096):
             break
@@ -84,17 +96,32 @@ def watch(owner: int, lifeline: IO[bytes], every_s: float = EVERY_S) -> list[int
     return killed
 
 
-def start_reaper() -> subprocess.Popen[bytes] | None:
-    """Start the watcher for this process; keep the returned handle for the process's life (its
-    stdin is the lifeline; `stop_reaper` closes it). None where there is no /proc."""
+def start_reaper(ready_s: float = READY_S) -> subprocess.Popen[bytes] | None:
+    """Start the watcher for this process and wait (up to ``ready_s``) until it has taken its
+    first look, so a child started after this returns is seen by its next look (a watcher still
+    starting on a loaded machine missed an engine started and killed within its start-up); keep
+    the returned handle for the process's life (its stdin is the lifeline; `stop_reaper` closes
+    it). None where there is no /proc."""
     if not os.path.isdir("/proc/self"):
         log.debug("no /proc: engine processes are not reaped after a kill -9")
         return None
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), str(os.getpid())],
         stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
         start_new_session=True,
     )
+    assert proc.stdout is not None
+    with proc.stdout:
+        ready, _, _ = select.select([proc.stdout], [], [], ready_s)
+        if not ready or not proc.stdout.readline():
+            log.warning(
+                "the engine processes' watcher (pid %d) did not start within %.0f s: an engine "
+                "started before its first look is not reaped after a kill -9",
+                proc.pid,
+                ready_s,
+            )
+    return proc
 
 
 def stop_reaper(proc: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> None:
@@ -111,7 +138,7 @@ def stop_reaper(proc: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> 
 
 def main() -> int:
     owner = int(sys.argv[1])
-    killed = watch(owner, sys.stdin.buffer)
+    killed = watch(owner, sys.stdin.buffer, looked=sys.stdout.buffer)
     if killed:
         print(
             f"prefixq reaper: killed {len(killed)} process(es) left by pid {owner}", file=sys.stderr
