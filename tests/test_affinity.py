@@ -304,9 +304,9 @@ def test_prefix_map_stays_under_its_bound_after_100k_distinct_prefixes(
 def test_reuse_burst_cache_hits_near_perfect_placement_and_above_random(
     engines: Any,
 ) -> None:
-    """16 documents x 4 questions on 2 CPU shards (real vLLM engines): affinity serves at least
+    """12 documents x 4 questions on 2 CPU shards (real vLLM engines): affinity serves at least
     95% of the cached prompt tokens that perfect per-document placement gets, well above random.
-    Each placement runs on its own 16 documents, so no run warms the cache for another."""
+    Each placement runs on its own 12 documents, so no run warms the cache for another."""
     s = engines.settings
 
     class PerDocument:
@@ -320,7 +320,7 @@ def test_reuse_burst_cache_hits_near_perfect_placement_and_above_random(
 
     ratio: dict[str, float] = {}
     for run, placement in enumerate(("perfect", "affinity", "random")):
-        ds = docs(16, 1500, skip=16 * run)
+        ds = docs(12, 1500, skip=12 * run)
         reqs, doc_of = [], []
         for d, doc in enumerate(ds):
             for qi in range(4):
