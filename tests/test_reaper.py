@@ -7,7 +7,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -51,35 +50,44 @@ def test_descendants_of_a_process_tree() -> None:
         child.wait()
 
 
-def test_kill_9_of_the_owner_kills_its_children(tmp_path: Path) -> None:
-    """Given a process that started the reaper and then a child (as a worker starts its engine
-    core), when the process is killed with SIGKILL, then the child dies within a few seconds
-    instead of living on re-parented."""
+#: a process that starts the reaper, then a child (as a worker starts its engine core), prints
+#: both pids and sleeps
+OWNER = """
+import subprocess, time
+from prefixq.engine.reaper import start_reaper
+reaper = start_reaper()
+child = subprocess.Popen(["sleep", "300"])
+print(reaper.pid, child.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def kill_owner_after(tmp_path: Path, delay: float, *path: Path) -> tuple[int, int]:
+    """Start `OWNER` (``path`` ahead of the package on its PYTHONPATH), kill it -9 ``delay`` s
+    after its child started; (the reaper's pid, the child's pid)."""
     script = tmp_path / "owner.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import subprocess, sys, time
-            from prefixq.engine.reaper import start_reaper
-            reaper = start_reaper()
-            child = subprocess.Popen(["sleep", "300"])
-            print(reaper.pid, child.pid, flush=True)
-            time.sleep(300)
-            """
-        )
-    )
+    script.write_text(OWNER)
+    pythonpath = os.pathsep.join(str(p) for p in (*path, SRC))
     owner = subprocess.Popen(
         [sys.executable, str(script)],
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(SRC)},
+        env={**os.environ, "PYTHONPATH": pythonpath},
     )
     assert owner.stdout is not None
     with owner.stdout:
         reaper_pid, child_pid = map(int, owner.stdout.readline().split())
-    time.sleep(2.0)  # the reaper looks at the tree once a second
+    time.sleep(delay)
     owner.send_signal(signal.SIGKILL)
     owner.wait(10)
+    return reaper_pid, child_pid
+
+
+def test_kill_9_of_the_owner_kills_its_children(tmp_path: Path) -> None:
+    """Given a process that started the reaper and then a child (as a worker starts its engine
+    core), when the process is killed with SIGKILL, then the child dies within a few seconds
+    instead of living on re-parented."""
+    reaper_pid, child_pid = kill_owner_after(tmp_path, 2.0)  # it looks once a second
     assert psutil.pid_exists(child_pid), "the child died with its parent anyway: nothing tested"
     LEDGER.fault("kill -9 of a process whose child must not outlive it")
     assert gone([child_pid, reaper_pid], 10), "the child outlived its killed parent"
@@ -95,31 +103,8 @@ def test_a_child_started_while_the_watcher_starts_slowly_is_reaped(tmp_path: Pat
     (slow / "sitecustomize.py").write_text(
         "import sys, time\nif sys.argv[0].endswith('reaper.py'):\n    time.sleep(3)\n"
     )
-    script = tmp_path / "owner.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import subprocess, time
-            from prefixq.engine.reaper import start_reaper
-            reaper = start_reaper()
-            child = subprocess.Popen(["sleep", "300"])
-            print(reaper.pid, child.pid, flush=True)
-            time.sleep(300)
-            """
-        )
-    )
-    owner = subprocess.Popen(
-        [sys.executable, str(script)],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": f"{slow}{os.pathsep}{SRC}"},
-    )
-    assert owner.stdout is not None
-    with owner.stdout:
-        reaper_pid, child_pid = map(int, owner.stdout.readline().split())
-    time.sleep(1.5)  # the watcher's next look is a second after its first
-    owner.send_signal(signal.SIGKILL)
-    owner.wait(10)
+    # the watcher's next look is a second after its first
+    reaper_pid, child_pid = kill_owner_after(tmp_path, 1.5, slow)
     LEDGER.fault("kill -9 of a process whose watcher started slowly")
     assert gone([child_pid, reaper_pid], 10), "the child outlived its killed parent"
 
